@@ -1,0 +1,419 @@
+//! The frame codec shared by the runtime wire and the control wire.
+//!
+//! On the socket a frame is a 4-byte big-endian length `N` followed by `N` bytes of one protobuf
+//! envelope (`Envelope` on the runtime wire, `ControlEnvelope` on the control wire):
+//!
+//! ```text
+//! +----------------+---------------------------+
+//! | N: u32 BE      | N bytes: envelope message |
+//! +----------------+---------------------------+
+//! ```
+//!
+//! - `N` above the configured maximum ([`DEFAULT_MAX_FRAME_LEN`] unless set) is rejected from
+//!   the four header bytes alone ([`FrameError::TooLarge`]); nothing of the declared size is
+//!   reserved. Valid frames are not pre-reserved either: a peer that declares a large frame
+//!   and trickles it only costs the bytes it actually sent.
+//! - "Need more bytes" ([`Decoded::Incomplete`] / `Ok(None)`) is kept apart from "invalid"
+//!   (`Err`), in the shape of linkerd's `parse_sni`.
+//! - `N = 0` is a frame whose envelope is empty, which is invalid
+//!   ([`InvalidMessage::EmptyEnvelope`]).
+//!
+//! With the `tokio-codec` feature, [`TokioCodec`] implements tokio-util's `Decoder` and
+//! `Encoder` on top of the same functions, for the async crates.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::error::{FrameError, InvalidMessage};
+
+/// Bytes of the length prefix.
+pub const LENGTH_PREFIX_LEN: usize = 4;
+
+/// Default maximum envelope size: 8 MiB. Large enough for a chat request with inline images,
+/// small enough that a connection cannot pin much memory. Configure with
+/// [`FrameCodec::with_max_frame_len`].
+pub const DEFAULT_MAX_FRAME_LEN: usize = 8 * 1024 * 1024;
+
+/// A message type that travels as one framed envelope.
+pub trait WireFrame: Sized {
+    /// Decodes and validates one envelope from exactly `payload`.
+    fn decode_envelope(payload: Bytes) -> Result<Self, InvalidMessage>;
+    /// Appends the envelope encoding to `buf` and returns its length.
+    fn encode_envelope(&self, buf: &mut BytesMut) -> usize;
+}
+
+/// Outcome of decoding from a byte slice.
+#[derive(Debug, PartialEq)]
+pub enum Decoded<F> {
+    /// A whole frame: the message and how many bytes it took (prefix included).
+    Frame {
+        /// The decoded message.
+        frame: F,
+        /// Bytes consumed, prefix included.
+        consumed: usize,
+    },
+    /// Not enough bytes yet; at least `needed` more are required.
+    Incomplete {
+        /// Minimum additional bytes before a frame can be decoded.
+        needed: usize,
+    },
+}
+
+/// Length-prefix framing with a hard size limit. Cheap to copy; holds no buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameCodec {
+    max_frame_len: usize,
+}
+
+impl Default for FrameCodec {
+    fn default() -> Self {
+        Self {
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+        }
+    }
+}
+
+impl FrameCodec {
+    /// A codec with the default limit.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A codec accepting envelopes of at most `max_frame_len` bytes (capped at `u32::MAX`).
+    pub fn with_max_frame_len(max_frame_len: usize) -> Self {
+        Self {
+            max_frame_len: max_frame_len.min(u32::MAX as usize),
+        }
+    }
+
+    /// The configured maximum envelope size.
+    pub fn max_frame_len(&self) -> usize {
+        self.max_frame_len
+    }
+
+    /// Reads the prefix: `Ok(None)` when fewer than four bytes are present, otherwise the
+    /// envelope length, checked against the limit.
+    pub fn peek_len(&self, buf: &[u8]) -> Result<Option<usize>, FrameError> {
+        let Some(prefix) = buf.get(..LENGTH_PREFIX_LEN) else {
+            return Ok(None);
+        };
+        let declared = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]);
+        let len = declared as usize;
+        if len > self.max_frame_len {
+            return Err(FrameError::TooLarge {
+                declared: u64::from(declared),
+                max: self.max_frame_len,
+            });
+        }
+        Ok(Some(len))
+    }
+
+    /// Decodes one frame from the front of `buf` without consuming it.
+    ///
+    /// The payload is copied once into a `Bytes`; use [`FrameCodec::decode`] on a `BytesMut`
+    /// to avoid the copy.
+    pub fn decode_slice<F: WireFrame>(&self, buf: &[u8]) -> Result<Decoded<F>, FrameError> {
+        let Some(len) = self.peek_len(buf)? else {
+            return Ok(Decoded::Incomplete {
+                needed: LENGTH_PREFIX_LEN - buf.len(),
+            });
+        };
+        let total = LENGTH_PREFIX_LEN + len;
+        let Some(payload) = buf.get(LENGTH_PREFIX_LEN..total) else {
+            return Ok(Decoded::Incomplete {
+                needed: total - buf.len(),
+            });
+        };
+        let frame = F::decode_envelope(Bytes::copy_from_slice(payload))?;
+        Ok(Decoded::Frame {
+            frame,
+            consumed: total,
+        })
+    }
+
+    /// Decodes one frame from the front of `buf`, consuming it; `Ok(None)` when more bytes
+    /// are needed (nothing consumed).
+    ///
+    /// An invalid envelope is consumed before the error is returned, so the caller may log and
+    /// go on; an over-size prefix consumes nothing (the stream cannot be resynchronised).
+    pub fn decode<F: WireFrame>(&self, buf: &mut BytesMut) -> Result<Option<F>, FrameError> {
+        let Some(len) = self.peek_len(buf)? else {
+            return Ok(None);
+        };
+        if buf.len() < LENGTH_PREFIX_LEN + len {
+            return Ok(None);
+        }
+        buf.advance(LENGTH_PREFIX_LEN);
+        let payload = buf.split_to(len).freeze();
+        Ok(Some(F::decode_envelope(payload)?))
+    }
+
+    /// Appends one frame (prefix + envelope) to `dst`. Fails, leaving `dst` as it was, when the
+    /// envelope is larger than the limit.
+    pub fn encode<F: WireFrame>(&self, frame: &F, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let start = dst.len();
+        dst.put_u32(0);
+        let len = frame.encode_envelope(dst);
+        if len > self.max_frame_len {
+            dst.truncate(start);
+            return Err(FrameError::OutgoingTooLarge {
+                len,
+                max: self.max_frame_len,
+            });
+        }
+        // `len <= max_frame_len <= u32::MAX`.
+        let prefix = u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes();
+        dst[start..start + LENGTH_PREFIX_LEN].copy_from_slice(&prefix);
+        Ok(())
+    }
+
+    /// Encodes one frame into a fresh buffer.
+    pub fn encode_to_bytes<F: WireFrame>(&self, frame: &F) -> Result<Bytes, FrameError> {
+        let mut buf = BytesMut::new();
+        self.encode(frame, &mut buf)?;
+        Ok(buf.freeze())
+    }
+}
+
+// === impl WireFrame ===
+
+impl WireFrame for crate::runtime::RuntimeFrame {
+    fn decode_envelope(payload: Bytes) -> Result<Self, InvalidMessage> {
+        use prost::Message as _;
+        crate::proto::runtime::Envelope::decode(payload)?.try_into()
+    }
+
+    fn encode_envelope(&self, buf: &mut BytesMut) -> usize {
+        use prost::Message as _;
+        let env = self.to_proto();
+        let len = env.encoded_len();
+        buf.reserve(len);
+        env.encode_raw(buf);
+        len
+    }
+}
+
+impl WireFrame for crate::control::ControlFrame {
+    fn decode_envelope(payload: Bytes) -> Result<Self, InvalidMessage> {
+        use prost::Message as _;
+        crate::proto::control::ControlEnvelope::decode(payload)?.try_into()
+    }
+
+    fn encode_envelope(&self, buf: &mut BytesMut) -> usize {
+        use prost::Message as _;
+        let env = self.to_proto();
+        let len = env.encoded_len();
+        buf.reserve(len);
+        env.encode_raw(buf);
+        len
+    }
+}
+
+#[cfg(feature = "tokio-codec")]
+pub use self::tokio_codec::{CodecError, TokioCodec};
+
+#[cfg(feature = "tokio-codec")]
+mod tokio_codec {
+    use std::marker::PhantomData;
+
+    use bytes::BytesMut;
+
+    use super::{FrameCodec, WireFrame};
+    use crate::error::FrameError;
+
+    /// tokio-util `Decoder`/`Encoder` for frames of type `F` (e.g.
+    /// [`RuntimeFrame`](crate::runtime::RuntimeFrame)), over [`FrameCodec`].
+    #[derive(Debug)]
+    pub struct TokioCodec<F> {
+        codec: FrameCodec,
+        _frame: PhantomData<fn() -> F>,
+    }
+
+    impl<F> TokioCodec<F> {
+        /// Wraps `codec`.
+        pub fn new(codec: FrameCodec) -> Self {
+            Self {
+                codec,
+                _frame: PhantomData,
+            }
+        }
+    }
+
+    impl<F> Default for TokioCodec<F> {
+        fn default() -> Self {
+            Self::new(FrameCodec::default())
+        }
+    }
+
+    /// Error of the tokio codec: the socket, or the frame.
+    #[derive(Debug, thiserror::Error)]
+    #[non_exhaustive]
+    pub enum CodecError {
+        /// The underlying I/O failed.
+        #[error("i/o: {0}")]
+        Io(#[from] std::io::Error),
+        /// The bytes were not a valid frame.
+        #[error(transparent)]
+        Frame(#[from] FrameError),
+    }
+
+    impl<F: WireFrame> tokio_util::codec::Decoder for TokioCodec<F> {
+        type Item = F;
+        type Error = CodecError;
+
+        fn decode(&mut self, src: &mut BytesMut) -> Result<Option<F>, CodecError> {
+            Ok(self.codec.decode(src)?)
+        }
+    }
+
+    impl<F: WireFrame> tokio_util::codec::Encoder<F> for TokioCodec<F> {
+        type Error = CodecError;
+
+        fn encode(&mut self, item: F, dst: &mut BytesMut) -> Result<(), CodecError> {
+            Ok(self.codec.encode(&item, dst)?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::{RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload};
+
+    fn body_frame(body_len: usize) -> RuntimeFrame {
+        RuntimeFrame::on_stream(
+            7,
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 1,
+                payload: TunnelPayload::Body(Bytes::from(vec![b'x'; body_len])),
+                metadata: Default::default(),
+            }),
+        )
+    }
+
+    #[test]
+    fn round_trip_and_incomplete() {
+        let codec = FrameCodec::new();
+        let frame = body_frame(10);
+        let bytes = codec.encode_to_bytes(&frame).unwrap();
+        for cut in 0..bytes.len() {
+            match codec.decode_slice::<RuntimeFrame>(&bytes[..cut]).unwrap() {
+                Decoded::Incomplete { needed } => {
+                    assert!(needed > 0 && cut + needed <= bytes.len())
+                }
+                Decoded::Frame { .. } => {
+                    panic!("decoded a frame from {cut} of {} bytes", bytes.len())
+                }
+            }
+        }
+        let Decoded::Frame {
+            frame: back,
+            consumed,
+        } = codec.decode_slice::<RuntimeFrame>(&bytes).unwrap()
+        else {
+            panic!("expected a frame")
+        };
+        assert_eq!(consumed, bytes.len());
+        assert_eq!(back, frame);
+        let mut buf = BytesMut::from(&bytes[..]);
+        buf.extend_from_slice(&bytes);
+        assert_eq!(
+            codec.decode::<RuntimeFrame>(&mut buf).unwrap(),
+            Some(frame.clone())
+        );
+        assert_eq!(codec.decode::<RuntimeFrame>(&mut buf).unwrap(), Some(frame));
+        assert!(buf.is_empty());
+        assert_eq!(codec.decode::<RuntimeFrame>(&mut buf).unwrap(), None);
+    }
+
+    /// The envelope length of `body_frame(n)`.
+    fn envelope_len(n: usize) -> usize {
+        FrameCodec::new()
+            .encode_to_bytes(&body_frame(n))
+            .unwrap()
+            .len()
+            - LENGTH_PREFIX_LEN
+    }
+
+    #[test]
+    fn size_limit_boundaries_on_decode() {
+        let limit = 1024;
+        // Find a body length whose envelope is exactly `limit` bytes.
+        let n = (0..limit)
+            .find(|&n| envelope_len(n) == limit)
+            .expect("some n hits the limit");
+        let big = FrameCodec::with_max_frame_len(limit + 1024);
+        let codec = FrameCodec::with_max_frame_len(limit);
+        for (body, ok) in [(n - 1, true), (n, true), (n + 1, false)] {
+            let bytes = big.encode_to_bytes(&body_frame(body)).unwrap();
+            let res = codec.decode_slice::<RuntimeFrame>(&bytes);
+            if ok {
+                assert!(
+                    matches!(res, Ok(Decoded::Frame { .. })),
+                    "len {}",
+                    bytes.len() - 4
+                );
+            } else {
+                assert_eq!(
+                    res.unwrap_err(),
+                    FrameError::TooLarge {
+                        declared: (limit + 1) as u64,
+                        max: limit
+                    }
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn size_limit_boundaries_on_encode() {
+        let limit = 1024;
+        let n = (0..limit).find(|&n| envelope_len(n) == limit).unwrap();
+        let codec = FrameCodec::with_max_frame_len(limit);
+        let mut buf = BytesMut::from(&b"keep"[..]);
+        assert!(codec.encode(&body_frame(n - 1), &mut buf).is_ok());
+        assert!(codec.encode(&body_frame(n), &mut buf).is_ok());
+        let before = buf.clone();
+        assert_eq!(
+            codec.encode(&body_frame(n + 1), &mut buf),
+            Err(FrameError::OutgoingTooLarge {
+                len: limit + 1,
+                max: limit
+            })
+        );
+        assert_eq!(buf, before, "a refused encode leaves the buffer untouched");
+    }
+
+    #[test]
+    fn oversize_is_rejected_from_the_header_alone() {
+        let codec = FrameCodec::with_max_frame_len(16);
+        // Only the prefix, declaring 4 GiB - 1: rejected without waiting for (or reserving) it.
+        let mut buf = BytesMut::from(&u32::MAX.to_be_bytes()[..]);
+        let cap = buf.capacity();
+        assert!(matches!(
+            codec.decode::<RuntimeFrame>(&mut buf),
+            Err(FrameError::TooLarge { declared, .. }) if declared == u64::from(u32::MAX)
+        ));
+        assert_eq!(buf.capacity(), cap);
+        assert_eq!(buf.len(), 4, "nothing consumed");
+    }
+
+    #[test]
+    fn empty_and_garbage_envelopes_are_invalid_not_incomplete() {
+        let codec = FrameCodec::new();
+        let empty = 0u32.to_be_bytes();
+        assert_eq!(
+            codec.decode_slice::<RuntimeFrame>(&empty).unwrap_err(),
+            FrameError::Invalid(InvalidMessage::EmptyEnvelope)
+        );
+        let mut garbage = 3u32.to_be_bytes().to_vec();
+        garbage.extend_from_slice(&[0xff, 0xff, 0xff]);
+        assert!(matches!(
+            codec.decode_slice::<RuntimeFrame>(&garbage).unwrap_err(),
+            FrameError::Invalid(InvalidMessage::Protobuf(_))
+        ));
+        // An invalid frame is consumed so the caller can go on.
+        let mut buf = BytesMut::from(&garbage[..]);
+        assert!(codec.decode::<RuntimeFrame>(&mut buf).is_err());
+        assert!(buf.is_empty());
+    }
+}

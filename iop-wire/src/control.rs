@@ -1,0 +1,774 @@
+//! Domain types of the Control Plane ⇄ Edge wire (`proto/control.proto`).
+//!
+//! The Edge dials out to the Control Plane and speaks [`ControlFrame`]s over the same
+//! [`codec`](crate::codec) as the runtime wire. Nothing here can name a Node address, token or
+//! transport internal: the snapshot types have no such fields. `ScheduleRequest` /
+//! `ScheduleResponse` are reserved in the proto and have no domain type.
+
+use std::collections::BTreeMap;
+
+use crate::error::InvalidMessage;
+use crate::proto::control as pb;
+use crate::runtime::{CredentialLease, CredentialLeaseBinding, ProviderSnapshot};
+use crate::validate;
+
+/// One frame of the control wire.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ControlFrame {
+    /// Request/response pairing; zero when unused.
+    pub correlation_id: u64,
+    /// The message.
+    pub message: ControlMessage,
+}
+
+/// Every message of the control wire.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum ControlMessage {
+    /// Edge → CP, first frame.
+    EdgeHelloRequest(EdgeHelloRequest),
+    /// CP → Edge.
+    EdgeHelloResponse(EdgeHelloResponse),
+    /// CP → Edge.
+    EdgeStatusRequest,
+    /// Edge → CP.
+    EdgeStatusResponse(EdgeStatusResponse),
+    /// CP → Edge.
+    EdgeCommandRequest(EdgeCommandRequest),
+    /// Edge → CP.
+    EdgeCommandResponse(EdgeCommandResponse),
+    /// Edge → CP.
+    EdgeCommandEvent(EdgeCommandEvent),
+    /// Edge → CP.
+    EdgeNodeEvent(EdgeNodeEvent),
+    /// CP → Edge (managed mode).
+    PrincipalProjectionApplyRequest(PrincipalProjection),
+    /// Edge → CP.
+    PrincipalProjectionApplyResponse(PrincipalProjectionApplyResponse),
+    /// Edge → CP (managed mode).
+    AcquireLeaseRequest(AcquireLeaseRequest),
+    /// CP → Edge.
+    AcquireLeaseResponse(AcquireLeaseResponse),
+    /// Liveness probe.
+    Ping,
+    /// Answer to ping.
+    Pong,
+}
+
+impl ControlFrame {
+    /// A frame without correlation.
+    pub fn new(message: ControlMessage) -> Self {
+        Self {
+            correlation_id: 0,
+            message,
+        }
+    }
+
+    /// A frame paired by `correlation_id`.
+    pub fn correlated(correlation_id: u64, message: ControlMessage) -> Self {
+        Self {
+            correlation_id,
+            message,
+        }
+    }
+
+    pub(crate) fn to_proto(&self) -> pb::ControlEnvelope {
+        use pb::control_envelope::Message as M;
+        let message = match &self.message {
+            ControlMessage::EdgeHelloRequest(m) => M::EdgeHelloRequest(pb::EdgeHelloRequest {
+                edge_id: m.edge_id.clone(),
+                version: m.version.clone(),
+                managed: m.managed,
+                metadata: m.metadata.clone(),
+            }),
+            ControlMessage::EdgeHelloResponse(m) => M::EdgeHelloResponse(m.to_proto()),
+            ControlMessage::EdgeStatusRequest => M::EdgeStatusRequest(pb::EdgeStatusRequest {}),
+            ControlMessage::EdgeStatusResponse(m) => M::EdgeStatusResponse(m.to_proto()),
+            ControlMessage::EdgeCommandRequest(m) => {
+                M::EdgeCommandRequest(pb::EdgeCommandRequest {
+                    command_id: m.command_id.clone(),
+                    operation: m.operation.clone(),
+                    target_selector: m.target_selector.clone(),
+                    args: m.args.clone(),
+                    metadata: m.metadata.clone(),
+                })
+            }
+            ControlMessage::EdgeCommandResponse(m) => {
+                M::EdgeCommandResponse(pb::EdgeCommandResponse {
+                    command_id: m.command_id.clone(),
+                    ok: m.ok,
+                    error: m.error.clone(),
+                    result: m.result.clone(),
+                })
+            }
+            ControlMessage::EdgeCommandEvent(m) => M::EdgeCommandEvent(pb::EdgeCommandEvent {
+                command_id: m.command_id.clone(),
+                phase: m.phase.clone(),
+                message: m.message.clone(),
+                metadata: m.metadata.clone(),
+            }),
+            ControlMessage::EdgeNodeEvent(m) => M::EdgeNodeEvent(pb::EdgeNodeEvent {
+                event_type: m.kind.as_str().to_owned(),
+                node_id: m.node_id.clone(),
+                edge_id: m.edge_id.clone(),
+                occurred_at_unix_ms: m.occurred_at_unix_ms,
+                metadata: m.metadata.clone(),
+            }),
+            ControlMessage::PrincipalProjectionApplyRequest(p) => {
+                M::PrincipalProjectionApplyRequest(pb::PrincipalProjectionApplyRequest {
+                    projection: Some(p.to_proto()),
+                })
+            }
+            ControlMessage::PrincipalProjectionApplyResponse(m) => {
+                M::PrincipalProjectionApplyResponse(pb::PrincipalProjectionApplyResponse {
+                    accepted: m.accepted,
+                    generation: m.generation,
+                    reason: m.reason.clone(),
+                })
+            }
+            ControlMessage::AcquireLeaseRequest(m) => {
+                M::AcquireLeaseRequest(pb::AcquireLeaseRequest {
+                    binding: Some(m.binding.to_proto()),
+                    recipient_public_key: bytes::Bytes::copy_from_slice(&m.recipient_public_key),
+                })
+            }
+            ControlMessage::AcquireLeaseResponse(m) => M::AcquireLeaseResponse(match m {
+                AcquireLeaseResponse::Granted(lease) => pb::AcquireLeaseResponse {
+                    granted: true,
+                    reason: String::new(),
+                    lease: Some(lease.to_proto()),
+                },
+                AcquireLeaseResponse::Refused { reason } => pb::AcquireLeaseResponse {
+                    granted: false,
+                    reason: reason.clone(),
+                    lease: None,
+                },
+            }),
+            ControlMessage::Ping => M::Ping(crate::proto::runtime::Ping {}),
+            ControlMessage::Pong => M::Pong(crate::proto::runtime::Pong {}),
+        };
+        pb::ControlEnvelope {
+            correlation_id: self.correlation_id,
+            message: Some(message),
+        }
+    }
+}
+
+impl TryFrom<pb::ControlEnvelope> for ControlFrame {
+    type Error = InvalidMessage;
+
+    fn try_from(env: pb::ControlEnvelope) -> Result<Self, Self::Error> {
+        use pb::control_envelope::Message as M;
+        let message = match env.message.ok_or(InvalidMessage::EmptyEnvelope)? {
+            M::EdgeHelloRequest(m) => {
+                validate::id("edge_id", &m.edge_id)?;
+                validate::text("version", &m.version)?;
+                metadata("metadata", &m.metadata)?;
+                ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
+                    edge_id: m.edge_id,
+                    version: m.version,
+                    managed: m.managed,
+                    metadata: m.metadata,
+                })
+            }
+            M::EdgeHelloResponse(m) => ControlMessage::EdgeHelloResponse(m.try_into()?),
+            M::EdgeStatusRequest(_) => ControlMessage::EdgeStatusRequest,
+            M::EdgeStatusResponse(m) => ControlMessage::EdgeStatusResponse(m.try_into()?),
+            M::EdgeCommandRequest(m) => {
+                validate::id("command_id", &m.command_id)?;
+                validate::id("operation", &m.operation)?;
+                validate::text("target_selector", &m.target_selector)?;
+                metadata("args", &m.args)?;
+                metadata("metadata", &m.metadata)?;
+                ControlMessage::EdgeCommandRequest(EdgeCommandRequest {
+                    command_id: m.command_id,
+                    operation: m.operation,
+                    target_selector: m.target_selector,
+                    args: m.args,
+                    metadata: m.metadata,
+                })
+            }
+            M::EdgeCommandResponse(m) => {
+                validate::id("command_id", &m.command_id)?;
+                validate::text("error", &m.error)?;
+                metadata("result", &m.result)?;
+                ControlMessage::EdgeCommandResponse(EdgeCommandResponse {
+                    command_id: m.command_id,
+                    ok: m.ok,
+                    error: m.error,
+                    result: m.result,
+                })
+            }
+            M::EdgeCommandEvent(m) => {
+                validate::id("command_id", &m.command_id)?;
+                validate::id("phase", &m.phase)?;
+                validate::text("message", &m.message)?;
+                metadata("metadata", &m.metadata)?;
+                ControlMessage::EdgeCommandEvent(EdgeCommandEvent {
+                    command_id: m.command_id,
+                    phase: m.phase,
+                    message: m.message,
+                    metadata: m.metadata,
+                })
+            }
+            M::EdgeNodeEvent(m) => {
+                let kind =
+                    NodeEventKind::parse(&m.event_type).ok_or(InvalidMessage::InvalidValue {
+                        field: "event_type",
+                        rule: "node.connected or node.disconnected",
+                    })?;
+                validate::node_id("node_id", &m.node_id)?;
+                validate::id("edge_id", &m.edge_id)?;
+                metadata("metadata", &m.metadata)?;
+                ControlMessage::EdgeNodeEvent(EdgeNodeEvent {
+                    kind,
+                    node_id: m.node_id,
+                    edge_id: m.edge_id,
+                    occurred_at_unix_ms: m.occurred_at_unix_ms,
+                    metadata: m.metadata,
+                })
+            }
+            M::PrincipalProjectionApplyRequest(m) => {
+                ControlMessage::PrincipalProjectionApplyRequest(
+                    m.projection
+                        .ok_or(InvalidMessage::MissingField("projection"))?
+                        .try_into()?,
+                )
+            }
+            M::PrincipalProjectionApplyResponse(m) => {
+                validate::text("reason", &m.reason)?;
+                ControlMessage::PrincipalProjectionApplyResponse(PrincipalProjectionApplyResponse {
+                    accepted: m.accepted,
+                    generation: m.generation,
+                    reason: m.reason,
+                })
+            }
+            M::AcquireLeaseRequest(m) => {
+                let recipient_public_key = <[u8; 32]>::try_from(&m.recipient_public_key[..])
+                    .map_err(|_| InvalidMessage::InvalidValue {
+                        field: "recipient_public_key",
+                        rule: "must be 32 bytes",
+                    })?;
+                ControlMessage::AcquireLeaseRequest(AcquireLeaseRequest {
+                    binding: m
+                        .binding
+                        .ok_or(InvalidMessage::MissingField("binding"))?
+                        .try_into()?,
+                    recipient_public_key,
+                })
+            }
+            M::AcquireLeaseResponse(m) => {
+                validate::text("reason", &m.reason)?;
+                ControlMessage::AcquireLeaseResponse(if m.granted {
+                    AcquireLeaseResponse::Granted(
+                        m.lease
+                            .ok_or(InvalidMessage::MissingField("lease"))?
+                            .try_into()?,
+                    )
+                } else {
+                    // A refusal never carries lease material; drop any that was sent.
+                    AcquireLeaseResponse::Refused { reason: m.reason }
+                })
+            }
+            M::Ping(_) => ControlMessage::Ping,
+            M::Pong(_) => ControlMessage::Pong,
+        };
+        Ok(Self {
+            correlation_id: env.correlation_id,
+            message,
+        })
+    }
+}
+
+fn metadata(field: &'static str, m: &BTreeMap<String, String>) -> Result<(), InvalidMessage> {
+    if m.len() > crate::runtime::MAX_METADATA_ENTRIES {
+        return Err(InvalidMessage::TooLong(field));
+    }
+    for (k, v) in m {
+        validate::id(field, k)?;
+        validate::text(field, v)?;
+    }
+    Ok(())
+}
+
+// === Hello ===
+
+/// Edge → Control Plane: enrol this Edge connection.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeHelloRequest {
+    /// Edge identity (non-empty; equals the certificate name in managed mode).
+    pub edge_id: String,
+    /// Edge software version.
+    pub version: String,
+    /// `credential_plane.enabled`.
+    pub managed: bool,
+    /// Identity/operational helper information only.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Control Plane → Edge: hello accepted or refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EdgeHelloResponse {
+    /// Accepted.
+    Accepted {
+        /// The current projection (managed mode); a managed Edge rejects `None`.
+        projection: Option<PrincipalProjection>,
+        /// Heartbeat interval; `None` = receiver default.
+        heartbeat_interval_ms: Option<u32>,
+    },
+    /// Refused.
+    Rejected {
+        /// Stable reason.
+        reason: String,
+    },
+}
+
+impl EdgeHelloResponse {
+    fn to_proto(&self) -> pb::EdgeHelloResponse {
+        match self {
+            Self::Accepted {
+                projection,
+                heartbeat_interval_ms,
+            } => pb::EdgeHelloResponse {
+                accepted: true,
+                reason: String::new(),
+                projection: projection.as_ref().map(PrincipalProjection::to_proto),
+                heartbeat_interval_ms: heartbeat_interval_ms.unwrap_or(0),
+            },
+            Self::Rejected { reason } => pb::EdgeHelloResponse {
+                accepted: false,
+                reason: reason.clone(),
+                ..Default::default()
+            },
+        }
+    }
+}
+
+impl TryFrom<pb::EdgeHelloResponse> for EdgeHelloResponse {
+    type Error = InvalidMessage;
+
+    fn try_from(m: pb::EdgeHelloResponse) -> Result<Self, Self::Error> {
+        validate::text("reason", &m.reason)?;
+        if !m.accepted {
+            return Ok(Self::Rejected { reason: m.reason });
+        }
+        Ok(Self::Accepted {
+            projection: m
+                .projection
+                .map(PrincipalProjection::try_from)
+                .transpose()?,
+            heartbeat_interval_ms: (m.heartbeat_interval_ms != 0)
+                .then_some(m.heartbeat_interval_ms),
+        })
+    }
+}
+
+// === Status ===
+
+/// Edge → Control Plane: the Edge-owned Node snapshot view.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeStatusResponse {
+    /// The Edge.
+    pub edge_id: String,
+    /// Every configured or connected Node.
+    pub nodes: Vec<EdgeNodeSnapshot>,
+}
+
+/// Most Nodes one status answer may list.
+pub const MAX_STATUS_NODES: usize = 65_536;
+
+impl EdgeStatusResponse {
+    fn to_proto(&self) -> pb::EdgeStatusResponse {
+        pb::EdgeStatusResponse {
+            edge_id: self.edge_id.clone(),
+            nodes: self
+                .nodes
+                .iter()
+                .map(|n| pb::EdgeNodeSnapshot {
+                    node_id: n.node_id.clone(),
+                    connected: n.connected,
+                    config: Some(pb::EdgeNodeConfigSummary {
+                        revision: n.config.revision,
+                        adapter_names: n.config.adapters.iter().map(|a| a.0.clone()).collect(),
+                        adapter_types: n.config.adapters.iter().map(|a| a.1.clone()).collect(),
+                    }),
+                    provider_snapshots: n
+                        .provider_snapshots
+                        .iter()
+                        .map(ProviderSnapshot::to_proto)
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
+    type Error = InvalidMessage;
+
+    fn try_from(m: pb::EdgeStatusResponse) -> Result<Self, Self::Error> {
+        validate::id("edge_id", &m.edge_id)?;
+        if m.nodes.len() > MAX_STATUS_NODES {
+            return Err(InvalidMessage::TooLong("nodes"));
+        }
+        let nodes = m
+            .nodes
+            .into_iter()
+            .map(|n| {
+                validate::node_id("nodes.node_id", &n.node_id)?;
+                let c = n.config.unwrap_or_default();
+                if c.adapter_names.len() != c.adapter_types.len() {
+                    return Err(InvalidMessage::InvalidValue {
+                        field: "nodes.config",
+                        rule: "adapter_names and adapter_types have the same length",
+                    });
+                }
+                for (name, ty) in c.adapter_names.iter().zip(&c.adapter_types) {
+                    validate::optional_id("nodes.config.adapter_names", name)?;
+                    validate::id("nodes.config.adapter_types", ty)?;
+                }
+                Ok(EdgeNodeSnapshot {
+                    node_id: n.node_id,
+                    connected: n.connected,
+                    config: EdgeNodeConfigSummary {
+                        revision: c.revision,
+                        adapters: c.adapter_names.into_iter().zip(c.adapter_types).collect(),
+                    },
+                    provider_snapshots: n
+                        .provider_snapshots
+                        .into_iter()
+                        .map(ProviderSnapshot::try_from)
+                        .collect::<Result<_, _>>()?,
+                })
+            })
+            .collect::<Result<_, InvalidMessage>>()?;
+        Ok(Self {
+            edge_id: m.edge_id,
+            nodes,
+        })
+    }
+}
+
+/// One Node in the Edge's status view.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeNodeSnapshot {
+    /// Node id.
+    pub node_id: String,
+    /// Current dispatch-ready ownership.
+    pub connected: bool,
+    /// Config summary.
+    pub config: EdgeNodeConfigSummary,
+    /// Provider snapshots (offline figures when not connected).
+    pub provider_snapshots: Vec<ProviderSnapshot>,
+}
+
+/// Observational config summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeNodeConfigSummary {
+    /// Config revision.
+    pub revision: u64,
+    /// `(instance name, adapter type)` pairs.
+    pub adapters: Vec<(String, String)>,
+}
+
+// === Commands and events ===
+
+/// Control Plane → Edge: an Edge-owned operation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeCommandRequest {
+    /// Command id (events and the response echo it).
+    pub command_id: String,
+    /// Edge-owned operation name.
+    pub operation: String,
+    /// Selector the operation interprets.
+    pub target_selector: String,
+    /// Arguments.
+    pub args: BTreeMap<String, String>,
+    /// Metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Edge → Control Plane: a command's final result.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeCommandResponse {
+    /// Command id.
+    pub command_id: String,
+    /// Success.
+    pub ok: bool,
+    /// Stable error text.
+    pub error: String,
+    /// Result.
+    pub result: BTreeMap<String, String>,
+}
+
+/// Edge → Control Plane: a command phase.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeCommandEvent {
+    /// Command id.
+    pub command_id: String,
+    /// Phase name.
+    pub phase: String,
+    /// Message.
+    pub message: String,
+    /// Metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Kind of a Node lifecycle event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NodeEventKind {
+    /// The Node's first ready transition on a connection generation.
+    Connected,
+    /// The ready owner's generation was fenced (close or heartbeat timeout).
+    Disconnected,
+}
+
+impl NodeEventKind {
+    /// Wire value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connected => "node.connected",
+            Self::Disconnected => "node.disconnected",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        [Self::Connected, Self::Disconnected]
+            .into_iter()
+            .find(|k| k.as_str() == s)
+    }
+}
+
+/// Edge → Control Plane: a relayed Node lifecycle event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EdgeNodeEvent {
+    /// Kind.
+    pub kind: NodeEventKind,
+    /// Node.
+    pub node_id: String,
+    /// Edge.
+    pub edge_id: String,
+    /// When, Unix milliseconds.
+    pub occurred_at_unix_ms: i64,
+    /// Metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+// === Projection ===
+
+/// Secret-free projection of principals, token verifiers and routes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrincipalProjection {
+    /// Strictly increasing durable mutation generation.
+    pub generation: u64,
+    /// Principals.
+    pub principals: Vec<ProjectedPrincipal>,
+    /// Token verifiers.
+    pub tokens: Vec<ProjectedToken>,
+    /// Routes.
+    pub routes: Vec<ProjectedRoute>,
+}
+
+/// Most entries of each list in one projection.
+pub const MAX_PROJECTION_ENTRIES: usize = 1 << 20;
+
+/// A projected principal.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProjectedPrincipal {
+    /// Id.
+    pub principal_id: String,
+    /// Display name.
+    pub display_name: String,
+    /// Enabled.
+    pub enabled: bool,
+}
+
+/// A projected token verifier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProjectedToken {
+    /// Token id.
+    pub token_id: String,
+    /// Owning principal.
+    pub principal_id: String,
+    /// SHA-256 of the raw token.
+    pub sha256_digest: [u8; 32],
+}
+
+/// A projected route.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProjectedRoute {
+    /// Route id.
+    pub route_id: String,
+    /// Principal.
+    pub principal_id: String,
+    /// External model name.
+    pub model: String,
+    /// Credential slot.
+    pub slot_id: String,
+    /// Protocol profile.
+    pub profile: String,
+    /// Upstream target.
+    pub upstream_target: String,
+    /// Provider selector.
+    pub selector: String,
+    /// Route revision.
+    pub route_revision: u64,
+    /// Credential revision.
+    pub credential_revision: u64,
+}
+
+impl PrincipalProjection {
+    fn to_proto(&self) -> pb::PrincipalProjection {
+        pb::PrincipalProjection {
+            generation: self.generation,
+            principals: self
+                .principals
+                .iter()
+                .map(|p| pb::ProjectedPrincipal {
+                    principal_id: p.principal_id.clone(),
+                    display_name: p.display_name.clone(),
+                    enabled: p.enabled,
+                })
+                .collect(),
+            tokens: self
+                .tokens
+                .iter()
+                .map(|t| pb::ProjectedToken {
+                    token_id: t.token_id.clone(),
+                    principal_id: t.principal_id.clone(),
+                    sha256_digest: bytes::Bytes::copy_from_slice(&t.sha256_digest),
+                })
+                .collect(),
+            routes: self
+                .routes
+                .iter()
+                .map(|r| pb::ProjectedRoute {
+                    route_id: r.route_id.clone(),
+                    principal_id: r.principal_id.clone(),
+                    model: r.model.clone(),
+                    slot_id: r.slot_id.clone(),
+                    profile: r.profile.clone(),
+                    upstream_target: r.upstream_target.clone(),
+                    selector: r.selector.clone(),
+                    route_revision: r.route_revision,
+                    credential_revision: r.credential_revision,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl TryFrom<pb::PrincipalProjection> for PrincipalProjection {
+    type Error = InvalidMessage;
+
+    fn try_from(m: pb::PrincipalProjection) -> Result<Self, Self::Error> {
+        if m.generation == 0 {
+            return Err(InvalidMessage::InvalidValue {
+                field: "projection.generation",
+                rule: "starts at 1",
+            });
+        }
+        if m.principals.len() > MAX_PROJECTION_ENTRIES
+            || m.tokens.len() > MAX_PROJECTION_ENTRIES
+            || m.routes.len() > MAX_PROJECTION_ENTRIES
+        {
+            return Err(InvalidMessage::TooLong("projection"));
+        }
+        let principals = m
+            .principals
+            .into_iter()
+            .map(|p| {
+                validate::id("projection.principals.principal_id", &p.principal_id)?;
+                validate::text("projection.principals.display_name", &p.display_name)?;
+                Ok(ProjectedPrincipal {
+                    principal_id: p.principal_id,
+                    display_name: p.display_name,
+                    enabled: p.enabled,
+                })
+            })
+            .collect::<Result<_, InvalidMessage>>()?;
+        let tokens = m
+            .tokens
+            .into_iter()
+            .map(|t| {
+                validate::id("projection.tokens.token_id", &t.token_id)?;
+                validate::id("projection.tokens.principal_id", &t.principal_id)?;
+                let sha256_digest = <[u8; 32]>::try_from(&t.sha256_digest[..]).map_err(|_| {
+                    InvalidMessage::InvalidValue {
+                        field: "projection.tokens.sha256_digest",
+                        rule: "32 bytes",
+                    }
+                })?;
+                Ok(ProjectedToken {
+                    token_id: t.token_id,
+                    principal_id: t.principal_id,
+                    sha256_digest,
+                })
+            })
+            .collect::<Result<_, InvalidMessage>>()?;
+        let routes = m
+            .routes
+            .into_iter()
+            .map(|r| {
+                validate::id("projection.routes.route_id", &r.route_id)?;
+                validate::id("projection.routes.principal_id", &r.principal_id)?;
+                validate::target("projection.routes.model", &r.model)?;
+                validate::id("projection.routes.slot_id", &r.slot_id)?;
+                validate::id("projection.routes.profile", &r.profile)?;
+                validate::target("projection.routes.upstream_target", &r.upstream_target)?;
+                validate::optional_target("projection.routes.selector", &r.selector)?;
+                Ok(ProjectedRoute {
+                    route_id: r.route_id,
+                    principal_id: r.principal_id,
+                    model: r.model,
+                    slot_id: r.slot_id,
+                    profile: r.profile,
+                    upstream_target: r.upstream_target,
+                    selector: r.selector,
+                    route_revision: r.route_revision,
+                    credential_revision: r.credential_revision,
+                })
+            })
+            .collect::<Result<_, InvalidMessage>>()?;
+        Ok(Self {
+            generation: m.generation,
+            principals,
+            tokens,
+            routes,
+        })
+    }
+}
+
+/// Edge → Control Plane: answer to a projection apply.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrincipalProjectionApplyResponse {
+    /// Accepted (strictly higher generation, valid).
+    pub accepted: bool,
+    /// Generation the Edge now holds.
+    pub generation: u64,
+    /// Stable reason when refused.
+    pub reason: String,
+}
+
+// === Leases ===
+
+/// Edge → Control Plane: acquire a lease for one dispatch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AcquireLeaseRequest {
+    /// Exact dispatch scope.
+    pub binding: CredentialLeaseBinding,
+    /// Selected Node's X25519 public key.
+    pub recipient_public_key: [u8; 32],
+}
+
+/// Control Plane → Edge: a lease, or a refusal without any credential material.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AcquireLeaseResponse {
+    /// Granted.
+    Granted(CredentialLease),
+    /// Refused.
+    Refused {
+        /// Stable reason.
+        reason: String,
+    },
+}

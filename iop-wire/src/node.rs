@@ -1,0 +1,401 @@
+//! The Node side of one runtime-wire connection, as a sans-io state machine.
+//!
+//! ```text
+//!  new() ──RegisterRequest──▶ Registering ──RegisterResponse(accepted)──▶ Configuring
+//!                                 │ rejected                                 │ NodeEvent::ApplyConfig
+//!                                 ▼                                          │ caller applies config,
+//!                              Closed                                        │ starts adapters, installs
+//!                                 ▲                                          ▼ handlers: config_applied()
+//!                                 │ ready=false / timeout / violation   AwaitingReady ──NodeReadyRequest──▶
+//!                                 └──────────────────────────────────── NodeReadyResponse(ready) ──▶ Ready
+//! ```
+//!
+//! Nothing is dispatched before the ready ack: until [`NodeEvent::Ready`] the session accepts
+//! only `RegisterResponse`, `NodeReadyResponse`, `Ping` and `Pong`, and [`NodeSession::send`]
+//! refuses application frames. A `ready=false` answer closes the session with its reason.
+//!
+//! # Driving it
+//!
+//! Like quinn-proto's `Connection`, the session never reads a clock or touches a socket:
+//!
+//! 1. feed every received frame to [`NodeSession::handle_frame`], and call
+//!    [`NodeSession::handle_timeout`] when the instant from [`NodeSession::poll_timeout`] passes;
+//! 2. after each call, drain [`NodeSession::poll_transmit`] into the socket, then
+//!    [`NodeSession::poll_event`] until both return `None`;
+//! 3. re-arm one timer from [`NodeSession::poll_timeout`].
+//!
+//! When [`NodeEvent::Closed`] comes out, close the socket; the reason's
+//! [`CloseReason::is_retryable`] tells the supervisor what to do next.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::health::HealthObservationSeq;
+use crate::liveness::{HeartbeatConfig, Liveness};
+use crate::runtime::{
+    NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
+    RuntimeFrame, RuntimeMessage,
+};
+
+/// Node session settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeSessionConfig {
+    /// Heartbeat used until the Edge names one in `RegisterResponse`.
+    pub heartbeat: HeartbeatConfig,
+    /// How long registration plus readiness may take before the session gives up.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for NodeSessionConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat: HeartbeatConfig::default(),
+            handshake_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Where the handshake stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeState {
+    /// `RegisterRequest` sent; waiting for the answer.
+    Registering,
+    /// Registration accepted; the caller is applying the config.
+    Configuring,
+    /// `NodeReadyRequest` sent; waiting for the ack.
+    AwaitingReady,
+    /// Dispatch-ready.
+    Ready,
+    /// Closed; see the [`NodeEvent::Closed`] reason.
+    Closed,
+}
+
+/// What the session tells its driver.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum NodeEvent {
+    /// Apply this configuration, start adapters and install handlers, then call
+    /// [`NodeSession::config_applied`] (or [`NodeSession::config_failed`]).
+    ApplyConfig {
+        /// The Node identity the Edge confirmed.
+        node_id: String,
+        /// The configuration.
+        config: NodeConfigPayload,
+    },
+    /// The Edge acknowledged ready: dispatch may flow.
+    Ready,
+    /// An application frame from the Edge (run, tunnel, cancel, command, config refresh).
+    /// Only ever emitted after [`NodeEvent::Ready`].
+    Frame(RuntimeFrame),
+    /// The session is over; close the socket. Emitted exactly once.
+    Closed(CloseReason),
+}
+
+/// Why a session ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CloseReason {
+    /// The Edge refused the registration.
+    RegistrationRejected {
+        /// The Edge's reason.
+        reason: String,
+    },
+    /// The Edge answered ready with `ready=false` (stale, superseded or rejected).
+    NotReady {
+        /// The Edge's reason.
+        reason: String,
+    },
+    /// The caller could not apply the config.
+    ConfigFailed {
+        /// Stable reason.
+        reason: String,
+    },
+    /// Register + ready did not finish within the handshake timeout.
+    HandshakeTimeout,
+    /// Nothing was received within the idle timeout.
+    HeartbeatTimeout,
+    /// The Edge sent something the protocol does not allow here.
+    ProtocolViolation(&'static str),
+    /// The transport closed underneath.
+    TransportClosed,
+    /// The caller closed the session (local shutdown).
+    Local,
+}
+
+impl CloseReason {
+    /// Whether reconnecting may help. Only a local close is not retryable: local config and
+    /// credential errors happen before a session exists and are classified by the supervisor.
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, Self::Local)
+    }
+}
+
+/// A call the session's current state does not allow (API misuse by the caller).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeSessionError {
+    /// An application frame was sent before the ready ack (or after close).
+    #[error("session is not dispatch-ready")]
+    NotReady,
+    /// `config_applied`/`config_failed` outside the configuring state.
+    #[error("no configuration is being applied")]
+    NotConfiguring,
+    /// The frame is one the Node never sends (an Edge → Node message or a handshake message).
+    #[error("this message is not sent by a Node")]
+    WrongDirection,
+}
+
+/// The Node side of one connection.
+#[derive(Debug)]
+pub struct NodeSession {
+    state: NodeState,
+    node_id: String,
+    liveness: Liveness,
+    handshake_deadline: Option<Instant>,
+    next_correlation: u64,
+    health_seq: HealthObservationSeq,
+    transmits: VecDeque<RuntimeFrame>,
+    events: VecDeque<NodeEvent>,
+}
+
+impl NodeSession {
+    /// Starts a session on a freshly connected transport: queues `register`.
+    pub fn new(config: NodeSessionConfig, register: RegisterRequest, now: Instant) -> Self {
+        let node_id = register.node_id.clone();
+        let mut session = Self {
+            state: NodeState::Registering,
+            node_id,
+            liveness: Liveness::new(config.heartbeat, now),
+            handshake_deadline: now.checked_add(config.handshake_timeout),
+            next_correlation: 1,
+            health_seq: HealthObservationSeq::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+        };
+        session.transmit(
+            now,
+            RuntimeFrame::new(RuntimeMessage::RegisterRequest(register)),
+        );
+        session
+    }
+
+    // === getters ===
+
+    /// The handshake state.
+    pub fn state(&self) -> NodeState {
+        self.state
+    }
+
+    /// The Node id this session registers as.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// Whether application frames may flow.
+    pub fn is_ready(&self) -> bool {
+        self.state == NodeState::Ready
+    }
+
+    // === input ===
+
+    /// Handles one frame received from the Edge.
+    pub fn handle_frame(&mut self, now: Instant, frame: RuntimeFrame) {
+        if self.state == NodeState::Closed {
+            return;
+        }
+        self.liveness.on_received(now);
+        match (self.state, frame.message) {
+            (_, RuntimeMessage::Ping) => {
+                self.transmit(
+                    now,
+                    RuntimeFrame::correlated(frame.correlation_id, RuntimeMessage::Pong),
+                );
+            }
+            (_, RuntimeMessage::Pong) => {}
+            (NodeState::Registering, RuntimeMessage::RegisterResponse(resp)) => match resp {
+                RegisterResponse::Accepted {
+                    node_id,
+                    config,
+                    heartbeat_interval,
+                } => {
+                    if node_id != self.node_id {
+                        self.close(CloseReason::ProtocolViolation(
+                            "register response names another node",
+                        ));
+                        return;
+                    }
+                    if let Some(interval) = heartbeat_interval {
+                        self.liveness
+                            .set_config(HeartbeatConfig::from_interval(interval));
+                    }
+                    self.state = NodeState::Configuring;
+                    self.events
+                        .push_back(NodeEvent::ApplyConfig { node_id, config });
+                }
+                RegisterResponse::Rejected { reason } => {
+                    self.close(CloseReason::RegistrationRejected { reason });
+                }
+            },
+            (NodeState::AwaitingReady, RuntimeMessage::NodeReadyResponse(resp)) => match resp {
+                NodeReadyResponse::Ready => {
+                    self.state = NodeState::Ready;
+                    self.handshake_deadline = None;
+                    self.events.push_back(NodeEvent::Ready);
+                }
+                NodeReadyResponse::NotReady { reason } => {
+                    self.close(CloseReason::NotReady { reason });
+                }
+            },
+            (
+                NodeState::Ready,
+                message @ (RuntimeMessage::RunRequest(_)
+                | RuntimeMessage::ProviderTunnelRequest(_)
+                | RuntimeMessage::CancelRequest(_)
+                | RuntimeMessage::NodeCommandRequest(_)
+                | RuntimeMessage::NodeConfigRefreshRequest(_)),
+            ) => {
+                self.events
+                    .push_back(NodeEvent::Frame(RuntimeFrame { message, ..frame }));
+            }
+            (NodeState::Ready, _) => {
+                self.close(CloseReason::ProtocolViolation(
+                    "unexpected message on a ready session",
+                ));
+            }
+            _ => self.close(CloseReason::ProtocolViolation(
+                "message before the ready ack",
+            )),
+        }
+    }
+
+    /// Handles the expiry of the instant returned by [`NodeSession::poll_timeout`].
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state == NodeState::Closed {
+            return;
+        }
+        if self.handshake_deadline.is_some_and(|d| now >= d) {
+            self.close(CloseReason::HandshakeTimeout);
+            return;
+        }
+        if self.liveness.idle_expired(now) {
+            self.close(CloseReason::HeartbeatTimeout);
+            return;
+        }
+        if self.liveness.ping_due(now) {
+            let id = self.correlation_id();
+            self.transmit(now, RuntimeFrame::correlated(id, RuntimeMessage::Ping));
+        }
+    }
+
+    /// The transport closed underneath the session.
+    pub fn handle_transport_closed(&mut self) {
+        self.close(CloseReason::TransportClosed);
+    }
+
+    // === commands ===
+
+    /// The caller applied the config, started adapters and installed handlers: send ready.
+    pub fn config_applied(&mut self, now: Instant) -> Result<(), NodeSessionError> {
+        if self.state != NodeState::Configuring {
+            return Err(NodeSessionError::NotConfiguring);
+        }
+        self.state = NodeState::AwaitingReady;
+        let ready = NodeReadyRequest {
+            node_id: self.node_id.clone(),
+        };
+        self.transmit(
+            now,
+            RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(ready)),
+        );
+        Ok(())
+    }
+
+    /// The caller could not apply the config: close the session.
+    pub fn config_failed(&mut self, reason: impl Into<String>) -> Result<(), NodeSessionError> {
+        if self.state != NodeState::Configuring {
+            return Err(NodeSessionError::NotConfiguring);
+        }
+        self.close(CloseReason::ConfigFailed {
+            reason: reason.into(),
+        });
+        Ok(())
+    }
+
+    /// Queues an application frame (run event, tunnel frame, command or refresh response).
+    pub fn send(&mut self, now: Instant, frame: RuntimeFrame) -> Result<(), NodeSessionError> {
+        if self.state != NodeState::Ready {
+            return Err(NodeSessionError::NotReady);
+        }
+        match frame.message {
+            RuntimeMessage::RunEvent(_)
+            | RuntimeMessage::ProviderTunnelFrame(_)
+            | RuntimeMessage::NodeCommandResponse(_)
+            | RuntimeMessage::NodeConfigRefreshResponse(_) => {
+                self.transmit(now, frame);
+                Ok(())
+            }
+            _ => Err(NodeSessionError::WrongDirection),
+        }
+    }
+
+    /// Closes the session locally (shutdown).
+    pub fn close_local(&mut self) {
+        self.close(CloseReason::Local);
+    }
+
+    /// The next connection-scoped `health_observation_seq` (1, 2, 3, … shared by normalized and
+    /// tunnel observations), or `None` on an unbound (not ready) session, which omits it.
+    pub fn next_health_observation_seq(&mut self) -> Option<u64> {
+        (self.state == NodeState::Ready).then(|| self.health_seq.next())
+    }
+
+    // === output ===
+
+    /// The next frame to write to the socket.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<RuntimeFrame> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event for the driver.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<NodeEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`NodeSession::handle_timeout`] must next be called; `None` once closed.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state == NodeState::Closed {
+            return None;
+        }
+        let mut t = self.liveness.ping_at().min(self.liveness.idle_deadline());
+        if let Some(d) = self.handshake_deadline {
+            t = t.min(d);
+        }
+        Some(t)
+    }
+
+    // === internals ===
+
+    fn transmit(&mut self, now: Instant, frame: RuntimeFrame) {
+        self.liveness.on_sent(now);
+        self.transmits.push_back(frame);
+    }
+
+    fn correlation_id(&mut self) -> u64 {
+        let id = self.next_correlation;
+        self.next_correlation = self.next_correlation.wrapping_add(1).max(1);
+        id
+    }
+
+    fn close(&mut self, reason: CloseReason) {
+        if self.state == NodeState::Closed {
+            return;
+        }
+        self.state = NodeState::Closed;
+        self.handshake_deadline = None;
+        self.transmits.clear();
+        self.events.push_back(NodeEvent::Closed(reason));
+    }
+}
