@@ -236,16 +236,17 @@ impl NodeSession {
                     self.close(CloseReason::RegistrationRejected { reason });
                 }
             },
-            (NodeState::AwaitingReady, RuntimeMessage::NodeReadyResponse(resp)) => match resp {
-                NodeReadyResponse::Ready => {
-                    self.state = NodeState::Ready;
-                    self.handshake_deadline = None;
-                    self.events.push_back(NodeEvent::Ready);
-                }
-                NodeReadyResponse::NotReady { reason } => {
-                    self.close(CloseReason::NotReady { reason });
-                }
-            },
+            (NodeState::AwaitingReady, RuntimeMessage::NodeReadyResponse(NodeReadyResponse::Ready)) => {
+                self.state = NodeState::Ready;
+                self.handshake_deadline = None;
+                self.events.push_back(NodeEvent::Ready);
+            }
+            // The ack of a duplicate ready: nothing changes.
+            (NodeState::Ready, RuntimeMessage::NodeReadyResponse(NodeReadyResponse::Ready)) => {}
+            // Stale, superseded or rejected, in whatever state the Edge noticed it.
+            (_, RuntimeMessage::NodeReadyResponse(NodeReadyResponse::NotReady { reason })) => {
+                self.close(CloseReason::NotReady { reason });
+            }
             (
                 NodeState::Ready,
                 message @ (RuntimeMessage::RunRequest(_)
