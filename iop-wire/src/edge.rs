@@ -88,6 +88,10 @@ pub enum FenceCause {
 /// What the registry tells its driver.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "events are moved once through a queue; boxing would allocate per frame"
+)]
 pub enum RegistryEvent {
     /// A registration was accepted: `node_id` is claimed as *pending* on `conn`. Not
     /// dispatch-ready; no connected availability or event follows from this.

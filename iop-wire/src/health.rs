@@ -28,13 +28,13 @@ impl HealthObservationSeq {
 
     /// Takes the next value. Saturates at `u64::MAX` (2^64 observations never happen on one
     /// connection, but a wrap to 0 would break the ordering guarantee, so it is ruled out).
-    pub fn next(&mut self) -> u64 {
+    pub fn next_seq(&mut self) -> u64 {
         let v = self.next;
         self.next = self.next.saturating_add(1);
         v
     }
 
-    /// The value the next call to [`HealthObservationSeq::next`] returns.
+    /// The value the next call to [`HealthObservationSeq::next_seq`] returns.
     pub fn peek(&self) -> u64 {
         self.next
     }
@@ -48,7 +48,7 @@ mod tests {
     fn starts_at_one_and_increases() {
         let mut s = HealthObservationSeq::new();
         assert_eq!(s.peek(), 1);
-        let v: Vec<u64> = (0..5).map(|_| s.next()).collect();
+        let v: Vec<u64> = (0..5).map(|_| s.next_seq()).collect();
         assert_eq!(v, [1, 2, 3, 4, 5]);
     }
 }

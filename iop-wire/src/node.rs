@@ -73,6 +73,10 @@ pub enum NodeState {
 /// What the session tells its driver.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "events are moved once through a queue; boxing would allocate per frame"
+)]
 pub enum NodeEvent {
     /// Apply this configuration, start adapters and install handlers, then call
     /// [`NodeSession::config_applied`] (or [`NodeSession::config_failed`]).
@@ -236,7 +240,10 @@ impl NodeSession {
                     self.close(CloseReason::RegistrationRejected { reason });
                 }
             },
-            (NodeState::AwaitingReady, RuntimeMessage::NodeReadyResponse(NodeReadyResponse::Ready)) => {
+            (
+                NodeState::AwaitingReady,
+                RuntimeMessage::NodeReadyResponse(NodeReadyResponse::Ready),
+            ) => {
                 self.state = NodeState::Ready;
                 self.handshake_deadline = None;
                 self.events.push_back(NodeEvent::Ready);
@@ -347,7 +354,7 @@ impl NodeSession {
     /// The next connection-scoped `health_observation_seq` (1, 2, 3, … shared by normalized and
     /// tunnel observations), or `None` on an unbound (not ready) session, which omits it.
     pub fn next_health_observation_seq(&mut self) -> Option<u64> {
-        (self.state == NodeState::Ready).then(|| self.health_seq.next())
+        (self.state == NodeState::Ready).then(|| self.health_seq.next_seq())
     }
 
     // === output ===

@@ -243,12 +243,12 @@ impl Supervisor {
         if failure == Failure::Fatal {
             return self.finish(Exit::Fatal);
         }
-        if let AttemptLimit::Finite(max) = self.policy.max_attempts {
-            if self.attempts >= max {
-                return self.finish(Exit::Exhausted {
-                    attempts: self.attempts,
-                });
-            }
+        if let AttemptLimit::Finite(max) = self.policy.max_attempts
+            && self.attempts >= max
+        {
+            return self.finish(Exit::Exhausted {
+                attempts: self.attempts,
+            });
         }
         let wait = self.policy.backoff(random);
         self.state = State::Waiting(now.checked_add(wait).unwrap_or(now));
@@ -263,14 +263,14 @@ impl Supervisor {
 
     /// Handles the expiry of [`Supervisor::poll_timeout`].
     pub fn handle_timeout(&mut self, now: Instant) {
-        if let State::Waiting(at) = self.state {
-            if now >= at {
-                self.attempts = self.attempts.saturating_add(1);
-                self.state = State::Running;
-                self.action = Some(Action::Dial {
-                    attempt: self.attempts,
-                });
-            }
+        if let State::Waiting(at) = self.state
+            && now >= at
+        {
+            self.attempts = self.attempts.saturating_add(1);
+            self.state = State::Running;
+            self.action = Some(Action::Dial {
+                attempt: self.attempts,
+            });
         }
     }
 

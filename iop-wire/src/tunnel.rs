@@ -200,13 +200,13 @@ impl TunnelSequencer {
 }
 
 fn check(state: &mut StreamState, frame: &TunnelFrame) -> Result<(), Violation> {
-    if let Some(previous) = state.last_sequence {
-        if frame.sequence <= previous {
-            return Err(Violation::SequenceNotIncreasing {
-                previous,
-                got: frame.sequence,
-            });
-        }
+    if let Some(previous) = state.last_sequence
+        && frame.sequence <= previous
+    {
+        return Err(Violation::SequenceNotIncreasing {
+            previous,
+            got: frame.sequence,
+        });
     }
     match frame.payload {
         TunnelPayload::ResponseStart { .. } if state.any_frame => {

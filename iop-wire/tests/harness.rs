@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use iop_wire::HeartbeatConfig;
 use iop_wire::codec::FrameCodec;
-use iop_wire::edge::{ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason};
+use iop_wire::edge::{
+    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
+};
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession, NodeSessionConfig, NodeState};
 use iop_wire::reconnect::{Action, Exit, Failure, ReconnectPolicy, Supervisor};
 use iop_wire::runtime::{
@@ -51,7 +53,13 @@ impl Harness {
             default_node_config: None,
         });
         for n in ["node-1", "node-2"] {
-            edge.set_node_config(n, Some(NodeConfigPayload { revision: 7, ..Default::default() }));
+            edge.set_node_config(
+                n,
+                Some(NodeConfigPayload {
+                    revision: 7,
+                    ..Default::default()
+                }),
+            );
         }
         Self {
             now: Instant::now(),
@@ -67,7 +75,10 @@ impl Harness {
     /// session starts. Returns the link index.
     fn connect(&mut self, node_id: &str, peer: Option<&str>, auto_apply: bool) -> usize {
         let conn = self.edge.accept(self.now, peer.map(str::to_owned));
-        let register = RegisterRequest { node_id: node_id.to_owned(), ..Default::default() };
+        let register = RegisterRequest {
+            node_id: node_id.to_owned(),
+            ..Default::default()
+        };
         let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
         self.links.push(Link {
             conn,
@@ -89,7 +100,11 @@ impl Harness {
     fn wire(&self, frame: &RuntimeFrame) -> RuntimeFrame {
         let mut buf = BytesMut::new();
         self.codec.encode(frame, &mut buf).expect("encodes");
-        let back = self.codec.decode(&mut buf).expect("decodes").expect("whole frame");
+        let back = self
+            .codec
+            .decode(&mut buf)
+            .expect("decodes")
+            .expect("whole frame");
         assert!(buf.is_empty());
         back
     }
@@ -126,7 +141,10 @@ impl Harness {
                     moved = true;
                     match &event {
                         NodeEvent::ApplyConfig { .. } if self.links[i].auto_apply => {
-                            self.links[i].node.config_applied(self.now).expect("configuring");
+                            self.links[i]
+                                .node
+                                .config_applied(self.now)
+                                .expect("configuring");
                         }
                         NodeEvent::Closed(_) if !self.links[i].down => {
                             self.links[i].down = true;
@@ -264,10 +282,17 @@ fn happy_path_register_config_ready_dispatch() {
     h.settle();
     assert!(matches!(
         h.links[i].node_events.last(),
-        Some(NodeEvent::Frame(RuntimeFrame { stream_id: 1, message: RuntimeMessage::RunRequest(_), .. }))
+        Some(NodeEvent::Frame(RuntimeFrame {
+            stream_id: 1,
+            message: RuntimeMessage::RunRequest(_),
+            ..
+        }))
     ));
     // The Node answers; the Edge tags it with the transport reception identity.
-    let ev = RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(RunEvent::new(RunEventKind::Complete)));
+    let ev = RuntimeFrame::on_stream(
+        1,
+        RuntimeMessage::RunEvent(RunEvent::new(RunEventKind::Complete)),
+    );
     h.links[i].node.send(h.now, ev).unwrap();
     h.settle();
     assert!(matches!(
@@ -283,17 +308,41 @@ fn nothing_is_dispatched_or_accepted_before_ready() {
     assert_eq!(h.links[i].node.state(), NodeState::Configuring);
     let (_, generation) = h.edge.pending_generation("node-1").unwrap();
     // The Edge refuses to send to a pending owner...
-    assert!(h.edge.send(h.now, "node-1", generation, RuntimeFrame::on_stream(1, run_request())).is_err());
+    assert!(
+        h.edge
+            .send(
+                h.now,
+                "node-1",
+                generation,
+                RuntimeFrame::on_stream(1, run_request())
+            )
+            .is_err()
+    );
     // ...the Node refuses to send application frames before its ack...
-    let ev = RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(RunEvent::new(RunEventKind::Start)));
+    let ev = RuntimeFrame::on_stream(
+        1,
+        RuntimeMessage::RunEvent(RunEvent::new(RunEventKind::Start)),
+    );
     assert!(h.links[i].node.send(h.now, ev).is_err());
     // ...and an application frame from a pending connection is a protocol violation that
     // closes it without any lifecycle event.
     h.take_edge_events();
-    h.inject_frame(i, RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(RunEvent::new(RunEventKind::Start))));
+    h.inject_frame(
+        i,
+        RuntimeFrame::on_stream(
+            1,
+            RuntimeMessage::RunEvent(RunEvent::new(RunEventKind::Start)),
+        ),
+    );
     let events = h.take_edge_events();
     assert_eq!(count(&events, is_ready_event) + count(&events, is_fence), 0);
-    assert!(events.iter().any(|e| matches!(e, RegistryEvent::CloseConnection { cause: FenceCause::ProtocolViolation, .. })));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        RegistryEvent::CloseConnection {
+            cause: FenceCause::ProtocolViolation,
+            ..
+        }
+    )));
     assert!(h.edge.pending_generation("node-1").is_none());
 }
 
@@ -304,18 +353,40 @@ fn second_node_id_on_one_connection_is_rejected_without_touching_the_first() {
     let before = h.edge.ready_generation("node-1").unwrap();
     h.take_edge_events();
 
-    h.inject(i, RuntimeMessage::RegisterRequest(RegisterRequest { node_id: "node-2".into(), ..Default::default() }));
+    h.inject(
+        i,
+        RuntimeMessage::RegisterRequest(RegisterRequest {
+            node_id: "node-2".into(),
+            ..Default::default()
+        }),
+    );
 
-    assert_eq!(h.edge.ready_generation("node-1"), Some(before), "binding and generation unchanged");
-    assert!(h.edge.ready_generation("node-2").is_none() && h.edge.pending_generation("node-2").is_none());
-    assert!(h.take_edge_events().is_empty(), "no lifecycle event for a rejected registration");
+    assert_eq!(
+        h.edge.ready_generation("node-1"),
+        Some(before),
+        "binding and generation unchanged"
+    );
+    assert!(
+        h.edge.ready_generation("node-2").is_none()
+            && h.edge.pending_generation("node-2").is_none()
+    );
+    assert!(
+        h.take_edge_events().is_empty(),
+        "no lifecycle event for a rejected registration"
+    );
     let last = h.links[i].received_by_node.last().unwrap();
     assert!(matches!(
         &last.message,
         RuntimeMessage::RegisterResponse(RegisterResponse::Rejected { reason: r }) if r == reason::CONNECTION_OWNS_ANOTHER_NODE
     ));
     // The same Node id again is also refused, and also changes nothing.
-    h.inject(i, RuntimeMessage::RegisterRequest(RegisterRequest { node_id: "node-1".into(), ..Default::default() }));
+    h.inject(
+        i,
+        RuntimeMessage::RegisterRequest(RegisterRequest {
+            node_id: "node-1".into(),
+            ..Default::default()
+        }),
+    );
     assert_eq!(h.edge.ready_generation("node-1"), Some(before));
     assert!(h.take_edge_events().is_empty());
 }
@@ -356,7 +427,13 @@ fn stale_ready_after_supersede_is_refused_and_changes_nothing() {
     // A late ready from the stale connection (raced past the close) changes nothing.
     let stale_conn = h.links[old].conn;
     h.take_edge_events();
-    h.edge.handle_frame(h.now, stale_conn, RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest { node_id: "node-1".into() })));
+    h.edge.handle_frame(
+        h.now,
+        stale_conn,
+        RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest {
+            node_id: "node-1".into(),
+        })),
+    );
     h.edge.handle_close(stale_conn);
     h.settle();
     assert!(h.take_edge_events().is_empty());
@@ -365,7 +442,9 @@ fn stale_ready_after_supersede_is_refused_and_changes_nothing() {
     h.links[new].node.config_applied(h.now).unwrap();
     h.settle();
     let events = h.take_edge_events();
-    assert!(matches!(&events[..], [RegistryEvent::NodeReady { generation, .. }] if *generation == g2));
+    assert!(
+        matches!(&events[..], [RegistryEvent::NodeReady { generation, .. }] if *generation == g2)
+    );
 }
 
 #[test]
@@ -385,11 +464,31 @@ fn supersede_of_a_ready_owner_fences_it_exactly_once() {
         fences[..],
         [RegistryEvent::NodeFenced { generation, cause: FenceCause::Superseded, .. }] if *generation == g1
     ));
-    assert!(matches!(&events[..], [.., RegistryEvent::NodeReady { generation, .. }] if *generation == g2));
+    assert!(
+        matches!(&events[..], [.., RegistryEvent::NodeReady { generation, .. }] if *generation == g2)
+    );
     assert!(h.links[new].node.is_ready());
     // Sending on the old generation is refused (generation fencing at dispatch).
-    assert!(h.edge.send(h.now, "node-1", g1, RuntimeFrame::on_stream(1, run_request())).is_err());
-    assert!(h.edge.send(h.now, "node-1", g2, RuntimeFrame::on_stream(1, run_request())).is_ok());
+    assert!(
+        h.edge
+            .send(
+                h.now,
+                "node-1",
+                g1,
+                RuntimeFrame::on_stream(1, run_request())
+            )
+            .is_err()
+    );
+    assert!(
+        h.edge
+            .send(
+                h.now,
+                "node-1",
+                g2,
+                RuntimeFrame::on_stream(1, run_request())
+            )
+            .is_ok()
+    );
 }
 
 #[test]
@@ -397,7 +496,12 @@ fn duplicate_ready_is_acked_without_a_second_event() {
     let mut h = Harness::new();
     let i = h.connect("node-1", None, true);
     h.take_edge_events();
-    h.inject(i, RuntimeMessage::NodeReadyRequest(NodeReadyRequest { node_id: "node-1".into() }));
+    h.inject(
+        i,
+        RuntimeMessage::NodeReadyRequest(NodeReadyRequest {
+            node_id: "node-1".into(),
+        }),
+    );
     assert!(h.take_edge_events().is_empty());
     assert!(matches!(
         h.links[i].received_by_node.last().map(|f| &f.message),
@@ -406,7 +510,10 @@ fn duplicate_ready_is_acked_without_a_second_event() {
     // A Node session that receives the duplicate ack stays ready.
     let ack = h.links[i].received_by_node.last().unwrap().clone();
     h.links[i].node.handle_frame(h.now, ack);
-    assert!(h.links[i].node.is_ready(), "the duplicate ack does not disturb the Node");
+    assert!(
+        h.links[i].node.is_ready(),
+        "the duplicate ack does not disturb the Node"
+    );
     assert_eq!(h.links[i].node.poll_event(), None);
 }
 
@@ -415,15 +522,35 @@ fn ready_for_another_node_id_or_unregistered_is_refused_and_closed() {
     let mut h = Harness::new();
     let i = h.connect("node-1", None, false);
     h.take_edge_events();
-    h.inject(i, RuntimeMessage::NodeReadyRequest(NodeReadyRequest { node_id: "node-2".into() }));
+    h.inject(
+        i,
+        RuntimeMessage::NodeReadyRequest(NodeReadyRequest {
+            node_id: "node-2".into(),
+        }),
+    );
     let events = h.take_edge_events();
     assert_eq!(count(&events, is_ready_event), 0);
-    assert!(events.iter().any(|e| matches!(e, RegistryEvent::CloseConnection { cause: FenceCause::Rejected, .. })));
-    assert!(h.edge.pending_generation("node-1").is_none(), "the pending claim ended with its connection");
+    assert!(events.iter().any(|e| matches!(
+        e,
+        RegistryEvent::CloseConnection {
+            cause: FenceCause::Rejected,
+            ..
+        }
+    )));
+    assert!(
+        h.edge.pending_generation("node-1").is_none(),
+        "the pending claim ended with its connection"
+    );
 
     // Ready on a connection that never registered.
     let conn = h.edge.accept(h.now, None);
-    h.edge.handle_frame(h.now, conn, RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest { node_id: "node-1".into() })));
+    h.edge.handle_frame(
+        h.now,
+        conn,
+        RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest {
+            node_id: "node-1".into(),
+        })),
+    );
     let (c, frame) = h.edge.poll_transmit().unwrap();
     assert_eq!(c, conn);
     assert!(matches!(
@@ -441,7 +568,8 @@ fn disconnect_of_the_ready_owner_fences_exactly_once() {
     let conn = h.links[i].conn;
     h.edge.handle_close(conn);
     h.edge.handle_close(conn);
-    h.edge.handle_frame(h.now, conn, RuntimeFrame::new(RuntimeMessage::Ping));
+    h.edge
+        .handle_frame(h.now, conn, RuntimeFrame::new(RuntimeMessage::Ping));
     h.settle();
     let events = h.take_edge_events();
     assert!(matches!(
@@ -479,7 +607,10 @@ fn heartbeat_timeout_fences_after_the_idle_timeout_in_virtual_time() {
     let silent_for = fenced_at - silent_since;
     // Idle timeout is 3 × 10 s after the last frame received (at most one interval before
     // the Node went silent).
-    assert!(silent_for >= Duration::from_secs(20) && silent_for <= Duration::from_secs(30), "{silent_for:?}");
+    assert!(
+        silent_for >= Duration::from_secs(20) && silent_for <= Duration::from_secs(30),
+        "{silent_for:?}"
+    );
     let events = h.take_edge_events();
     assert_eq!(count(&events, is_fence), 1);
     assert!(events.iter().any(|e| matches!(
@@ -509,15 +640,24 @@ fn node_gives_up_on_a_silent_edge() {
 #[test]
 fn handshake_timeout_when_the_edge_never_answers() {
     let mut h = Harness::new();
-    let register = RegisterRequest { node_id: "node-1".into(), ..Default::default() };
-    let config = NodeSessionConfig { handshake_timeout: Duration::from_secs(5), ..Default::default() };
+    let register = RegisterRequest {
+        node_id: "node-1".into(),
+        ..Default::default()
+    };
+    let config = NodeSessionConfig {
+        handshake_timeout: Duration::from_secs(5),
+        ..Default::default()
+    };
     let mut node = NodeSession::new(config, register, h.now);
     let _ = node.poll_transmit();
     let deadline = node.poll_timeout().unwrap();
     assert_eq!(deadline - h.now, Duration::from_secs(5));
     h.now = deadline;
     node.handle_timeout(h.now);
-    assert_eq!(node.poll_event(), Some(NodeEvent::Closed(CloseReason::HandshakeTimeout)));
+    assert_eq!(
+        node.poll_event(),
+        Some(NodeEvent::Closed(CloseReason::HandshakeTimeout))
+    );
     assert_eq!(node.poll_timeout(), None);
 }
 
@@ -540,7 +680,7 @@ fn drive_supervisor(
             Some(Action::Dial { attempt }) => {
                 dials.push((attempt, now - start));
                 rng = rng.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                match outcome(u32::try_from(dials.len()).unwrap()) {
+                match outcome(u32::try_from(dials.len()).expect("few dials")) {
                     Some(f) => s.handle_failure(now, f, rng),
                     None => s.handle_ready(),
                 }
@@ -568,7 +708,10 @@ fn reconnect_finite_budget_exhausts_with_exit_code_1() {
     // Waits lie within the jitter window [4 s, 5 s].
     for w in dials.windows(2) {
         let gap = w[1].1 - w[0].1;
-        assert!(gap >= Duration::from_secs(4) && gap <= Duration::from_secs(5), "{gap:?}");
+        assert!(
+            gap >= Duration::from_secs(4) && gap <= Duration::from_secs(5),
+            "{gap:?}"
+        );
     }
 }
 
@@ -584,7 +727,11 @@ fn reconnect_default_budget_is_ten() {
 fn reconnect_unlimited_runs_until_shutdown_which_exits_0() {
     let policy = ReconnectPolicy::from_config(Some(1), Some(0)).unwrap();
     let (dials, exit) = drive_supervisor(policy, |_| Some(Failure::Retryable), 2000);
-    assert!(dials.len() >= 500, "still dialing after {} attempts", dials.len());
+    assert!(
+        dials.len() >= 500,
+        "still dialing after {} attempts",
+        dials.len()
+    );
     assert_eq!(exit, None);
     let mut s = Supervisor::new(policy);
     let _ = s.poll_action();
@@ -668,16 +815,16 @@ fn supervisor_node_and_edge_reconnect_end_to_end() {
             Some(Action::Exit(e)) => panic!("unexpected exit {e:?}"),
             None => {}
         }
-        if let Some(i) = link.take() {
-            if h.links[i].down {
-                let reason = h.links[i].node_events.iter().rev().find_map(|e| match e {
-                    NodeEvent::Closed(r) => Some(r.clone()),
-                    _ => None,
-                });
-                assert_eq!(reason, Some(CloseReason::TransportClosed));
-                assert!(reason.unwrap().is_retryable());
-                sup.handle_failure(h.now, Failure::Retryable, 0);
-            }
+        if let Some(i) = link.take()
+            && h.links[i].down
+        {
+            let reason = h.links[i].node_events.iter().rev().find_map(|e| match e {
+                NodeEvent::Closed(r) => Some(r.clone()),
+                _ => None,
+            });
+            assert_eq!(reason, Some(CloseReason::TransportClosed));
+            assert!(reason.unwrap().is_retryable());
+            sup.handle_failure(h.now, Failure::Retryable, 0);
         }
         if let Some(t) = sup.poll_timeout() {
             h.now = h.now.max(t);
@@ -696,5 +843,12 @@ fn supervisor_node_and_edge_reconnect_end_to_end() {
             _ => None,
         })
         .collect();
-    assert_eq!(lifecycle, [(true, generations[0]), (false, generations[0]), (true, generations[1])]);
+    assert_eq!(
+        lifecycle,
+        [
+            (true, generations[0]),
+            (false, generations[0]),
+            (true, generations[1])
+        ]
+    );
 }

@@ -34,11 +34,21 @@ fn tunnel_op() -> impl Strategy<Value = TOp> {
 
 fn payload(kind: u8) -> TunnelPayload {
     match kind {
-        0 => TunnelPayload::ResponseStart { status: 200, headers: vec![] },
+        0 => TunnelPayload::ResponseStart {
+            status: 200,
+            headers: vec![],
+        },
         1 => TunnelPayload::Body(Bytes::from_static(b"data: {}\n\n")),
-        2 => TunnelPayload::Usage(Usage { prompt_tokens: 1, completion_tokens: 2, total_tokens: 3 }),
+        2 => TunnelPayload::Usage(Usage {
+            prompt_tokens: 1,
+            completion_tokens: 2,
+            total_tokens: 3,
+        }),
         3 => TunnelPayload::End,
-        _ => TunnelPayload::Error { error: "upstream failed".into(), execution_failure: None },
+        _ => TunnelPayload::Error {
+            error: "upstream failed".into(),
+            execution_failure: None,
+        },
     }
 }
 
@@ -210,7 +220,9 @@ impl Model {
             ROp::Accept => {}
             ROp::Register { conn, node } => {
                 let node = usize::from(node);
-                let Some(binding) = self.conns.get(&conn) else { return };
+                let Some(binding) = self.conns.get(&conn) else {
+                    return;
+                };
                 if binding.is_some() {
                     return; // rejected, nothing changes
                 }
@@ -331,14 +343,24 @@ proptest! {
 fn arb_frame() -> impl Strategy<Value = RuntimeFrame> {
     prop_oneof![
         Just(RuntimeFrame::new(RuntimeMessage::Ping)),
-        "[a-z]{1,12}".prop_map(|id| RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest { node_id: id }))),
-        (1u64..1000, proptest::collection::vec(any::<u8>(), 0..300), 0u64..100).prop_map(|(stream, body, sequence)| {
-            RuntimeFrame::on_stream(stream, RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
-                sequence,
-                payload: TunnelPayload::Body(Bytes::from(body)),
-                metadata: Default::default(),
-            }))
-        }),
+        "[a-z]{1,12}".prop_map(|id| RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(
+            NodeReadyRequest { node_id: id }
+        ))),
+        (
+            1u64..1000,
+            proptest::collection::vec(any::<u8>(), 0..300),
+            0u64..100
+        )
+            .prop_map(|(stream, body, sequence)| {
+                RuntimeFrame::on_stream(
+                    stream,
+                    RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                        sequence,
+                        payload: TunnelPayload::Body(Bytes::from(body)),
+                        metadata: Default::default(),
+                    }),
+                )
+            }),
     ]
 }
 

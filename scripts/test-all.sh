@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole test suite, exactly as CI runs it (`.ci/run` calls this script).
+#
+#   1. rustfmt check, 2. clippy with -D warnings on every target, 3. every test of the
+#   workspace (unit, property, virtual-time harness, end-to-end over real TLS sockets, the
+#   generated-code drift check, doc examples), 4. a short smoke run of every cargo-fuzz target.
+#
+# Environment: FUZZ_SECONDS (per fuzz target, default 20), SKIP_FUZZ=1 to skip step 4 locally.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n=== %s ===\n' "$*"; }
+
+need() {
+    if ! command -v "$1" >/dev/null 2>&1; then
+        echo "error: '$1' is required: $2" >&2
+        exit 1
+    fi
+}
+need cargo "install Rust with rustup (https://rustup.rs), stable >= 1.88"
+
+step "rustfmt"
+cargo fmt --all --check
+cargo fmt --manifest-path fuzz/Cargo.toml --check
+
+step "clippy (-D warnings, all targets)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "tests"
+cargo test --workspace --locked
+
+if [ "${SKIP_FUZZ:-0}" != "1" ]; then
+    step "fuzz smoke (${FUZZ_SECONDS:-20}s per target)"
+    if ! cargo fuzz --version >/dev/null 2>&1; then
+        echo "cargo-fuzz is missing; installing it (cargo install cargo-fuzz --locked)"
+        cargo install cargo-fuzz --locked
+    fi
+    bash fuzz/smoke.sh
+fi
+
+step "all checks passed"
