@@ -1,2 +1,6 @@
-//! End-to-end tests over real sockets and TLS live in `tests/tests/`, one file per scenario.
+//! Support code for the end-to-end tests in `tests/tests/` (one file per scenario, over real
+//! sockets and TLS).
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod pki;

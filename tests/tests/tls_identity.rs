@@ -7,111 +7,24 @@
 //! handshake before the server has judged the client certificate) to show they go nowhere.
 
 use std::io;
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use iop_tests::pki::{Ca, Leaf, TRUST_DOMAIN, spiffe};
 use iop_wire::identity::{
     self, ExpectedPeer, IdentityError, WorkloadId, client_cert_verifier, peer_identity, role,
     server_cert_verifier,
 };
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose, SanType,
-};
 use rustls::client::danger::ServerCertVerifier;
-use rustls::{AlertDescription, CertificateError, ClientConfig, RootCertStore, ServerConfig};
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::{AlertDescription, CertificateError, ClientConfig, ServerConfig};
+use rustls_pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-const TRUST_DOMAIN: &str = "iop.test";
 const PAYLOAD: &[u8] = b"register node-1";
 /// Guards against a hung handshake; no scenario depends on it elapsing.
 const SCENARIO_LIMIT: Duration = Duration::from_secs(10);
-
-// === PKI helpers ===
-
-/// A development workload CA.
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new(common_name: &str) -> Self {
-        let mut params = CertificateParams::default();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate().expect("ring key generation does not fail");
-        let issuer = CertifiedIssuer::self_signed(params, key).expect("valid CA params");
-        Self { issuer }
-    }
-
-    fn roots(&self) -> Arc<RootCertStore> {
-        let mut roots = RootCertStore::empty();
-        roots
-            .add(self.issuer.der().clone())
-            .expect("rcgen CA certificate is valid DER");
-        Arc::new(roots)
-    }
-
-    /// A workload leaf with the given URI SANs. Like SPIRE's X509-SVIDs it is usable as both
-    /// a TLS client and server certificate; `server` adds the names the Node dials.
-    fn leaf(&self, uris: &[String], server: bool) -> Leaf {
-        let mut params = CertificateParams::default();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "iop workload");
-        for uri in uris {
-            let uri = uri.as_str().try_into().expect("test URIs are ASCII");
-            params.subject_alt_names.push(SanType::URI(uri));
-        }
-        if server {
-            let dns = "localhost".try_into().expect("ASCII name");
-            params.subject_alt_names.push(SanType::DnsName(dns));
-            params
-                .subject_alt_names
-                .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
-        }
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let key = KeyPair::generate().expect("ring key generation does not fail");
-        let cert = params
-            .signed_by(&key, &self.issuer)
-            .expect("valid leaf params");
-        Leaf {
-            chain: vec![cert.der().clone()],
-            key: PrivatePkcs8KeyDer::from(key.serialize_der()),
-        }
-    }
-
-    /// A leaf for `spiffe://iop.test/<role>/<name>`.
-    fn workload(&self, role: &str, name: &str, server: bool) -> Leaf {
-        self.leaf(&[spiffe(role, name)], server)
-    }
-}
-
-fn spiffe(role: &str, name: &str) -> String {
-    format!("spiffe://{TRUST_DOMAIN}/{role}/{name}")
-}
-
-struct Leaf {
-    chain: Vec<CertificateDer<'static>>,
-    key: PrivatePkcs8KeyDer<'static>,
-}
-
-impl Leaf {
-    fn key(&self) -> PrivateKeyDer<'static> {
-        PrivateKeyDer::Pkcs8(self.key.clone_key())
-    }
-}
 
 // === config helpers ===
 
