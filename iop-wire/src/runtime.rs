@@ -1998,3 +1998,43 @@ impl TryFrom<pb::ProviderSnapshot> for ProviderSnapshot {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use prost::Message as _;
+
+    use super::pb;
+
+    /// Seed 000 fixes these field numbers; a renumbering would break mixed-version peers.
+    #[test]
+    fn seed_fixed_field_numbers() {
+        let tag = |field: u8| (field << 3) | 2; // length-delimited
+        let ev = pb::RunEvent {
+            execution_failure: Some(Default::default()),
+            ..Default::default()
+        };
+        assert_eq!(
+            ev.encode_to_vec(),
+            [tag(13), 0],
+            "RunEvent.execution_failure = 13"
+        );
+        let req = pb::ProviderTunnelRequest {
+            operation: "models".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            req.encode_to_vec()[..2],
+            [tag(13), 6],
+            "ProviderTunnelRequest.operation = 13"
+        );
+        let f = pb::ProviderTunnelFrame {
+            execution_failure: Some(Default::default()),
+            ..Default::default()
+        };
+        assert_eq!(
+            f.encode_to_vec(),
+            [tag(15), 0],
+            "ProviderTunnelFrame.execution_failure = 15"
+        );
+    }
+}

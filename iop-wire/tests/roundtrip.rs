@@ -1,0 +1,574 @@
+//! Every message of both wires survives encode → bytes → decode unchanged, and invalid field
+//! values are rejected with the documented typed error.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_wire::codec::{Decoded, FrameCodec, WireFrame};
+use iop_wire::control::*;
+use iop_wire::error::{FrameError, InvalidMessage};
+use iop_wire::runtime::*;
+use iop_wire::validate::{ResponseStallTimeout, StallTimeoutError};
+
+fn roundtrip<F: WireFrame + PartialEq + std::fmt::Debug>(frame: &F) {
+    let codec = FrameCodec::new();
+    let bytes = codec.encode_to_bytes(frame).expect("encodes");
+    match codec.decode_slice::<F>(&bytes).expect("decodes") {
+        Decoded::Frame {
+            frame: back,
+            consumed,
+        } => {
+            assert_eq!(consumed, bytes.len());
+            assert_eq!(&back, frame);
+            // And the bytes are stable (maps are ordered, so encoding is deterministic).
+            assert_eq!(codec.encode_to_bytes(&back).expect("encodes"), bytes);
+        }
+        Decoded::Incomplete { .. } => panic!("incomplete"),
+    }
+}
+
+fn meta() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("openai_tool_calls".to_owned(), "[]".to_owned()),
+        ("k".to_owned(), "v".to_owned()),
+    ])
+}
+
+fn binding() -> CredentialLeaseBinding {
+    CredentialLeaseBinding {
+        principal_id: "p-1".into(),
+        slot_id: "slot-1".into(),
+        route_id: "route-1".into(),
+        profile: "openai".into(),
+        upstream_target: "gpt-4o-mini".into(),
+        node_id: "node-1".into(),
+        recipient_key_id: "rk-1".into(),
+        credential_revision: 4,
+        route_revision: 5,
+        projection_generation: 6,
+    }
+}
+
+fn lease() -> CredentialLease {
+    CredentialLease {
+        version: 1,
+        lease_id: [7; 16],
+        issuer_key_id: "issuer-1".into(),
+        issued_at_unix_ms: 1_700_000_000_000,
+        not_after_unix_ms: 1_700_000_030_000,
+        enc: Bytes::from_static(&[1; 32]),
+        recipient_public_key: Bytes::from_static(&[2; 32]),
+        ciphertext: Bytes::from_static(b"sealed"),
+        signature: Bytes::from_static(&[3; 64]),
+    }
+}
+
+fn stall() -> ExecutionFailure {
+    ExecutionFailure {
+        health: HealthEvidence::Unavailable,
+        idle_duration: Duration::from_millis(300_123),
+        run_id: "run-1".into(),
+        attempt_id: "att-2".into(),
+        fence: Fence::Unconfirmed,
+        adapter: "openai-a".into(),
+        target: "gpt-4o-mini".into(),
+        health_observation_seq: Some(9),
+    }
+}
+
+fn runtime_messages() -> Vec<RuntimeFrame> {
+    let config = NodeConfigPayload {
+        adapters: vec![
+            AdapterConfig {
+                name: "openai-a".into(),
+                adapter_type: "openai_compat".into(),
+                enabled: true,
+                capacity: 8,
+                long_context_capacity: 2,
+                targets: vec!["gpt-4o-mini".into()],
+                settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                    base_url: "https://provider.invalid/v1".into(),
+                    protocol_profile: ConcreteProtocolProfile {
+                        name: "openai".into(),
+                        operation_paths: BTreeMap::from([
+                            (Operation::ChatCompletions, "/chat/completions".into()),
+                            (Operation::Models, "/models".into()),
+                        ]),
+                        health_path: String::new(),
+                    },
+                    request_timeout_sec: 60,
+                }),
+            },
+            AdapterConfig {
+                name: String::new(),
+                adapter_type: "ollama".into(),
+                enabled: true,
+                capacity: 1,
+                long_context_capacity: 0,
+                targets: vec!["llama3.1:8b".into()],
+                settings: AdapterSettings::Native(NativeSettings {
+                    base_url: "http://127.0.0.1:11434".into(),
+                    options: meta(),
+                }),
+            },
+        ],
+        runtime: NodeRuntimeConfig { concurrency: 4 },
+        revision: 12,
+    };
+    let run = RunRequest {
+        run_id: "run-1".into(),
+        adapter: "ollama".into(),
+        target: "llama3.1:8b".into(),
+        input: Bytes::from_static(b"{\"messages\":[]}"),
+        metadata: meta(),
+        response_stall_timeout: ResponseStallTimeout::from_wire_ms(45_000).unwrap(),
+        timeout: Some(Duration::from_secs(600)),
+        long_context: true,
+        credential: Some(ManagedCredential {
+            lease: lease(),
+            binding: binding(),
+        }),
+    };
+    let tunnel = ProviderTunnelRequest {
+        run_id: "run-2".into(),
+        adapter: "openai-a".into(),
+        target: "gpt-4o-mini".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from_static(b"{\"stream\":true}"),
+        stream: true,
+        timeout: None,
+        metadata: meta(),
+        session_id: "sess".into(),
+        long_context: false,
+        operation: Some(Operation::ChatCompletions),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        credential: None,
+    };
+    let mut run_error = RunEvent::new(RunEventKind::Error);
+    run_error.error = "response stalled".into();
+    run_error.execution_failure = Some(FailureEvidence::Valid(stall()));
+    let mut complete = RunEvent::new(RunEventKind::Complete);
+    complete.metadata = meta();
+    complete.usage = Some(Usage {
+        prompt_tokens: 1,
+        completion_tokens: 2,
+        total_tokens: 3,
+    });
+    let frame = |sequence, payload| TunnelFrame {
+        sequence,
+        payload,
+        metadata: BTreeMap::new(),
+    };
+    vec![
+        RuntimeFrame::new(RuntimeMessage::RegisterRequest(RegisterRequest {
+            node_id: "node-1".into(),
+            version: "1.2.3".into(),
+            adapter_types: vec!["openai_compat".into(), "demo".into()],
+            recipient: Some(RecipientKey {
+                key_id: "rk-1".into(),
+                public_key: [9; 32],
+            }),
+        })),
+        RuntimeFrame::new(RuntimeMessage::RegisterResponse(
+            RegisterResponse::Accepted {
+                node_id: "node-1".into(),
+                config: config.clone(),
+                heartbeat_interval: Some(Duration::from_secs(10)),
+            },
+        )),
+        RuntimeFrame::new(RuntimeMessage::RegisterResponse(
+            RegisterResponse::Rejected {
+                reason: "no".into(),
+            },
+        )),
+        RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest {
+            node_id: "node-1".into(),
+        })),
+        RuntimeFrame::new(RuntimeMessage::NodeReadyResponse(NodeReadyResponse::Ready)),
+        RuntimeFrame::new(RuntimeMessage::NodeReadyResponse(
+            NodeReadyResponse::NotReady {
+                reason: "superseded".into(),
+            },
+        )),
+        RuntimeFrame::on_stream(1, RuntimeMessage::RunRequest(run)),
+        RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(run_error)),
+        RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(complete)),
+        RuntimeFrame::on_stream(2, RuntimeMessage::ProviderTunnelRequest(tunnel)),
+        RuntimeFrame::on_stream(
+            2,
+            RuntimeMessage::ProviderTunnelFrame(frame(
+                1,
+                TunnelPayload::ResponseStart {
+                    status: 200,
+                    headers: vec![Header {
+                        name: "content-type".into(),
+                        value: Bytes::from_static(b"text/event-stream"),
+                    }],
+                },
+            )),
+        ),
+        RuntimeFrame::on_stream(
+            2,
+            RuntimeMessage::ProviderTunnelFrame(frame(
+                2,
+                TunnelPayload::Body(Bytes::from_static(b"data: {}\n\n")),
+            )),
+        ),
+        RuntimeFrame::on_stream(
+            2,
+            RuntimeMessage::ProviderTunnelFrame(frame(3, TunnelPayload::Usage(Usage::default()))),
+        ),
+        RuntimeFrame::on_stream(
+            2,
+            RuntimeMessage::ProviderTunnelFrame(frame(4, TunnelPayload::End)),
+        ),
+        RuntimeFrame::on_stream(
+            3,
+            RuntimeMessage::ProviderTunnelFrame(frame(
+                1,
+                TunnelPayload::Error {
+                    error: "response stalled".into(),
+                    execution_failure: Some(FailureEvidence::Valid(stall())),
+                },
+            )),
+        ),
+        RuntimeFrame::new(RuntimeMessage::CancelRequest(CancelRequest {
+            run_id: "run-2".into(),
+            reason: "caller_disconnected".into(),
+        })),
+        RuntimeFrame::correlated(
+            4,
+            RuntimeMessage::NodeCommandRequest(NodeCommandRequest {
+                kind: NodeCommandKind::Capabilities,
+                adapter: "openai-a".into(),
+                target: String::new(),
+            }),
+        ),
+        RuntimeFrame::correlated(
+            4,
+            RuntimeMessage::NodeCommandResponse(NodeCommandResponse {
+                ok: true,
+                error: String::new(),
+                capabilities: vec![Capability {
+                    adapter_key: "openai-a".into(),
+                    target: "gpt-4o-mini".into(),
+                    provider_status: ProviderStatus::Available,
+                    health_observation_seq: 10,
+                    adapter: "openai_compat".into(),
+                    instance_key: "openai-a".into(),
+                }],
+                result: BTreeMap::new(),
+            }),
+        ),
+        RuntimeFrame::correlated(5, RuntimeMessage::NodeConfigRefreshRequest(config)),
+        RuntimeFrame::correlated(
+            5,
+            RuntimeMessage::NodeConfigRefreshResponse(NodeConfigRefreshResponse {
+                outcome: ConfigRefreshOutcome::RestartRequired,
+                reason: "adapter type changed".into(),
+                revision: 12,
+            }),
+        ),
+        RuntimeFrame::correlated(6, RuntimeMessage::Ping),
+        RuntimeFrame::correlated(6, RuntimeMessage::Pong),
+    ]
+}
+
+#[test]
+fn every_runtime_message_round_trips() {
+    let frames = runtime_messages();
+    let names: std::collections::BTreeSet<_> = frames.iter().map(|f| f.message.name()).collect();
+    assert_eq!(
+        names.len(),
+        15,
+        "one of each of the 15 runtime messages: {names:?}"
+    );
+    for f in &frames {
+        roundtrip(f);
+    }
+}
+
+#[test]
+fn every_control_message_round_trips() {
+    let projection = PrincipalProjection {
+        generation: 3,
+        principals: vec![ProjectedPrincipal {
+            principal_id: "p-1".into(),
+            display_name: "Team A".into(),
+            enabled: true,
+        }],
+        tokens: vec![ProjectedToken {
+            token_id: "t-1".into(),
+            principal_id: "p-1".into(),
+            sha256_digest: [5; 32],
+        }],
+        routes: vec![ProjectedRoute {
+            route_id: "route-1".into(),
+            principal_id: "p-1".into(),
+            model: "gpt-4o-mini".into(),
+            slot_id: "slot-1".into(),
+            profile: "openai".into(),
+            upstream_target: "gpt-4o-mini".into(),
+            selector: "pool-a".into(),
+            route_revision: 5,
+            credential_revision: 4,
+        }],
+    };
+    let snapshot = ProviderSnapshot {
+        provider_id: "prov-1".into(),
+        node_id: "node-1".into(),
+        adapter: "openai-a".into(),
+        target: "gpt-4o-mini".into(),
+        category: "api".into(),
+        status: "unavailable".into(),
+        health: "offline".into(),
+        enabled: true,
+        ..Default::default()
+    };
+    let frames = vec![
+        ControlFrame::new(ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
+            edge_id: "edge-1".into(),
+            version: "1".into(),
+            managed: true,
+            metadata: meta(),
+        })),
+        ControlFrame::new(ControlMessage::EdgeHelloResponse(
+            EdgeHelloResponse::Accepted {
+                projection: Some(projection.clone()),
+                heartbeat_interval_ms: Some(10_000),
+            },
+        )),
+        ControlFrame::new(ControlMessage::EdgeHelloResponse(
+            EdgeHelloResponse::Rejected {
+                reason: "empty edge_id".into(),
+            },
+        )),
+        ControlFrame::correlated(1, ControlMessage::EdgeStatusRequest),
+        ControlFrame::correlated(
+            1,
+            ControlMessage::EdgeStatusResponse(EdgeStatusResponse {
+                edge_id: "edge-1".into(),
+                nodes: vec![EdgeNodeSnapshot {
+                    node_id: "node-1".into(),
+                    connected: false,
+                    config: EdgeNodeConfigSummary {
+                        revision: 2,
+                        adapters: vec![("openai-a".into(), "openai_compat".into())],
+                    },
+                    provider_snapshots: vec![snapshot],
+                }],
+            }),
+        ),
+        ControlFrame::correlated(
+            2,
+            ControlMessage::EdgeCommandRequest(EdgeCommandRequest {
+                command_id: "c-1".into(),
+                operation: "drain".into(),
+                target_selector: "node-1".into(),
+                args: meta(),
+                metadata: BTreeMap::new(),
+            }),
+        ),
+        ControlFrame::correlated(
+            2,
+            ControlMessage::EdgeCommandEvent(EdgeCommandEvent {
+                command_id: "c-1".into(),
+                phase: "running".into(),
+                message: "draining".into(),
+                metadata: BTreeMap::new(),
+            }),
+        ),
+        ControlFrame::correlated(
+            2,
+            ControlMessage::EdgeCommandResponse(EdgeCommandResponse {
+                command_id: "c-1".into(),
+                ok: true,
+                error: String::new(),
+                result: meta(),
+            }),
+        ),
+        ControlFrame::new(ControlMessage::EdgeNodeEvent(EdgeNodeEvent {
+            kind: NodeEventKind::Connected,
+            node_id: "node-1".into(),
+            edge_id: "edge-1".into(),
+            occurred_at_unix_ms: 1_700_000_000_000,
+            metadata: BTreeMap::new(),
+        })),
+        ControlFrame::correlated(
+            3,
+            ControlMessage::PrincipalProjectionApplyRequest(projection),
+        ),
+        ControlFrame::correlated(
+            3,
+            ControlMessage::PrincipalProjectionApplyResponse(PrincipalProjectionApplyResponse {
+                accepted: true,
+                generation: 3,
+                reason: String::new(),
+            }),
+        ),
+        ControlFrame::correlated(
+            4,
+            ControlMessage::AcquireLeaseRequest(AcquireLeaseRequest {
+                binding: binding(),
+                recipient_public_key: [2; 32],
+            }),
+        ),
+        ControlFrame::correlated(
+            4,
+            ControlMessage::AcquireLeaseResponse(AcquireLeaseResponse::Granted(lease())),
+        ),
+        ControlFrame::correlated(
+            5,
+            ControlMessage::AcquireLeaseResponse(AcquireLeaseResponse::Refused {
+                reason: "stale generation".into(),
+            }),
+        ),
+        ControlFrame::correlated(6, ControlMessage::Ping),
+        ControlFrame::correlated(6, ControlMessage::Pong),
+    ];
+    for f in &frames {
+        roundtrip(f);
+    }
+}
+
+fn decode_err(frame: &RuntimeFrame) -> InvalidMessage {
+    // Encoding does not validate (domain values are trusted); decoding does.
+    let codec = FrameCodec::new();
+    let bytes = codec.encode_to_bytes(frame).unwrap();
+    match codec.decode_slice::<RuntimeFrame>(&bytes) {
+        Err(FrameError::Invalid(e)) => e,
+        other => panic!("expected an invalid message, got {other:?}"),
+    }
+}
+
+#[test]
+fn invalid_values_get_typed_errors_without_echoing_them() {
+    let secret = "sk-live-SECRET";
+    let bad_node = RuntimeFrame::new(RuntimeMessage::NodeReadyRequest(NodeReadyRequest {
+        node_id: format!("{secret} x"),
+    }));
+    let e = decode_err(&bad_node);
+    assert_eq!(e, InvalidMessage::InvalidCharacters("node_id"));
+    assert!(!e.to_string().contains("SECRET"));
+
+    let RuntimeMessage::RunRequest(mut run) = runtime_messages().swap_remove(6).message else {
+        unreachable!()
+    };
+    run.credential = None;
+    run.target = String::new();
+    let e = decode_err(&RuntimeFrame::on_stream(
+        1,
+        RuntimeMessage::RunRequest(run.clone()),
+    ));
+    assert_eq!(e, InvalidMessage::MissingField("target"));
+
+    // A stream message without a stream id, a connection message with one.
+    run.target = "t".into();
+    assert_eq!(
+        decode_err(&RuntimeFrame::new(RuntimeMessage::RunRequest(run))),
+        InvalidMessage::StreamId("missing on a stream message")
+    );
+    assert_eq!(
+        decode_err(&RuntimeFrame::on_stream(9, RuntimeMessage::Ping)),
+        InvalidMessage::StreamId("set on a connection-level message")
+    );
+
+    // A header that would inject a second header line.
+    let RuntimeMessage::ProviderTunnelRequest(mut tunnel) =
+        runtime_messages().swap_remove(9).message
+    else {
+        unreachable!()
+    };
+    tunnel.headers = vec![Header {
+        name: "x-a".into(),
+        value: Bytes::from_static(b"1\r\nAuthorization: x"),
+    }];
+    assert_eq!(
+        decode_err(&RuntimeFrame::on_stream(
+            2,
+            RuntimeMessage::ProviderTunnelRequest(tunnel)
+        )),
+        InvalidMessage::InvalidCharacters("header.value")
+    );
+
+    // A lease without its binding is not a managed pair.
+    let RuntimeMessage::RunRequest(mut run) = runtime_messages().swap_remove(6).message else {
+        unreachable!()
+    };
+    if let Some(c) = run.credential.as_mut() {
+        c.binding.node_id = String::new();
+    }
+    assert_eq!(
+        decode_err(&RuntimeFrame::on_stream(1, RuntimeMessage::RunRequest(run))),
+        InvalidMessage::MissingField("credential_binding.node_id")
+    );
+}
+
+#[test]
+fn stall_timeout_is_validated_on_the_wire() {
+    assert_eq!(
+        ResponseStallTimeout::from_wire_ms(-5),
+        Err(StallTimeoutError::Negative)
+    );
+    assert_eq!(
+        ResponseStallTimeout::DEFAULT.effective(),
+        Duration::from_millis(300_000)
+    );
+}
+
+#[test]
+fn rejected_stall_evidence_keeps_the_terminal_and_reencodes_verbatim() {
+    // Evidence without its run id: the ERROR terminal still decodes, the
+    // evidence is marked rejected, and a relay re-encodes exactly what arrived.
+    let mut bad = stall();
+    bad.run_id = String::new();
+    let mut ev = RunEvent::new(RunEventKind::Error);
+    ev.execution_failure = Some(FailureEvidence::Valid(bad));
+    let frame = RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(ev));
+    let codec = FrameCodec::new();
+    let bytes = codec.encode_to_bytes(&frame).unwrap();
+    let Decoded::Frame { frame: back, .. } = codec.decode_slice::<RuntimeFrame>(&bytes).unwrap()
+    else {
+        panic!()
+    };
+    let RuntimeMessage::RunEvent(ev) = &back.message else {
+        panic!()
+    };
+    assert_eq!(ev.kind, RunEventKind::Error);
+    match &ev.execution_failure {
+        Some(FailureEvidence::Rejected(r)) => assert_eq!(
+            r.error,
+            InvalidMessage::MissingField("execution_failure.run_id")
+        ),
+        other => panic!("expected rejected evidence, got {other:?}"),
+    }
+    assert_eq!(codec.encode_to_bytes(&back).unwrap(), bytes);
+
+    // Evidence on a non-error event is rejected too.
+    let mut ev = RunEvent::new(RunEventKind::Complete);
+    ev.execution_failure = Some(FailureEvidence::Valid(stall()));
+    let bytes = codec
+        .encode_to_bytes(&RuntimeFrame::on_stream(1, RuntimeMessage::RunEvent(ev)))
+        .unwrap();
+    let Decoded::Frame { frame: back, .. } = codec.decode_slice::<RuntimeFrame>(&bytes).unwrap()
+    else {
+        panic!()
+    };
+    let RuntimeMessage::RunEvent(ev) = back.message else {
+        panic!()
+    };
+    assert!(matches!(
+        ev.execution_failure,
+        Some(FailureEvidence::Rejected(_))
+    ));
+}
