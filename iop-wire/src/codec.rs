@@ -176,35 +176,31 @@ impl FrameCodec {
 
 // === impl WireFrame ===
 
+/// Appends `envelope`'s protobuf encoding (no length prefix) and returns its length.
+fn put_envelope(envelope: &impl prost::Message, buf: &mut BytesMut) -> usize {
+    let len = envelope.encoded_len();
+    buf.reserve(len);
+    envelope.encode_raw(buf);
+    len
+}
+
 impl WireFrame for crate::runtime::RuntimeFrame {
     fn decode_envelope(payload: Bytes) -> Result<Self, InvalidMessage> {
-        use prost::Message as _;
-        crate::proto::runtime::Envelope::decode(payload)?.try_into()
+        <crate::proto::runtime::Envelope as prost::Message>::decode(payload)?.try_into()
     }
 
     fn encode_envelope(&self, buf: &mut BytesMut) -> usize {
-        use prost::Message as _;
-        let env = self.to_proto();
-        let len = env.encoded_len();
-        buf.reserve(len);
-        env.encode_raw(buf);
-        len
+        put_envelope(&self.to_proto(), buf)
     }
 }
 
 impl WireFrame for crate::control::ControlFrame {
     fn decode_envelope(payload: Bytes) -> Result<Self, InvalidMessage> {
-        use prost::Message as _;
-        crate::proto::control::ControlEnvelope::decode(payload)?.try_into()
+        <crate::proto::control::ControlEnvelope as prost::Message>::decode(payload)?.try_into()
     }
 
     fn encode_envelope(&self, buf: &mut BytesMut) -> usize {
-        use prost::Message as _;
-        let env = self.to_proto();
-        let len = env.encoded_len();
-        buf.reserve(len);
-        env.encode_raw(buf);
-        len
+        put_envelope(&self.to_proto(), buf)
     }
 }
 
