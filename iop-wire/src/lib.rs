@@ -20,8 +20,8 @@
 //! | [`validate`] | shared field rules, including `response_stall_timeout_ms` |
 //! | [`identity`] | SPIFFE workload identities in certificates, and rustls verifiers that require role and name |
 //!
-//! The generated prost code lives in `src/gen/` (committed, private); `tests/codegen.rs`
-//! regenerates it with protox + prost-build and fails on drift.
+//! The generated prost code lives in `src/gen/` (committed, private); the `iop-wire-codegen`
+//! crate (`iop-wire/codegen/`) regenerates it with protox + prost-build and fails on drift.
 //!
 //! The machines follow quinn-proto's shape: `handle_*` for input, commands for the
 //! application, and `#[must_use] poll_transmit` / `poll_event` / `poll_timeout` for output.

@@ -899,6 +899,27 @@ pub struct ManagedCredential {
     pub binding: CredentialLeaseBinding,
 }
 
+impl ManagedCredential {
+    /// The standalone encoding (protobuf `CredentialEnvelope`), for storage and fuzzing. On the
+    /// runtime wire the pair travels inside `RunRequest` / `ProviderTunnelRequest`.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        use prost::Message as _;
+        pb::CredentialEnvelope {
+            lease: Some(self.lease.to_proto()),
+            binding: Some(self.binding.to_proto()),
+        }
+        .encode_to_vec()
+    }
+
+    /// Parses and validates the standalone encoding. Bounded: every field has a size limit.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, InvalidMessage> {
+        use prost::Message as _;
+        let env = pb::CredentialEnvelope::decode(bytes)?;
+        managed_credential(env.lease, env.binding)?
+            .ok_or(InvalidMessage::MissingField("credential_lease"))
+    }
+}
+
 fn managed_credential(
     lease: Option<pb::CredentialLease>,
     binding: Option<pb::CredentialLeaseBinding>,

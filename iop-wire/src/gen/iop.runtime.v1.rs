@@ -295,6 +295,16 @@ pub struct CredentialLease {
     #[prost(bytes = "bytes", tag = "9")]
     pub signature: ::prost::bytes::Bytes,
 }
+/// The standalone form of a lease and its binding (storage, tests, fuzzing). On the runtime wire
+/// the two travel as the credential_lease / credential_binding fields of RunRequest and
+/// ProviderTunnelRequest.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct CredentialEnvelope {
+    #[prost(message, optional, tag = "1")]
+    pub lease: ::core::option::Option<CredentialLease>,
+    #[prost(message, optional, tag = "2")]
+    pub binding: ::core::option::Option<CredentialLeaseBinding>,
+}
 /// Edge -> Node: run one normalized execution (Ollama/native providers).
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct RunRequest {

@@ -4,13 +4,14 @@
 //! After editing a `.proto` file, regenerate with:
 //!
 //! ```text
-//! IOP_WIRE_REGENERATE=1 cargo test -p iop-wire --test codegen
+//! IOP_WIRE_REGENERATE=1 cargo test -p iop-wire-codegen
 //! ```
 
 use std::path::{Path, PathBuf};
 
+/// The `iop-wire` crate directory (this crate lives in `iop-wire/codegen/`).
 fn crate_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 /// The single place the code generator is configured.
@@ -58,6 +59,6 @@ fn generated_code_matches_proto() {
     assert!(
         drift.is_empty(),
         "generated code in src/gen/ is out of date for {drift:?}; run \
-         `IOP_WIRE_REGENERATE=1 cargo test -p iop-wire --test codegen` and commit the result"
+         `IOP_WIRE_REGENERATE=1 cargo test -p iop-wire-codegen` and commit the result"
     );
 }
