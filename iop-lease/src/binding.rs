@@ -43,7 +43,11 @@ pub fn encode(b: &CredentialLeaseBinding) -> Vec<u8> {
     ] {
         put(&mut out, field);
     }
-    for n in [b.credential_revision, b.route_revision, b.projection_generation] {
+    for n in [
+        b.credential_revision,
+        b.route_revision,
+        b.projection_generation,
+    ] {
         out.extend_from_slice(&n.to_be_bytes());
     }
     out
@@ -100,15 +104,27 @@ pub(crate) fn first_difference(
         ("recipient_key_id", &a.recipient_key_id, &b.recipient_key_id),
     ];
     let nums = [
-        ("credential_revision", a.credential_revision, b.credential_revision),
+        (
+            "credential_revision",
+            a.credential_revision,
+            b.credential_revision,
+        ),
         ("route_revision", a.route_revision, b.route_revision),
-        ("projection_generation", a.projection_generation, b.projection_generation),
+        (
+            "projection_generation",
+            a.projection_generation,
+            b.projection_generation,
+        ),
     ];
     strings
         .into_iter()
         .find(|(_, x, y)| x != y)
         .map(|(name, _, _)| name)
-        .or_else(|| nums.into_iter().find(|(_, x, y)| x != y).map(|(name, _, _)| name))
+        .or_else(|| {
+            nums.into_iter()
+                .find(|(_, x, y)| x != y)
+                .map(|(name, _, _)| name)
+        })
 }
 
 #[cfg(test)]
@@ -125,18 +141,20 @@ mod tests {
             (s(), s(), s(), s(), s(), s(), s()),
             (0u64..3, 0u64..3, 0u64..3),
         )
-            .prop_map(|((p, sl, r, pr, t, n, k), (c, rr, g))| CredentialLeaseBinding {
-                principal_id: p,
-                slot_id: sl,
-                route_id: r,
-                profile: pr,
-                upstream_target: t,
-                node_id: n,
-                recipient_key_id: k,
-                credential_revision: c,
-                route_revision: rr,
-                projection_generation: g,
-            })
+            .prop_map(
+                |((p, sl, r, pr, t, n, k), (c, rr, g))| CredentialLeaseBinding {
+                    principal_id: p,
+                    slot_id: sl,
+                    route_id: r,
+                    profile: pr,
+                    upstream_target: t,
+                    node_id: n,
+                    recipient_key_id: k,
+                    credential_revision: c,
+                    route_revision: rr,
+                    projection_generation: g,
+                },
+            )
     }
 
     proptest! {
@@ -160,7 +178,10 @@ mod tests {
     #[test]
     fn field_boundaries_matter() {
         // "ab" + "" vs "a" + "b": a naive concatenation would collide.
-        let x = CredentialLeaseBinding { principal_id: "ab".into(), ..Default::default() };
+        let x = CredentialLeaseBinding {
+            principal_id: "ab".into(),
+            ..Default::default()
+        };
         let y = CredentialLeaseBinding {
             principal_id: "a".into(),
             slot_id: "b".into(),

@@ -7,7 +7,9 @@ use iop_wire::runtime::{CredentialLease, CredentialLeaseBinding, ManagedCredenti
 use ring::rand::{SecureRandom as _, SystemRandom};
 
 use crate::binding;
-use crate::keys::{IssuerSigningKey, Kem, KeyError, RecipientPublicKey, RecipientSecretKey, TrustedIssuers};
+use crate::keys::{
+    IssuerSigningKey, Kem, KeyError, RecipientPublicKey, RecipientSecretKey, TrustedIssuers,
+};
 use crate::replay::{ReplayError, ReplayGuard};
 use crate::secret::{Credential, CredentialError, OpenedCredential};
 
@@ -124,7 +126,8 @@ fn put_len_prefixed(out: &mut Vec<u8>, field: &[u8]) {
 
 /// The bytes the issuer signs.
 fn signed_bytes(lease: &CredentialLease, binding_bytes: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(SIG_TAG.len() + 200 + binding_bytes.len() + lease.ciphertext.len());
+    let mut out =
+        Vec::with_capacity(SIG_TAG.len() + 200 + binding_bytes.len() + lease.ciphertext.len());
     out.extend_from_slice(SIG_TAG);
     out.extend_from_slice(&lease.version.to_be_bytes());
     out.extend_from_slice(&lease.lease_id);
@@ -142,7 +145,13 @@ fn hpke_info(binding_bytes: &[u8]) -> Vec<u8> {
     [INFO_TAG, binding_bytes].concat()
 }
 
-fn hpke_aad(version: u32, lease_id: &[u8; 16], issuer_key_id: &str, issued_at: i64, not_after: i64) -> Vec<u8> {
+fn hpke_aad(
+    version: u32,
+    lease_id: &[u8; 16],
+    issuer_key_id: &str,
+    issued_at: i64,
+    not_after: i64,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(AAD_TAG.len() + 48 + issuer_key_id.len());
     out.extend_from_slice(AAD_TAG);
     out.extend_from_slice(&version.to_be_bytes());
@@ -201,12 +210,22 @@ impl Issuer {
         if binding.recipient_key_id != recipient.key_id() {
             return Err(IssueError::RecipientMismatch);
         }
-        let not_after = now_unix_ms.checked_add(millis(ttl)).ok_or(IssueError::Time)?;
+        let not_after = now_unix_ms
+            .checked_add(millis(ttl))
+            .ok_or(IssueError::Time)?;
         let mut lease_id = [0u8; 16];
-        SystemRandom::new().fill(&mut lease_id).map_err(|_| KeyError::Rng)?;
+        SystemRandom::new()
+            .fill(&mut lease_id)
+            .map_err(|_| KeyError::Rng)?;
 
         let binding_bytes = binding::encode(binding);
-        let aad = hpke_aad(LEASE_VERSION, &lease_id, self.key.key_id(), now_unix_ms, not_after);
+        let aad = hpke_aad(
+            LEASE_VERSION,
+            &lease_id,
+            self.key.key_id(),
+            now_unix_ms,
+            not_after,
+        );
         let plaintext = credential.encode();
         let (enc, ciphertext) = hpke::single_shot_seal::<Aead, Kdf, Kem>(
             &OpModeS::Base,
@@ -229,11 +248,23 @@ impl Issuer {
             signature: bytes::Bytes::new(),
         };
         self.sign(&mut lease, &binding_bytes)?;
-        Ok(ManagedCredential { lease, binding: binding.clone() })
+        Ok(ManagedCredential {
+            lease,
+            binding: binding.clone(),
+        })
+    }
+
+    /// Test support: re-signs an envelope after a test mutated it, so that the checks after
+    /// the signature can be reached. An issuer can sign anything it likes anyway; this adds no
+    /// capability.
+    #[doc(hidden)]
+    pub fn resign(&self, envelope: &mut ManagedCredential) -> Result<(), IssueError> {
+        let binding_bytes = binding::encode(&envelope.binding);
+        self.sign(&mut envelope.lease, &binding_bytes)
     }
 
     /// (Re)computes `lease.signature` over its fields and `binding_bytes`.
-    pub(crate) fn sign(&self, lease: &mut CredentialLease, binding_bytes: &[u8]) -> Result<(), IssueError> {
+    fn sign(&self, lease: &mut CredentialLease, binding_bytes: &[u8]) -> Result<(), IssueError> {
         let sig = self.key.sign(&signed_bytes(lease, binding_bytes))?;
         lease.signature = bytes::Bytes::copy_from_slice(&sig);
         Ok(())
@@ -253,7 +284,10 @@ pub struct OpenPolicy {
 
 impl Default for OpenPolicy {
     fn default() -> Self {
-        Self { max_ttl: DEFAULT_MAX_TTL, clock_skew: DEFAULT_CLOCK_SKEW }
+        Self {
+            max_ttl: DEFAULT_MAX_TTL,
+            clock_skew: DEFAULT_CLOCK_SKEW,
+        }
     }
 }
 
@@ -310,8 +344,11 @@ impl Recipient {
         if lease.version != LEASE_VERSION {
             return Err(OpenError::UnsupportedVersion);
         }
-        let signature: &[u8; 64] =
-            lease.signature.as_ref().try_into().map_err(|_| OpenError::Malformed("signature"))?;
+        let signature: &[u8; 64] = lease
+            .signature
+            .as_ref()
+            .try_into()
+            .map_err(|_| OpenError::Malformed("signature"))?;
         if lease.enc.len() != ENC_LEN {
             return Err(OpenError::Malformed("enc"));
         }
@@ -322,7 +359,10 @@ impl Recipient {
             return Err(OpenError::Malformed("ciphertext"));
         }
         // 2. Signature, over the envelope's own binding.
-        let issuer = self.issuers.get(&lease.issuer_key_id).ok_or(OpenError::UnknownIssuer)?;
+        let issuer = self
+            .issuers
+            .get(&lease.issuer_key_id)
+            .ok_or(OpenError::UnknownIssuer)?;
         let binding_bytes = binding::encode(&envelope.binding);
         if !issuer.verify(&signed_bytes(lease, &binding_bytes), signature) {
             return Err(OpenError::BadSignature);
@@ -337,7 +377,9 @@ impl Recipient {
         }
         // 5. Validity window.
         let (issued_at, not_after) = (lease.issued_at_unix_ms, lease.not_after_unix_ms);
-        let ttl = not_after.checked_sub(issued_at).ok_or(OpenError::TtlTooLong)?;
+        let ttl = not_after
+            .checked_sub(issued_at)
+            .ok_or(OpenError::TtlTooLong)?;
         if !(0..=self.max_ttl_ms).contains(&ttl) {
             return Err(OpenError::TtlTooLong);
         }
@@ -353,7 +395,13 @@ impl Recipient {
         // 7. Decrypt.
         let enc = <Kem as hpke::Kem>::EncappedKey::from_bytes(&lease.enc)
             .map_err(|_| OpenError::DecryptFailed)?;
-        let aad = hpke_aad(lease.version, &lease.lease_id, &lease.issuer_key_id, issued_at, not_after);
+        let aad = hpke_aad(
+            lease.version,
+            &lease.lease_id,
+            &lease.issuer_key_id,
+            issued_at,
+            not_after,
+        );
         let plaintext = zeroize::Zeroizing::new(
             hpke::single_shot_open::<Aead, Kdf, Kem>(
                 &OpModeR::Base,
@@ -366,7 +414,10 @@ impl Recipient {
             .map_err(|_| OpenError::DecryptFailed)?,
         );
         let credential = Credential::decode(&plaintext).map_err(OpenError::BadPlaintext)?;
-        Ok(OpenedCredential { credential, lease_id: lease.lease_id })
+        Ok(OpenedCredential {
+            credential,
+            lease_id: lease.lease_id,
+        })
     }
 }
 
@@ -380,6 +431,13 @@ pub fn hpke_open_for_test_vectors(
     ciphertext: &[u8],
 ) -> Option<Vec<u8>> {
     let enc = <Kem as hpke::Kem>::EncappedKey::from_bytes(enc).ok()?;
-    hpke::single_shot_open::<Aead, Kdf, Kem>(&OpModeR::Base, secret.hpke_secret(), &enc, info, ciphertext, aad)
-        .ok()
+    hpke::single_shot_open::<Aead, Kdf, Kem>(
+        &OpModeR::Base,
+        secret.hpke_secret(),
+        &enc,
+        info,
+        ciphertext,
+        aad,
+    )
+    .ok()
 }

@@ -28,16 +28,16 @@ pub(crate) type Kem = hpke::kem::X25519HkdfSha256;
 
 /// DER prefix of a P-256 uncompressed-point SubjectPublicKeyInfo (RFC 5480).
 const P256_SPKI_PREFIX: [u8; 26] = [
-    0x30, 0x59, 0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08,
-    0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07, 0x03, 0x42, 0x00,
+    0x30, 0x59, 0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08, 0x2a,
+    0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07, 0x03, 0x42, 0x00,
 ];
 /// DER prefix of an X25519 SubjectPublicKeyInfo (RFC 8410).
-const X25519_SPKI_PREFIX: [u8; 12] =
-    [0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x6e, 0x03, 0x21, 0x00];
+const X25519_SPKI_PREFIX: [u8; 12] = [
+    0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x6e, 0x03, 0x21, 0x00,
+];
 /// DER prefix of an X25519 PKCS#8 private key without attributes (RFC 8410).
 const X25519_PKCS8_PREFIX: [u8; 16] = [
-    0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x6e, 0x04, 0x22, 0x04,
-    0x20,
+    0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x6e, 0x04, 0x22, 0x04, 0x20,
 ];
 
 /// Why a key could not be generated, loaded or used. Never carries key material.
@@ -61,8 +61,14 @@ pub enum KeyError {
 pub(crate) fn check_key_id(id: &str) -> Result<(), KeyError> {
     let ok = !id.is_empty()
         && id.len() <= 128
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'));
-    if ok { Ok(()) } else { Err(KeyError::InvalidKeyId) }
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(KeyError::InvalidKeyId)
+    }
 }
 
 fn pem(label: &str, der: &[u8]) -> String {
@@ -89,7 +95,9 @@ pub struct IssuerSigningKey {
 
 impl std::fmt::Debug for IssuerSigningKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IssuerSigningKey").field("key_id", &self.key_id).finish_non_exhaustive()
+        f.debug_struct("IssuerSigningKey")
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -98,9 +106,8 @@ impl IssuerSigningKey {
     pub fn generate(key_id: &str) -> Result<Self, KeyError> {
         check_key_id(key_id)?;
         let rng = SystemRandom::new();
-        let doc =
-            EcdsaKeyPair::generate_pkcs8(&signature::ECDSA_P256_SHA256_FIXED_SIGNING, &rng)
-                .map_err(|_| KeyError::Rng)?;
+        let doc = EcdsaKeyPair::generate_pkcs8(&signature::ECDSA_P256_SHA256_FIXED_SIGNING, &rng)
+            .map_err(|_| KeyError::Rng)?;
         Self::from_pkcs8_der(key_id, doc.as_ref())
     }
 
@@ -113,7 +120,11 @@ impl IssuerSigningKey {
             &SystemRandom::new(),
         )
         .map_err(|_| KeyError::Malformed("P-256 PKCS#8 private key"))?;
-        Ok(Self { key_id: key_id.to_owned(), pair, pkcs8: Zeroizing::new(der.to_vec()) })
+        Ok(Self {
+            key_id: key_id.to_owned(),
+            pair,
+            pkcs8: Zeroizing::new(der.to_vec()),
+        })
     }
 
     /// Loads a PEM `PRIVATE KEY` (PKCS#8).
@@ -137,12 +148,18 @@ impl IssuerSigningKey {
     pub fn public_key(&self) -> IssuerPublicKey {
         let mut point = [0u8; 65];
         point.copy_from_slice(self.pair.public_key().as_ref());
-        IssuerPublicKey { key_id: self.key_id.clone(), point }
+        IssuerPublicKey {
+            key_id: self.key_id.clone(),
+            point,
+        }
     }
 
     /// Signs `message` and returns the low-S `r || s` signature.
     pub(crate) fn sign(&self, message: &[u8]) -> Result<[u8; 64], KeyError> {
-        let sig = self.pair.sign(&SystemRandom::new(), message).map_err(|_| KeyError::Rng)?;
+        let sig = self
+            .pair
+            .sign(&SystemRandom::new(), message)
+            .map_err(|_| KeyError::Rng)?;
         let mut out = [0u8; 64];
         out.copy_from_slice(sig.as_ref());
         normalize_low_s(&mut out);
@@ -167,7 +184,10 @@ impl IssuerPublicKey {
             .ok()
             .filter(|p| p[0] == 0x04)
             .ok_or(KeyError::Malformed("P-256 uncompressed point"))?;
-        Ok(Self { key_id: key_id.to_owned(), point })
+        Ok(Self {
+            key_id: key_id.to_owned(),
+            point,
+        })
     }
 
     /// From a DER SubjectPublicKeyInfo.
@@ -304,7 +324,9 @@ pub struct RecipientSecretKey {
 
 impl std::fmt::Debug for RecipientSecretKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecipientSecretKey").field("key_id", &self.key_id).finish_non_exhaustive()
+        f.debug_struct("RecipientSecretKey")
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -315,7 +337,11 @@ impl RecipientSecretKey {
         let (secret, public) = Kem::gen_keypair();
         let mut pk = [0u8; 32];
         pk.copy_from_slice(&public.to_bytes());
-        Ok(Self { key_id: key_id.to_owned(), secret, public: pk })
+        Ok(Self {
+            key_id: key_id.to_owned(),
+            secret,
+            public: pk,
+        })
     }
 
     /// From the 32 raw secret bytes.
@@ -326,7 +352,11 @@ impl RecipientSecretKey {
         let public = <Kem as hpke::Kem>::sk_to_pk(&secret);
         let mut pk = [0u8; 32];
         pk.copy_from_slice(&public.to_bytes());
-        Ok(Self { key_id: key_id.to_owned(), secret, public: pk })
+        Ok(Self {
+            key_id: key_id.to_owned(),
+            secret,
+            public: pk,
+        })
     }
 
     /// From a PKCS#8 DER private key (RFC 8410).
@@ -366,7 +396,10 @@ impl RecipientSecretKey {
 
     /// The public half, for the Node's registration.
     pub fn public_key(&self) -> RecipientPublicKey {
-        RecipientPublicKey { key_id: self.key_id.clone(), bytes: self.public }
+        RecipientPublicKey {
+            key_id: self.key_id.clone(),
+            bytes: self.public,
+        }
     }
 
     pub(crate) fn hpke_secret(&self) -> &<Kem as hpke::Kem>::PrivateKey {
@@ -389,7 +422,10 @@ impl RecipientPublicKey {
         check_key_id(key_id)?;
         let bytes =
             <[u8; 32]>::try_from(raw).map_err(|_| KeyError::Malformed("X25519 public key"))?;
-        Ok(Self { key_id: key_id.to_owned(), bytes })
+        Ok(Self {
+            key_id: key_id.to_owned(),
+            bytes,
+        })
     }
 
     /// From a DER SubjectPublicKeyInfo (RFC 8410).
@@ -486,14 +522,26 @@ mod tests {
 
     #[test]
     fn bad_keys_and_ids_are_typed_errors() {
-        assert_eq!(IssuerSigningKey::generate("").unwrap_err(), KeyError::InvalidKeyId);
-        assert_eq!(IssuerSigningKey::generate("a b").unwrap_err(), KeyError::InvalidKeyId);
+        assert_eq!(
+            IssuerSigningKey::generate("").unwrap_err(),
+            KeyError::InvalidKeyId
+        );
+        assert_eq!(
+            IssuerSigningKey::generate("a b").unwrap_err(),
+            KeyError::InvalidKeyId
+        );
         assert_eq!(
             IssuerSigningKey::from_pem("k", "not pem").unwrap_err(),
             KeyError::Pem("PRIVATE KEY")
         );
-        assert!(matches!(IssuerPublicKey::from_sec1("k", &[4; 64]), Err(KeyError::Malformed(_))));
-        assert!(matches!(RecipientPublicKey::from_raw("k", &[1; 31]), Err(KeyError::Malformed(_))));
+        assert!(matches!(
+            IssuerPublicKey::from_sec1("k", &[4; 64]),
+            Err(KeyError::Malformed(_))
+        ));
+        assert!(matches!(
+            RecipientPublicKey::from_raw("k", &[1; 31]),
+            Err(KeyError::Malformed(_))
+        ));
         let x = RecipientSecretKey::generate("k").unwrap();
         // An X25519 key is not a P-256 key.
         assert!(IssuerPublicKey::from_pem("k", &x.public_key().to_pem()).is_err());

@@ -60,7 +60,11 @@ impl Default for MemoryReplayGuard {
 impl MemoryReplayGuard {
     /// A guard holding at most `capacity` live entries.
     pub fn with_capacity(capacity: usize) -> Self {
-        Self { capacity, entries: HashMap::new(), by_expiry: BTreeSet::new() }
+        Self {
+            capacity,
+            entries: HashMap::new(),
+            by_expiry: BTreeSet::new(),
+        }
     }
 
     /// Live entries.
@@ -112,15 +116,24 @@ mod tests {
     fn replay_expiry_and_fail_closed_cap() {
         let mut g = MemoryReplayGuard::with_capacity(2);
         g.check_and_record([1; 16], 1_000, 0).unwrap();
-        assert_eq!(g.check_and_record([1; 16], 1_000, 10), Err(ReplayError::Replayed));
+        assert_eq!(
+            g.check_and_record([1; 16], 1_000, 10),
+            Err(ReplayError::Replayed)
+        );
         g.check_and_record([2; 16], 2_000, 10).unwrap();
         // Full, nothing expired: refuse, and remember nothing new.
-        assert_eq!(g.check_and_record([3; 16], 2_000, 999), Err(ReplayError::Full));
+        assert_eq!(
+            g.check_and_record([3; 16], 2_000, 999),
+            Err(ReplayError::Full)
+        );
         assert_eq!(g.len(), 2);
         // At 1000 the first entry expires and frees a slot.
         g.check_and_record([3; 16], 3_000, 1_000).unwrap();
         assert_eq!(g.len(), 2);
         // Still remembered until its own expiry.
-        assert_eq!(g.check_and_record([2; 16], 2_000, 1_999), Err(ReplayError::Replayed));
+        assert_eq!(
+            g.check_and_record([2; 16], 2_000, 1_999),
+            Err(ReplayError::Replayed)
+        );
     }
 }

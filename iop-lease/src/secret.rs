@@ -101,20 +101,26 @@ pub struct HeaderSpec {
 impl HeaderSpec {
     /// `Authorization: Bearer <secret>`.
     pub fn bearer() -> Self {
-        Self { name: http::header::AUTHORIZATION, prefix: "Bearer ".to_owned() }
+        Self {
+            name: http::header::AUTHORIZATION,
+            prefix: "Bearer ".to_owned(),
+        }
     }
 
     /// `<name>: <prefix><secret>`, e.g. `("x-api-key", "")`.
     pub fn new(name: &str, prefix: &str) -> Result<Self, CredentialError> {
-        let name =
-            HeaderName::from_bytes(name.as_bytes()).map_err(|_| CredentialError::InvalidHeaderName)?;
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| CredentialError::InvalidHeaderName)?;
         if FORBIDDEN_HEADERS.contains(&name.as_str()) || name.as_str().starts_with("proxy-") {
             return Err(CredentialError::ForbiddenHeader);
         }
         if prefix.len() > MAX_PREFIX_LEN || !header_value_bytes(prefix.as_bytes()) {
             return Err(CredentialError::InvalidPrefix);
         }
-        Ok(Self { name, prefix: prefix.to_owned() })
+        Ok(Self {
+            name,
+            prefix: prefix.to_owned(),
+        })
     }
 
     /// The header name.
@@ -130,7 +136,8 @@ impl HeaderSpec {
 
 /// Visible ASCII and space/tab only: no CR, LF, NUL or other control bytes.
 fn header_value_bytes(b: &[u8]) -> bool {
-    b.iter().all(|&c| c == b' ' || c == b'\t' || c.is_ascii_graphic())
+    b.iter()
+        .all(|&c| c == b' ' || c == b'\t' || c.is_ascii_graphic())
 }
 
 /// A credential to seal: the header declaration and the secret.
@@ -153,14 +160,24 @@ impl Credential {
         let name = self.header.name.as_str().as_bytes();
         let prefix = self.header.prefix.as_bytes();
         let secret = self.secret.expose();
-        let mut out = Zeroizing::new(Vec::with_capacity(1 + 2 + name.len() + 2 + prefix.len() + 4 + secret.len()));
+        let mut out = Zeroizing::new(Vec::with_capacity(
+            1 + 2 + name.len() + 2 + prefix.len() + 4 + secret.len(),
+        ));
         out.push(FORMAT_VERSION);
         // Lengths are bounded at construction (header names by `http`, prefix 64, secret 16 KiB).
         out.extend_from_slice(&u16::try_from(name.len()).unwrap_or(u16::MAX).to_be_bytes());
         out.extend_from_slice(name);
-        out.extend_from_slice(&u16::try_from(prefix.len()).unwrap_or(u16::MAX).to_be_bytes());
+        out.extend_from_slice(
+            &u16::try_from(prefix.len())
+                .unwrap_or(u16::MAX)
+                .to_be_bytes(),
+        );
         out.extend_from_slice(prefix);
-        out.extend_from_slice(&u32::try_from(secret.len()).unwrap_or(u32::MAX).to_be_bytes());
+        out.extend_from_slice(
+            &u32::try_from(secret.len())
+                .unwrap_or(u32::MAX)
+                .to_be_bytes(),
+        );
         out.extend_from_slice(secret);
         out
     }
@@ -168,7 +185,9 @@ impl Credential {
     /// Parses the sealed plaintext encoding.
     pub(crate) fn decode(mut bytes: &[u8]) -> Result<Self, CredentialError> {
         let mut take = |n: usize| -> Result<&[u8], CredentialError> {
-            let (head, rest) = bytes.split_at_checked(n).ok_or(CredentialError::Malformed)?;
+            let (head, rest) = bytes
+                .split_at_checked(n)
+                .ok_or(CredentialError::Malformed)?;
             bytes = rest;
             Ok(head)
         };
@@ -176,13 +195,16 @@ impl Credential {
             return Err(CredentialError::Malformed);
         }
         let name_len = u16::from_be_bytes([take(1)?[0], take(1)?[0]]);
-        let name = std::str::from_utf8(take(usize::from(name_len))?).map_err(|_| CredentialError::Malformed)?;
+        let name = std::str::from_utf8(take(usize::from(name_len))?)
+            .map_err(|_| CredentialError::Malformed)?;
         let name = name.to_owned();
         let prefix_len = u16::from_be_bytes([take(1)?[0], take(1)?[0]]);
-        let prefix =
-            std::str::from_utf8(take(usize::from(prefix_len))?).map_err(|_| CredentialError::Malformed)?.to_owned();
+        let prefix = std::str::from_utf8(take(usize::from(prefix_len))?)
+            .map_err(|_| CredentialError::Malformed)?
+            .to_owned();
         let len_bytes = take(4)?;
-        let secret_len = u32::from_be_bytes([len_bytes[0], len_bytes[1], len_bytes[2], len_bytes[3]]);
+        let secret_len =
+            u32::from_be_bytes([len_bytes[0], len_bytes[1], len_bytes[2], len_bytes[3]]);
         let secret_len = usize::try_from(secret_len).map_err(|_| CredentialError::Malformed)?;
         if secret_len > MAX_SECRET_LEN {
             return Err(CredentialError::InvalidSecret);
@@ -197,7 +219,10 @@ impl Credential {
 }
 
 fn check_secret(secret: &[u8]) -> Result<(), CredentialError> {
-    if secret.is_empty() || secret.len() > MAX_SECRET_LEN || !secret.iter().all(u8::is_ascii_graphic) {
+    if secret.is_empty()
+        || secret.len() > MAX_SECRET_LEN
+        || !secret.iter().all(u8::is_ascii_graphic)
+    {
         return Err(CredentialError::InvalidSecret);
     }
     Ok(())
@@ -233,8 +258,9 @@ impl OpenedCredential {
     /// and touches nothing else. Consumes `self`: the plaintext is zeroized on return.
     pub fn inject(self, headers: &mut HeaderMap) {
         let header = &self.credential.header;
-        let mut value =
-            Zeroizing::new(Vec::with_capacity(header.prefix.len() + self.credential.secret.len()));
+        let mut value = Zeroizing::new(Vec::with_capacity(
+            header.prefix.len() + self.credential.secret.len(),
+        ));
         value.extend_from_slice(header.prefix.as_bytes());
         value.extend_from_slice(self.credential.secret.expose());
         // Both parts were checked to be visible ASCII (or space/tab in the prefix) when the
@@ -252,14 +278,22 @@ mod tests {
 
     #[test]
     fn plaintext_round_trip_and_injection() {
-        let c = Credential::new(HeaderSpec::bearer(), Secret::new(b"sk-test-123".to_vec())).unwrap();
+        let c =
+            Credential::new(HeaderSpec::bearer(), Secret::new(b"sk-test-123".to_vec())).unwrap();
         let bytes = c.encode();
         let back = Credential::decode(&bytes).unwrap();
         assert_eq!(back.header, HeaderSpec::bearer());
         let mut headers = HeaderMap::new();
-        headers.insert("authorization", HeaderValue::from_static("Bearer caller-supplied"));
+        headers.insert(
+            "authorization",
+            HeaderValue::from_static("Bearer caller-supplied"),
+        );
         headers.insert("x-other", HeaderValue::from_static("kept"));
-        OpenedCredential { credential: back, lease_id: [0; 16] }.inject(&mut headers);
+        OpenedCredential {
+            credential: back,
+            lease_id: [0; 16],
+        }
+        .inject(&mut headers);
         assert_eq!(headers.len(), 2);
         assert_eq!(headers["authorization"], "Bearer sk-test-123");
         assert!(headers["authorization"].is_sensitive());
@@ -272,33 +306,68 @@ mod tests {
         let spec = HeaderSpec::new("x-api-key", "").unwrap();
         let c = Credential::new(spec, Secret::new(b"abc".to_vec())).unwrap();
         let mut headers = HeaderMap::new();
-        OpenedCredential { credential: c, lease_id: [0; 16] }.inject(&mut headers);
+        OpenedCredential {
+            credential: c,
+            lease_id: [0; 16],
+        }
+        .inject(&mut headers);
         assert_eq!(headers["x-api-key"], "abc");
     }
 
     #[test]
     fn refusals() {
-        assert_eq!(HeaderSpec::new("bad header", "").unwrap_err(), CredentialError::InvalidHeaderName);
-        assert_eq!(HeaderSpec::new("Host", "").unwrap_err(), CredentialError::ForbiddenHeader);
-        assert_eq!(HeaderSpec::new("proxy-authorization", "").unwrap_err(), CredentialError::ForbiddenHeader);
-        assert_eq!(HeaderSpec::new("x-a", "a\r\nb").unwrap_err(), CredentialError::InvalidPrefix);
-        for bad in [&b""[..], b"has space", b"line\nbreak", &[b'a'; MAX_SECRET_LEN + 1][..]] {
+        assert_eq!(
+            HeaderSpec::new("bad header", "").unwrap_err(),
+            CredentialError::InvalidHeaderName
+        );
+        assert_eq!(
+            HeaderSpec::new("Host", "").unwrap_err(),
+            CredentialError::ForbiddenHeader
+        );
+        assert_eq!(
+            HeaderSpec::new("proxy-authorization", "").unwrap_err(),
+            CredentialError::ForbiddenHeader
+        );
+        assert_eq!(
+            HeaderSpec::new("x-a", "a\r\nb").unwrap_err(),
+            CredentialError::InvalidPrefix
+        );
+        for bad in [
+            &b""[..],
+            b"has space",
+            b"line\nbreak",
+            &[b'a'; MAX_SECRET_LEN + 1][..],
+        ] {
             assert!(Credential::new(HeaderSpec::bearer(), Secret::new(bad.to_vec())).is_err());
         }
-        assert!(Credential::new(HeaderSpec::bearer(), Secret::new(vec![b'a'; MAX_SECRET_LEN])).is_ok());
+        assert!(
+            Credential::new(
+                HeaderSpec::bearer(),
+                Secret::new(vec![b'a'; MAX_SECRET_LEN])
+            )
+            .is_ok()
+        );
     }
 
     #[test]
     fn malformed_plaintexts_are_rejected_not_panicking() {
-        let good = Credential::new(HeaderSpec::bearer(), Secret::new(b"k".to_vec())).unwrap().encode();
+        let good = Credential::new(HeaderSpec::bearer(), Secret::new(b"k".to_vec()))
+            .unwrap()
+            .encode();
         for cut in 0..good.len() {
             assert!(Credential::decode(&good[..cut]).is_err());
         }
         let mut trailing = good.to_vec();
         trailing.push(0);
-        assert_eq!(Credential::decode(&trailing).err(), Some(CredentialError::Malformed));
+        assert_eq!(
+            Credential::decode(&trailing).err(),
+            Some(CredentialError::Malformed)
+        );
         let mut version = good.to_vec();
         version[0] = 2;
-        assert_eq!(Credential::decode(&version).err(), Some(CredentialError::Malformed));
+        assert_eq!(
+            Credential::decode(&version).err(),
+            Some(CredentialError::Malformed)
+        );
     }
 }
