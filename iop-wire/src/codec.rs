@@ -37,8 +37,9 @@ pub const DEFAULT_MAX_FRAME_LEN: usize = 8 * 1024 * 1024;
 pub trait WireFrame: Sized {
     /// Decodes and validates one envelope from exactly `payload`.
     fn decode_envelope(payload: Bytes) -> Result<Self, InvalidMessage>;
-    /// Appends the envelope encoding to `buf` and returns its length.
-    fn encode_envelope(&self, buf: &mut BytesMut) -> usize;
+    /// Appends the length prefix and the envelope to `buf` (one reservation), or refuses an
+    /// envelope larger than `max_len` without touching `buf`.
+    fn encode_frame(&self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError>;
 }
 
 /// Outcome of decoding from a byte slice.
@@ -150,20 +151,7 @@ impl FrameCodec {
     /// Appends one frame (prefix + envelope) to `dst`. Fails, leaving `dst` as it was, when the
     /// envelope is larger than the limit.
     pub fn encode<F: WireFrame>(&self, frame: &F, dst: &mut BytesMut) -> Result<(), FrameError> {
-        let start = dst.len();
-        dst.put_u32(0);
-        let len = frame.encode_envelope(dst);
-        if len > self.max_frame_len {
-            dst.truncate(start);
-            return Err(FrameError::OutgoingTooLarge {
-                len,
-                max: self.max_frame_len,
-            });
-        }
-        // `len <= max_frame_len <= u32::MAX`.
-        let prefix = u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes();
-        dst[start..start + LENGTH_PREFIX_LEN].copy_from_slice(&prefix);
-        Ok(())
+        frame.encode_frame(self.max_frame_len, dst)
     }
 
     /// Encodes one frame into a fresh buffer.
@@ -176,12 +164,22 @@ impl FrameCodec {
 
 // === impl WireFrame ===
 
-/// Appends `envelope`'s protobuf encoding (no length prefix) and returns its length.
-fn put_envelope(envelope: &impl prost::Message, buf: &mut BytesMut) -> usize {
+/// Appends prefix + `envelope` with a single reservation, or refuses it if over `max_len`.
+fn put_frame(
+    envelope: &impl prost::Message,
+    max_len: usize,
+    buf: &mut BytesMut,
+) -> Result<(), FrameError> {
     let len = envelope.encoded_len();
-    buf.reserve(len);
+    // `max_len <= u32::MAX` (see `with_max_frame_len`), so the prefix cannot truncate.
+    let prefix = u32::try_from(len)
+        .ok()
+        .filter(|_| len <= max_len)
+        .ok_or(FrameError::OutgoingTooLarge { len, max: max_len })?;
+    buf.reserve(LENGTH_PREFIX_LEN + len);
+    buf.put_u32(prefix);
     envelope.encode_raw(buf);
-    len
+    Ok(())
 }
 
 impl WireFrame for crate::runtime::RuntimeFrame {
@@ -189,8 +187,8 @@ impl WireFrame for crate::runtime::RuntimeFrame {
         <crate::proto::runtime::Envelope as prost::Message>::decode(payload)?.try_into()
     }
 
-    fn encode_envelope(&self, buf: &mut BytesMut) -> usize {
-        put_envelope(&self.to_proto(), buf)
+    fn encode_frame(&self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
+        put_frame(&self.to_proto(), max_len, buf)
     }
 }
 
@@ -199,8 +197,8 @@ impl WireFrame for crate::control::ControlFrame {
         <crate::proto::control::ControlEnvelope as prost::Message>::decode(payload)?.try_into()
     }
 
-    fn encode_envelope(&self, buf: &mut BytesMut) -> usize {
-        put_envelope(&self.to_proto(), buf)
+    fn encode_frame(&self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
+        put_frame(&self.to_proto(), max_len, buf)
     }
 }
 

@@ -1,0 +1,407 @@
+//! Regenerates the committed seed corpora in `fuzz/corpus/<target>/`:
+//!
+//! ```sh
+//! cd fuzz && cargo run --example gen_corpus
+//! ```
+//!
+//! `frame_decoder` seeds are real encoded frames; `tunnel_sequencer` and `registry_ops` seeds
+//! are readable operation lists written in `arbitrary`'s input format, each checked by parsing
+//! it back. Every seed is also run through its target once.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use arbitrary::{Arbitrary, Unstructured};
+use bytes::Bytes;
+use iop_fuzz::seed::{self, ToSeed};
+use iop_fuzz::{frame_decoder, registry_ops, tunnel_sequencer};
+use iop_wire::codec::{FrameCodec, WireFrame};
+use iop_wire::control::{ControlFrame, ControlMessage, EdgeHelloRequest};
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, CancelRequest, ExecutionFailure, FailureEvidence, Fence,
+    Header, HealthEvidence, NodeConfigPayload, NodeReadyRequest, NodeReadyResponse,
+    NodeRuntimeConfig, OpenAiCompatSettings, RegisterRequest, RegisterResponse, RunEvent,
+    RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload, Usage,
+};
+use iop_wire::validate::ResponseStallTimeout;
+
+/// Largest seed we commit.
+const MAX_SEED: usize = 4096;
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
+    frame_seeds(&root.join("frame_decoder"));
+    tunnel_seeds(&root.join("tunnel_sequencer"));
+    registry_seeds(&root.join("registry_ops"));
+}
+
+fn fresh_dir(dir: &Path) -> PathBuf {
+    if dir.exists() {
+        fs::remove_dir_all(dir).expect("remove old corpus");
+    }
+    fs::create_dir_all(dir).expect("create corpus dir");
+    dir.to_owned()
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) {
+    assert!(bytes.len() < MAX_SEED, "{name} is {} bytes", bytes.len());
+    fs::write(dir.join(name), bytes).expect("write seed");
+    println!("{:>5} B  {}/{name}", bytes.len(), dir.display());
+}
+
+// === frame_decoder ===
+
+fn frame_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let codec = FrameCodec::with_max_frame_len(frame_decoder::MAX_FRAME_LEN);
+    let frame = |name: &str, f: &dyn Encode| {
+        let bytes = f.encode(codec);
+        frame_decoder::run(&bytes);
+        write(&dir, name, &bytes);
+    };
+
+    let register = RegisterRequest {
+        node_id: "node-1".into(),
+        version: "0.1.0".into(),
+        adapter_types: vec!["openai_compat".into(), "demo".into()],
+        ..Default::default()
+    };
+    frame(
+        "register_request",
+        &rt(RuntimeMessage::RegisterRequest(register)),
+    );
+
+    let config = NodeConfigPayload {
+        adapters: vec![AdapterConfig {
+            name: "oai".into(),
+            adapter_type: "openai_compat".into(),
+            enabled: true,
+            capacity: 4,
+            long_context_capacity: 1,
+            targets: vec!["gpt-4o-mini".into()],
+            settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                base_url: "http://127.0.0.1:8080/v1".into(),
+                request_timeout_sec: 30,
+                ..Default::default()
+            }),
+        }],
+        runtime: NodeRuntimeConfig { concurrency: 8 },
+        revision: 3,
+    };
+    let accepted = RegisterResponse::Accepted {
+        node_id: "node-1".into(),
+        config,
+        heartbeat_interval: Some(Duration::from_secs(10)),
+    };
+    frame(
+        "register_response",
+        &rt(RuntimeMessage::RegisterResponse(accepted)),
+    );
+    let ready = NodeReadyRequest {
+        node_id: "node-1".into(),
+    };
+    frame(
+        "ready_request",
+        &rt(RuntimeMessage::NodeReadyRequest(ready)),
+    );
+    frame(
+        "ready_response",
+        &rt(RuntimeMessage::NodeReadyResponse(NodeReadyResponse::Ready)),
+    );
+
+    let run = RunRequest {
+        run_id: "run-42".into(),
+        adapter: "oai".into(),
+        target: "gpt-4o-mini".into(),
+        input: Bytes::from_static(br#"{"messages":[{"role":"user","content":"hi"}]}"#),
+        metadata: BTreeMap::from([("trace_id".into(), "abc123".into())]),
+        response_stall_timeout: ResponseStallTimeout::from_wire_ms(30_000).expect("valid"),
+        timeout: Some(Duration::from_secs(120)),
+        long_context: false,
+        credential: None,
+    };
+    frame("run_request", &on_stream(RuntimeMessage::RunRequest(run)));
+    let mut delta = RunEvent::new(RunEventKind::Delta);
+    delta.delta = "Hello".into();
+    frame(
+        "run_event_delta",
+        &on_stream(RuntimeMessage::RunEvent(delta)),
+    );
+    let stall = ExecutionFailure {
+        health: HealthEvidence::Available,
+        idle_duration: Duration::from_millis(30_000),
+        run_id: "run-42".into(),
+        attempt_id: "attempt-1".into(),
+        fence: Fence::Confirmed,
+        adapter: "oai".into(),
+        target: "gpt-4o-mini".into(),
+        health_observation_seq: Some(7),
+    };
+    let mut error = RunEvent::new(RunEventKind::Error);
+    error.error = "response stalled".into();
+    error.usage = Some(Usage {
+        prompt_tokens: 10,
+        completion_tokens: 2,
+        total_tokens: 12,
+    });
+    error.execution_failure = Some(FailureEvidence::Valid(stall.clone()));
+    frame(
+        "run_event_error_stall",
+        &on_stream(RuntimeMessage::RunEvent(error)),
+    );
+    // Evidence on a non-error event decodes as rejected evidence, kept raw.
+    let mut rejected = RunEvent::new(RunEventKind::Complete);
+    rejected.execution_failure = Some(FailureEvidence::Valid(stall));
+    frame(
+        "run_event_rejected_evidence",
+        &on_stream(RuntimeMessage::RunEvent(rejected)),
+    );
+
+    let start = TunnelPayload::ResponseStart {
+        status: 200,
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"text/event-stream"),
+        }],
+    };
+    let body = TunnelPayload::Body(Bytes::from_static(
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+    ));
+    let usage = TunnelPayload::Usage(Usage {
+        prompt_tokens: 5,
+        completion_tokens: 1,
+        total_tokens: 6,
+    });
+    let error = TunnelPayload::Error {
+        error: "upstream reset".into(),
+        execution_failure: None,
+    };
+    for (i, (name, payload)) in [
+        ("tunnel_start", start),
+        ("tunnel_body", body),
+        ("tunnel_usage", usage),
+        ("tunnel_end", TunnelPayload::End),
+        ("tunnel_error", error),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let tf = TunnelFrame {
+            sequence: i as u64 + 1,
+            payload,
+            metadata: BTreeMap::new(),
+        };
+        frame(name, &on_stream(RuntimeMessage::ProviderTunnelFrame(tf)));
+    }
+    let cancel = CancelRequest {
+        run_id: "run-42".into(),
+        reason: "client_disconnected".into(),
+    };
+    frame("cancel_request", &rt(RuntimeMessage::CancelRequest(cancel)));
+    frame("ping", &RuntimeFrame::correlated(9, RuntimeMessage::Ping));
+
+    let hello = EdgeHelloRequest {
+        edge_id: "edge-1".into(),
+        version: "0.1.0".into(),
+        managed: false,
+        metadata: BTreeMap::from([("region".into(), "local".into())]),
+    };
+    frame(
+        "control_hello",
+        &ControlFrame::correlated(1, ControlMessage::EdgeHelloRequest(hello)),
+    );
+    frame(
+        "control_status_request",
+        &ControlFrame::correlated(2, ControlMessage::EdgeStatusRequest),
+    );
+    frame(
+        "control_ping",
+        &ControlFrame::correlated(3, ControlMessage::Ping),
+    );
+}
+
+fn rt(message: RuntimeMessage) -> RuntimeFrame {
+    RuntimeFrame::new(message)
+}
+
+fn on_stream(message: RuntimeMessage) -> RuntimeFrame {
+    RuntimeFrame::on_stream(1, message)
+}
+
+/// Object-safe encoding of either frame type.
+trait Encode {
+    fn encode(&self, codec: FrameCodec) -> Vec<u8>;
+}
+
+impl<F: WireFrame> Encode for F {
+    fn encode(&self, codec: FrameCodec) -> Vec<u8> {
+        codec.encode_to_bytes(self).expect("seed encodes").to_vec()
+    }
+}
+
+// === operation lists ===
+
+/// Writes `ops` in `arbitrary`'s format, checks it parses back to `ops`, and runs it.
+fn ops_seed<'a, T>(dir: &Path, name: &str, ops: &[T], bytes_buf: &'a mut Vec<u8>, run: fn(&[T]))
+where
+    T: ToSeed + Arbitrary<'a> + PartialEq + Debug,
+{
+    *bytes_buf = seed::ops(ops);
+    let parsed = Vec::<T>::arbitrary_take_rest(Unstructured::new(bytes_buf)).expect("parses");
+    assert_eq!(parsed, ops, "{name} does not parse back");
+    run(ops);
+    write(dir, name, bytes_buf);
+}
+
+fn tunnel_seeds(dir: &Path) {
+    use tunnel_sequencer::Kind::{Body, End, Error, Start, Usage};
+    use tunnel_sequencer::Op::{self, Close, Frame, Open};
+    let dir = fresh_dir(dir);
+    let f = |stream, sequence, kind| Frame {
+        stream,
+        sequence,
+        kind,
+    };
+    let seeds: Vec<(&str, Vec<Op>)> = vec![
+        (
+            "happy_stream",
+            vec![
+                Open(1),
+                f(1, 1, Start),
+                f(1, 2, Body),
+                f(1, 3, Usage),
+                f(1, 4, End),
+            ],
+        ),
+        (
+            "violations",
+            vec![
+                Open(1),
+                f(1, 1, Body),
+                Open(2),
+                f(2, 3, Start),
+                f(2, 3, Body),
+                Open(3),
+                f(3, 1, Usage),
+                f(3, 2, Start),
+                Open(4),
+                f(4, 1, End),
+            ],
+        ),
+        (
+            "error_then_reopen",
+            vec![
+                Open(5),
+                f(5, 1, Error),
+                f(5, 2, End),
+                Open(5),
+                f(5, 1, Start),
+                Close(5),
+            ],
+        ),
+        (
+            "stream_limit",
+            (0..10).map(Open).chain([Close(0), Open(9)]).collect(),
+        ),
+        (
+            "interleaved",
+            vec![
+                Open(1),
+                Open(2),
+                f(1, 1, Start),
+                f(2, 1, Start),
+                f(2, 2, Body),
+                f(1, 2, Body),
+                f(1, 9, End),
+                f(2, 3, Error),
+                f(1, 10, Body),
+            ],
+        ),
+    ];
+    for (name, ops) in seeds {
+        let mut buf = Vec::new();
+        ops_seed(&dir, name, &ops, &mut buf, tunnel_sequencer::run);
+    }
+}
+
+fn registry_seeds(dir: &Path) {
+    use registry_ops::Op::{self, Accept, AdvanceTime, AppFrame, Close, Ready, Register};
+    let dir = fresh_dir(dir);
+    // Connection indexes count accepts from 0; node 0 is "node-a", 1 "node-b", 2 "node-c".
+    let seeds: Vec<(&str, Vec<Op>)> = vec![
+        (
+            "ready_then_close",
+            vec![
+                Accept(Some(0)),
+                Register { conn: 0, node: 0 },
+                Ready { conn: 0, node: 0 },
+                AppFrame(0),
+                Close(0),
+                AppFrame(0),
+            ],
+        ),
+        (
+            "supersede",
+            vec![
+                Accept(Some(0)),
+                Register { conn: 0, node: 0 },
+                Ready { conn: 0, node: 0 },
+                Accept(Some(0)),
+                Register { conn: 1, node: 0 },
+                Ready { conn: 0, node: 0 },
+                Ready { conn: 1, node: 0 },
+                AppFrame(1),
+            ],
+        ),
+        (
+            "heartbeat_timeout",
+            vec![
+                Accept(None),
+                Register { conn: 0, node: 1 },
+                Ready { conn: 0, node: 1 },
+                AdvanceTime(15_000),
+                AppFrame(0),
+                AdvanceTime(20_000),
+                AdvanceTime(20_000),
+                AdvanceTime(20_000),
+                AppFrame(0),
+            ],
+        ),
+        (
+            "rejections",
+            vec![
+                Accept(Some(0)),
+                Register { conn: 0, node: 1 },
+                Accept(None),
+                AppFrame(1),
+                Accept(None),
+                Register { conn: 2, node: 2 },
+                Register { conn: 2, node: 1 },
+                Ready { conn: 2, node: 1 },
+            ],
+        ),
+        (
+            "two_nodes",
+            vec![
+                Accept(None),
+                Accept(None),
+                Register { conn: 0, node: 0 },
+                Register { conn: 1, node: 1 },
+                Ready { conn: 1, node: 1 },
+                Ready { conn: 0, node: 0 },
+                Ready { conn: 0, node: 0 },
+                AppFrame(0),
+                AppFrame(1),
+                Ready { conn: 0, node: 2 },
+            ],
+        ),
+    ];
+    for (name, ops) in seeds {
+        let mut buf = Vec::new();
+        ops_seed(&dir, name, &ops, &mut buf, registry_ops::run);
+    }
+}
