@@ -37,6 +37,37 @@ fn main() {
     frame_seeds(&root.join("frame_decoder"));
     tunnel_seeds(&root.join("tunnel_sequencer"));
     registry_seeds(&root.join("registry_ops"));
+    lease_seeds(&root.join("lease_open"));
+}
+
+// === lease_open ===
+
+fn lease_seeds(dir: &Path) {
+    use iop_fuzz::lease_open;
+    let dir = fresh_dir(dir);
+    let f = lease_open::fixture();
+    // Mode 0: raw envelopes (a valid one, and one sealed to another binding).
+    let mut valid = vec![0u8];
+    valid.extend_from_slice(&f.valid.to_bytes());
+    write(&dir, "valid_envelope", &valid);
+    lease_open::run(&valid);
+    let mut moved = f.valid.clone();
+    moved.binding.route_revision += 1;
+    f.issuer.resign(&mut moved).expect("resign");
+    let mut moved_bytes = vec![0u8];
+    moved_bytes.extend_from_slice(&moved.to_bytes());
+    write(&dir, "resigned_other_binding", &moved_bytes);
+    lease_open::run(&moved_bytes);
+    // Mode 1/3: byte flips of the valid envelope, without and with re-signing.
+    for (name, seed) in [
+        ("flip_signature", vec![1u8, 250, 0x01]),
+        ("flip_ciphertext_resigned", vec![3u8, 200, 0x80]),
+        ("flip_binding_resigned", vec![3u8, 30, 0x02]),
+        ("flip_timestamps_resigned", vec![3u8, 100, 0x10, 110, 0x01]),
+    ] {
+        write(&dir, name, &seed);
+        lease_open::run(&seed);
+    }
 }
 
 fn fresh_dir(dir: &Path) -> PathBuf {
