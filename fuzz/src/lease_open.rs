@@ -74,22 +74,39 @@ pub fn fixture() -> &'static Fixture {
             projection_generation: 3,
         };
         let valid = issuer
-            .issue(&binding, &public, &credential(), NOW, std::time::Duration::from_secs(30))
+            .issue(
+                &binding,
+                &public,
+                &credential(),
+                NOW,
+                std::time::Duration::from_secs(30),
+            )
             .expect("fixture lease issues");
-        Fixture { issuer, recipient, binding, valid }
+        Fixture {
+            issuer,
+            recipient,
+            binding,
+            valid,
+        }
     })
 }
 
 fn credential() -> Credential {
-    Credential::new(HeaderSpec::bearer(), Secret::new(SECRET.as_bytes().to_vec()))
-        .expect("valid credential")
+    Credential::new(
+        HeaderSpec::bearer(),
+        Secret::new(SECRET.as_bytes().to_vec()),
+    )
+    .expect("valid credential")
 }
 
 fn check_opened(opened: iop_lease::OpenedCredential) {
     let mut headers = http::HeaderMap::new();
     opened.inject(&mut headers);
     assert_eq!(headers.len(), 1);
-    assert_eq!(headers["authorization"], format!("Bearer {SECRET}").as_str());
+    assert_eq!(
+        headers["authorization"],
+        format!("Bearer {SECRET}").as_str()
+    );
 }
 
 fn open(env: &ManagedCredential, expected: &CredentialLeaseBinding, now: i64) {
@@ -97,7 +114,10 @@ fn open(env: &ManagedCredential, expected: &CredentialLeaseBinding, now: i64) {
     let mut guard = MemoryReplayGuard::with_capacity(4);
     match f.recipient.open(env, expected, now, &mut guard) {
         Ok(opened) => {
-            assert_eq!(&env.binding, &f.binding, "a lease opened for a binding never issued");
+            assert_eq!(
+                &env.binding, &f.binding,
+                "a lease opened for a binding never issued"
+            );
             check_opened(opened);
         }
         Err(e) => assert!(!format!("{e} {e:?}").contains("SECRET")),
@@ -106,7 +126,9 @@ fn open(env: &ManagedCredential, expected: &CredentialLeaseBinding, now: i64) {
 
 /// The fuzz entry point.
 pub fn run(data: &[u8]) {
-    let Some((&mode, rest)) = data.split_first() else { return };
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
     let f = fixture();
     if mode & 1 == 0 {
         if let Ok(env) = ManagedCredential::from_bytes(rest) {

@@ -460,6 +460,14 @@ impl RecipientPublicKey {
         &self.bytes
     }
 
+    /// The form `RegisterRequest` carries.
+    pub fn to_registration(&self) -> iop_wire::runtime::RecipientKey {
+        iop_wire::runtime::RecipientKey {
+            key_id: self.key_id.clone(),
+            public_key: self.bytes,
+        }
+    }
+
     pub(crate) fn hpke_public(&self) -> Result<<Kem as hpke::Kem>::PublicKey, KeyError> {
         <Kem as hpke::Kem>::PublicKey::from_bytes(&self.bytes)
             .map_err(|_| KeyError::Malformed("X25519 public key"))
@@ -517,6 +525,11 @@ mod tests {
         assert_eq!(raw.public_key(), key.public_key());
         let public = RecipientPublicKey::from_pem("rk-1", &key.public_key().to_pem()).unwrap();
         assert_eq!(public, key.public_key());
+        let reg = public.to_registration();
+        assert_eq!(
+            (reg.key_id.as_str(), &reg.public_key),
+            ("rk-1", public.as_bytes())
+        );
         assert!(!format!("{key:?}").contains(&format!("{:?}", &key.to_raw()[..4])));
     }
 

@@ -4,7 +4,10 @@
 //! The drivers here make no protocol decision: they move frames between the socket and the
 //! machine, re-arm one timer from `poll_timeout`, and forward events. (The production drivers
 //! live in `iop-node` and `iop-edge`.)
-#![allow(clippy::unwrap_used, reason = "test scaffolding: failed setup should panic")]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
 
 use std::collections::HashMap;
 use std::sync::Arc;
