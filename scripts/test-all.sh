@@ -27,7 +27,11 @@ step "clippy (-D warnings, all targets)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "tests"
-cargo test --workspace --locked
+test_log="$(mktemp)"
+trap 'rm -f "$test_log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$test_log"
+passed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$test_log" | awk '{s+=$1} END {print s+0}')"
+failed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$test_log" | awk '{s+=$1} END {print s+0}')"
 
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then
     step "fuzz smoke (${FUZZ_SECONDS:-20}s per target)"
@@ -39,3 +43,5 @@ if [ "${SKIP_FUZZ:-0}" != "1" ]; then
 fi
 
 step "all checks passed"
+# One closing line for the whole suite (cargo prints one per test binary).
+echo "tests: ${passed} passed, ${failed} failed"
