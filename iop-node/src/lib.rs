@@ -1,8 +1,233 @@
 //! The IOP Node, as an embeddable library.
 //!
-//! **Status: empty.** This crate is filled by issue #4. It will own the connectivity
-//! supervisor (initial dial and reconnect under `iop_wire::reconnect`), the tokio driver around
-//! `iop_wire::node::NodeSession`, the `Adapter` trait with the OpenAI-compatible, Ollama and demo
-//! adapters, the per-adapter capacity gate, the response-stall watchdog and lease opening.
+//! A Node dials out to its Edge over mutually authenticated TLS, registers, applies the
+//! adapter configuration the Edge sends, reports ready, and then executes normalized runs
+//! (`RunRequest` → `RunEvent` stream) on its adapter instances (seed `000`).
+//!
+//! # Design
+//!
+//! - [`run_node`] is the supervisor: one task doing the initial dial and every reconnect under
+//!   one `iop_wire::reconnect` policy. Startup does not need the Edge to be reachable. It ends
+//!   with an [`Exit`]: `Shutdown` (exit code 0) when the caller's token is cancelled,
+//!   `Exhausted` (1) when a finite budget runs out, `Fatal` (1) for local errors.
+//! - Each connection is driven by one loop around `iop_wire::node::NodeSession` (the protocol
+//!   decisions live there): nothing is dispatched before the Edge's ready ack, and a
+//!   session-lifetime cancellation token cancels every active run on disconnect.
+//! - [`Adapter`] is the trait embedders implement; [`AdapterRegistry`] builds instances by type
+//!   from the Edge's `NodeConfigPayload` (`AdapterConfig.name` is the instance identity; empty
+//!   means the legacy single instance). The built-in `demo` adapter needs no network.
+//! - A per-instance [`CapacityGate`] admits runs (defense in depth behind the Edge's leases).
+//! - The driver, not the adapter, sends `START` and exactly one terminal (`COMPLETE`, `ERROR`,
+//!   `CANCELLED`); a hard deadline, a `CancelRequest` and a disconnect each end the run with
+//!   their own outcome, and the adapter's future is dropped (aborting its upstream I/O).
+//!
+//! **Not yet here** (issue #4 continues): the OpenAI-compatible tunnel adapter and the Ollama
+//! adapter, the response-stall watchdog with its health probe, credential lease opening, and
+//! the `iop-node` binary.
+//!
+//! # Example
+//!
+//! ```no_run
+//! # async fn example(tls: std::sync::Arc<rustls::ClientConfig>) {
+//! use iop_node::{AdapterRegistry, NodeOptions, run_node};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! let opts = NodeOptions::new("node-1", "edge.internal:7443", "edge.internal", tls)
+//!     .expect("valid options")
+//!     .with_adapters(AdapterRegistry::with_builtins());
+//! let shutdown = CancellationToken::new();
+//! let exit = run_node(opts, shutdown.clone()).await;
+//! std::process::exit(exit.exit_code());
+//! # }
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+mod adapter;
+mod demo;
+mod session;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use adapter::{
+    Adapter, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate, RunCompletion, RunEvents,
+};
+pub use demo::DemoAdapter;
+use iop_wire::codec::DEFAULT_MAX_FRAME_LEN;
+use iop_wire::node::{CloseReason, NodeSessionConfig};
+use iop_wire::reconnect::{Action, Failure, Supervisor};
+pub use iop_wire::reconnect::{Exit, ReconnectPolicy};
+use iop_wire::runtime::RecipientKey;
+use rustls_pki_types::ServerName;
+pub use session::PROBE_TIMEOUT;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_util::sync::CancellationToken;
+
+/// Everything a Node needs to run.
+#[derive(Clone)]
+pub struct NodeOptions {
+    /// The Node id; must equal the name in the Node's workload certificate.
+    pub node_id: String,
+    /// The Edge's `host:port`.
+    pub edge_address: String,
+    /// The TLS server name to verify the Edge certificate against (DNS or IP SAN).
+    pub server_name: ServerName<'static>,
+    /// The TLS client configuration: the Node's identity and the verifier of the Edge's
+    /// role/name (build it with `iop_wire::identity`).
+    pub tls: Arc<rustls::ClientConfig>,
+    /// Initial dial and reconnect policy.
+    pub reconnect: ReconnectPolicy,
+    /// Heartbeat and handshake timeouts.
+    pub session: NodeSessionConfig,
+    /// Adapter types this Node can run.
+    pub adapters: AdapterRegistry,
+    /// Largest frame accepted or sent.
+    pub max_frame_len: usize,
+    /// The lease recipient key announced at registration, if any.
+    pub recipient: Option<RecipientKey>,
+    /// Limit on TCP connect plus TLS handshake.
+    pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for NodeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeOptions")
+            .field("node_id", &self.node_id)
+            .field("edge_address", &self.edge_address)
+            .field("reconnect", &self.reconnect)
+            .field("adapters", &self.adapters)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Node option was invalid; the message names the key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OptionsError {
+    /// `node_id` is empty or not a valid identifier.
+    #[error("node_id: must be 1-128 characters of A-Z a-z 0-9 . _ -")]
+    NodeId,
+    /// `edge.server_name` is not a DNS name or IP address.
+    #[error("edge.server_name: not a valid DNS name or IP address")]
+    ServerName,
+}
+
+impl NodeOptions {
+    /// Options with defaults: reconnect policy per seed 000 (10 attempts, 10 s), default
+    /// heartbeat, no adapters (add some with [`NodeOptions::with_adapters`]).
+    pub fn new(
+        node_id: &str,
+        edge_address: &str,
+        server_name: &str,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> Result<Self, OptionsError> {
+        let valid_id = !node_id.is_empty()
+            && node_id.len() <= 128
+            && node_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+            && node_id != "."
+            && node_id != "..";
+        if !valid_id {
+            return Err(OptionsError::NodeId);
+        }
+        let server_name =
+            ServerName::try_from(server_name.to_owned()).map_err(|_| OptionsError::ServerName)?;
+        Ok(Self {
+            node_id: node_id.to_owned(),
+            edge_address: edge_address.to_owned(),
+            server_name,
+            tls,
+            reconnect: ReconnectPolicy::default(),
+            session: NodeSessionConfig::default(),
+            adapters: AdapterRegistry::new(),
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            recipient: None,
+            connect_timeout: Duration::from_secs(10),
+        })
+    }
+
+    /// Sets the adapter registry.
+    pub fn with_adapters(mut self, adapters: AdapterRegistry) -> Self {
+        self.adapters = adapters;
+        self
+    }
+
+    /// Sets the reconnect policy.
+    pub fn with_reconnect(mut self, reconnect: ReconnectPolicy) -> Self {
+        self.reconnect = reconnect;
+        self
+    }
+}
+
+async fn dial(opts: &NodeOptions) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    let tcp = TcpStream::connect(&opts.edge_address).await?;
+    tcp.set_nodelay(true)?;
+    TlsConnector::from(opts.tls.clone())
+        .connect(opts.server_name.clone(), tcp)
+        .await
+}
+
+fn jitter() -> u32 {
+    // Jitter only spreads a fleet's reconnects; without OS randomness, no jitter.
+    getrandom::u32().unwrap_or(0)
+}
+
+/// Runs the Node until `shutdown` is cancelled, the reconnect budget is exhausted, or a fatal
+/// local error. Returns the outcome; [`Exit::exit_code`] maps it to a process exit code.
+pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
+    let mut supervisor = Supervisor::new(opts.reconnect);
+    loop {
+        match supervisor.poll_action() {
+            Some(Action::Dial { attempt }) => {
+                let now = tokio::time::Instant::now().into_std();
+                let dialed = tokio::select! {
+                    () = shutdown.cancelled() => {
+                        supervisor.handle_shutdown();
+                        continue;
+                    }
+                    r = tokio::time::timeout(opts.connect_timeout, dial(&opts)) => r,
+                };
+                match dialed {
+                    Ok(Ok(stream)) => {
+                        tracing::debug!(attempt, "connected to edge");
+                        let outcome = session::run_session(stream, &opts, &shutdown).await;
+                        if outcome.reached_ready {
+                            supervisor.handle_ready();
+                        }
+                        let now = tokio::time::Instant::now().into_std();
+                        if outcome.reason == CloseReason::Local {
+                            supervisor.handle_shutdown();
+                        } else {
+                            tracing::info!(reason = ?outcome.reason, "session ended; reconnecting under policy");
+                            supervisor.handle_failure(now, Failure::Retryable, jitter());
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        tracing::info!(attempt, error = %e, "dial failed");
+                        supervisor.handle_failure(now, Failure::Retryable, jitter());
+                    }
+                    Err(_) => {
+                        tracing::info!(attempt, "dial timed out");
+                        supervisor.handle_failure(now, Failure::Retryable, jitter());
+                    }
+                }
+            }
+            Some(Action::Exit(exit)) => return exit,
+            None => {
+                let Some(at) = supervisor.poll_timeout() else {
+                    // No action and no timer: only possible once finished.
+                    return supervisor.exit().unwrap_or(Exit::Fatal);
+                };
+                tokio::select! {
+                    () = shutdown.cancelled() => supervisor.handle_shutdown(),
+                    () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
+                        supervisor.handle_timeout(tokio::time::Instant::now().into_std());
+                    }
+                }
+            }
+        }
+    }
+}

@@ -300,6 +300,12 @@ impl NodeSession {
         self.close(CloseReason::TransportClosed);
     }
 
+    /// The bytes from the Edge did not decode as a valid frame (see
+    /// [`FrameError`](crate::error::FrameError)): the session cannot continue.
+    pub fn handle_invalid_frame(&mut self) {
+        self.close(CloseReason::ProtocolViolation("invalid frame"));
+    }
+
     // === commands ===
 
     /// The caller applied the config, started adapters and installed handlers: send ready.

@@ -1,0 +1,233 @@
+//! The `Adapter` trait embedders implement, the per-instance capacity gate, and the registry
+//! that builds adapter instances from the Edge's `NodeConfigPayload`.
+//!
+//! An adapter only produces content: for a normalized run it sends `DELTA` text through
+//! [`RunEvents`] and returns a [`RunCompletion`] or an error. The session driver owns the
+//! stream's framing: it sends `START` before calling the adapter and exactly one terminal
+//! (`COMPLETE`, `ERROR` or `CANCELLED`) after it, so an adapter cannot break the
+//! one-terminal rule. Cancellation is by drop: when a caller cancels, the deadline passes or
+//! the session ends, the driver drops the adapter's future, which aborts any upstream I/O it
+//! owns.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use iop_wire::runtime::{AdapterConfig, ProviderStatus, RunRequest, Usage};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+/// Why an adapter run failed. The text goes on the wire as the legacy error string, so it must
+/// be stable and low-sensitivity (no credentials, no upstream bodies).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdapterError {
+    /// The adapter does not support this kind of request (e.g. a tunnel on a native adapter).
+    #[error("operation not supported by this adapter")]
+    Unsupported,
+    /// The target is not served by this instance.
+    #[error("unknown target")]
+    UnknownTarget,
+    /// The request input could not be interpreted.
+    #[error("invalid input: {0}")]
+    InvalidInput(&'static str),
+    /// The provider failed; the text is a stable classification.
+    #[error("provider error: {0}")]
+    Provider(String),
+}
+
+/// How a normalized run ended successfully.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunCompletion {
+    /// Metadata for the `COMPLETE` event (e.g. `openai_tool_calls`).
+    pub metadata: BTreeMap<String, String>,
+    /// Usage observation.
+    pub usage: Option<Usage>,
+}
+
+/// Where an adapter sends the text deltas of a run. Sending after the run ended (or after the
+/// session closed) is a no-op that returns `false`.
+#[derive(Clone, Debug)]
+pub struct RunEvents {
+    tx: mpsc::Sender<String>,
+}
+
+impl RunEvents {
+    pub(crate) fn new(tx: mpsc::Sender<String>) -> Self {
+        Self { tx }
+    }
+
+    /// Sends one text delta; waits when the connection is congested (backpressure).
+    pub async fn delta(&self, text: impl Into<String>) -> bool {
+        self.tx.send(text.into()).await.is_ok()
+    }
+}
+
+/// A provider adapter instance. Implement it to plug your own backend into a Node.
+#[async_trait]
+pub trait Adapter: Send + Sync + 'static {
+    /// Runs one normalized execution, sending deltas through `events`.
+    async fn run(
+        &self,
+        request: RunRequest,
+        events: RunEvents,
+    ) -> Result<RunCompletion, AdapterError>;
+
+    /// A bounded, fail-closed health probe of exactly `target` (CAPABILITIES and stall
+    /// evidence). Must not take longer than the caller's timeout to be useful; the driver
+    /// enforces that timeout and reports `Unknown` when it passes.
+    async fn probe(&self, target: &str) -> ProviderStatus;
+}
+
+/// Builds adapter instances of one type from their configuration.
+pub type AdapterFactory =
+    Arc<dyn Fn(&AdapterConfig) -> Result<Arc<dyn Adapter>, String> + Send + Sync + 'static>;
+
+/// Adapter factories by type name (`"demo"`, `"ollama"`, `"openai_compat"`, or your own).
+#[derive(Clone, Default)]
+pub struct AdapterRegistry {
+    factories: HashMap<String, AdapterFactory>,
+}
+
+impl std::fmt::Debug for AdapterRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut types: Vec<_> = self.factories.keys().collect();
+        types.sort();
+        f.debug_struct("AdapterRegistry")
+            .field("types", &types)
+            .finish()
+    }
+}
+
+impl AdapterRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The built-in adapters: `demo`.
+    pub fn with_builtins() -> Self {
+        let mut r = Self::new();
+        r.register(
+            "demo",
+            Arc::new(|c: &AdapterConfig| {
+                Ok(Arc::new(crate::demo::DemoAdapter::from_config(c)) as Arc<dyn Adapter>)
+            }),
+        );
+        r
+    }
+
+    /// Adds (or replaces) the factory for `adapter_type`.
+    pub fn register(&mut self, adapter_type: &str, factory: AdapterFactory) {
+        self.factories.insert(adapter_type.to_owned(), factory);
+    }
+
+    /// The adapter types this registry can build (what `RegisterRequest.adapter_types` says).
+    pub fn types(&self) -> Vec<String> {
+        let mut t: Vec<_> = self.factories.keys().cloned().collect();
+        t.sort();
+        t
+    }
+
+    /// Builds every enabled instance of `configs`. Fails without side effects if any instance
+    /// fails, so a bad refresh leaves the old set in force.
+    pub(crate) fn build(&self, configs: &[AdapterConfig]) -> Result<Instances, String> {
+        let mut by_key = HashMap::new();
+        for c in configs.iter().filter(|c| c.enabled) {
+            let factory = self.factories.get(&c.adapter_type).ok_or_else(|| {
+                format!(
+                    "adapter type `{}` is not available on this node",
+                    c.adapter_type
+                )
+            })?;
+            let adapter = factory(c).map_err(|e| format!("adapter `{}`: {e}", c.instance_key()))?;
+            by_key.insert(
+                c.instance_key().to_owned(),
+                Arc::new(Instance {
+                    config: c.clone(),
+                    adapter,
+                    gate: CapacityGate::new(c.capacity),
+                }),
+            );
+        }
+        Ok(Instances { by_key })
+    }
+}
+
+/// A running adapter instance with its gate.
+pub(crate) struct Instance {
+    pub(crate) config: AdapterConfig,
+    pub(crate) adapter: Arc<dyn Adapter>,
+    pub(crate) gate: CapacityGate,
+}
+
+/// The running set, keyed by instance identity.
+#[derive(Default)]
+pub(crate) struct Instances {
+    pub(crate) by_key: HashMap<String, Arc<Instance>>,
+}
+
+impl Instances {
+    /// Resolves a request's adapter field: an instance key, or empty for the legacy single
+    /// instance (the only instance, when there is exactly one).
+    pub(crate) fn resolve(&self, adapter: &str) -> Option<Arc<Instance>> {
+        if adapter.is_empty() && self.by_key.len() == 1 {
+            return self.by_key.values().next().cloned();
+        }
+        self.by_key.get(adapter).cloned()
+    }
+}
+
+/// A per-adapter-instance capacity gate, shared by normalized runs and provider tunnels.
+///
+/// Defense in depth: the Edge's provider leases are the admission authority; this gate only
+/// protects the backend from executions that bypassed the Edge queue. A zero capacity admits
+/// nothing.
+#[derive(Debug)]
+pub struct CapacityGate {
+    permits: Arc<Semaphore>,
+    capacity: u32,
+}
+
+impl CapacityGate {
+    /// A gate admitting `capacity` concurrent executions.
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(capacity as usize)),
+            capacity,
+        }
+    }
+
+    /// Admits one execution now, or refuses (never waits: the Edge already queued).
+    pub fn try_admit(&self) -> Option<OwnedSemaphorePermit> {
+        self.permits.clone().try_acquire_owned().ok()
+    }
+
+    /// Executions currently admitted.
+    pub fn in_flight(&self) -> u32 {
+        let available = u32::try_from(self.permits.available_permits()).unwrap_or(u32::MAX);
+        self.capacity.saturating_sub(available)
+    }
+
+    /// The configured capacity.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gate_admits_up_to_capacity_and_releases_on_drop() {
+        let g = CapacityGate::new(2);
+        let a = g.try_admit().unwrap();
+        let _b = g.try_admit().unwrap();
+        assert!(g.try_admit().is_none());
+        assert_eq!(g.in_flight(), 2);
+        drop(a);
+        assert_eq!(g.in_flight(), 1);
+        assert!(g.try_admit().is_some());
+        assert!(CapacityGate::new(0).try_admit().is_none());
+    }
+}

@@ -1,0 +1,448 @@
+//! The tokio driver of one Edge connection around `iop_wire::node::NodeSession`.
+//!
+//! One loop per connection (quinn's `ConnectionDriver` shape): feed received frames and timer
+//! expiries to the machine, drain its transmits into the socket and its events into adapter
+//! work, re-arm one timer. Every run is a task holding a child of the session's cancellation
+//! token, so a disconnect cancels every active run.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt as _, StreamExt as _};
+use iop_wire::codec::{FrameCodec, TokioCodec};
+use iop_wire::node::{CloseReason, NodeEvent, NodeSession};
+use iop_wire::runtime::{
+    Capability, ConfigRefreshOutcome, NodeCommandKind, NodeCommandRequest, NodeCommandResponse,
+    NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus, RegisterRequest, RunEvent,
+    RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
+};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::time::Instant;
+use tokio_util::codec::Framed;
+use tokio_util::sync::CancellationToken;
+
+use crate::NodeOptions;
+use crate::adapter::{Instance, Instances, RunEvents};
+
+/// How long one CAPABILITIES probe may take before it counts as `unknown` (fail closed).
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Work finished off the loop, reported back to it.
+#[expect(clippy::large_enum_variant, reason = "moved once through a channel")]
+enum Outbound {
+    /// A frame to send (only ever produced after ready).
+    Frame(RuntimeFrame),
+    /// A run ended; forget its cancel handle.
+    RunDone(String),
+    /// Probe results; the loop stamps each with the next `health_observation_seq`.
+    Capabilities {
+        correlation_id: u64,
+        entries: Vec<(String, String, ProviderStatus, String)>,
+    },
+}
+
+/// How a session ended.
+#[derive(Debug)]
+pub(crate) struct SessionOutcome {
+    pub(crate) reason: CloseReason,
+    pub(crate) reached_ready: bool,
+}
+
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
+/// Runs one session over an established (TLS) stream until it closes.
+pub(crate) async fn run_session<S>(
+    stream: S,
+    opts: &NodeOptions,
+    shutdown: &CancellationToken,
+) -> SessionOutcome
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let codec = TokioCodec::<RuntimeFrame>::new(FrameCodec::with_max_frame_len(opts.max_frame_len));
+    let mut framed = Framed::new(stream, codec);
+    let register = RegisterRequest {
+        node_id: opts.node_id.clone(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        adapter_types: opts.adapters.types(),
+        recipient: opts.recipient.clone(),
+    };
+    let mut session = NodeSession::new(opts.session, register, now());
+    let session_token = CancellationToken::new();
+    // Cancels every run of this session however the loop exits.
+    let _cancel_runs = session_token.clone().drop_guard();
+    let (out_tx, mut out_rx) = mpsc::channel::<Outbound>(1024);
+    let mut instances = Instances::default();
+    let mut runs: HashMap<String, CancellationToken> = HashMap::new();
+    let mut reached_ready = false;
+
+    loop {
+        // Drain the machine until it is quiet: handling an event may queue frames.
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            while let Some(frame) = session.poll_transmit() {
+                progressed = true;
+                if framed.feed(frame).await.is_err() {
+                    session.handle_transport_closed();
+                }
+            }
+            if framed.flush().await.is_err() {
+                session.handle_transport_closed();
+            }
+            while let Some(event) = session.poll_event() {
+                progressed = true;
+                match event {
+                    NodeEvent::ApplyConfig { config, .. } => {
+                        match opts.adapters.build(&config.adapters) {
+                            Ok(built) => {
+                                instances = built;
+                                // Handlers are the arms of this loop: installed once it runs.
+                                let _ = session.config_applied(now());
+                            }
+                            Err(reason) => {
+                                tracing::warn!(%reason, "node config rejected");
+                                let _ = session.config_failed(reason);
+                            }
+                        }
+                    }
+                    NodeEvent::Ready => {
+                        reached_ready = true;
+                        tracing::info!(node_id = %opts.node_id, "dispatch-ready");
+                    }
+                    NodeEvent::Frame(frame) => handle_frame(
+                        frame,
+                        &mut instances,
+                        &mut runs,
+                        &session_token,
+                        &out_tx,
+                        opts,
+                        &mut session,
+                    ),
+                    NodeEvent::Closed(reason) => {
+                        let _ = framed.close().await;
+                        return SessionOutcome {
+                            reason,
+                            reached_ready,
+                        };
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let deadline = session.poll_timeout().map(Instant::from_std);
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => session.close_local(),
+            frame = framed.next() => match frame {
+                Some(Ok(frame)) => session.handle_frame(now(), frame),
+                Some(Err(iop_wire::codec::CodecError::Frame(e))) => {
+                    tracing::warn!(error = %e, "invalid frame from edge");
+                    session.handle_invalid_frame();
+                }
+                _ => session.handle_transport_closed(),
+            },
+            Some(out) = out_rx.recv() => match out {
+                Outbound::Frame(frame) => {
+                    // Refused only after the session closed, when the frame has nowhere to go.
+                    let _ = session.send(now(), frame);
+                }
+                Outbound::RunDone(run_id) => {
+                    runs.remove(&run_id);
+                }
+                Outbound::Capabilities { correlation_id, entries } => {
+                    let capabilities = entries
+                        .into_iter()
+                        .map(|(adapter_key, target, provider_status, adapter)| Capability {
+                            instance_key: adapter_key.clone(),
+                            adapter_key,
+                            target,
+                            provider_status,
+                            health_observation_seq: session.next_health_observation_seq().unwrap_or(1),
+                            adapter,
+                        })
+                        .collect();
+                    let resp = NodeCommandResponse { ok: true, capabilities, ..Default::default() };
+                    let _ = session.send(now(), RuntimeFrame::correlated(correlation_id, RuntimeMessage::NodeCommandResponse(resp)));
+                }
+            },
+            () = sleep_until(deadline) => session.handle_timeout(now()),
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn handle_frame(
+    frame: RuntimeFrame,
+    instances: &mut Instances,
+    runs: &mut HashMap<String, CancellationToken>,
+    session_token: &CancellationToken,
+    out_tx: &mpsc::Sender<Outbound>,
+    opts: &NodeOptions,
+    session: &mut NodeSession,
+) {
+    let RuntimeFrame {
+        correlation_id,
+        stream_id,
+        message,
+    } = frame;
+    match message {
+        RuntimeMessage::RunRequest(req) => {
+            let refuse = |error: &str| {
+                let mut ev = RunEvent::new(RunEventKind::Error);
+                ev.error = error.to_owned();
+                RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev))
+            };
+            let Some(instance) = instances.resolve(&req.adapter) else {
+                let _ = session.send(now(), refuse("unknown adapter"));
+                return;
+            };
+            let Some(permit) = instance.gate.try_admit() else {
+                let _ = session.send(now(), refuse("adapter capacity exhausted"));
+                return;
+            };
+            if runs.contains_key(&req.run_id) {
+                let _ = session.send(now(), refuse("duplicate run id"));
+                return;
+            }
+            let token = session_token.child_token();
+            runs.insert(req.run_id.clone(), token.clone());
+            tokio::spawn(run_task(
+                stream_id,
+                req,
+                instance,
+                permit,
+                token,
+                out_tx.clone(),
+            ));
+        }
+        RuntimeMessage::CancelRequest(cancel) => {
+            if let Some(token) = runs.get(&cancel.run_id) {
+                token.cancel();
+            }
+        }
+        RuntimeMessage::NodeCommandRequest(cmd) => {
+            command(
+                correlation_id,
+                cmd,
+                instances,
+                runs.len(),
+                out_tx,
+                opts,
+                session,
+            );
+        }
+        RuntimeMessage::NodeConfigRefreshRequest(config) => {
+            let resp = refresh(&config, instances, opts);
+            let _ = session.send(
+                now(),
+                RuntimeFrame::correlated(
+                    correlation_id,
+                    RuntimeMessage::NodeConfigRefreshResponse(resp),
+                ),
+            );
+        }
+        // Provider tunnels arrive with the OpenAI-compatible adapter; until then they are
+        // answered with a single ERROR terminal.
+        RuntimeMessage::ProviderTunnelRequest(_) => {
+            let frame = iop_wire::runtime::TunnelFrame {
+                sequence: 1,
+                payload: iop_wire::runtime::TunnelPayload::Error {
+                    error: "provider tunnel not supported by this node".into(),
+                    execution_failure: None,
+                },
+                metadata: Default::default(),
+            };
+            let _ = session.send(
+                now(),
+                RuntimeFrame::on_stream(stream_id, RuntimeMessage::ProviderTunnelFrame(frame)),
+            );
+        }
+        _ => {}
+    }
+}
+
+fn refresh(
+    config: &NodeConfigPayload,
+    instances: &mut Instances,
+    opts: &NodeOptions,
+) -> NodeConfigRefreshResponse {
+    match opts.adapters.build(&config.adapters) {
+        Ok(built) => {
+            // Runs in flight keep their `Arc<Instance>` until they finish.
+            *instances = built;
+            NodeConfigRefreshResponse {
+                outcome: ConfigRefreshOutcome::Applied,
+                reason: String::new(),
+                revision: config.revision,
+            }
+        }
+        Err(reason) => NodeConfigRefreshResponse {
+            outcome: ConfigRefreshOutcome::Failed,
+            reason,
+            revision: config.revision,
+        },
+    }
+}
+
+fn command(
+    correlation_id: u64,
+    cmd: NodeCommandRequest,
+    instances: &Instances,
+    active_runs: usize,
+    out_tx: &mpsc::Sender<Outbound>,
+    opts: &NodeOptions,
+    session: &mut NodeSession,
+) {
+    match cmd.kind {
+        NodeCommandKind::Capabilities => {
+            let mut probes = Vec::new();
+            for (key, inst) in &instances.by_key {
+                if !cmd.adapter.is_empty() && cmd.adapter != *key {
+                    continue;
+                }
+                for target in &inst.config.targets {
+                    if cmd.target.is_empty() || cmd.target == *target {
+                        probes.push((key.clone(), target.clone(), inst.clone()));
+                    }
+                }
+            }
+            let out_tx = out_tx.clone();
+            tokio::spawn(async move {
+                let mut entries = Vec::with_capacity(probes.len());
+                for (key, target, inst) in probes {
+                    let status = tokio::time::timeout(PROBE_TIMEOUT, inst.adapter.probe(&target))
+                        .await
+                        .unwrap_or(ProviderStatus::Unknown);
+                    entries.push((key, target, status, inst.config.adapter_type.clone()));
+                }
+                let _ = out_tx
+                    .send(Outbound::Capabilities {
+                        correlation_id,
+                        entries,
+                    })
+                    .await;
+            });
+        }
+        NodeCommandKind::Transport => {
+            let result = [
+                ("node_id".to_owned(), opts.node_id.clone()),
+                ("state".to_owned(), "ready".to_owned()),
+                ("active_runs".to_owned(), active_runs.to_string()),
+            ]
+            .into_iter()
+            .collect();
+            let resp = NodeCommandResponse {
+                ok: true,
+                result,
+                ..Default::default()
+            };
+            let _ = session.send(
+                now(),
+                RuntimeFrame::correlated(correlation_id, RuntimeMessage::NodeCommandResponse(resp)),
+            );
+        }
+        NodeCommandKind::ProviderLifecycle => {
+            let result = instances
+                .by_key
+                .iter()
+                .map(|(k, i)| {
+                    (
+                        k.clone(),
+                        format!(
+                            "in_flight={} capacity={}",
+                            i.gate.in_flight(),
+                            i.gate.capacity()
+                        ),
+                    )
+                })
+                .collect();
+            let resp = NodeCommandResponse {
+                ok: true,
+                result,
+                ..Default::default()
+            };
+            let _ = session.send(
+                now(),
+                RuntimeFrame::correlated(correlation_id, RuntimeMessage::NodeCommandResponse(resp)),
+            );
+        }
+    }
+}
+
+/// One normalized run: START, the adapter's deltas, exactly one terminal.
+async fn run_task(
+    stream_id: u64,
+    req: RunRequest,
+    instance: Arc<Instance>,
+    permit: OwnedSemaphorePermit,
+    cancel: CancellationToken,
+    out: mpsc::Sender<Outbound>,
+) {
+    let _permit = permit;
+    let run_id = req.run_id.clone();
+    let deadline = req.timeout.map(|t| Instant::now() + t);
+    let event = |ev: RunEvent| {
+        Outbound::Frame(RuntimeFrame::on_stream(
+            stream_id,
+            RuntimeMessage::RunEvent(ev),
+        ))
+    };
+    let delta = |text: String| {
+        let mut ev = RunEvent::new(RunEventKind::Delta);
+        ev.delta = text;
+        event(ev)
+    };
+    let _ = out.send(event(RunEvent::new(RunEventKind::Start))).await;
+    let (dtx, mut drx) = mpsc::channel::<String>(64);
+    // The adapter's future lives only inside this block: it is dropped (cancelling any
+    // upstream I/O) before the terminal is sent.
+    let terminal = {
+        let run = instance.adapter.run(req, RunEvents::new(dtx));
+        tokio::pin!(run);
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => break RunEvent::new(RunEventKind::Cancelled),
+                () = sleep_until(deadline) => {
+                    let mut ev = RunEvent::new(RunEventKind::Error);
+                    ev.error = "deadline exceeded".into();
+                    break ev;
+                }
+                Some(text) = drx.recv() => {
+                    let _ = out.send(delta(text)).await;
+                }
+                result = &mut run => {
+                    while let Ok(text) = drx.try_recv() {
+                        let _ = out.send(delta(text)).await;
+                    }
+                    break match result {
+                        Ok(done) => {
+                            let mut ev = RunEvent::new(RunEventKind::Complete);
+                            ev.metadata = done.metadata;
+                            ev.usage = done.usage;
+                            ev
+                        }
+                        Err(e) => {
+                            let mut ev = RunEvent::new(RunEventKind::Error);
+                            ev.error = e.to_string();
+                            ev
+                        }
+                    };
+                }
+            }
+        }
+    };
+    let _ = out.send(event(terminal)).await;
+    let _ = out.send(Outbound::RunDone(run_id)).await;
+}
