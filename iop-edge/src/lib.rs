@@ -1,8 +1,15 @@
 //! The IOP Edge, as an embeddable library.
 //!
-//! **Status: empty.** This crate is filled by issues #4 and #5. It will own the tokio driver
-//! around `iop_wire::edge::Registry` (mTLS accept loop, one connection task per Node), the
-//! provider pool and queue with provider leases, snapshots and health overlays, dispatch, the
-//! OpenAI-compatible HTTP surface and the Control Plane connector.
+//! **Status:** the Node transport ([`transport`]) is here: the mTLS listener, one I/O task per
+//! Node connection, and one registry task that owns `iop_wire::edge::Registry` — the single
+//! authority for `node_id → current owner, generation, pending/ready` — plus the routing of run
+//! streams and commands. [`EdgeHandle`] is the embeddable API to dispatch runs, cancel them,
+//! send commands and push config refreshes to ready Nodes. Still to come (issues #4, #5): the
+//! provider tunnel API, the provider pool and queue with provider leases, snapshots and health
+//! overlays, the OpenAI-compatible HTTP surface and the Control Plane connector.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+pub mod transport;
+
+pub use transport::{DispatchError, EdgeHandle, Lifecycle, RunStream, TransportConfig, bind};

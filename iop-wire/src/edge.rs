@@ -272,6 +272,18 @@ impl Registry {
             .is_some_and(|(_, g)| g == generation)
     }
 
+    /// Every dispatch-ready Node and its generation, sorted by Node id.
+    pub fn ready_nodes(&self) -> Vec<(String, Generation)> {
+        let mut out: Vec<_> = self
+            .owners
+            .iter()
+            .filter(|(_, o)| o.phase == Phase::Ready)
+            .map(|(n, o)| (n.clone(), o.generation))
+            .collect();
+        out.sort();
+        out
+    }
+
     /// Number of open connections.
     pub fn connection_count(&self) -> usize {
         self.conns.len()

@@ -1,0 +1,725 @@
+//! The Edge side of the runtime wire over mTLS.
+//!
+//! ```text
+//!  TLS accept ──▶ conn task (read/write frames) ──inputs──▶ registry task ──▶ RunStream / replies
+//!                        ▲                                     │ owns iop_wire::edge::Registry,
+//!                        └──────────── frames to write ────────┘ run routes, pending commands
+//! ```
+//!
+//! - The TLS handshake requires a CA-signed client certificate with role `node`; the
+//!   certificate's name is handed to the registry, which only lets that connection register as
+//!   that Node id. No-cert, wrong-CA and wrong-role peers never reach the registry.
+//! - The registry task is the only owner of protocol state. Correctness transitions — run
+//!   routes ending when their generation is fenced, command replies failing — happen there, in
+//!   the same step as the registry event; the [`Lifecycle`] broadcast is observation only and
+//!   may lag or drop without affecting them.
+//! - A run stream ends with exactly one terminal: the Node's, or a synthetic `ERROR`
+//!   ("node disconnected") when the Node's generation is fenced first. Dropping the
+//!   [`RunStream`] before its terminal sends `CancelRequest` for the run id.
+//!
+//! Routes are keyed by a stream id that is never reused, and checked against the transport
+//! reception identity `(node_id, generation)` of the frame, never against anything the frame
+//! claims.
+//!
+//! Backpressure: run events are forwarded through an unbounded channel per stream, so a caller
+//! that stops reading makes the Edge buffer that run's events. Bounded per-stream windows are
+//! future work.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures_util::{SinkExt as _, StreamExt as _};
+use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
+use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent};
+use iop_wire::identity::peer_identity;
+use iop_wire::runtime::{
+    CancelRequest, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
+    NodeConfigRefreshResponse, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
+};
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::codec::Framed;
+
+/// Reason text of the synthetic terminal sent when a run's Node generation is fenced.
+pub const NODE_DISCONNECTED: &str = "node disconnected";
+
+/// Transport settings.
+#[derive(Clone)]
+pub struct TransportConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Server TLS: the Edge identity and a client verifier requiring role `node` (build it with
+    /// `iop_wire::identity::{client_cert_verifier, server_config}`).
+    pub tls: Arc<rustls::ServerConfig>,
+    /// Heartbeat and default-config settings of the registry.
+    pub registry: RegistryConfig,
+    /// Config payload per configured Node id.
+    pub node_configs: Vec<(String, NodeConfigPayload)>,
+    /// Largest frame accepted or sent.
+    pub max_frame_len: usize,
+}
+
+impl std::fmt::Debug for TransportConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransportConfig")
+            .field("listen", &self.listen)
+            .field(
+                "nodes",
+                &self.node_configs.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl TransportConfig {
+    /// A config with the default registry settings and frame limit.
+    pub fn new(listen: SocketAddr, tls: Arc<rustls::ServerConfig>) -> Self {
+        Self {
+            listen,
+            tls,
+            registry: RegistryConfig::default(),
+            node_configs: Vec::new(),
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+        }
+    }
+}
+
+/// A Node lifecycle transition, after the registry made it authoritative. Observation only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// First ready transition of a generation (`node.connected`).
+    Connected {
+        /// Node.
+        node_id: String,
+        /// Generation.
+        generation: Generation,
+    },
+    /// The ready generation was fenced (`node.disconnected`).
+    Disconnected {
+        /// Node.
+        node_id: String,
+        /// Generation.
+        generation: Generation,
+    },
+}
+
+/// Why a dispatch was refused or failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DispatchError {
+    /// The Node has no dispatch-ready generation.
+    #[error("node is not dispatch-ready")]
+    NotReady,
+    /// The Node's generation was fenced before it answered.
+    #[error("node disconnected")]
+    Disconnected,
+    /// The transport task is gone (the Edge is shutting down).
+    #[error("edge transport stopped")]
+    Stopped,
+}
+
+/// The events of one dispatched run; ends after exactly one terminal event.
+#[derive(Debug)]
+pub struct RunStream {
+    /// The generation the run was dispatched to.
+    pub generation: Generation,
+    events: mpsc::UnboundedReceiver<RunEvent>,
+    done: bool,
+}
+
+impl RunStream {
+    /// The next event; `None` after the terminal.
+    pub async fn next(&mut self) -> Option<RunEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.events.recv().await?;
+        self.done = ev.kind.is_terminal();
+        Some(ev)
+    }
+}
+
+enum Input {
+    Accepted {
+        peer: String,
+        out: mpsc::UnboundedSender<Option<RuntimeFrame>>,
+        reply: oneshot::Sender<ConnId>,
+    },
+    Frame(ConnId, RuntimeFrame),
+    Closed(ConnId),
+    Run {
+        node_id: String,
+        request: RunRequest,
+        reply: oneshot::Sender<Result<RunStream, DispatchError>>,
+    },
+    Cancel {
+        node_id: String,
+        run_id: String,
+        reason: String,
+    },
+    Command {
+        node_id: String,
+        request: NodeCommandRequest,
+        reply: oneshot::Sender<Result<NodeCommandResponse, DispatchError>>,
+    },
+    Refresh {
+        node_id: String,
+        config: NodeConfigPayload,
+        reply: oneshot::Sender<Result<NodeConfigRefreshResponse, DispatchError>>,
+    },
+    ReadyNodes {
+        reply: oneshot::Sender<Vec<(String, Generation)>>,
+    },
+    /// A run stream's receiver was dropped.
+    StreamDropped(u64),
+}
+
+/// The embeddable API of a running transport. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct EdgeHandle {
+    inputs: mpsc::UnboundedSender<Input>,
+    lifecycle: broadcast::Sender<Lifecycle>,
+    local_addr: SocketAddr,
+}
+
+impl std::fmt::Debug for Input {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Input")
+    }
+}
+
+impl EdgeHandle {
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Lifecycle transitions from now on (observation only; a slow subscriber may lag).
+    pub fn subscribe(&self) -> broadcast::Receiver<Lifecycle> {
+        self.lifecycle.subscribe()
+    }
+
+    /// Dispatches a normalized run to the current ready generation of `node_id`.
+    pub async fn run(
+        &self,
+        node_id: &str,
+        request: RunRequest,
+    ) -> Result<RunStream, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Run {
+            node_id: node_id.to_owned(),
+            request,
+            reply,
+        })?;
+        rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// Asks `node_id` to cancel `run_id` (its terminal then arrives on the run's stream).
+    pub fn cancel(&self, node_id: &str, run_id: &str, reason: &str) -> Result<(), DispatchError> {
+        self.send(Input::Cancel {
+            node_id: node_id.to_owned(),
+            run_id: run_id.to_owned(),
+            reason: reason.to_owned(),
+        })
+    }
+
+    /// Sends a command to a ready Node and waits for its answer.
+    pub async fn command(
+        &self,
+        node_id: &str,
+        request: NodeCommandRequest,
+    ) -> Result<NodeCommandResponse, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Command {
+            node_id: node_id.to_owned(),
+            request,
+            reply,
+        })?;
+        rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// Pushes a config refresh to a ready Node and waits for its outcome.
+    pub async fn refresh(
+        &self,
+        node_id: &str,
+        config: NodeConfigPayload,
+    ) -> Result<NodeConfigRefreshResponse, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Refresh {
+            node_id: node_id.to_owned(),
+            config,
+            reply,
+        })?;
+        rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// The dispatch-ready Nodes and their generations.
+    pub async fn ready_nodes(&self) -> Result<Vec<(String, Generation)>, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::ReadyNodes { reply })?;
+        rx.await.map_err(|_| DispatchError::Stopped)
+    }
+
+    fn send(&self, input: Input) -> Result<(), DispatchError> {
+        self.inputs.send(input).map_err(|_| DispatchError::Stopped)
+    }
+}
+
+/// Binds the listener and starts the transport: an accept task (returned; abort it to stop
+/// accepting), one task per connection, and the registry task, which runs while any
+/// [`EdgeHandle`] or connection is alive.
+pub async fn bind(
+    config: TransportConfig,
+) -> std::io::Result<(EdgeHandle, tokio::task::JoinHandle<()>)> {
+    let listener = TcpListener::bind(config.listen).await?;
+    let local_addr = listener.local_addr()?;
+    let (inputs, input_rx) = mpsc::unbounded_channel();
+    let (lifecycle, _) = broadcast::channel(1024);
+    let handle = EdgeHandle {
+        inputs: inputs.clone(),
+        lifecycle: lifecycle.clone(),
+        local_addr,
+    };
+    let mut registry = Registry::new(config.registry.clone());
+    for (node_id, payload) in &config.node_configs {
+        registry.set_node_config(node_id, Some(payload.clone()));
+    }
+    let acceptor = TlsAcceptor::from(config.tls.clone());
+    let codec = FrameCodec::with_max_frame_len(config.max_frame_len);
+    let accept_inputs = inputs.downgrade();
+    let accept = tokio::spawn(async move {
+        loop {
+            let (tcp, peer_addr) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // E.g. out of file descriptors: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Some(inputs) = accept_inputs.upgrade() else {
+                return;
+            };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                if tcp.set_nodelay(true).is_err() {
+                    return;
+                }
+                let tls = match acceptor.accept(tcp).await {
+                    Ok(tls) => tls,
+                    Err(e) => {
+                        tracing::info!(%peer_addr, error = %e, "node TLS handshake refused");
+                        return;
+                    }
+                };
+                let Ok(peer) = peer_identity(tls.get_ref().1) else {
+                    return;
+                };
+                connection(tls, peer.name().to_owned(), codec, inputs).await;
+            });
+        }
+    });
+    tokio::spawn(registry_task(registry, input_rx, lifecycle));
+    Ok((handle, accept))
+}
+
+/// One connection's I/O: frames in to the registry task, frames out from it.
+async fn connection<S>(
+    stream: S,
+    peer: String,
+    codec: FrameCodec,
+    inputs: mpsc::UnboundedSender<Input>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (out, mut out_rx) = mpsc::unbounded_channel::<Option<RuntimeFrame>>();
+    let (reply, conn) = oneshot::channel();
+    if inputs.send(Input::Accepted { peer, out, reply }).is_err() {
+        return;
+    }
+    let Ok(conn) = conn.await else { return };
+    let mut framed = Framed::new(stream, TokioCodec::<RuntimeFrame>::new(codec));
+    loop {
+        tokio::select! {
+            out = out_rx.recv() => match out {
+                Some(Some(frame)) => {
+                    if framed.feed(frame).await.is_err() {
+                        break;
+                    }
+                    // Write everything already queued before flushing once.
+                    let mut closed = false;
+                    while let Ok(more) = out_rx.try_recv() {
+                        match more {
+                            Some(frame) => {
+                                if framed.feed(frame).await.is_err() {
+                                    closed = true;
+                                    break;
+                                }
+                            }
+                            None => {
+                                closed = true;
+                                break;
+                            }
+                        }
+                    }
+                    if framed.flush().await.is_err() || closed {
+                        break;
+                    }
+                }
+                _ => break,
+            },
+            frame = framed.next() => match frame {
+                Some(Ok(frame)) => {
+                    if inputs.send(Input::Frame(conn, frame)).is_err() {
+                        break;
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::info!(error = %e, "invalid frame from node; closing");
+                    break;
+                }
+                None => break,
+            },
+        }
+    }
+    let _ = framed.close().await;
+    let _ = inputs.send(Input::Closed(conn));
+}
+
+struct Route {
+    node_id: String,
+    generation: Generation,
+    run_id: String,
+    events: mpsc::UnboundedSender<RunEvent>,
+}
+
+enum Pending {
+    Command(oneshot::Sender<Result<NodeCommandResponse, DispatchError>>),
+    Refresh(oneshot::Sender<Result<NodeConfigRefreshResponse, DispatchError>>),
+}
+
+struct State {
+    registry: Registry,
+    outs: HashMap<ConnId, mpsc::UnboundedSender<Option<RuntimeFrame>>>,
+    routes: HashMap<u64, Route>,
+    pending: HashMap<u64, (String, Generation, Pending)>,
+    next_stream: u64,
+    next_correlation: u64,
+    lifecycle: broadcast::Sender<Lifecycle>,
+}
+
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
+async fn registry_task(
+    registry: Registry,
+    mut input_rx: mpsc::UnboundedReceiver<Input>,
+    lifecycle: broadcast::Sender<Lifecycle>,
+) {
+    let mut st = State {
+        registry,
+        outs: HashMap::new(),
+        routes: HashMap::new(),
+        pending: HashMap::new(),
+        next_stream: 1,
+        next_correlation: 1,
+        lifecycle,
+    };
+    loop {
+        let deadline = st.registry.poll_timeout().map(Instant::from_std);
+        let input = tokio::select! {
+            input = input_rx.recv() => match input {
+                Some(i) => Some(i),
+                None => return,
+            },
+            () = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => None,
+        };
+        match input {
+            Some(input) => st.handle(input),
+            None => st.registry.handle_timeout(now()),
+        }
+        st.drain();
+    }
+}
+
+impl State {
+    fn handle(&mut self, input: Input) {
+        match input {
+            Input::Accepted { peer, out, reply } => {
+                let conn = self.registry.accept(now(), Some(peer));
+                self.outs.insert(conn, out);
+                let _ = reply.send(conn);
+            }
+            Input::Frame(conn, frame) => self.registry.handle_frame(now(), conn, frame),
+            Input::Closed(conn) => {
+                self.registry.handle_close(conn);
+                self.outs.remove(&conn);
+            }
+            Input::Run {
+                node_id,
+                request,
+                reply,
+            } => {
+                let Some((_, generation)) = self.registry.ready_generation(&node_id) else {
+                    let _ = reply.send(Err(DispatchError::NotReady));
+                    return;
+                };
+                let stream_id = self.next_stream;
+                self.next_stream += 1;
+                let run_id = request.run_id.clone();
+                let frame = RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunRequest(request));
+                if self
+                    .registry
+                    .send(now(), &node_id, generation, frame)
+                    .is_err()
+                {
+                    let _ = reply.send(Err(DispatchError::NotReady));
+                    return;
+                }
+                let (tx, rx) = mpsc::unbounded_channel();
+                self.routes.insert(
+                    stream_id,
+                    Route {
+                        node_id,
+                        generation,
+                        run_id,
+                        events: tx,
+                    },
+                );
+                let stream = RunStream {
+                    generation,
+                    events: rx,
+                    done: false,
+                };
+                if reply.send(Ok(stream)).is_err() {
+                    self.handle(Input::StreamDropped(stream_id));
+                }
+            }
+            Input::Cancel {
+                node_id,
+                run_id,
+                reason,
+            } => {
+                if let Some((_, generation)) = self.registry.ready_generation(&node_id) {
+                    let cancel = RuntimeMessage::CancelRequest(CancelRequest { run_id, reason });
+                    let _ =
+                        self.registry
+                            .send(now(), &node_id, generation, RuntimeFrame::new(cancel));
+                }
+            }
+            Input::Command {
+                node_id,
+                request,
+                reply,
+            } => {
+                self.correlated(
+                    node_id,
+                    RuntimeMessage::NodeCommandRequest(request),
+                    Pending::Command(reply),
+                );
+            }
+            Input::Refresh {
+                node_id,
+                config,
+                reply,
+            } => {
+                self.correlated(
+                    node_id,
+                    RuntimeMessage::NodeConfigRefreshRequest(config),
+                    Pending::Refresh(reply),
+                );
+            }
+            Input::ReadyNodes { reply } => {
+                let _ = reply.send(self.registry.ready_nodes());
+            }
+            Input::StreamDropped(stream_id) => {
+                if let Some(route) = self.routes.remove(&stream_id) {
+                    // The caller went away: ask the Node to stop the provider work.
+                    let cancel = RuntimeMessage::CancelRequest(CancelRequest {
+                        run_id: route.run_id,
+                        reason: "caller_disconnected".into(),
+                    });
+                    let _ = self.registry.send(
+                        now(),
+                        &route.node_id,
+                        route.generation,
+                        RuntimeFrame::new(cancel),
+                    );
+                }
+            }
+        }
+    }
+
+    fn correlated(&mut self, node_id: String, message: RuntimeMessage, pending: Pending) {
+        let fail = |p: Pending, e| match p {
+            Pending::Command(r) => {
+                let _ = r.send(Err(e));
+            }
+            Pending::Refresh(r) => {
+                let _ = r.send(Err(e));
+            }
+        };
+        let Some((_, generation)) = self.registry.ready_generation(&node_id) else {
+            return fail(pending, DispatchError::NotReady);
+        };
+        let id = self.next_correlation;
+        self.next_correlation += 1;
+        if self
+            .registry
+            .send(
+                now(),
+                &node_id,
+                generation,
+                RuntimeFrame::correlated(id, message),
+            )
+            .is_err()
+        {
+            return fail(pending, DispatchError::NotReady);
+        }
+        self.pending.insert(id, (node_id, generation, pending));
+    }
+
+    fn drain(&mut self) {
+        while let Some((conn, frame)) = self.registry.poll_transmit() {
+            if let Some(out) = self.outs.get(&conn) {
+                let _ = out.send(Some(frame));
+            }
+        }
+        while let Some(event) = self.registry.poll_event() {
+            match event {
+                RegistryEvent::NodeReady {
+                    node_id,
+                    generation,
+                    ..
+                } => {
+                    let _ = self.lifecycle.send(Lifecycle::Connected {
+                        node_id,
+                        generation,
+                    });
+                }
+                RegistryEvent::NodeFenced {
+                    node_id,
+                    generation,
+                    cause,
+                } => {
+                    tracing::info!(%node_id, ?generation, ?cause, "node generation fenced");
+                    self.fence(&node_id, generation);
+                    let _ = self.lifecycle.send(Lifecycle::Disconnected {
+                        node_id,
+                        generation,
+                    });
+                }
+                RegistryEvent::Frame {
+                    node_id,
+                    generation,
+                    frame,
+                    ..
+                } => self.route(&node_id, generation, frame),
+                RegistryEvent::CloseConnection { conn, .. } => {
+                    if let Some(out) = self.outs.remove(&conn) {
+                        let _ = out.send(None);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Ends every run and command of a fenced generation, in the same step as the fence.
+    fn fence(&mut self, node_id: &str, generation: Generation) {
+        let dead: Vec<u64> = self
+            .routes
+            .iter()
+            .filter(|(_, r)| r.node_id == node_id && r.generation == generation)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in dead {
+            if let Some(route) = self.routes.remove(&id) {
+                let mut ev = RunEvent::new(RunEventKind::Error);
+                ev.error = NODE_DISCONNECTED.into();
+                let _ = route.events.send(ev);
+            }
+        }
+        let dead: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, (n, g, _))| n == node_id && *g == generation)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in dead {
+            if let Some((_, _, pending)) = self.pending.remove(&id) {
+                match pending {
+                    Pending::Command(r) => {
+                        let _ = r.send(Err(DispatchError::Disconnected));
+                    }
+                    Pending::Refresh(r) => {
+                        let _ = r.send(Err(DispatchError::Disconnected));
+                    }
+                }
+            }
+        }
+    }
+
+    fn route(&mut self, node_id: &str, generation: Generation, frame: RuntimeFrame) {
+        match frame.message {
+            RuntimeMessage::RunEvent(ev) => {
+                let Some(route) = self.routes.get(&frame.stream_id) else {
+                    return;
+                };
+                // Transport identity, not payload identity, decides where a frame belongs.
+                if route.node_id != node_id || route.generation != generation {
+                    return;
+                }
+                let terminal = ev.kind.is_terminal();
+                let delivered = route.events.send(ev).is_ok();
+                if terminal {
+                    self.routes.remove(&frame.stream_id);
+                } else if !delivered {
+                    self.handle(Input::StreamDropped(frame.stream_id));
+                }
+            }
+            RuntimeMessage::NodeCommandResponse(resp) => {
+                if let Some((_, _, Pending::Command(reply))) =
+                    self.take_pending(frame.correlation_id, node_id, generation)
+                {
+                    let _ = reply.send(Ok(resp));
+                }
+            }
+            RuntimeMessage::NodeConfigRefreshResponse(resp) => {
+                if let Some((_, _, Pending::Refresh(reply))) =
+                    self.take_pending(frame.correlation_id, node_id, generation)
+                {
+                    let _ = reply.send(Ok(resp));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn take_pending(
+        &mut self,
+        id: u64,
+        node_id: &str,
+        generation: Generation,
+    ) -> Option<(String, Generation, Pending)> {
+        let matches = self
+            .pending
+            .get(&id)
+            .is_some_and(|(n, g, _)| n == node_id && *g == generation);
+        if matches {
+            self.pending.remove(&id)
+        } else {
+            None
+        }
+    }
+}
