@@ -13,7 +13,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use iop_wire::runtime::{AdapterConfig, ProviderStatus, RunRequest, Usage};
+use bytes::Bytes;
+use iop_wire::runtime::{
+    AdapterConfig, Header, ProviderStatus, ProviderTunnelRequest, RunRequest, TunnelPayload, Usage,
+};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// Why an adapter run failed. The text goes on the wire as the legacy error string, so it must
@@ -62,6 +65,39 @@ impl RunEvents {
     }
 }
 
+/// Where an adapter sends a tunnelled provider response. The driver numbers the frames and
+/// sends the single terminal (END when the adapter returns `Ok`, ERROR otherwise), so the
+/// adapter sends only the response start, body bytes and usage observations. Each method
+/// returns `false` once the tunnel is gone (cancelled or disconnected).
+#[derive(Clone, Debug)]
+pub struct TunnelSink {
+    tx: mpsc::Sender<TunnelPayload>,
+}
+
+impl TunnelSink {
+    pub(crate) fn new(tx: mpsc::Sender<TunnelPayload>) -> Self {
+        Self { tx }
+    }
+
+    /// The provider's status and headers (send it first, once).
+    pub async fn start(&self, status: u16, headers: Vec<Header>) -> bool {
+        self.tx
+            .send(TunnelPayload::ResponseStart { status, headers })
+            .await
+            .is_ok()
+    }
+
+    /// Body bytes exactly as the provider sent them.
+    pub async fn body(&self, bytes: Bytes) -> bool {
+        self.tx.send(TunnelPayload::Body(bytes)).await.is_ok()
+    }
+
+    /// A usage observation (never merged into the body).
+    pub async fn usage(&self, usage: Usage) -> bool {
+        self.tx.send(TunnelPayload::Usage(usage)).await.is_ok()
+    }
+}
+
 /// A provider adapter instance. Implement it to plug your own backend into a Node.
 #[async_trait]
 pub trait Adapter: Send + Sync + 'static {
@@ -71,6 +107,17 @@ pub trait Adapter: Send + Sync + 'static {
         request: RunRequest,
         events: RunEvents,
     ) -> Result<RunCompletion, AdapterError>;
+
+    /// Opens a provider HTTP request and streams its response through `frames` (OpenAI-style
+    /// passthrough). Adapters without a raw HTTP surface keep the default, which refuses.
+    async fn tunnel(
+        &self,
+        request: ProviderTunnelRequest,
+        frames: TunnelSink,
+    ) -> Result<(), AdapterError> {
+        let _ = (request, frames);
+        Err(AdapterError::Unsupported)
+    }
 
     /// A bounded, fail-closed health probe of exactly `target` (CAPABILITIES and stall
     /// evidence). Must not take longer than the caller's timeout to be useful; the driver
@@ -104,13 +151,20 @@ impl AdapterRegistry {
         Self::default()
     }
 
-    /// The built-in adapters: `demo`.
+    /// The built-in adapters: `demo` and `openai_compat`.
     pub fn with_builtins() -> Self {
         let mut r = Self::new();
         r.register(
             "demo",
             Arc::new(|c: &AdapterConfig| {
                 Ok(Arc::new(crate::demo::DemoAdapter::from_config(c)) as Arc<dyn Adapter>)
+            }),
+        );
+        r.register(
+            crate::openai::ADAPTER_TYPE,
+            Arc::new(|c: &AdapterConfig| {
+                let adapter = crate::openai::OpenAiCompatAdapter::from_config(c)?;
+                Ok(Arc::new(adapter) as Arc<dyn Adapter>)
             }),
         );
         r

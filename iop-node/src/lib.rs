@@ -21,9 +21,12 @@
 //!   `CANCELLED`); a hard deadline, a `CancelRequest` and a disconnect each end the run with
 //!   their own outcome, and the adapter's future is dropped (aborting its upstream I/O).
 //!
-//! **Not yet here** (issue #4 continues): the OpenAI-compatible tunnel adapter and the Ollama
-//! adapter, the response-stall watchdog with its health probe, credential lease opening, and
-//! the `iop-node` binary.
+//! - The built-in `openai_compat` adapter serves provider raw tunnels: status, headers and body
+//!   bytes (SSE byte for byte) as numbered `ProviderTunnelFrame`s, usage as a separate
+//!   observation; the driver sends the single END/ERROR terminal.
+//!
+//! **Not yet here** (issue #4 continues): the Ollama adapter, the response-stall watchdog with
+//! its health probe, credential lease opening, and the `iop-node` binary.
 //!
 //! # Example
 //!
@@ -45,6 +48,7 @@
 
 mod adapter;
 mod demo;
+pub mod openai;
 mod session;
 
 use std::sync::Arc;
@@ -52,6 +56,7 @@ use std::time::Duration;
 
 pub use adapter::{
     Adapter, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate, RunCompletion, RunEvents,
+    TunnelSink,
 };
 pub use demo::DemoAdapter;
 use iop_wire::codec::DEFAULT_MAX_FRAME_LEN;
@@ -59,6 +64,7 @@ use iop_wire::node::{CloseReason, NodeSessionConfig};
 use iop_wire::reconnect::{Action, Failure, Supervisor};
 pub use iop_wire::reconnect::{Exit, ReconnectPolicy};
 use iop_wire::runtime::RecipientKey;
+pub use openai::OpenAiCompatAdapter;
 use rustls_pki_types::ServerName;
 pub use session::PROBE_TIMEOUT;
 use tokio::net::TcpStream;

@@ -14,8 +14,9 @@ use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession};
 use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, NodeCommandKind, NodeCommandRequest, NodeCommandResponse,
-    NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus, RegisterRequest, RunEvent,
-    RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
+    NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus, ProviderTunnelRequest,
+    RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage, TunnelFrame,
+    TunnelPayload,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
@@ -24,7 +25,8 @@ use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 
 use crate::NodeOptions;
-use crate::adapter::{Instance, Instances, RunEvents};
+use crate::adapter::{Instance, Instances, RunEvents, TunnelSink};
+use iop_wire::tunnel::TunnelWriter;
 
 /// How long one CAPABILITIES probe may take before it counts as `unknown` (fail closed).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -252,21 +254,40 @@ fn handle_frame(
                 ),
             );
         }
-        // Provider tunnels arrive with the OpenAI-compatible adapter; until then they are
-        // answered with a single ERROR terminal.
-        RuntimeMessage::ProviderTunnelRequest(_) => {
-            let frame = iop_wire::runtime::TunnelFrame {
-                sequence: 1,
-                payload: iop_wire::runtime::TunnelPayload::Error {
-                    error: "provider tunnel not supported by this node".into(),
-                    execution_failure: None,
-                },
-                metadata: Default::default(),
+        RuntimeMessage::ProviderTunnelRequest(req) => {
+            let refuse = |error: &str| {
+                let frame = TunnelFrame {
+                    sequence: 1,
+                    payload: TunnelPayload::Error {
+                        error: error.to_owned(),
+                        execution_failure: None,
+                    },
+                    metadata: Default::default(),
+                };
+                RuntimeFrame::on_stream(stream_id, RuntimeMessage::ProviderTunnelFrame(frame))
             };
-            let _ = session.send(
-                now(),
-                RuntimeFrame::on_stream(stream_id, RuntimeMessage::ProviderTunnelFrame(frame)),
-            );
+            let Some(instance) = instances.resolve(&req.adapter) else {
+                let _ = session.send(now(), refuse("unknown adapter"));
+                return;
+            };
+            let Some(permit) = instance.gate.try_admit() else {
+                let _ = session.send(now(), refuse("adapter capacity exhausted"));
+                return;
+            };
+            if runs.contains_key(&req.run_id) {
+                let _ = session.send(now(), refuse("duplicate run id"));
+                return;
+            }
+            let token = session_token.child_token();
+            runs.insert(req.run_id.clone(), token.clone());
+            tokio::spawn(tunnel_task(
+                stream_id,
+                req,
+                instance,
+                permit,
+                token,
+                out_tx.clone(),
+            ));
         }
         _ => {}
     }
@@ -444,5 +465,68 @@ async fn run_task(
         }
     };
     let _ = out.send(event(terminal)).await;
+    let _ = out.send(Outbound::RunDone(run_id)).await;
+}
+
+/// One provider tunnel: the adapter's frames, numbered, then exactly one terminal.
+async fn tunnel_task(
+    stream_id: u64,
+    req: ProviderTunnelRequest,
+    instance: Arc<Instance>,
+    permit: OwnedSemaphorePermit,
+    cancel: CancellationToken,
+    out: mpsc::Sender<Outbound>,
+) {
+    let _permit = permit;
+    let run_id = req.run_id.clone();
+    let deadline = req.timeout.map(|t| Instant::now() + t);
+    let mut writer = TunnelWriter::new();
+    let (ftx, mut frx) = mpsc::channel::<TunnelPayload>(64);
+    let send = |writer: &mut TunnelWriter, payload: TunnelPayload| {
+        writer.frame(payload).map(|f| {
+            Outbound::Frame(RuntimeFrame::on_stream(
+                stream_id,
+                RuntimeMessage::ProviderTunnelFrame(f),
+            ))
+        })
+    };
+    let error = |text: &str| TunnelPayload::Error {
+        error: text.to_owned(),
+        execution_failure: None,
+    };
+    // The adapter's future lives only inside this block (dropping it aborts the upstream
+    // request) and is gone before the terminal is sent.
+    let terminal = {
+        let tunnel = instance.adapter.tunnel(req, TunnelSink::new(ftx));
+        tokio::pin!(tunnel);
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => break error("cancelled"),
+                () = sleep_until(deadline) => break error("deadline exceeded"),
+                Some(payload) = frx.recv() => {
+                    // The writer refuses out-of-order payloads from a misbehaving adapter.
+                    if let Some(frame) = send(&mut writer, payload) {
+                        let _ = out.send(frame).await;
+                    }
+                }
+                result = &mut tunnel => {
+                    while let Ok(payload) = frx.try_recv() {
+                        if let Some(frame) = send(&mut writer, payload) {
+                            let _ = out.send(frame).await;
+                        }
+                    }
+                    break match result {
+                        Ok(()) if writer.is_started() => TunnelPayload::End,
+                        Ok(()) => error("provider sent no response"),
+                        Err(e) => error(&e.to_string()),
+                    };
+                }
+            }
+        }
+    };
+    if let Some(frame) = send(&mut writer, terminal) {
+        let _ = out.send(frame).await;
+    }
     let _ = out.send(Outbound::RunDone(run_id)).await;
 }

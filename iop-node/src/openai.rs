@@ -1,0 +1,366 @@
+//! The `openai_compat` adapter: provider raw tunnel to an OpenAI-compatible HTTP API.
+//!
+//! For a `ProviderTunnelRequest` it opens the upstream request (the path from the instance's
+//! protocol profile for the named operation, or the request's fallback path), then streams the
+//! provider's status and headers as RESPONSE_START and its body, byte for byte, as BODY frames
+//! (SSE included: nothing is parsed out of or merged into the body). Usage is observed on the
+//! side: `usage` objects in SSE `data:` lines, or in a JSON body of at most 1 MiB, become USAGE
+//! frames. Dropping the adapter's future (caller cancel, deadline, session end) drops the HTTP
+//! response, which closes the upstream connection.
+//!
+//! HTTPS upstreams are verified against the platform's roots with rustls and the ring provider.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt as _;
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, Operation, ProviderStatus,
+    ProviderTunnelRequest, RunRequest, Usage,
+};
+
+use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents, TunnelSink};
+
+/// The adapter type name in `AdapterConfig.type`.
+pub const ADAPTER_TYPE: &str = "openai_compat";
+/// Default upstream request timeout when the instance sets none.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+/// Bound of a health probe.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest non-streamed body buffered (besides being passed through) to observe usage.
+const MAX_USAGE_SCAN: usize = 1024 * 1024;
+/// Longest SSE line scanned for usage.
+const MAX_SSE_LINE: usize = 256 * 1024;
+
+/// Request and response headers never forwarded: hop-by-hop and framing headers.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+];
+
+/// The OpenAI-compatible passthrough adapter.
+#[derive(Clone, Debug)]
+pub struct OpenAiCompatAdapter {
+    client: reqwest::Client,
+    base_url: String,
+    profile: ConcreteProtocolProfile,
+    targets: Vec<String>,
+}
+
+impl OpenAiCompatAdapter {
+    /// Builds an instance from its configuration.
+    pub fn from_config(config: &AdapterConfig) -> Result<Self, String> {
+        let AdapterSettings::OpenAiCompat(settings) = &config.settings else {
+            return Err("openai_compat settings are required".into());
+        };
+        let base = reqwest::Url::parse(&settings.base_url)
+            .map_err(|_| "openai_compat.base_url is not a valid URL".to_owned())?;
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err("openai_compat.base_url must be http or https".into());
+        }
+        let timeout = match settings.request_timeout_sec {
+            0 => DEFAULT_REQUEST_TIMEOUT,
+            s => Duration::from_secs(u64::from(s)),
+        };
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls_platform_verifier::Verifier::new(provider.clone())
+            .map_err(|_| "platform certificate verifier unavailable".to_owned())?;
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|_| "TLS configuration failed".to_owned())?
+            .dangerous()
+            .with_custom_certificate_verifier(std::sync::Arc::new(verifier))
+            .with_no_client_auth();
+        let client = reqwest::Client::builder()
+            .tls_backend_preconfigured(tls)
+            .timeout(timeout)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|_| "HTTP client construction failed".to_owned())?;
+        Ok(Self {
+            client,
+            base_url: settings.base_url.trim_end_matches('/').to_owned(),
+            profile: settings.protocol_profile.clone(),
+            targets: config.targets.clone(),
+        })
+    }
+
+    fn url(&self, operation: Option<Operation>, fallback: &str) -> Result<String, AdapterError> {
+        let path = match operation {
+            Some(op) => self
+                .profile
+                .operation_paths
+                .get(&op)
+                .ok_or(AdapterError::InvalidInput(
+                    "operation not in the protocol profile",
+                ))?
+                .as_str(),
+            None => fallback,
+        };
+        Ok(format!("{}{}", self.base_url, path))
+    }
+}
+
+fn classify(e: &reqwest::Error) -> AdapterError {
+    // Stable classifications only: reqwest's text can include URLs and upstream details.
+    let kind = if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect failed"
+    } else if e.is_body() || e.is_decode() {
+        "response body failed"
+    } else {
+        "request failed"
+    };
+    AdapterError::Provider(kind.to_owned())
+}
+
+#[async_trait]
+impl Adapter for OpenAiCompatAdapter {
+    async fn run(
+        &self,
+        _request: RunRequest,
+        _events: RunEvents,
+    ) -> Result<RunCompletion, AdapterError> {
+        // OpenAI-compatible providers are served through the raw tunnel (seed 000).
+        Err(AdapterError::Unsupported)
+    }
+
+    async fn tunnel(
+        &self,
+        request: ProviderTunnelRequest,
+        frames: TunnelSink,
+    ) -> Result<(), AdapterError> {
+        if !self.targets.is_empty() && !self.targets.contains(&request.target) {
+            return Err(AdapterError::UnknownTarget);
+        }
+        let url = self.url(request.operation, &request.path)?;
+        let method = reqwest::Method::from_bytes(request.method.as_bytes())
+            .map_err(|_| AdapterError::InvalidInput("method"))?;
+        let mut headers = http::HeaderMap::new();
+        for h in &request.headers {
+            if HOP_BY_HOP.contains(&h.name.to_ascii_lowercase().as_str()) {
+                continue;
+            }
+            let (Ok(name), Ok(value)) = (
+                http::HeaderName::from_bytes(h.name.as_bytes()),
+                http::HeaderValue::from_bytes(&h.value),
+            ) else {
+                return Err(AdapterError::InvalidInput("header"));
+            };
+            headers.append(name, value);
+        }
+        let mut builder = self
+            .client
+            .request(method, url)
+            .headers(headers)
+            .body(request.body);
+        if let Some(t) = request.timeout {
+            builder = builder.timeout(t);
+        }
+        let response = builder.send().await.map_err(|e| classify(&e))?;
+        let status = response.status().as_u16();
+        let sse = response
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let out_headers = response
+            .headers()
+            .iter()
+            .filter(|(n, _)| !HOP_BY_HOP.contains(&n.as_str()))
+            .map(|(n, v)| Header {
+                name: n.as_str().to_owned(),
+                value: Bytes::copy_from_slice(v.as_bytes()),
+            })
+            .collect();
+        if !frames.start(status, out_headers).await {
+            return Ok(());
+        }
+        let mut scanner = UsageScanner::new(sse);
+        let mut body = response.bytes_stream();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| classify(&e))?;
+            scanner.feed(&chunk);
+            if !frames.body(chunk).await {
+                return Ok(());
+            }
+        }
+        if let Some(usage) = scanner.finish() {
+            frames.usage(usage).await;
+        }
+        Ok(())
+    }
+
+    async fn probe(&self, target: &str) -> ProviderStatus {
+        let path = if self.profile.health_path.is_empty() {
+            self.profile
+                .operation_paths
+                .get(&Operation::Models)
+                .map_or("/models", String::as_str)
+        } else {
+            self.profile.health_path.as_str()
+        };
+        let request = self
+            .client
+            .get(format!("{}{}", self.base_url, path))
+            .timeout(PROBE_TIMEOUT);
+        let Ok(response) = request.send().await else {
+            return ProviderStatus::Unavailable;
+        };
+        if !response.status().is_success() {
+            return ProviderStatus::Unavailable;
+        }
+        // Exact target: the models list must name it; an unreadable list proves nothing.
+        match response.json::<serde_json::Value>().await {
+            Ok(v) => {
+                let listed = v["data"]
+                    .as_array()
+                    .is_some_and(|models| models.iter().any(|m| m["id"].as_str() == Some(target)));
+                if listed {
+                    ProviderStatus::Available
+                } else {
+                    ProviderStatus::Unavailable
+                }
+            }
+            Err(_) => ProviderStatus::Unknown,
+        }
+    }
+}
+
+/// Finds the last `usage` object in an SSE stream's `data:` lines or a JSON body, without
+/// touching the bytes that are passed through.
+#[derive(Debug)]
+pub(crate) struct UsageScanner {
+    sse: bool,
+    buf: Vec<u8>,
+    overflow: bool,
+    last: Option<Usage>,
+}
+
+impl UsageScanner {
+    pub(crate) fn new(sse: bool) -> Self {
+        Self {
+            sse,
+            buf: Vec::new(),
+            overflow: false,
+            last: None,
+        }
+    }
+
+    pub(crate) fn feed(&mut self, chunk: &[u8]) {
+        if !self.sse {
+            if self.buf.len() + chunk.len() > MAX_USAGE_SCAN {
+                self.overflow = true;
+                self.buf = Vec::new();
+            } else if !self.overflow {
+                self.buf.extend_from_slice(chunk);
+            }
+            return;
+        }
+        for &b in chunk {
+            if b == b'\n' {
+                let line = std::mem::take(&mut self.buf);
+                if !self.overflow {
+                    self.line(&line);
+                }
+                self.overflow = false;
+            } else if self.buf.len() < MAX_SSE_LINE {
+                self.buf.push(b);
+            } else {
+                self.overflow = true;
+            }
+        }
+    }
+
+    fn line(&mut self, line: &[u8]) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(data) = line.strip_prefix(b"data:")
+            && let Some(u) = usage_of(data.trim_ascii_start())
+        {
+            self.last = Some(u);
+        }
+    }
+
+    pub(crate) fn finish(mut self) -> Option<Usage> {
+        if self.sse {
+            let rest = std::mem::take(&mut self.buf);
+            if !self.overflow {
+                self.line(&rest);
+            }
+            self.last
+        } else if self.overflow {
+            None
+        } else {
+            usage_of(&self.buf)
+        }
+    }
+}
+
+fn usage_of(json: &[u8]) -> Option<Usage> {
+    let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+    let u = v.get("usage")?;
+    let n = |k: &str| u.get(k).and_then(serde_json::Value::as_u64);
+    // OpenAI names, then Anthropic-style names.
+    let prompt = n("prompt_tokens").or_else(|| n("input_tokens"))?;
+    let completion = n("completion_tokens")
+        .or_else(|| n("output_tokens"))
+        .unwrap_or(0);
+    let total = n("total_tokens").unwrap_or(prompt + completion);
+    Some(Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: total,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_from_sse_split_anywhere() {
+        let stream = b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
+        for cut in 0..stream.len() {
+            let mut s = UsageScanner::new(true);
+            s.feed(&stream[..cut]);
+            s.feed(&stream[cut..]);
+            assert_eq!(
+                s.finish(),
+                Some(Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 5,
+                    total_tokens: 8
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn usage_from_json_body_and_bounds() {
+        let mut s = UsageScanner::new(false);
+        s.feed(br#"{"id":"x","usage":{"input_tokens":2,"output_tokens":4}}"#);
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                prompt_tokens: 2,
+                completion_tokens: 4,
+                total_tokens: 6
+            })
+        );
+        let mut s = UsageScanner::new(false);
+        s.feed(&vec![b' '; MAX_USAGE_SCAN + 1]);
+        assert_eq!(s.finish(), None);
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: not json\n\n");
+        assert_eq!(s.finish(), None);
+    }
+}
