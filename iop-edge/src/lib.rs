@@ -4,12 +4,16 @@
 //! Node connection, and one registry task that owns `iop_wire::edge::Registry` — the single
 //! authority for `node_id → current owner, generation, pending/ready` — plus the routing of run
 //! streams and commands. [`EdgeHandle`] is the embeddable API to dispatch runs, cancel them,
-//! send commands and push config refreshes to ready Nodes. Still to come (issues #4, #5): the
-//! provider tunnel API, the provider pool and queue with provider leases, snapshots and health
-//! overlays, the OpenAI-compatible HTTP surface and the Control Plane connector.
+//! open provider tunnels (frames checked by `iop_wire::tunnel`), send commands and push config
+//! refreshes to ready Nodes. Still to come (issues #4, #5): the response wait timeout on
+//! tunnels, the provider pool and queue with provider leases, snapshots and health overlays,
+//! the OpenAI-compatible HTTP surface and the Control Plane connector.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod transport;
 
-pub use transport::{DispatchError, EdgeHandle, Lifecycle, RunStream, TransportConfig, bind};
+pub use transport::{
+    DispatchError, EdgeHandle, Lifecycle, RunStream, TransportConfig, TunnelEvent, TunnelStream,
+    bind,
+};

@@ -35,8 +35,10 @@ use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent
 use iop_wire::identity::peer_identity;
 use iop_wire::runtime::{
     CancelRequest, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshResponse, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
+    NodeConfigRefreshResponse, ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest,
+    RuntimeFrame, RuntimeMessage,
 };
+use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
@@ -142,6 +144,50 @@ impl RunStream {
     }
 }
 
+/// One event of a provider tunnel, in order. Exactly one terminal ends the stream: the Node's
+/// END or ERROR, an ordering violation, or the Node's disconnect.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TunnelEvent {
+    /// A frame that passed the ordering rules (`iop_wire::tunnel`).
+    Frame(Delivery),
+    /// The Node broke the ordering rules; the Edge sent `CancelRequest`. Terminal.
+    Violation(Violation),
+    /// The Node's generation was fenced before its terminal. Terminal.
+    NodeDisconnected,
+}
+
+impl TunnelEvent {
+    /// Whether this event ends the stream.
+    pub fn is_terminal(&self) -> bool {
+        match self {
+            Self::Frame(d) => d.is_terminal(),
+            Self::Violation(_) | Self::NodeDisconnected => true,
+        }
+    }
+}
+
+/// The ordered frames of one provider tunnel. Dropping it before the terminal sends
+/// `CancelRequest` for the run id (the Node aborts the upstream request).
+#[derive(Debug)]
+pub struct TunnelStream {
+    /// The generation the tunnel was opened on.
+    pub generation: Generation,
+    events: mpsc::UnboundedReceiver<TunnelEvent>,
+    done: bool,
+}
+
+impl TunnelStream {
+    /// The next event; `None` after the terminal.
+    pub async fn next(&mut self) -> Option<TunnelEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.events.recv().await?;
+        self.done = ev.is_terminal();
+        Some(ev)
+    }
+}
+
 enum Input {
     Accepted {
         peer: String,
@@ -150,6 +196,11 @@ enum Input {
     },
     Frame(ConnId, RuntimeFrame),
     Closed(ConnId),
+    Tunnel {
+        node_id: String,
+        request: ProviderTunnelRequest,
+        reply: oneshot::Sender<Result<TunnelStream, DispatchError>>,
+    },
     Run {
         node_id: String,
         request: RunRequest,
@@ -210,6 +261,21 @@ impl EdgeHandle {
     ) -> Result<RunStream, DispatchError> {
         let (reply, rx) = oneshot::channel();
         self.send(Input::Run {
+            node_id: node_id.to_owned(),
+            request,
+            reply,
+        })?;
+        rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// Opens a provider tunnel on the current ready generation of `node_id`.
+    pub async fn tunnel(
+        &self,
+        node_id: &str,
+        request: ProviderTunnelRequest,
+    ) -> Result<TunnelStream, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Tunnel {
             node_id: node_id.to_owned(),
             request,
             reply,
@@ -394,7 +460,29 @@ struct Route {
     node_id: String,
     generation: Generation,
     run_id: String,
-    events: mpsc::UnboundedSender<RunEvent>,
+    sink: Sink,
+}
+
+/// Where a stream's events go.
+enum Sink {
+    Run(mpsc::UnboundedSender<RunEvent>),
+    Tunnel(mpsc::UnboundedSender<TunnelEvent>),
+}
+
+impl Sink {
+    /// Delivers the Edge's own terminal for a stream whose generation was fenced.
+    fn disconnected(&self) {
+        match self {
+            Self::Run(tx) => {
+                let mut ev = RunEvent::new(RunEventKind::Error);
+                ev.error = NODE_DISCONNECTED.into();
+                let _ = tx.send(ev);
+            }
+            Self::Tunnel(tx) => {
+                let _ = tx.send(TunnelEvent::NodeDisconnected);
+            }
+        }
+    }
 }
 
 enum Pending {
@@ -406,6 +494,8 @@ struct State {
     registry: Registry,
     outs: HashMap<ConnId, mpsc::UnboundedSender<Option<RuntimeFrame>>>,
     routes: HashMap<u64, Route>,
+    /// Ordering state of every open tunnel stream (stream ids are unique across connections).
+    tunnels: TunnelSequencer,
     pending: HashMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
@@ -425,6 +515,7 @@ async fn registry_task(
         registry,
         outs: HashMap::new(),
         routes: HashMap::new(),
+        tunnels: TunnelSequencer::with_max_streams(usize::MAX),
         pending: HashMap::new(),
         next_stream: 1,
         next_correlation: 1,
@@ -470,39 +561,54 @@ impl State {
                 request,
                 reply,
             } => {
-                let Some((_, generation)) = self.registry.ready_generation(&node_id) else {
-                    let _ = reply.send(Err(DispatchError::NotReady));
-                    return;
-                };
-                let stream_id = self.next_stream;
-                self.next_stream += 1;
                 let run_id = request.run_id.clone();
-                let frame = RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunRequest(request));
-                if self
-                    .registry
-                    .send(now(), &node_id, generation, frame)
-                    .is_err()
-                {
-                    let _ = reply.send(Err(DispatchError::NotReady));
-                    return;
-                }
                 let (tx, rx) = mpsc::unbounded_channel();
-                self.routes.insert(
-                    stream_id,
-                    Route {
-                        node_id,
-                        generation,
-                        run_id,
-                        events: tx,
-                    },
-                );
-                let stream = RunStream {
-                    generation,
-                    events: rx,
-                    done: false,
-                };
-                if reply.send(Ok(stream)).is_err() {
-                    self.handle(Input::StreamDropped(stream_id));
+                let opened = self.open_stream(node_id, run_id, Sink::Run(tx), |stream_id| {
+                    RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunRequest(request))
+                });
+                match opened {
+                    Ok((stream_id, generation)) => {
+                        let stream = RunStream {
+                            generation,
+                            events: rx,
+                            done: false,
+                        };
+                        if reply.send(Ok(stream)).is_err() {
+                            self.handle(Input::StreamDropped(stream_id));
+                        }
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Input::Tunnel {
+                node_id,
+                request,
+                reply,
+            } => {
+                let run_id = request.run_id.clone();
+                let (tx, rx) = mpsc::unbounded_channel();
+                let opened = self.open_stream(node_id, run_id, Sink::Tunnel(tx), |stream_id| {
+                    RuntimeFrame::on_stream(
+                        stream_id,
+                        RuntimeMessage::ProviderTunnelRequest(request),
+                    )
+                });
+                match opened {
+                    Ok((stream_id, generation)) => {
+                        let stream = TunnelStream {
+                            generation,
+                            events: rx,
+                            done: false,
+                        };
+                        if reply.send(Ok(stream)).is_err() {
+                            self.handle(Input::StreamDropped(stream_id));
+                        }
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
                 }
             }
             Input::Cancel {
@@ -543,6 +649,7 @@ impl State {
                 let _ = reply.send(self.registry.ready_nodes());
             }
             Input::StreamDropped(stream_id) => {
+                self.tunnels.close(stream_id);
                 if let Some(route) = self.routes.remove(&stream_id) {
                     // The caller went away: ask the Node to stop the provider work.
                     let cancel = RuntimeMessage::CancelRequest(CancelRequest {
@@ -558,6 +665,44 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Sends a stream's opening frame to the ready generation of `node_id` and routes its
+    /// answers to `sink`.
+    fn open_stream(
+        &mut self,
+        node_id: String,
+        run_id: String,
+        sink: Sink,
+        frame: impl FnOnce(u64) -> RuntimeFrame,
+    ) -> Result<(u64, Generation), DispatchError> {
+        let (_, generation) = self
+            .registry
+            .ready_generation(&node_id)
+            .ok_or(DispatchError::NotReady)?;
+        let stream_id = self.next_stream;
+        self.next_stream += 1;
+        if matches!(sink, Sink::Tunnel(_)) && self.tunnels.open(stream_id).is_err() {
+            return Err(DispatchError::NotReady);
+        }
+        if self
+            .registry
+            .send(now(), &node_id, generation, frame(stream_id))
+            .is_err()
+        {
+            self.tunnels.close(stream_id);
+            return Err(DispatchError::NotReady);
+        }
+        self.routes.insert(
+            stream_id,
+            Route {
+                node_id,
+                generation,
+                run_id,
+                sink,
+            },
+        );
+        Ok((stream_id, generation))
     }
 
     fn correlated(&mut self, node_id: String, message: RuntimeMessage, pending: Pending) {
@@ -644,10 +789,9 @@ impl State {
             .map(|(id, _)| *id)
             .collect();
         for id in dead {
+            self.tunnels.close(id);
             if let Some(route) = self.routes.remove(&id) {
-                let mut ev = RunEvent::new(RunEventKind::Error);
-                ev.error = NODE_DISCONNECTED.into();
-                let _ = route.events.send(ev);
+                route.sink.disconnected();
             }
         }
         let dead: Vec<u64> = self
@@ -680,12 +824,39 @@ impl State {
                 if route.node_id != node_id || route.generation != generation {
                     return;
                 }
+                let Sink::Run(tx) = &route.sink else { return };
                 let terminal = ev.kind.is_terminal();
-                let delivered = route.events.send(ev).is_ok();
+                let delivered = tx.send(ev).is_ok();
                 if terminal {
                     self.routes.remove(&frame.stream_id);
                 } else if !delivered {
                     self.handle(Input::StreamDropped(frame.stream_id));
+                }
+            }
+            RuntimeMessage::ProviderTunnelFrame(tf) => {
+                let stream_id = frame.stream_id;
+                let Some(route) = self.routes.get(&stream_id) else {
+                    return;
+                };
+                if route.node_id != node_id || route.generation != generation {
+                    return;
+                }
+                let Sink::Tunnel(tx) = &route.sink else {
+                    return;
+                };
+                let event = match self.tunnels.handle_frame(stream_id, tf) {
+                    Ok(delivery) => TunnelEvent::Frame(delivery),
+                    Err(TunnelError::Violation(v)) => TunnelEvent::Violation(v),
+                    Err(_) => return,
+                };
+                let terminal = event.is_terminal();
+                let violation = matches!(event, TunnelEvent::Violation(_));
+                let delivered = tx.send(event).is_ok();
+                if violation || !delivered {
+                    // Stop the provider work: the stream is over for the caller.
+                    self.handle(Input::StreamDropped(stream_id));
+                } else if terminal {
+                    self.routes.remove(&stream_id);
                 }
             }
             RuntimeMessage::NodeCommandResponse(resp) => {

@@ -1,0 +1,381 @@
+//! Provider raw tunnel end to end: Edge → (mTLS) → Node `openai_compat` adapter → a real local
+//! HTTP server speaking OpenAI-style SSE (axum on loopback).
+#![allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::header;
+use axum::response::Response;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
+use iop_node::{AdapterRegistry, NodeOptions, run_node};
+use iop_tests::pki::{Ca, TRUST_DOMAIN};
+use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeCommandKind,
+    NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderStatus,
+    ProviderTunnelRequest, Usage,
+};
+use iop_wire::tunnel::Delivery;
+use iop_wire::validate::ResponseStallTimeout;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// The exact SSE bytes the fake provider streams for a chat completion, in chunks.
+fn sse_chunks() -> Vec<&'static [u8]> {
+    vec![
+        b"data: {\"id\":\"c1\",\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+        b"data: {\"id\":\"c1\",\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+        // A chunk boundary inside an event, and a multi-byte character split across chunks.
+        b"data: {\"id\":\"c1\",\"choices\":[{\"delta\":{\"content\":\"lo \xe2\x9c",
+        b"\x93\"}}]}\n\n",
+        b"data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2,\"total_tokens\":9}}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+}
+
+/// A stream that tells `dropped` when the client goes away.
+struct Watched<S> {
+    inner: S,
+    dropped: Arc<Notify>,
+    flag: Arc<AtomicBool>,
+}
+
+impl<S> Drop for Watched<S> {
+    fn drop(&mut self) {
+        self.flag.store(true, Ordering::SeqCst);
+        self.dropped.notify_waiters();
+        self.dropped.notify_one();
+    }
+}
+
+impl<S: futures_util::Stream + Unpin> futures_util::Stream for Watched<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        std::pin::Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+struct Provider {
+    addr: SocketAddr,
+    slow_dropped: Arc<Notify>,
+    slow_flag: Arc<AtomicBool>,
+}
+
+async fn provider() -> Provider {
+    let slow_dropped = Arc::new(Notify::new());
+    let slow_flag = Arc::new(AtomicBool::new(false));
+    let (d, f) = (slow_dropped.clone(), slow_flag.clone());
+    let app = Router::new()
+        .route(
+            "/v1/models",
+            get(|| async { axum::Json(serde_json_value()) }),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(|| async {
+                let chunks = sse_chunks();
+                let stream = futures_util::stream::unfold(0usize, move |i| {
+                    let chunks = chunks.clone();
+                    async move {
+                        let chunk = *chunks.get(i)?;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        Some((Ok::<_, Infallible>(Bytes::from_static(chunk)), i + 1))
+                    }
+                });
+                Response::builder()
+                    .header(header::CONTENT_TYPE, "text/event-stream")
+                    .header("x-provider-request-id", "req-123")
+                    .body(Body::from_stream(stream))
+                    .unwrap()
+            }),
+        )
+        .route(
+            "/v1/slow",
+            post(move || {
+                let (d, f) = (d.clone(), f.clone());
+                async move {
+                    let ticks = futures_util::stream::unfold(0u64, |i| async move {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Some((
+                            Ok::<_, Infallible>(Bytes::from(format!("data: {{\"tick\":{i}}}\n\n"))),
+                            i + 1,
+                        ))
+                    });
+                    let stream = Watched {
+                        inner: Box::pin(ticks),
+                        dropped: d,
+                        flag: f,
+                    };
+                    Response::builder()
+                        .header(header::CONTENT_TYPE, "text/event-stream")
+                        .body(Body::from_stream(stream))
+                        .unwrap()
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Provider {
+        addr,
+        slow_dropped,
+        slow_flag,
+    }
+}
+
+fn serde_json_value() -> std::collections::HashMap<
+    &'static str,
+    Vec<std::collections::HashMap<&'static str, &'static str>>,
+> {
+    [("data", vec![[("id", "gpt-test")].into_iter().collect()])]
+        .into_iter()
+        .collect()
+}
+
+fn node_config(provider: SocketAddr) -> NodeConfigPayload {
+    NodeConfigPayload {
+        adapters: vec![AdapterConfig {
+            name: "openai-a".into(),
+            adapter_type: "openai_compat".into(),
+            enabled: true,
+            capacity: 8,
+            long_context_capacity: 0,
+            targets: vec!["gpt-test".into()],
+            settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                base_url: format!("http://{provider}/v1"),
+                protocol_profile: ConcreteProtocolProfile {
+                    name: "openai".into(),
+                    operation_paths: [
+                        (Operation::ChatCompletions, "/chat/completions".to_owned()),
+                        (Operation::Models, "/models".to_owned()),
+                    ]
+                    .into_iter()
+                    .collect(),
+                    health_path: String::new(),
+                },
+                request_timeout_sec: 30,
+            }),
+        }],
+        revision: 1,
+        ..Default::default()
+    }
+}
+
+async fn mesh(ca: &Ca, provider: SocketAddr) -> (EdgeHandle, CancellationToken) {
+    let leaf = ca.workload(role::EDGE, "edge-1", true);
+    let verifier = client_cert_verifier(
+        ca.roots(),
+        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
+    )
+    .unwrap();
+    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+    cfg.node_configs = vec![("node-1".into(), node_config(provider))];
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
+    let node_leaf = ca.workload(role::NODE, "node-1", false);
+    let verifier = server_cert_verifier(
+        ca.roots(),
+        ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
+    )
+    .unwrap();
+    let node_tls = Arc::new(
+        identity::client_config(node_leaf.chain.clone(), node_leaf.key(), verifier).unwrap(),
+    );
+    let opts = NodeOptions::new(
+        "node-1",
+        &edge.local_addr().to_string(),
+        "localhost",
+        node_tls,
+    )
+    .unwrap()
+    .with_adapters(AdapterRegistry::with_builtins());
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_node(opts, shutdown.clone()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    (edge, shutdown)
+}
+
+fn chat(run_id: &str, operation: Option<Operation>, path: &str) -> ProviderTunnelRequest {
+    ProviderTunnelRequest {
+        run_id: run_id.into(),
+        adapter: "openai-a".into(),
+        target: "gpt-test".into(),
+        method: "POST".into(),
+        path: path.into(),
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from_static(b"{\"model\":\"gpt-test\",\"stream\":true,\"messages\":[]}"),
+        stream: true,
+        timeout: None,
+        metadata: Default::default(),
+        session_id: String::new(),
+        long_context: false,
+        operation,
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        credential: None,
+    }
+}
+
+#[tokio::test]
+async fn sse_bytes_arrive_identical_and_in_order_with_usage_on_the_side() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        let mut stream = edge
+            .tunnel("node-1", chat("t-1", Some(Operation::ChatCompletions), ""))
+            .await
+            .unwrap();
+        let mut body = Vec::new();
+        let mut usage = Vec::new();
+        let mut start = None;
+        let mut terminals = 0;
+        while let Some(ev) = stream.next().await {
+            match ev {
+                TunnelEvent::Frame(Delivery::Start { status, headers }) => {
+                    assert!(start.is_none(), "RESPONSE_START at most once");
+                    assert!(body.is_empty(), "RESPONSE_START first");
+                    start = Some((status, headers));
+                }
+                TunnelEvent::Frame(Delivery::Body(b)) => body.extend_from_slice(&b),
+                TunnelEvent::Frame(Delivery::Usage(u)) => usage.push(u),
+                TunnelEvent::Frame(Delivery::End) => terminals += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let (status, headers) = start.unwrap();
+        assert_eq!(status, 200);
+        assert!(
+            headers
+                .iter()
+                .any(|h| h.name == "content-type" && h.value == "text/event-stream")
+        );
+        assert!(
+            headers
+                .iter()
+                .any(|h| h.name == "x-provider-request-id" && h.value == "req-123")
+        );
+        assert!(
+            !headers.iter().any(|h| h.name == "transfer-encoding"),
+            "hop-by-hop headers are not forwarded"
+        );
+        assert_eq!(
+            body,
+            sse_chunks().concat(),
+            "body passes through byte for byte"
+        );
+        assert_eq!(
+            usage,
+            [Usage {
+                prompt_tokens: 7,
+                completion_tokens: 2,
+                total_tokens: 9
+            }]
+        );
+        assert_eq!(terminals, 1);
+
+        // The exact-target probe reads the provider's models list.
+        let caps = edge
+            .command(
+                "node-1",
+                NodeCommandRequest {
+                    kind: NodeCommandKind::Capabilities,
+                    adapter: String::new(),
+                    target: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            caps.capabilities[0].provider_status,
+            ProviderStatus::Available
+        );
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn cancel_from_the_edge_aborts_the_upstream_request() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        // No operation: the fallback path is used (relative to the instance's base URL).
+        let mut stream = edge
+            .tunnel("node-1", chat("slow-1", None, "/slow"))
+            .await
+            .unwrap();
+        assert!(matches!(
+            stream.next().await.unwrap(),
+            TunnelEvent::Frame(Delivery::Start { status: 200, .. })
+        ));
+        assert!(matches!(
+            stream.next().await.unwrap(),
+            TunnelEvent::Frame(Delivery::Body(_))
+        ));
+        assert!(!p.slow_flag.load(Ordering::SeqCst));
+        let dropped = p.slow_dropped.notified();
+        edge.cancel("node-1", "slow-1", "caller_cancelled").unwrap();
+        let mut terminal = None;
+        while let Some(ev) = stream.next().await {
+            if ev.is_terminal() {
+                terminal = Some(ev);
+            }
+        }
+        assert!(matches!(
+            terminal,
+            Some(TunnelEvent::Frame(Delivery::Error { ref error, .. })) if error == "cancelled"
+        ));
+        // The provider observes the disconnect.
+        dropped.await;
+        assert!(p.slow_flag.load(Ordering::SeqCst));
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn dropping_the_tunnel_stream_cancels_upstream() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        let mut stream = edge
+            .tunnel("node-1", chat("slow-2", None, "/slow"))
+            .await
+            .unwrap();
+        assert!(matches!(
+            stream.next().await.unwrap(),
+            TunnelEvent::Frame(Delivery::Start { .. })
+        ));
+        let dropped = p.slow_dropped.notified();
+        drop(stream); // the HTTP caller went away
+        dropped.await;
+        assert!(p.slow_flag.load(Ordering::SeqCst));
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
