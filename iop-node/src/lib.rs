@@ -25,8 +25,14 @@
 //!   bytes (SSE byte for byte) as numbered `ProviderTunnelFrame`s, usage as a separate
 //!   observation; the driver sends the single END/ERROR terminal.
 //!
-//! **Not yet here** (issue #4 continues): the Ollama adapter, the response-stall watchdog with
-//! its health probe, credential lease opening, and the `iop-node` binary.
+//! - Every execution runs under a response-stall watchdog (see the `exec` module docs for the
+//!   outcome precedence): on a stall the work is aborted, the close grace and an exact-target
+//!   probe run concurrently, and exactly one `response_stalled` terminal with a typed
+//!   `ExecutionFailure` follows; an unconfirmed fence keeps the admission permit until the
+//!   provider call returns.
+//!
+//! **Not yet here** (issue #4 continues): the Ollama adapter, credential lease opening, and the
+//! `iop-node` binary.
 //!
 //! # Example
 //!
@@ -48,6 +54,7 @@
 
 mod adapter;
 mod demo;
+mod exec;
 pub mod openai;
 mod session;
 
@@ -59,6 +66,7 @@ pub use adapter::{
     TunnelSink,
 };
 pub use demo::DemoAdapter;
+pub use exec::{DEFAULT_CLOSE_GRACE, RESPONSE_STALLED};
 use iop_wire::codec::DEFAULT_MAX_FRAME_LEN;
 use iop_wire::node::{CloseReason, NodeSessionConfig};
 use iop_wire::reconnect::{Action, Failure, Supervisor};
@@ -95,6 +103,9 @@ pub struct NodeOptions {
     pub recipient: Option<RecipientKey>,
     /// Limit on TCP connect plus TLS handshake.
     pub connect_timeout: Duration,
+    /// After a response stall, how long the aborted provider call may take to return before
+    /// the terminal reports an unconfirmed fence.
+    pub close_grace: Duration,
 }
 
 impl std::fmt::Debug for NodeOptions {
@@ -152,6 +163,7 @@ impl NodeOptions {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             recipient: None,
             connect_timeout: Duration::from_secs(10),
+            close_grace: DEFAULT_CLOSE_GRACE,
         })
     }
 

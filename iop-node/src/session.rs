@@ -13,10 +13,10 @@ use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession};
 use iop_wire::runtime::{
-    Capability, ConfigRefreshOutcome, NodeCommandKind, NodeCommandRequest, NodeCommandResponse,
-    NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus, ProviderTunnelRequest,
-    RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage, TunnelFrame,
-    TunnelPayload,
+    Capability, ConfigRefreshOutcome, FailureEvidence, NodeCommandKind, NodeCommandRequest,
+    NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus,
+    ProviderTunnelRequest, RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
+    RuntimeMessage, TunnelFrame, TunnelPayload,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
@@ -26,16 +26,18 @@ use tokio_util::sync::CancellationToken;
 
 use crate::NodeOptions;
 use crate::adapter::{Instance, Instances, RunEvents, TunnelSink};
+use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel::TunnelWriter;
 
 /// How long one CAPABILITIES probe may take before it counts as `unknown` (fail closed).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Work finished off the loop, reported back to it.
-#[expect(clippy::large_enum_variant, reason = "moved once through a channel")]
 enum Outbound {
     /// A frame to send (only ever produced after ready).
     Frame(RuntimeFrame),
+    /// A stall terminal: the loop stamps its `health_observation_seq`, then sends it.
+    Stamped(RuntimeFrame),
     /// A run ended; forget its cancel handle.
     RunDone(String),
     /// Probe results; the loop stamps each with the next `health_observation_seq`.
@@ -153,6 +155,21 @@ where
                     // Refused only after the session closed, when the frame has nowhere to go.
                     let _ = session.send(now(), frame);
                 }
+                Outbound::Stamped(mut frame) => {
+                    let seq = session.next_health_observation_seq();
+                    let failure = match &mut frame.message {
+                        RuntimeMessage::RunEvent(ev) => ev.execution_failure.as_mut(),
+                        RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                            payload: TunnelPayload::Error { execution_failure, .. },
+                            ..
+                        }) => execution_failure.as_mut(),
+                        _ => None,
+                    };
+                    if let Some(FailureEvidence::Valid(f)) = failure {
+                        f.health_observation_seq = seq;
+                    }
+                    let _ = session.send(now(), frame);
+                }
                 Outbound::RunDone(run_id) => {
                     runs.remove(&run_id);
                 }
@@ -219,6 +236,9 @@ fn handle_frame(
             }
             let token = session_token.child_token();
             runs.insert(req.run_id.clone(), token.clone());
+            let settings = ExecSettings {
+                close_grace: opts.close_grace,
+            };
             tokio::spawn(run_task(
                 stream_id,
                 req,
@@ -226,6 +246,7 @@ fn handle_frame(
                 permit,
                 token,
                 out_tx.clone(),
+                settings,
             ));
         }
         RuntimeMessage::CancelRequest(cancel) => {
@@ -280,6 +301,9 @@ fn handle_frame(
             }
             let token = session_token.child_token();
             runs.insert(req.run_id.clone(), token.clone());
+            let settings = ExecSettings {
+                close_grace: opts.close_grace,
+            };
             tokio::spawn(tunnel_task(
                 stream_id,
                 req,
@@ -287,6 +311,7 @@ fn handle_frame(
                 permit,
                 token,
                 out_tx.clone(),
+                settings,
             ));
         }
         _ => {}
@@ -401,6 +426,16 @@ fn command(
     }
 }
 
+/// Settings every execution task needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExecSettings {
+    pub(crate) close_grace: Duration,
+}
+
+fn stamped(frame: RuntimeFrame) -> Outbound {
+    Outbound::Stamped(frame)
+}
+
 /// One normalized run: START, the adapter's deltas, exactly one terminal.
 async fn run_task(
     stream_id: u64,
@@ -409,62 +444,70 @@ async fn run_task(
     permit: OwnedSemaphorePermit,
     cancel: CancellationToken,
     out: mpsc::Sender<Outbound>,
+    settings: ExecSettings,
 ) {
-    let _permit = permit;
     let run_id = req.run_id.clone();
-    let deadline = req.timeout.map(|t| Instant::now() + t);
-    let event = |ev: RunEvent| {
-        Outbound::Frame(RuntimeFrame::on_stream(
-            stream_id,
-            RuntimeMessage::RunEvent(ev),
-        ))
+    let ident = StallIdentity {
+        run_id: run_id.clone(),
+        attempt_id: exec::attempt_id(),
+        adapter: instance.config.instance_key().to_owned(),
+        target: req.target.clone(),
     };
-    let delta = |text: String| {
+    let watch = Watch {
+        cancel: &cancel,
+        deadline: req.timeout.map(|t| Instant::now() + t),
+        stall_timeout: req.response_stall_timeout.effective(),
+        close_grace: settings.close_grace,
+        probe_timeout: PROBE_TIMEOUT,
+    };
+    let event = |ev: RunEvent| RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev));
+    let _ = out
+        .send(Outbound::Frame(event(RunEvent::new(RunEventKind::Start))))
+        .await;
+    let (dtx, drx) = mpsc::channel::<String>(64);
+    let work = {
+        let instance = instance.clone();
+        tokio::spawn(async move { instance.adapter.run(req, RunEvents::new(dtx)).await })
+    };
+    let target = ident.target.clone();
+    let probe = || async move { instance.adapter.probe(&target).await };
+    let forward = |text: String| {
         let mut ev = RunEvent::new(RunEventKind::Delta);
         ev.delta = text;
-        event(ev)
+        Some(Outbound::Frame(event(ev)))
     };
-    let _ = out.send(event(RunEvent::new(RunEventKind::Start))).await;
-    let (dtx, mut drx) = mpsc::channel::<String>(64);
-    // The adapter's future lives only inside this block: it is dropped (cancelling any
-    // upstream I/O) before the terminal is sent.
-    let terminal = {
-        let run = instance.adapter.run(req, RunEvents::new(dtx));
-        tokio::pin!(run);
-        loop {
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => break RunEvent::new(RunEventKind::Cancelled),
-                () = sleep_until(deadline) => {
-                    let mut ev = RunEvent::new(RunEventKind::Error);
-                    ev.error = "deadline exceeded".into();
-                    break ev;
-                }
-                Some(text) = drx.recv() => {
-                    let _ = out.send(delta(text)).await;
-                }
-                result = &mut run => {
-                    while let Ok(text) = drx.try_recv() {
-                        let _ = out.send(delta(text)).await;
-                    }
-                    break match result {
-                        Ok(done) => {
-                            let mut ev = RunEvent::new(RunEventKind::Complete);
-                            ev.metadata = done.metadata;
-                            ev.usage = done.usage;
-                            ev
-                        }
-                        Err(e) => {
-                            let mut ev = RunEvent::new(RunEventKind::Error);
-                            ev.error = e.to_string();
-                            ev
-                        }
-                    };
-                }
-            }
+    let ended = exec::supervise(work, drx, forward, &out, watch, permit, probe, ident).await;
+    let terminal = match ended {
+        Ended::Cancelled => Outbound::Frame(event(RunEvent::new(RunEventKind::Cancelled))),
+        Ended::Deadline => {
+            let mut ev = RunEvent::new(RunEventKind::Error);
+            ev.error = "deadline exceeded".into();
+            Outbound::Frame(event(ev))
+        }
+        Ended::Stalled(failure) => {
+            let mut ev = RunEvent::new(RunEventKind::Error);
+            ev.error = exec::RESPONSE_STALLED.into();
+            ev.execution_failure = Some(FailureEvidence::Valid(*failure));
+            stamped(event(ev))
+        }
+        Ended::Returned(Ok(Ok(done))) => {
+            let mut ev = RunEvent::new(RunEventKind::Complete);
+            ev.metadata = done.metadata;
+            ev.usage = done.usage;
+            Outbound::Frame(event(ev))
+        }
+        Ended::Returned(Ok(Err(e))) => {
+            let mut ev = RunEvent::new(RunEventKind::Error);
+            ev.error = e.to_string();
+            Outbound::Frame(event(ev))
+        }
+        Ended::Returned(Err(_)) => {
+            let mut ev = RunEvent::new(RunEventKind::Error);
+            ev.error = "adapter failed".into();
+            Outbound::Frame(event(ev))
         }
     };
-    let _ = out.send(event(terminal)).await;
+    let _ = out.send(terminal).await;
     let _ = out.send(Outbound::RunDone(run_id)).await;
 }
 
@@ -476,57 +519,75 @@ async fn tunnel_task(
     permit: OwnedSemaphorePermit,
     cancel: CancellationToken,
     out: mpsc::Sender<Outbound>,
+    settings: ExecSettings,
 ) {
-    let _permit = permit;
     let run_id = req.run_id.clone();
-    let deadline = req.timeout.map(|t| Instant::now() + t);
-    let mut writer = TunnelWriter::new();
-    let (ftx, mut frx) = mpsc::channel::<TunnelPayload>(64);
-    let send = |writer: &mut TunnelWriter, payload: TunnelPayload| {
-        writer.frame(payload).map(|f| {
-            Outbound::Frame(RuntimeFrame::on_stream(
-                stream_id,
-                RuntimeMessage::ProviderTunnelFrame(f),
-            ))
-        })
+    let ident = StallIdentity {
+        run_id: run_id.clone(),
+        attempt_id: exec::attempt_id(),
+        adapter: instance.config.instance_key().to_owned(),
+        target: req.target.clone(),
     };
-    let error = |text: &str| TunnelPayload::Error {
+    let watch = Watch {
+        cancel: &cancel,
+        deadline: req.timeout.map(|t| Instant::now() + t),
+        stall_timeout: req.response_stall_timeout.effective(),
+        close_grace: settings.close_grace,
+        probe_timeout: PROBE_TIMEOUT,
+    };
+    let frame =
+        |f: TunnelFrame| RuntimeFrame::on_stream(stream_id, RuntimeMessage::ProviderTunnelFrame(f));
+    // Shared by the forwarding closure and the terminal below; never contended.
+    let writer = std::sync::Mutex::new(TunnelWriter::new());
+    let numbered = |payload: TunnelPayload| {
+        writer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .frame(payload)
+    };
+    let (ftx, frx) = mpsc::channel::<TunnelPayload>(64);
+    let work = {
+        let instance = instance.clone();
+        tokio::spawn(async move { instance.adapter.tunnel(req, TunnelSink::new(ftx)).await })
+    };
+    let target = ident.target.clone();
+    let probe = || async move { instance.adapter.probe(&target).await };
+    // The writer refuses out-of-order payloads from a misbehaving adapter.
+    let forward = |payload: TunnelPayload| numbered(payload).map(|f| Outbound::Frame(frame(f)));
+    let ended = exec::supervise(work, frx, forward, &out, watch, permit, probe, ident).await;
+    let error = |text: &str, execution_failure| TunnelPayload::Error {
         error: text.to_owned(),
-        execution_failure: None,
+        execution_failure,
     };
-    // The adapter's future lives only inside this block (dropping it aborts the upstream
-    // request) and is gone before the terminal is sent.
-    let terminal = {
-        let tunnel = instance.adapter.tunnel(req, TunnelSink::new(ftx));
-        tokio::pin!(tunnel);
-        loop {
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => break error("cancelled"),
-                () = sleep_until(deadline) => break error("deadline exceeded"),
-                Some(payload) = frx.recv() => {
-                    // The writer refuses out-of-order payloads from a misbehaving adapter.
-                    if let Some(frame) = send(&mut writer, payload) {
-                        let _ = out.send(frame).await;
-                    }
-                }
-                result = &mut tunnel => {
-                    while let Ok(payload) = frx.try_recv() {
-                        if let Some(frame) = send(&mut writer, payload) {
-                            let _ = out.send(frame).await;
-                        }
-                    }
-                    break match result {
-                        Ok(()) if writer.is_started() => TunnelPayload::End,
-                        Ok(()) => error("provider sent no response"),
-                        Err(e) => error(&e.to_string()),
-                    };
-                }
-            }
-        }
+    let started = writer
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .is_started();
+    let (terminal, stamp) = match ended {
+        Ended::Cancelled => (error("cancelled", None), false),
+        Ended::Deadline => (error("deadline exceeded", None), false),
+        Ended::Stalled(failure) => (
+            error(
+                exec::RESPONSE_STALLED,
+                Some(FailureEvidence::Valid(*failure)),
+            ),
+            true,
+        ),
+        Ended::Returned(Ok(Ok(()))) if started => (TunnelPayload::End, false),
+        Ended::Returned(Ok(Ok(()))) => (error("provider sent no response", None), false),
+        Ended::Returned(Ok(Err(e))) => (error(&e.to_string(), None), false),
+        Ended::Returned(Err(_)) => (error("adapter failed", None), false),
     };
-    if let Some(frame) = send(&mut writer, terminal) {
-        let _ = out.send(frame).await;
+    let last = numbered(terminal);
+    if let Some(f) = last {
+        let f = frame(f);
+        let _ = out
+            .send(if stamp {
+                stamped(f)
+            } else {
+                Outbound::Frame(f)
+            })
+            .await;
     }
     let _ = out.send(Outbound::RunDone(run_id)).await;
 }
