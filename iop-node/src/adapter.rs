@@ -18,6 +18,7 @@ use iop_wire::runtime::{
     AdapterConfig, Header, ProviderStatus, ProviderTunnelRequest, RunRequest, TunnelPayload, Usage,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
 
 /// Why an adapter run failed. The text goes on the wire as the legacy error string, so it must
 /// be stable and low-sensitivity (no credentials, no upstream bodies).
@@ -49,14 +50,29 @@ pub struct RunCompletion {
 
 /// Where an adapter sends the text deltas of a run. Sending after the run ended (or after the
 /// session closed) is a no-op that returns `false`.
+///
+/// [`RunEvents::cancelled`] resolves when the driver fences the attempt after a response stall:
+/// an adapter should then stop and return promptly. (Caller cancels, deadlines and disconnects
+/// drop the adapter's future instead.)
 #[derive(Clone, Debug)]
 pub struct RunEvents {
     tx: mpsc::Sender<String>,
+    fence: CancellationToken,
 }
 
 impl RunEvents {
-    pub(crate) fn new(tx: mpsc::Sender<String>) -> Self {
-        Self { tx }
+    pub(crate) fn new(tx: mpsc::Sender<String>, fence: CancellationToken) -> Self {
+        Self { tx, fence }
+    }
+
+    /// Resolves once the attempt is fenced.
+    pub async fn cancelled(&self) {
+        self.fence.cancelled().await;
+    }
+
+    /// Whether the attempt is fenced.
+    pub fn is_cancelled(&self) -> bool {
+        self.fence.is_cancelled()
     }
 
     /// Sends one text delta; waits when the connection is congested (backpressure).
@@ -69,14 +85,23 @@ impl RunEvents {
 /// sends the single terminal (END when the adapter returns `Ok`, ERROR otherwise), so the
 /// adapter sends only the response start, body bytes and usage observations. Each method
 /// returns `false` once the tunnel is gone (cancelled or disconnected).
+///
+/// [`TunnelSink::cancelled`] resolves when the driver fences the attempt after a response
+/// stall, as for [`RunEvents::cancelled`].
 #[derive(Clone, Debug)]
 pub struct TunnelSink {
     tx: mpsc::Sender<TunnelPayload>,
+    fence: CancellationToken,
 }
 
 impl TunnelSink {
-    pub(crate) fn new(tx: mpsc::Sender<TunnelPayload>) -> Self {
-        Self { tx }
+    pub(crate) fn new(tx: mpsc::Sender<TunnelPayload>, fence: CancellationToken) -> Self {
+        Self { tx, fence }
+    }
+
+    /// Resolves once the attempt is fenced.
+    pub async fn cancelled(&self) {
+        self.fence.cancelled().await;
     }
 
     /// The provider's status and headers (send it first, once).

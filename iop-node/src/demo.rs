@@ -67,7 +67,10 @@ impl Adapter for DemoAdapter {
         let mut completion_tokens = 0u64;
         for d in deltas {
             if !self.delay.is_zero() {
-                tokio::time::sleep(self.delay).await;
+                tokio::select! {
+                    () = events.cancelled() => return Err(AdapterError::Provider("fenced".into())),
+                    () = tokio::time::sleep(self.delay) => {}
+                }
             }
             if !events.delta(d).await {
                 break;

@@ -7,8 +7,9 @@
 //!    `CANCELLED` (run) or `ERROR "cancelled"` (tunnel). No `ExecutionFailure`.
 //! 2. **Hard deadline** (`timeout_sec`): aborted; `ERROR "deadline exceeded"`.
 //! 3. **Response stall**: no provider activity (a delta or frame) for the request's
-//!    `response_stall_timeout` (0 → 300 s). The work is aborted, and then — concurrently, not one
-//!    after the other — the bounded close grace waits for it to actually return while an
+//!    `response_stall_timeout` (0 → 300 s). The attempt is fenced (the adapter's
+//!    `cancelled()` resolves), and then — concurrently, not one after the other — the bounded
+//!    close grace waits for the adapter to actually return while an
 //!    exact-target health probe runs. Exactly one `ERROR` terminal follows with failure code
 //!    `response_stalled` and a typed `ExecutionFailure`: three-way health evidence, idle
 //!    duration, run/attempt identity, fence (`confirmed` if the work returned within the grace),
@@ -58,6 +59,8 @@ pub(crate) enum Ended<R> {
 
 pub(crate) struct Watch<'a> {
     pub(crate) cancel: &'a CancellationToken,
+    /// Fences the attempt cooperatively (the adapter sees `cancelled()`).
+    pub(crate) fence: CancellationToken,
     pub(crate) deadline: Option<Instant>,
     pub(crate) stall_timeout: Duration,
     pub(crate) close_grace: Duration,
@@ -108,7 +111,9 @@ where
             }
             () = sleep_until(stall_at(last_activity)) => {
                 let idle = last_activity.elapsed();
-                work.abort();
+                // Fence the attempt and give the provider call the grace to return; it is not
+                // dropped, so "returned" means the adapter itself came back.
+                watch.fence.cancel();
                 let (joined, status) = tokio::join!(
                     tokio::time::timeout(watch.close_grace, &mut work),
                     tokio::time::timeout(watch.probe_timeout, probe()),

@@ -166,7 +166,11 @@ impl Adapter for OpenAiCompatAdapter {
         if let Some(t) = request.timeout {
             builder = builder.timeout(t);
         }
-        let response = builder.send().await.map_err(|e| classify(&e))?;
+        let fenced = || AdapterError::Provider("fenced".into());
+        let response = tokio::select! {
+            () = frames.cancelled() => return Err(fenced()),
+            r = builder.send() => r.map_err(|e| classify(&e))?,
+        };
         let status = response.status().as_u16();
         let sse = response
             .headers()
@@ -187,7 +191,13 @@ impl Adapter for OpenAiCompatAdapter {
         }
         let mut scanner = UsageScanner::new(sse);
         let mut body = response.bytes_stream();
-        while let Some(chunk) = body.next().await {
+        loop {
+            // Dropping the response (on return) closes the upstream connection.
+            let next = tokio::select! {
+                () = frames.cancelled() => return Err(fenced()),
+                next = body.next() => next,
+            };
+            let Some(chunk) = next else { break };
             let chunk = chunk.map_err(|e| classify(&e))?;
             scanner.feed(&chunk);
             if !frames.body(chunk).await {

@@ -453,8 +453,10 @@ async fn run_task(
         adapter: instance.config.instance_key().to_owned(),
         target: req.target.clone(),
     };
+    let fence = CancellationToken::new();
     let watch = Watch {
         cancel: &cancel,
+        fence: fence.clone(),
         deadline: req.timeout.map(|t| Instant::now() + t),
         stall_timeout: req.response_stall_timeout.effective(),
         close_grace: settings.close_grace,
@@ -467,7 +469,7 @@ async fn run_task(
     let (dtx, drx) = mpsc::channel::<String>(64);
     let work = {
         let instance = instance.clone();
-        tokio::spawn(async move { instance.adapter.run(req, RunEvents::new(dtx)).await })
+        tokio::spawn(async move { instance.adapter.run(req, RunEvents::new(dtx, fence)).await })
     };
     let target = ident.target.clone();
     let probe = || async move { instance.adapter.probe(&target).await };
@@ -528,8 +530,10 @@ async fn tunnel_task(
         adapter: instance.config.instance_key().to_owned(),
         target: req.target.clone(),
     };
+    let fence = CancellationToken::new();
     let watch = Watch {
         cancel: &cancel,
+        fence: fence.clone(),
         deadline: req.timeout.map(|t| Instant::now() + t),
         stall_timeout: req.response_stall_timeout.effective(),
         close_grace: settings.close_grace,
@@ -548,7 +552,12 @@ async fn tunnel_task(
     let (ftx, frx) = mpsc::channel::<TunnelPayload>(64);
     let work = {
         let instance = instance.clone();
-        tokio::spawn(async move { instance.adapter.tunnel(req, TunnelSink::new(ftx)).await })
+        tokio::spawn(async move {
+            instance
+                .adapter
+                .tunnel(req, TunnelSink::new(ftx, fence))
+                .await
+        })
     };
     let target = ident.target.clone();
     let probe = || async move { instance.adapter.probe(&target).await };

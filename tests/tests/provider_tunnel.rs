@@ -22,9 +22,9 @@ use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
 use iop_wire::runtime::{
-    AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeCommandKind,
-    NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderStatus,
-    ProviderTunnelRequest, Usage,
+    AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Fence, Header, HealthEvidence,
+    NodeCommandKind, NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings, Operation,
+    ProviderStatus, ProviderTunnelRequest, Usage,
 };
 use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
@@ -101,6 +101,20 @@ async fn provider() -> Provider {
                 Response::builder()
                     .header(header::CONTENT_TYPE, "text/event-stream")
                     .header("x-provider-request-id", "req-123")
+                    .body(Body::from_stream(stream))
+                    .unwrap()
+            }),
+        )
+        .route(
+            "/v1/hang",
+            post(|| async {
+                // One event, then silence: the connection stays open, nothing more comes.
+                let first = futures_util::stream::once(async {
+                    Ok::<_, Infallible>(Bytes::from_static(b"data: {\"id\":\"h\"}\n\n"))
+                });
+                let stream = futures_util::StreamExt::chain(first, futures_util::stream::pending());
+                Response::builder()
+                    .header(header::CONTENT_TYPE, "text/event-stream")
                     .body(Body::from_stream(stream))
                     .unwrap()
             }),
@@ -374,6 +388,76 @@ async fn dropping_the_tunnel_stream_cancels_upstream() {
         drop(stream); // the HTTP caller went away
         dropped.await;
         assert!(p.slow_flag.load(Ordering::SeqCst));
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn a_stalled_upstream_produces_exactly_one_response_stalled_terminal() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        let mut req = chat("hang-1", None, "/hang");
+        req.response_stall_timeout = ResponseStallTimeout::from_wire_ms(300).unwrap();
+        let mut stream = edge.tunnel("node-1", req).await.unwrap();
+        let mut events = Vec::new();
+        while let Some(ev) = stream.next().await {
+            events.push(ev);
+        }
+        assert!(matches!(
+            events[0],
+            TunnelEvent::Frame(Delivery::Start { status: 200, .. })
+        ));
+        assert!(matches!(events[1], TunnelEvent::Frame(Delivery::Body(_))));
+        assert_eq!(events.iter().filter(|e| e.is_terminal()).count(), 1);
+        let TunnelEvent::Frame(Delivery::Error {
+            error,
+            execution_failure,
+        }) = events.last().unwrap()
+        else {
+            panic!("expected an ERROR terminal, got {:?}", events.last());
+        };
+        assert_eq!(error, iop_node::RESPONSE_STALLED);
+        let failure = execution_failure
+            .as_ref()
+            .and_then(|e| e.valid())
+            .expect("typed stall evidence");
+        // The provider answers its models list with the target: available → request_stalled.
+        assert_eq!(failure.health, HealthEvidence::Available);
+        assert_eq!(failure.fence, Fence::Confirmed);
+        assert_eq!(
+            (
+                failure.adapter.as_str(),
+                failure.target.as_str(),
+                failure.run_id.as_str()
+            ),
+            ("openai-a", "gpt-test", "hang-1")
+        );
+        assert!(
+            failure.idle_duration >= Duration::from_millis(300),
+            "{:?}",
+            failure.idle_duration
+        );
+        assert!(failure.attempt_id.starts_with("attempt-"));
+        let seq = failure
+            .health_observation_seq
+            .expect("bound session stamps the sequence");
+        // The sequence is session-owned: a later CAPABILITIES answer continues it.
+        let caps = edge
+            .command(
+                "node-1",
+                NodeCommandRequest {
+                    kind: NodeCommandKind::Capabilities,
+                    adapter: String::new(),
+                    target: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+        assert!(caps.capabilities[0].health_observation_seq > seq);
         shutdown.cancel();
     })
     .await

@@ -1,0 +1,213 @@
+//! The Node's response-stall watchdog on normalized runs, with an embedder's own adapter:
+//! an unconfirmed fence keeps admission until the provider call really returns, and health
+//! evidence comes from the exact-target probe.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
+use iop_node::{
+    Adapter, AdapterError, AdapterRegistry, NodeOptions, RunCompletion, RunEvents, run_node,
+};
+use iop_tests::pki::{Ca, TRUST_DOMAIN};
+use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, Fence, HealthEvidence, NodeConfigPayload, ProviderStatus,
+    RunEvent, RunEventKind, RunRequest,
+};
+use iop_wire::validate::ResponseStallTimeout;
+use tokio_util::sync::CancellationToken;
+
+const LIMIT: Duration = Duration::from_secs(30);
+/// How long the "provider" takes to return after being fenced: longer than the close grace.
+const SLOW_CLOSE: Duration = Duration::from_millis(1500);
+const CLOSE_GRACE: Duration = Duration::from_millis(200);
+
+/// Sends one delta, then never makes progress; once fenced it takes `SLOW_CLOSE` to return
+/// (like a provider connection that is slow to close). Its probe says the provider is down.
+struct StallingAdapter {
+    returned: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Adapter for StallingAdapter {
+    async fn run(
+        &self,
+        _request: RunRequest,
+        events: RunEvents,
+    ) -> Result<RunCompletion, AdapterError> {
+        events.delta("partial ").await;
+        events.cancelled().await;
+        tokio::time::sleep(SLOW_CLOSE).await;
+        self.returned.store(true, Ordering::SeqCst);
+        Err(AdapterError::Provider("closed".into()))
+    }
+
+    async fn probe(&self, _target: &str) -> ProviderStatus {
+        ProviderStatus::Unavailable
+    }
+}
+
+async fn mesh(ca: &Ca, returned: Arc<AtomicBool>) -> (EdgeHandle, CancellationToken) {
+    let leaf = ca.workload(role::EDGE, "edge-1", true);
+    let verifier = client_cert_verifier(
+        ca.roots(),
+        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
+    )
+    .unwrap();
+    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+    let adapter = AdapterConfig {
+        name: "stall-a".into(),
+        adapter_type: "stalling".into(),
+        enabled: true,
+        capacity: 1,
+        long_context_capacity: 0,
+        targets: vec!["m".into()],
+        settings: AdapterSettings::None,
+    };
+    cfg.node_configs = vec![(
+        "node-1".into(),
+        NodeConfigPayload {
+            adapters: vec![adapter],
+            ..Default::default()
+        },
+    )];
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
+
+    let mut registry = AdapterRegistry::new();
+    registry.register(
+        "stalling",
+        Arc::new(move |_: &AdapterConfig| {
+            Ok(Arc::new(StallingAdapter {
+                returned: returned.clone(),
+            }) as Arc<dyn Adapter>)
+        }),
+    );
+    let node_leaf = ca.workload(role::NODE, "node-1", false);
+    let verifier = server_cert_verifier(
+        ca.roots(),
+        ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
+    )
+    .unwrap();
+    let node_tls = Arc::new(
+        identity::client_config(node_leaf.chain.clone(), node_leaf.key(), verifier).unwrap(),
+    );
+    let mut opts = NodeOptions::new(
+        "node-1",
+        &edge.local_addr().to_string(),
+        "localhost",
+        node_tls,
+    )
+    .unwrap()
+    .with_adapters(registry);
+    opts.close_grace = CLOSE_GRACE;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_node(opts, shutdown.clone()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    (edge, shutdown)
+}
+
+fn request(run_id: &str, stall_ms: i64) -> RunRequest {
+    RunRequest {
+        run_id: run_id.into(),
+        adapter: "stall-a".into(),
+        target: "m".into(),
+        input: bytes::Bytes::new(),
+        metadata: Default::default(),
+        response_stall_timeout: ResponseStallTimeout::from_wire_ms(stall_ms).unwrap(),
+        timeout: None,
+        long_context: false,
+        credential: None,
+    }
+}
+
+async fn all(edge: &EdgeHandle, req: RunRequest) -> Vec<RunEvent> {
+    let mut s = edge.run("node-1", req).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = s.next().await {
+        out.push(ev);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unconfirmed_fence_keeps_admission_until_the_provider_returns() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let returned = Arc::new(AtomicBool::new(false));
+        let (edge, shutdown) = mesh(&ca, returned.clone()).await;
+
+        let events = all(&edge, request("s-1", 200)).await;
+        let kinds: Vec<_> = events.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                RunEventKind::Start,
+                RunEventKind::Delta,
+                RunEventKind::Error
+            ]
+        );
+        let terminal = events.last().unwrap();
+        assert_eq!(terminal.error, iop_node::RESPONSE_STALLED);
+        let f = terminal
+            .execution_failure
+            .as_ref()
+            .and_then(|e| e.valid())
+            .unwrap();
+        assert_eq!(f.health, HealthEvidence::Unavailable);
+        assert_eq!(f.health.liveness_classification(), "provider_unhealthy");
+        assert_eq!(
+            f.fence,
+            Fence::Unconfirmed,
+            "the provider had not returned within the grace"
+        );
+        assert!(f.health_observation_seq.is_some());
+        // The terminal came before the provider returned, and admission is still held: the
+        // next run on this capacity-1 instance is refused...
+        assert!(!returned.load(Ordering::SeqCst));
+        let refused = all(&edge, request("s-2", 200)).await;
+        assert_eq!(refused.last().unwrap().error, "adapter capacity exhausted");
+        assert!(
+            refused.last().unwrap().execution_failure.is_none(),
+            "non-stall failures carry no ExecutionFailure"
+        );
+        // ...until the provider call really returns.
+        while !returned.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let again = all(&edge, request("s-3", 200)).await;
+        assert_eq!(again.first().unwrap().kind, RunEventKind::Start);
+        assert_eq!(again.last().unwrap().error, iop_node::RESPONSE_STALLED);
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_caller_cancel_before_the_stall_keeps_its_own_terminal() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let (edge, shutdown) = mesh(&ca, Arc::new(AtomicBool::new(false))).await;
+        let mut s = edge.run("node-1", request("c-1", 60_000)).await.unwrap();
+        assert_eq!(s.next().await.unwrap().kind, RunEventKind::Start);
+        assert_eq!(s.next().await.unwrap().kind, RunEventKind::Delta);
+        edge.cancel("node-1", "c-1", "caller_cancelled").unwrap();
+        let terminal = s.next().await.unwrap();
+        assert_eq!(terminal.kind, RunEventKind::Cancelled);
+        assert!(terminal.execution_failure.is_none());
+        assert!(s.next().await.is_none());
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
