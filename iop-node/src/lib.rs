@@ -53,6 +53,7 @@
 #![warn(missing_docs)]
 
 mod adapter;
+pub mod config;
 mod demo;
 mod exec;
 pub mod openai;

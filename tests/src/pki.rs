@@ -33,6 +33,11 @@ impl Ca {
         Self { issuer }
     }
 
+    /// The CA certificate as PEM.
+    pub fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
     /// A root store holding this CA.
     pub fn roots(&self) -> Arc<RootCertStore> {
         let mut roots = RootCertStore::empty();
@@ -72,6 +77,8 @@ impl Ca {
         Leaf {
             chain: vec![cert.der().clone()],
             key: PrivatePkcs8KeyDer::from(key.serialize_der()),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
         }
     }
 
@@ -92,6 +99,10 @@ pub struct Leaf {
     /// The certificate chain (leaf only).
     pub chain: Vec<CertificateDer<'static>>,
     key: PrivatePkcs8KeyDer<'static>,
+    /// The certificate as PEM.
+    pub cert_pem: String,
+    /// The PKCS#8 private key as PEM.
+    pub key_pem: String,
 }
 
 impl Leaf {

@@ -1,0 +1,95 @@
+//! `iop-node`: run an IOP Node from a config file.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use iop_node::config::NodeConfigFile;
+use iop_node::{AdapterRegistry, run_node};
+use tokio_util::sync::CancellationToken;
+
+/// Run an IOP Node: dial the Edge over mutually authenticated TLS, register, apply the adapter
+/// configuration the Edge sends, report ready, and execute runs and provider tunnels.
+///
+/// Exit codes: 0 after SIGTERM/SIGINT (local shutdown); 1 for an invalid configuration or
+/// credentials, or when a finite reconnect budget (`reconnect.max_attempts`) is exhausted.
+/// The Edge need not be reachable at startup: the initial dial and every reconnect follow the
+/// same `[reconnect]` policy.
+#[derive(Debug, Parser)]
+#[command(name = "iop-node", version, about, long_about)]
+struct Args {
+    /// Path to the TOML config file. Keys: node_id; [edge] address, server_name, name;
+    /// [tls] trust_domain, ca, cert, key; [reconnect] interval_sec, max_attempts;
+    /// [runtime] close_grace_ms. See the iop_node::config docs for their meaning.
+    #[arg(long, short = 'c', value_name = "FILE")]
+    config: PathBuf,
+
+    /// Validate the config (including the TLS files) and exit without connecting.
+    #[arg(long)]
+    check: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let options = match NodeConfigFile::load(&args.config)
+        .and_then(|file| file.into_options(AdapterRegistry::with_builtins()))
+    {
+        Ok(options) => options,
+        Err(e) => {
+            eprintln!("iop-node: invalid configuration: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if args.check {
+        println!("iop-node: configuration is valid");
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("iop-node: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let exit = runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        let signals = shutdown.clone();
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("shutdown requested");
+            signals.cancel();
+        });
+        run_node(options, shutdown).await
+    });
+    tracing::info!(?exit, "iop-node stopped");
+    ExitCode::from(u8::try_from(exit.exit_code()).unwrap_or(1))
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,5 @@
+//! The reference binaries live in `src/bin/`; each reads its config, builds its library object,
+//! runs it and maps the outcome to an exit code (linkerd2-proxy's `main.rs` shape):
+//!
+//! - `iop-node`: see `iop-node --help` and `iop_node::config` for the file format.
+#![forbid(unsafe_code)]

@@ -1,0 +1,268 @@
+//! The Node's configuration file (TOML) and its strict validation.
+//!
+//! ```toml
+//! node_id = "node-1"            # must equal the name in the Node's workload certificate
+//!
+//! [edge]
+//! address = "edge.internal:7443" # host:port the Node dials
+//! server_name = "edge.internal" # DNS name or IP the Edge certificate must carry
+//! name = "edge-1"               # the Edge's workload name (spiffe://<trust_domain>/edge/<name>)
+//!
+//! [tls]
+//! trust_domain = "iop.local"
+//! ca = "/etc/iop/ca.pem"        # PEM bundle of the workload CA
+//! cert = "/etc/iop/node.pem"    # PEM chain, leaf first (URI SAN spiffe://<td>/node/<node_id>)
+//! key = "/etc/iop/node.key"     # PEM PKCS#8 private key
+//!
+//! [reconnect]                   # seed 000 semantics
+//! interval_sec = 10             # omitted = 10; must be > 0 when max_attempts = 0
+//! max_attempts = 10             # omitted = 10; 0 = unlimited until shutdown; < 0 is an error
+//!
+//! [runtime]
+//! close_grace_ms = 2000         # after a response stall, how long the provider may take to return
+//! ```
+//!
+//! Unknown keys are errors. Every error names the key it is about, and none prints key material.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_wire::identity::{self, ExpectedPeer, role};
+use iop_wire::reconnect::ReconnectPolicy;
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use serde::Deserialize;
+
+use crate::{AdapterRegistry, NodeOptions};
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfigFile {
+    /// `node_id`.
+    pub node_id: String,
+    /// `[edge]`.
+    pub edge: EdgeSection,
+    /// `[tls]`.
+    pub tls: TlsSection,
+    /// `[reconnect]`.
+    #[serde(default)]
+    pub reconnect: ReconnectSection,
+    /// `[runtime]`.
+    #[serde(default)]
+    pub runtime: RuntimeSection,
+}
+
+/// `[edge]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeSection {
+    /// `edge.address`.
+    pub address: String,
+    /// `edge.server_name`.
+    pub server_name: String,
+    /// `edge.name`.
+    pub name: String,
+}
+
+/// `[tls]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// `tls.trust_domain`.
+    pub trust_domain: String,
+    /// `tls.ca`.
+    pub ca: PathBuf,
+    /// `tls.cert`.
+    pub cert: PathBuf,
+    /// `tls.key`.
+    pub key: PathBuf,
+}
+
+/// `[reconnect]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconnectSection {
+    /// `reconnect.interval_sec`.
+    pub interval_sec: Option<i64>,
+    /// `reconnect.max_attempts`.
+    pub max_attempts: Option<i64>,
+}
+
+/// `[runtime]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeSection {
+    /// `runtime.close_grace_ms`.
+    pub close_grace_ms: Option<u64>,
+}
+
+/// A configuration error. The text names the key (or file) it is about.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or had unknown/missing keys (toml's message names them).
+    #[error("{0}")]
+    Syntax(String),
+    /// A key had an invalid value.
+    #[error("{key}: {message}")]
+    Invalid {
+        /// The key, e.g. `reconnect.max_attempts`.
+        key: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        message: message.into(),
+    }
+}
+
+fn read(key: &'static str, path: &Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))
+}
+
+impl NodeConfigFile {
+    /// Reads and parses `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))
+    }
+
+    /// Validates every key and builds the Node's options (reads the TLS files).
+    pub fn into_options(self, adapters: AdapterRegistry) -> Result<NodeOptions, ConfigError> {
+        let reconnect =
+            ReconnectPolicy::from_config(self.reconnect.interval_sec, self.reconnect.max_attempts)
+                .map_err(|e| {
+                    let key = if e.to_string().contains("max_attempts")
+                        && !e.to_string().contains("interval")
+                    {
+                        "reconnect.max_attempts"
+                    } else {
+                        "reconnect.interval_sec"
+                    };
+                    invalid(key, e.to_string())
+                })?;
+        let expected = ExpectedPeer::exact(&self.tls.trust_domain, role::EDGE, &self.edge.name)
+            .map_err(|e| invalid("edge.name", e.to_string()))?;
+        let ca = read("tls.ca", &self.tls.ca)?;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(&ca) {
+            let cert = cert.map_err(|_| invalid("tls.ca", "not a PEM certificate bundle"))?;
+            roots
+                .add(cert)
+                .map_err(|_| invalid("tls.ca", "invalid CA certificate"))?;
+        }
+        if roots.is_empty() {
+            return Err(invalid("tls.ca", "no certificate found"));
+        }
+        let cert = read("tls.cert", &self.tls.cert)?;
+        let chain = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| invalid("tls.cert", "not a PEM certificate chain"))?;
+        let key = read("tls.key", &self.tls.key)?;
+        let key = PrivateKeyDer::from_pem_slice(&key)
+            .map_err(|_| invalid("tls.key", "no PEM private key found"))?;
+        let leaf = chain
+            .first()
+            .ok_or_else(|| invalid("tls.cert", "no certificate found"))?;
+        let own = identity::WorkloadId::from_certificate(leaf)
+            .map_err(|e| invalid("tls.cert", e.to_string()))?;
+        if own.role() != role::NODE || own.name() != self.node_id {
+            return Err(invalid(
+                "tls.cert",
+                format!(
+                    "certificate identity {own} is not role `node` with name `{}` (node_id)",
+                    self.node_id
+                ),
+            ));
+        }
+        let verifier = identity::server_cert_verifier(Arc::new(roots), expected)
+            .map_err(|e| invalid("tls.ca", e.to_string()))?;
+        let tls = identity::client_config(chain, key, verifier)
+            .map_err(|e| invalid("tls.key", e.to_string()))?;
+        let mut opts = NodeOptions::new(
+            &self.node_id,
+            &self.edge.address,
+            &self.edge.server_name,
+            Arc::new(tls),
+        )
+        .map_err(|e| match e {
+            crate::OptionsError::NodeId => {
+                invalid("node_id", "must be 1-128 characters of A-Z a-z 0-9 . _ -")
+            }
+            crate::OptionsError::ServerName => {
+                invalid("edge.server_name", "not a valid DNS name or IP address")
+            }
+        })?
+        .with_adapters(adapters)
+        .with_reconnect(reconnect);
+        if let Some(ms) = self.runtime.close_grace_ms {
+            opts.close_grace = Duration::from_millis(ms);
+        }
+        Ok(opts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_and_missing_keys_are_named() {
+        let e = NodeConfigFile::parse("node_id = \"n\"\nbogus = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bogus"), "{e}");
+        let e = NodeConfigFile::parse("node_id = \"n\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("edge"), "{e}");
+    }
+
+    #[test]
+    fn reconnect_errors_name_their_key() {
+        let base = "node_id = \"n\"\n[edge]\naddress = \"a:1\"\nserver_name = \"localhost\"\nname = \"e\"\n[tls]\ntrust_domain = \"t\"\nca = \"/nonexistent\"\ncert = \"/x\"\nkey = \"/y\"\n";
+        let f = NodeConfigFile::parse(&format!("{base}[reconnect]\nmax_attempts = -1\n")).unwrap();
+        let e = f
+            .into_options(AdapterRegistry::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("reconnect.max_attempts:"), "{e}");
+        let f = NodeConfigFile::parse(&format!(
+            "{base}[reconnect]\nmax_attempts = 0\ninterval_sec = 0\n"
+        ))
+        .unwrap();
+        let e = f
+            .into_options(AdapterRegistry::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("reconnect.interval_sec:"), "{e}");
+        let f = NodeConfigFile::parse(base).unwrap();
+        let e = f
+            .into_options(AdapterRegistry::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("tls.ca:"), "{e}");
+    }
+}
