@@ -176,7 +176,7 @@ impl AdapterRegistry {
         Self::default()
     }
 
-    /// The built-in adapters: `demo` and `openai_compat`.
+    /// The built-in adapters: `demo`, `openai_compat` and `ollama`.
     pub fn with_builtins() -> Self {
         let mut r = Self::new();
         r.register(
@@ -189,6 +189,13 @@ impl AdapterRegistry {
             crate::openai::ADAPTER_TYPE,
             Arc::new(|c: &AdapterConfig| {
                 let adapter = crate::openai::OpenAiCompatAdapter::from_config(c)?;
+                Ok(Arc::new(adapter) as Arc<dyn Adapter>)
+            }),
+        );
+        r.register(
+            crate::ollama::ADAPTER_TYPE,
+            Arc::new(|c: &AdapterConfig| {
+                let adapter = crate::ollama::OllamaAdapter::from_config(c)?;
                 Ok(Arc::new(adapter) as Arc<dyn Adapter>)
             }),
         );

@@ -31,8 +31,11 @@
 //!   `ExecutionFailure` follows; an unconfirmed fence keeps the admission permit until the
 //!   provider call returns.
 //!
-//! **Not yet here** (issue #4 continues): the Ollama adapter, credential lease opening, and the
-//! `iop-node` binary.
+//! - The built-in `ollama` adapter turns Ollama's native streaming chat into normalized
+//!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).
+//! - [`config`] reads the `iop-node` binary's TOML file with strict, key-naming validation.
+//!
+//! **Not yet here**: credential lease opening (managed mode, issue #6 wires `iop-lease` in).
 //!
 //! # Example
 //!
@@ -56,6 +59,7 @@ mod adapter;
 pub mod config;
 mod demo;
 mod exec;
+pub mod ollama;
 pub mod openai;
 mod session;
 
@@ -73,6 +77,7 @@ use iop_wire::node::{CloseReason, NodeSessionConfig};
 use iop_wire::reconnect::{Action, Failure, Supervisor};
 pub use iop_wire::reconnect::{Exit, ReconnectPolicy};
 use iop_wire::runtime::RecipientKey;
+pub use ollama::OllamaAdapter;
 pub use openai::OpenAiCompatAdapter;
 use rustls_pki_types::ServerName;
 pub use session::PROBE_TIMEOUT;

@@ -389,3 +389,54 @@ async fn shutdown_while_waiting_to_reconnect_exits_0() {
     .await
     .expect("scenario finishes");
 }
+
+#[tokio::test]
+async fn a_second_connection_for_the_same_node_supersedes_the_first_with_a_new_generation() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let edge = start_edge(&ca, demo_config(0, 1)).await;
+        let mut life = edge.subscribe();
+        // The first Node waits 4-5 s before it would redial after being superseded; the test is
+        // over (and stops it) long before, so the two do not keep taking the id from each other.
+        let first_policy = ReconnectPolicy::from_config(Some(5), Some(1)).unwrap();
+        let stop_first = CancellationToken::new();
+        let first = tokio::spawn(run_node(
+            node_options(&ca, "node-1", "node-1", edge.local_addr(), first_policy),
+            stop_first.clone(),
+        ));
+        let g1 = connected(&mut life).await;
+        let stop_second = CancellationToken::new();
+        let _second = tokio::spawn(run_node(
+            node_options(
+                &ca,
+                "node-1",
+                "node-1",
+                edge.local_addr(),
+                ReconnectPolicy::default(),
+            ),
+            stop_second.clone(),
+        ));
+        // Exactly one fence for the superseded generation, then the new one becomes ready.
+        let mut saw = Vec::new();
+        let g2 = loop {
+            match life.recv().await.unwrap() {
+                Lifecycle::Disconnected { generation, .. } => saw.push(generation),
+                Lifecycle::Connected { generation, .. } => break generation,
+            }
+        };
+        assert_eq!(saw, [g1]);
+        assert!(g2 > g1);
+        assert_eq!(
+            edge.ready_nodes().await.unwrap(),
+            [("node-1".to_owned(), g2)]
+        );
+        let events =
+            collect(&mut edge.run("node-1", run("sup-1", "new owner")).await.unwrap()).await;
+        assert_eq!(text(&events), "echo: new owner");
+        stop_first.cancel();
+        stop_second.cancel();
+        let _ = first.await;
+    })
+    .await
+    .expect("scenario finishes");
+}

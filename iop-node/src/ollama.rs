@@ -1,0 +1,281 @@
+//! The `ollama` adapter: native Ollama `/api/chat`, producing normalized RunEvents.
+//!
+//! Normalized input (`RunRequest.input`): a JSON object
+//! `{"messages": [{"role": "...", "content": "..."}], "options": {...}, "tools": [...]}`
+//! (`options` and `tools` optional), or plain UTF-8 text, which becomes one user message. The
+//! adapter streams Ollama's NDJSON answer as DELTA text; on completion it reports usage
+//! (`prompt_eval_count`, `eval_count`) and, when the model returned native tool calls, the
+//! `openai_tool_calls` metadata key (a JSON array in OpenAI's shape, seed 000). It never parses
+//! tool calls out of the assistant's text.
+//!
+//! Probe: `GET /api/tags` must list the exact target.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt as _;
+use iop_wire::runtime::{AdapterConfig, AdapterSettings, ProviderStatus, RunRequest, Usage};
+use serde_json::{Value, json};
+
+use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents};
+
+/// The adapter type name in `AdapterConfig.type`.
+pub const ADAPTER_TYPE: &str = "ollama";
+/// Bound of a health probe.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest NDJSON line accepted from the provider.
+const MAX_LINE: usize = 1024 * 1024;
+
+/// The Ollama adapter.
+#[derive(Clone, Debug)]
+pub struct OllamaAdapter {
+    client: reqwest::Client,
+    base_url: String,
+    targets: Vec<String>,
+}
+
+impl OllamaAdapter {
+    /// Builds an instance from its configuration (`NativeAdapterConfig.base_url`, e.g.
+    /// `http://127.0.0.1:11434`).
+    pub fn from_config(config: &AdapterConfig) -> Result<Self, String> {
+        let AdapterSettings::Native(settings) = &config.settings else {
+            return Err("native settings with base_url are required".into());
+        };
+        let base = reqwest::Url::parse(&settings.base_url)
+            .map_err(|_| "native.base_url is not a valid URL".to_owned())?;
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err("native.base_url must be http or https".into());
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls_platform_verifier::Verifier::new(provider.clone())
+            .map_err(|_| "platform certificate verifier unavailable".to_owned())?;
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|_| "TLS configuration failed".to_owned())?
+            .dangerous()
+            .with_custom_certificate_verifier(std::sync::Arc::new(verifier))
+            .with_no_client_auth();
+        let client = reqwest::Client::builder()
+            .tls_backend_preconfigured(tls)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|_| "HTTP client construction failed".to_owned())?;
+        Ok(Self {
+            client,
+            base_url: settings.base_url.trim_end_matches('/').to_owned(),
+            targets: config.targets.clone(),
+        })
+    }
+}
+
+/// The Ollama request body for a normalized input.
+fn chat_body(target: &str, input: &[u8]) -> Result<Value, AdapterError> {
+    let mut body = json!({ "model": target, "stream": true });
+    match serde_json::from_slice::<Value>(input) {
+        Ok(Value::Object(obj)) => {
+            let messages = obj
+                .get("messages")
+                .cloned()
+                .ok_or(AdapterError::InvalidInput("messages"))?;
+            if !messages.is_array() {
+                return Err(AdapterError::InvalidInput("messages"));
+            }
+            body["messages"] = messages;
+            for key in ["options", "tools", "format", "keep_alive"] {
+                if let Some(v) = obj.get(key) {
+                    body[key] = v.clone();
+                }
+            }
+        }
+        _ => {
+            let text = std::str::from_utf8(input)
+                .map_err(|_| AdapterError::InvalidInput("input is not UTF-8"))?;
+            body["messages"] = json!([{ "role": "user", "content": text }]);
+        }
+    }
+    Ok(body)
+}
+
+/// Ollama's native tool calls in OpenAI's `tool_calls` shape.
+fn openai_tool_calls(calls: &[Value]) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let f = &c["function"];
+                let arguments = match &f["arguments"] {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                json!({
+                    "id": format!("call_{i}"),
+                    "type": "function",
+                    "function": { "name": f["name"].as_str().unwrap_or_default(), "arguments": arguments },
+                })
+            })
+            .collect(),
+    )
+}
+
+fn classify(e: &reqwest::Error) -> AdapterError {
+    let kind = if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect failed"
+    } else {
+        "request failed"
+    };
+    AdapterError::Provider(kind.to_owned())
+}
+
+#[async_trait]
+impl Adapter for OllamaAdapter {
+    async fn run(
+        &self,
+        request: RunRequest,
+        events: RunEvents,
+    ) -> Result<RunCompletion, AdapterError> {
+        if !self.targets.is_empty() && !self.targets.contains(&request.target) {
+            return Err(AdapterError::UnknownTarget);
+        }
+        let body = chat_body(&request.target, &request.input)?;
+        let fenced = || AdapterError::Provider("fenced".into());
+        let send = self
+            .client
+            .post(format!("{}/api/chat", self.base_url))
+            .json(&body)
+            .send();
+        let response = tokio::select! {
+            () = events.cancelled() => return Err(fenced()),
+            r = send => r.map_err(|e| classify(&e))?,
+        };
+        if !response.status().is_success() {
+            return Err(AdapterError::Provider(format!(
+                "status {}",
+                response.status().as_u16()
+            )));
+        }
+        let mut stream = response.bytes_stream();
+        let mut line = Vec::new();
+        let mut tool_calls = Vec::new();
+        let mut usage = None;
+        loop {
+            let next = tokio::select! {
+                () = events.cancelled() => return Err(fenced()),
+                next = stream.next() => next,
+            };
+            let Some(chunk) = next else { break };
+            let chunk = chunk.map_err(|e| classify(&e))?;
+            for &b in chunk.iter() {
+                if b != b'\n' {
+                    if line.len() >= MAX_LINE {
+                        return Err(AdapterError::Provider("response line too long".into()));
+                    }
+                    line.push(b);
+                    continue;
+                }
+                let msg: Value = match serde_json::from_slice(&line) {
+                    Ok(v) => v,
+                    Err(_) if line.iter().all(u8::is_ascii_whitespace) => {
+                        line.clear();
+                        continue;
+                    }
+                    Err(_) => return Err(AdapterError::Provider("malformed response".into())),
+                };
+                line.clear();
+                if msg.get("error").is_some() {
+                    // The provider's text stays out of the wire error.
+                    return Err(AdapterError::Provider("provider reported an error".into()));
+                }
+                if let Some(text) = msg["message"]["content"].as_str()
+                    && !text.is_empty()
+                    && !events.delta(text).await
+                {
+                    return Err(fenced());
+                }
+                if let Some(calls) = msg["message"]["tool_calls"].as_array() {
+                    tool_calls.extend(calls.iter().cloned());
+                }
+                if msg["done"].as_bool() == Some(true) {
+                    let prompt = msg["prompt_eval_count"].as_u64().unwrap_or(0);
+                    let completion = msg["eval_count"].as_u64().unwrap_or(0);
+                    usage = Some(Usage {
+                        prompt_tokens: prompt,
+                        completion_tokens: completion,
+                        total_tokens: prompt + completion,
+                    });
+                }
+            }
+        }
+        if usage.is_none() {
+            return Err(AdapterError::Provider("stream ended before done".into()));
+        }
+        let mut metadata = std::collections::BTreeMap::new();
+        if !tool_calls.is_empty() {
+            metadata.insert(
+                "openai_tool_calls".to_owned(),
+                openai_tool_calls(&tool_calls).to_string(),
+            );
+        }
+        Ok(RunCompletion { metadata, usage })
+    }
+
+    async fn probe(&self, target: &str) -> ProviderStatus {
+        let request = self
+            .client
+            .get(format!("{}/api/tags", self.base_url))
+            .timeout(PROBE_TIMEOUT);
+        let Ok(response) = request.send().await else {
+            return ProviderStatus::Unavailable;
+        };
+        if !response.status().is_success() {
+            return ProviderStatus::Unavailable;
+        }
+        match response.json::<Value>().await {
+            Ok(v) => {
+                let listed = v["models"].as_array().is_some_and(|ms| {
+                    ms.iter().any(|m| {
+                        m["name"].as_str() == Some(target) || m["model"].as_str() == Some(target)
+                    })
+                });
+                if listed {
+                    ProviderStatus::Available
+                } else {
+                    ProviderStatus::Unavailable
+                }
+            }
+            Err(_) => ProviderStatus::Unknown,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_forms() {
+        let b = chat_body("m", b"hello").unwrap();
+        assert_eq!(b["messages"][0]["content"], "hello");
+        let b = chat_body(
+            "m",
+            br#"{"messages":[{"role":"system","content":"s"}],"options":{"temperature":0}}"#,
+        )
+        .unwrap();
+        assert_eq!(b["messages"][0]["role"], "system");
+        assert_eq!(b["options"]["temperature"], 0);
+        assert_eq!(b["model"], "m");
+        assert!(chat_body("m", br#"{"messages":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn tool_calls_take_openai_shape() {
+        let v = openai_tool_calls(&[
+            json!({"function":{"name":"get_weather","arguments":{"city":"Seoul"}}}),
+        ]);
+        assert_eq!(v[0]["type"], "function");
+        assert_eq!(v[0]["function"]["name"], "get_weather");
+        assert_eq!(v[0]["function"]["arguments"], "{\"city\":\"Seoul\"}");
+    }
+}
