@@ -5,8 +5,9 @@
 //! authority for `node_id → current owner, generation, pending/ready` — plus the routing of run
 //! streams and commands. [`EdgeHandle`] is the embeddable API to dispatch runs, cancel them,
 //! open provider tunnels (frames checked by `iop_wire::tunnel`), send commands and push config
-//! refreshes to ready Nodes. Still to come (issues #4, #5): the response wait timeout on
-//! tunnels, the provider pool and queue with provider leases, snapshots and health overlays,
+//! refreshes to ready Nodes; a tunnel may carry a response-wait timeout, and a caller that goes
+//! away (drops its stream) or times out makes the Edge send `CancelRequest`. Still to come
+//! (issue #5): the provider pool and queue with provider leases, snapshots and health overlays,
 //! the OpenAI-compatible HTTP surface and the Control Plane connector.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -25,9 +25,10 @@
 //! that stops reading makes the Edge buffer that run's events. Bounded per-stream windows are
 //! future work.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
@@ -154,6 +155,9 @@ pub enum TunnelEvent {
     Violation(Violation),
     /// The Node's generation was fenced before its terminal. Terminal.
     NodeDisconnected,
+    /// No response started within the caller's wait timeout; the Edge sent `CancelRequest`.
+    /// Terminal.
+    WaitTimeout,
 }
 
 impl TunnelEvent {
@@ -161,7 +165,7 @@ impl TunnelEvent {
     pub fn is_terminal(&self) -> bool {
         match self {
             Self::Frame(d) => d.is_terminal(),
-            Self::Violation(_) | Self::NodeDisconnected => true,
+            Self::Violation(_) | Self::NodeDisconnected | Self::WaitTimeout => true,
         }
     }
 }
@@ -199,6 +203,7 @@ enum Input {
     Tunnel {
         node_id: String,
         request: ProviderTunnelRequest,
+        response_wait: Option<Duration>,
         reply: oneshot::Sender<Result<TunnelStream, DispatchError>>,
     },
     Run {
@@ -274,10 +279,23 @@ impl EdgeHandle {
         node_id: &str,
         request: ProviderTunnelRequest,
     ) -> Result<TunnelStream, DispatchError> {
+        self.tunnel_with_wait(node_id, request, None).await
+    }
+
+    /// As [`EdgeHandle::tunnel`], but if no frame of the response arrives within
+    /// `response_wait`, the Edge cancels the run on the Node and ends the stream with
+    /// [`TunnelEvent::WaitTimeout`].
+    pub async fn tunnel_with_wait(
+        &self,
+        node_id: &str,
+        request: ProviderTunnelRequest,
+        response_wait: Option<Duration>,
+    ) -> Result<TunnelStream, DispatchError> {
         let (reply, rx) = oneshot::channel();
         self.send(Input::Tunnel {
             node_id: node_id.to_owned(),
             request,
+            response_wait,
             reply,
         })?;
         rx.await.map_err(|_| DispatchError::Stopped)?
@@ -363,7 +381,7 @@ pub async fn bind(
                 Err(e) => {
                     // E.g. out of file descriptors: back off instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
@@ -496,6 +514,10 @@ struct State {
     routes: HashMap<u64, Route>,
     /// Ordering state of every open tunnel stream (stream ids are unique across connections).
     tunnels: TunnelSequencer,
+    /// Response-wait deadlines of tunnels that have not received a frame yet, by time and by
+    /// stream (so the first frame clears its timer in O(log n)).
+    wait_timers: BTreeSet<(Instant, u64)>,
+    waiting: HashMap<u64, Instant>,
     pending: HashMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
@@ -516,13 +538,20 @@ async fn registry_task(
         outs: HashMap::new(),
         routes: HashMap::new(),
         tunnels: TunnelSequencer::with_max_streams(usize::MAX),
+        wait_timers: BTreeSet::new(),
+        waiting: HashMap::new(),
         pending: HashMap::new(),
         next_stream: 1,
         next_correlation: 1,
         lifecycle,
     };
     loop {
-        let deadline = st.registry.poll_timeout().map(Instant::from_std);
+        let registry_deadline = st.registry.poll_timeout().map(Instant::from_std);
+        let wait_deadline = st.wait_timers.first().map(|(at, _)| *at);
+        let deadline = match (registry_deadline, wait_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let input = tokio::select! {
             input = input_rx.recv() => match input {
                 Some(i) => Some(i),
@@ -537,7 +566,10 @@ async fn registry_task(
         };
         match input {
             Some(input) => st.handle(input),
-            None => st.registry.handle_timeout(now()),
+            None => {
+                st.registry.handle_timeout(now());
+                st.expire_waits();
+            }
         }
         st.drain();
     }
@@ -585,6 +617,7 @@ impl State {
             Input::Tunnel {
                 node_id,
                 request,
+                response_wait,
                 reply,
             } => {
                 let run_id = request.run_id.clone();
@@ -597,6 +630,11 @@ impl State {
                 });
                 match opened {
                     Ok((stream_id, generation)) => {
+                        if let Some(wait) = response_wait {
+                            let at = Instant::now() + wait;
+                            self.wait_timers.insert((at, stream_id));
+                            self.waiting.insert(stream_id, at);
+                        }
                         let stream = TunnelStream {
                             generation,
                             events: rx,
@@ -663,6 +701,26 @@ impl State {
                         RuntimeFrame::new(cancel),
                     );
                 }
+            }
+        }
+    }
+
+    /// Ends tunnels whose response did not start in time, and cancels them on the Node.
+    fn expire_waits(&mut self) {
+        let now = Instant::now();
+        while let Some(&(at, stream_id)) = self.wait_timers.first() {
+            if at > now {
+                break;
+            }
+            self.wait_timers.pop_first();
+            self.waiting.remove(&stream_id);
+            if let Some(Route {
+                sink: Sink::Tunnel(tx),
+                ..
+            }) = self.routes.get(&stream_id)
+            {
+                let _ = tx.send(TunnelEvent::WaitTimeout);
+                self.handle(Input::StreamDropped(stream_id));
             }
         }
     }

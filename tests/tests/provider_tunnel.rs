@@ -75,13 +75,37 @@ struct Provider {
     addr: SocketAddr,
     slow_dropped: Arc<Notify>,
     slow_flag: Arc<AtomicBool>,
+    late_dropped: Arc<Notify>,
+}
+
+/// Notifies when dropped (the handler future of a request whose client went away).
+struct DropNotify(Arc<Notify>);
+
+impl Drop for DropNotify {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
 }
 
 async fn provider() -> Provider {
     let slow_dropped = Arc::new(Notify::new());
     let slow_flag = Arc::new(AtomicBool::new(false));
     let (d, f) = (slow_dropped.clone(), slow_flag.clone());
+    let late_dropped = Arc::new(Notify::new());
+    let late = late_dropped.clone();
     let app = Router::new()
+        .route(
+            "/v1/late",
+            post(move || {
+                let guard = DropNotify(late.clone());
+                async move {
+                    // Headers would come only after 30 s; the client gives up long before.
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    drop(guard);
+                    "late"
+                }
+            }),
+        )
         .route(
             "/v1/models",
             get(|| async { axum::Json(serde_json_value()) }),
@@ -150,6 +174,7 @@ async fn provider() -> Provider {
         addr,
         slow_dropped,
         slow_flag,
+        late_dropped,
     }
 }
 
@@ -458,6 +483,31 @@ async fn a_stalled_upstream_produces_exactly_one_response_stalled_terminal() {
             .await
             .unwrap();
         assert!(caps.capabilities[0].health_observation_seq > seq);
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn response_wait_timeout_ends_the_tunnel_and_cancels_upstream() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        let dropped = p.late_dropped.notified();
+        let mut stream = edge
+            .tunnel_with_wait(
+                "node-1",
+                chat("late-1", None, "/late"),
+                Some(Duration::from_millis(300)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(stream.next().await.unwrap(), TunnelEvent::WaitTimeout);
+        assert!(stream.next().await.is_none());
+        // The Edge's CancelRequest made the Node drop the upstream request.
+        dropped.await;
         shutdown.cancel();
     })
     .await
