@@ -440,3 +440,118 @@ async fn a_second_connection_for_the_same_node_supersedes_the_first_with_a_new_g
     .await
     .expect("scenario finishes");
 }
+
+#[tokio::test]
+async fn peers_with_the_wrong_identity_never_register() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let edge = start_edge(&ca, demo_config(0, 1)).await;
+        let policy = ReconnectPolicy::from_config(Some(0), Some(2)).unwrap();
+        // A client certificate with role `edge`: refused by the Edge's TLS verifier.
+        let leaf = ca.workload(role::EDGE, "node-1", false);
+        let verifier = server_cert_verifier(
+            ca.roots(),
+            ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
+        )
+        .unwrap();
+        let tls =
+            Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
+            .unwrap()
+            .with_reconnect(policy);
+        assert_eq!(
+            run_node(opts, CancellationToken::new()).await,
+            Exit::Exhausted { attempts: 2 }
+        );
+        // A Node certificate from another CA: refused.
+        let other = Ca::new("other CA");
+        let leaf = other.workload(role::NODE, "node-1", false);
+        let verifier = server_cert_verifier(
+            ca.roots(),
+            ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
+        )
+        .unwrap();
+        let tls =
+            Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
+            .unwrap()
+            .with_reconnect(policy);
+        assert_eq!(
+            run_node(opts, CancellationToken::new()).await,
+            Exit::Exhausted { attempts: 2 }
+        );
+        // The Node expects another Edge name: it refuses the Edge.
+        let leaf = ca.workload(role::NODE, "node-1", false);
+        let verifier = server_cert_verifier(
+            ca.roots(),
+            ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-9").unwrap(),
+        )
+        .unwrap();
+        let tls =
+            Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
+            .unwrap()
+            .with_reconnect(policy);
+        assert_eq!(
+            run_node(opts, CancellationToken::new()).await,
+            Exit::Exhausted { attempts: 2 }
+        );
+        assert!(
+            edge.ready_nodes().await.unwrap().is_empty(),
+            "no registration from any of them"
+        );
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn transport_and_lifecycle_commands_answer() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let edge = start_edge(&ca, demo_config(0, 1)).await;
+        let mut life = edge.subscribe();
+        let shutdown = CancellationToken::new();
+        let _node = tokio::spawn(run_node(
+            node_options(
+                &ca,
+                "node-1",
+                "node-1",
+                edge.local_addr(),
+                ReconnectPolicy::default(),
+            ),
+            shutdown.clone(),
+        ));
+        connected(&mut life).await;
+        let t = edge
+            .command(
+                "node-1",
+                NodeCommandRequest {
+                    kind: NodeCommandKind::Transport,
+                    adapter: String::new(),
+                    target: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (t.result["node_id"].as_str(), t.result["state"].as_str()),
+            ("node-1", "ready")
+        );
+        let l = edge
+            .command(
+                "node-1",
+                NodeCommandRequest {
+                    kind: NodeCommandKind::ProviderLifecycle,
+                    adapter: String::new(),
+                    target: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(l.result["demo-a"], "in_flight=0 capacity=4");
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
