@@ -41,25 +41,8 @@ impl OllamaAdapter {
         let AdapterSettings::Native(settings) = &config.settings else {
             return Err("native settings with base_url are required".into());
         };
-        let base = reqwest::Url::parse(&settings.base_url)
-            .map_err(|_| "native.base_url is not a valid URL".to_owned())?;
-        if !matches!(base.scheme(), "http" | "https") {
-            return Err("native.base_url must be http or https".into());
-        }
-        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-        let verifier = rustls_platform_verifier::Verifier::new(provider.clone())
-            .map_err(|_| "platform certificate verifier unavailable".to_owned())?;
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|_| "TLS configuration failed".to_owned())?
-            .dangerous()
-            .with_custom_certificate_verifier(std::sync::Arc::new(verifier))
-            .with_no_client_auth();
-        let client = reqwest::Client::builder()
-            .tls_backend_preconfigured(tls)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|_| "HTTP client construction failed".to_owned())?;
+        let client =
+            crate::adapter::provider_http_client("native.base_url", &settings.base_url, None)?;
         Ok(Self {
             client,
             base_url: settings.base_url.trim_end_matches('/').to_owned(),

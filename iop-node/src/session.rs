@@ -217,37 +217,25 @@ fn handle_frame(
     } = frame;
     match message {
         RuntimeMessage::RunRequest(req) => {
-            let refuse = |error: &str| {
-                let mut ev = RunEvent::new(RunEventKind::Error);
-                ev.error = error.to_owned();
-                RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev))
-            };
-            let Some(instance) = instances.resolve(&req.adapter) else {
-                let _ = session.send(now(), refuse("unknown adapter"));
-                return;
-            };
-            let Some(permit) = instance.gate.try_admit() else {
-                let _ = session.send(now(), refuse("adapter capacity exhausted"));
-                return;
-            };
-            if runs.contains_key(&req.run_id) {
-                let _ = session.send(now(), refuse("duplicate run id"));
-                return;
-            }
-            let token = session_token.child_token();
-            runs.insert(req.run_id.clone(), token.clone());
             let settings = ExecSettings {
                 close_grace: opts.close_grace,
             };
-            tokio::spawn(run_task(
-                stream_id,
-                req,
-                instance,
-                permit,
-                token,
-                out_tx.clone(),
-                settings,
-            ));
+            match admit(instances, runs, session_token, &req.adapter, &req.run_id) {
+                Ok((instance, permit, token)) => {
+                    let out = out_tx.clone();
+                    tokio::spawn(run_task(
+                        stream_id, req, instance, permit, token, out, settings,
+                    ));
+                }
+                Err(error) => {
+                    let mut ev = RunEvent::new(RunEventKind::Error);
+                    ev.error = error.to_owned();
+                    let _ = session.send(
+                        now(),
+                        RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev)),
+                    );
+                }
+            }
         }
         RuntimeMessage::CancelRequest(cancel) => {
             if let Some(token) = runs.get(&cancel.run_id) {
@@ -276,46 +264,60 @@ fn handle_frame(
             );
         }
         RuntimeMessage::ProviderTunnelRequest(req) => {
-            let refuse = |error: &str| {
-                let frame = TunnelFrame {
-                    sequence: 1,
-                    payload: TunnelPayload::Error {
-                        error: error.to_owned(),
-                        execution_failure: None,
-                    },
-                    metadata: Default::default(),
-                };
-                RuntimeFrame::on_stream(stream_id, RuntimeMessage::ProviderTunnelFrame(frame))
-            };
-            let Some(instance) = instances.resolve(&req.adapter) else {
-                let _ = session.send(now(), refuse("unknown adapter"));
-                return;
-            };
-            let Some(permit) = instance.gate.try_admit() else {
-                let _ = session.send(now(), refuse("adapter capacity exhausted"));
-                return;
-            };
-            if runs.contains_key(&req.run_id) {
-                let _ = session.send(now(), refuse("duplicate run id"));
-                return;
-            }
-            let token = session_token.child_token();
-            runs.insert(req.run_id.clone(), token.clone());
             let settings = ExecSettings {
                 close_grace: opts.close_grace,
             };
-            tokio::spawn(tunnel_task(
-                stream_id,
-                req,
-                instance,
-                permit,
-                token,
-                out_tx.clone(),
-                settings,
-            ));
+            match admit(instances, runs, session_token, &req.adapter, &req.run_id) {
+                Ok((instance, permit, token)) => {
+                    let out = out_tx.clone();
+                    tokio::spawn(tunnel_task(
+                        stream_id, req, instance, permit, token, out, settings,
+                    ));
+                }
+                Err(error) => {
+                    let payload = TunnelPayload::Error {
+                        error: error.to_owned(),
+                        execution_failure: None,
+                    };
+                    let frame = TunnelFrame {
+                        sequence: 1,
+                        payload,
+                        metadata: Default::default(),
+                    };
+                    let _ = session.send(
+                        now(),
+                        RuntimeFrame::on_stream(
+                            stream_id,
+                            RuntimeMessage::ProviderTunnelFrame(frame),
+                        ),
+                    );
+                }
+            }
         }
         _ => {}
     }
+}
+
+/// Admission shared by runs and tunnels: the adapter instance, a permit of its capacity gate,
+/// and a fresh cancel token registered under the run id — or the stable refusal text.
+fn admit(
+    instances: &Instances,
+    runs: &mut HashMap<String, CancellationToken>,
+    session_token: &CancellationToken,
+    adapter: &str,
+    run_id: &str,
+) -> Result<(Arc<Instance>, OwnedSemaphorePermit, CancellationToken), &'static str> {
+    let instance = instances.resolve(adapter).ok_or("unknown adapter")?;
+    if runs.contains_key(run_id) {
+        return Err("duplicate run id");
+    }
+    let permit = instance
+        .gate
+        .try_admit()
+        .ok_or("adapter capacity exhausted")?;
+    let token = session_token.child_token();
+    runs.insert(run_id.to_owned(), token.clone());
+    Ok((instance, permit, token))
 }
 
 fn refresh(
