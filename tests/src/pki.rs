@@ -111,3 +111,38 @@ impl Leaf {
         PrivateKeyDer::Pkcs8(self.key.clone_key())
     }
 }
+
+/// The Edge's server TLS: the `edge/<edge_name>` identity, accepting any Node of this CA.
+pub fn edge_server_tls(ca: &Ca, edge_name: &str) -> Arc<rustls::ServerConfig> {
+    let leaf = ca.workload(iop_wire::identity::role::EDGE, edge_name, true);
+    let expected =
+        iop_wire::identity::ExpectedPeer::any_name(TRUST_DOMAIN, iop_wire::identity::role::NODE)
+            .expect("valid expected peer");
+    let verifier = iop_wire::identity::client_cert_verifier(ca.roots(), expected).expect("roots");
+    Arc::new(
+        iop_wire::identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
+            .expect("edge config"),
+    )
+}
+
+/// A Node's client TLS: the `<role>/<cert_name>` identity (normally role `node`), expecting the
+/// Edge `edge/<edge_name>`.
+pub fn node_client_tls(
+    ca: &Ca,
+    role: &str,
+    cert_name: &str,
+    edge_name: &str,
+) -> Arc<rustls::ClientConfig> {
+    let leaf = ca.workload(role, cert_name, false);
+    let expected = iop_wire::identity::ExpectedPeer::exact(
+        TRUST_DOMAIN,
+        iop_wire::identity::role::EDGE,
+        edge_name,
+    )
+    .expect("valid expected peer");
+    let verifier = iop_wire::identity::server_cert_verifier(ca.roots(), expected).expect("roots");
+    Arc::new(
+        iop_wire::identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
+            .expect("node config"),
+    )
+}

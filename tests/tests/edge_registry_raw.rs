@@ -14,7 +14,7 @@ use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
 use iop_wire::edge::reason;
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_wire::identity::{self, ExpectedPeer, role, server_cert_verifier};
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
     RuntimeFrame, RuntimeMessage,
@@ -29,13 +29,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 type Conn = Framed<tokio_rustls::client::TlsStream<TcpStream>, TokioCodec<RuntimeFrame>>;
 
 async fn edge(ca: &Ca) -> EdgeHandle {
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    let verifier = client_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
-    )
-    .unwrap();
-    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     cfg.node_configs = vec![
         ("node-1".into(), NodeConfigPayload::default()),

@@ -11,8 +11,8 @@ use axum::Router;
 use axum::routing::{get, post};
 use iop_edge::{Lifecycle, TransportConfig, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
-use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_tests::pki::Ca;
+use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeCommandKind, NodeCommandRequest,
     NodeConfigPayload, ProviderStatus, RunEventKind, RunRequest, Usage,
@@ -48,9 +48,7 @@ async fn ollama_stream_becomes_normalized_run_events() {
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
         let ca = Ca::new("test CA");
-        let leaf = ca.workload(role::EDGE, "edge-1", true);
-        let verifier = client_cert_verifier(ca.roots(), ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap()).unwrap();
-        let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let tls = iop_tests::pki::edge_server_tls(&ca, "edge-1");
         let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
         let adapter = AdapterConfig {
             name: String::new(), // the legacy single instance
@@ -64,9 +62,7 @@ async fn ollama_stream_becomes_normalized_run_events() {
         cfg.node_configs = vec![("node-1".into(), NodeConfigPayload { adapters: vec![adapter], ..Default::default() })];
         let edge = bind(cfg).await.unwrap().0;
         let mut life = edge.subscribe();
-        let node_leaf = ca.workload(role::NODE, "node-1", false);
-        let verifier = server_cert_verifier(ca.roots(), ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap()).unwrap();
-        let node_tls = Arc::new(identity::client_config(node_leaf.chain.clone(), node_leaf.key(), verifier).unwrap());
+        let node_tls = iop_tests::pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
         let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", node_tls).unwrap().with_adapters(AdapterRegistry::with_builtins());
         let shutdown = CancellationToken::new();
         tokio::spawn(run_node(opts, shutdown.clone()));

@@ -14,7 +14,7 @@ use std::time::Duration;
 use iop_edge::{DispatchError, EdgeHandle, Lifecycle, RunStream, TransportConfig, bind};
 use iop_node::{AdapterRegistry, Exit, NodeOptions, ReconnectPolicy, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_wire::identity::{self, ExpectedPeer, role, server_cert_verifier};
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConfigRefreshOutcome, NativeSettings, NodeCommandKind,
     NodeCommandRequest, NodeConfigPayload, ProviderStatus, RunEvent, RunEventKind, RunRequest,
@@ -52,13 +52,7 @@ fn demo_config(delay_ms: u32, repeat: u32) -> NodeConfigPayload {
 }
 
 async fn start_edge(ca: &Ca, config: NodeConfigPayload) -> EdgeHandle {
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    let verifier = client_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
-    )
-    .unwrap();
-    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     cfg.node_configs = vec![("node-1".into(), config)];
     bind(cfg).await.unwrap().0
@@ -71,13 +65,7 @@ fn node_options(
     edge: SocketAddr,
     policy: ReconnectPolicy,
 ) -> NodeOptions {
-    let leaf = ca.workload(role::NODE, cert_name, false);
-    let verifier = server_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
-    )
-    .unwrap();
-    let tls = Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let tls = iop_tests::pki::node_client_tls(ca, role::NODE, cert_name, "edge-1");
     NodeOptions::new(node_id, &edge.to_string(), "localhost", tls)
         .unwrap()
         .with_adapters(AdapterRegistry::with_builtins())

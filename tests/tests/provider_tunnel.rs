@@ -19,8 +19,8 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
-use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_tests::pki::Ca;
+use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Fence, Header, HealthEvidence,
     NodeCommandKind, NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings, Operation,
@@ -217,26 +217,12 @@ fn node_config(provider: SocketAddr) -> NodeConfigPayload {
 }
 
 async fn mesh(ca: &Ca, provider: SocketAddr) -> (EdgeHandle, CancellationToken) {
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    let verifier = client_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
-    )
-    .unwrap();
-    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     cfg.node_configs = vec![("node-1".into(), node_config(provider))];
     let edge = bind(cfg).await.unwrap().0;
     let mut life = edge.subscribe();
-    let node_leaf = ca.workload(role::NODE, "node-1", false);
-    let verifier = server_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
-    )
-    .unwrap();
-    let node_tls = Arc::new(
-        identity::client_config(node_leaf.chain.clone(), node_leaf.key(), verifier).unwrap(),
-    );
+    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
     let opts = NodeOptions::new(
         "node-1",
         &edge.local_addr().to_string(),

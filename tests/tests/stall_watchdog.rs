@@ -15,8 +15,8 @@ use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
 use iop_node::{
     Adapter, AdapterError, AdapterRegistry, NodeOptions, RunCompletion, RunEvents, run_node,
 };
-use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_tests::pki::Ca;
+use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, Fence, HealthEvidence, NodeConfigPayload, ProviderStatus,
     RunEvent, RunEventKind, RunRequest,
@@ -55,13 +55,7 @@ impl Adapter for StallingAdapter {
 }
 
 async fn mesh(ca: &Ca, returned: Arc<AtomicBool>) -> (EdgeHandle, CancellationToken) {
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    let verifier = client_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
-    )
-    .unwrap();
-    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     let adapter = AdapterConfig {
         name: "stall-a".into(),
@@ -91,15 +85,7 @@ async fn mesh(ca: &Ca, returned: Arc<AtomicBool>) -> (EdgeHandle, CancellationTo
             }) as Arc<dyn Adapter>)
         }),
     );
-    let node_leaf = ca.workload(role::NODE, "node-1", false);
-    let verifier = server_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
-    )
-    .unwrap();
-    let node_tls = Arc::new(
-        identity::client_config(node_leaf.chain.clone(), node_leaf.key(), verifier).unwrap(),
-    );
+    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
     let mut opts = NodeOptions::new(
         "node-1",
         &edge.local_addr().to_string(),
