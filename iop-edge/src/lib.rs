@@ -6,9 +6,15 @@
 //! streams and commands. [`EdgeHandle`] is the embeddable API to dispatch runs, cancel them,
 //! open provider tunnels (frames checked by `iop_wire::tunnel`), send commands and push config
 //! refreshes to ready Nodes; a tunnel may carry a response-wait timeout, and a caller that goes
-//! away (drops its stream) or times out makes the Edge send `CancelRequest`. Still to come
-//! (issue #5): the provider pool and queue with provider leases, snapshots and health overlays,
-//! the OpenAI-compatible HTTP surface and the Control Plane connector.
+//! away (drops its stream) or times out makes the Edge send `CancelRequest`.
+//!
+//! [`pool`] is the provider pool and queue as a pure state machine: model groups of provider
+//! candidates, provider leases keyed by `(node_id, provider_id)` and released exactly once
+//! (terminal or fence), a bounded FIFO queue pumped on ready/release, the seed's snapshot
+//! figures and the per-generation runtime-unavailable overlay. It is not yet wired to the
+//! transport. Still to come (issue #5): that wiring with the Edge terminal handoff and
+//! CAPABILITIES recovery, the OpenAI-compatible HTTP surface, metrics, the local-mesh command
+//! and the Control Plane connector.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
