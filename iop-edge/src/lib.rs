@@ -11,10 +11,12 @@
 //! [`pool`] is the provider pool and queue as a pure state machine: model groups of provider
 //! candidates, provider leases keyed by `(node_id, provider_id)` and released exactly once
 //! (terminal or fence), a bounded FIFO queue pumped on ready/release, the seed's snapshot
-//! figures and the per-generation runtime-unavailable overlay. It is not yet wired to the
-//! transport. Still to come (issue #5): that wiring with the Edge terminal handoff and
-//! CAPABILITIES recovery, the OpenAI-compatible HTTP surface, metrics, the local-mesh command
-//! and the Control Plane connector.
+//! figures and the per-generation runtime-unavailable overlay. The transport's registry task
+//! drives it in the same step as its own lifecycle (ready → activate and pump; fence → release
+//! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it. Still
+//! to come (issue #5): the Edge terminal handoff and CAPABILITIES recovery on the overlay, the
+//! OpenAI-compatible HTTP surface, metrics, the local-mesh command and the Control Plane
+//! connector.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -22,6 +24,6 @@ pub mod pool;
 pub mod transport;
 
 pub use transport::{
-    DispatchError, EdgeHandle, Lifecycle, RunStream, TransportConfig, TunnelEvent, TunnelStream,
-    bind,
+    BuildRequest, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
+    TransportConfig, TunnelEvent, TunnelStream, bind,
 };

@@ -36,10 +36,13 @@ use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent
 use iop_wire::identity::peer_identity;
 use iop_wire::runtime::{
     CancelRequest, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshResponse, ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest,
-    RuntimeFrame, RuntimeMessage,
+    NodeConfigRefreshResponse, ProviderSnapshot, ProviderTunnelRequest, RunEvent, RunEventKind,
+    RunRequest, RuntimeFrame, RuntimeMessage,
 };
 use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
+use iop_wire::validate::ResponseStallTimeout;
+
+use crate::pool::{Lease, LeaseId, Pool, PoolConfig, PoolError, PoolEvent, RequestId, Submitted};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
@@ -63,6 +66,8 @@ pub struct TransportConfig {
     pub node_configs: Vec<(String, NodeConfigPayload)>,
     /// Largest frame accepted or sent.
     pub max_frame_len: usize,
+    /// The provider pool behind [`EdgeHandle::dispatch`]; `None` disables pool dispatch.
+    pub pool: Option<PoolConfig>,
 }
 
 impl std::fmt::Debug for TransportConfig {
@@ -86,6 +91,7 @@ impl TransportConfig {
             registry: RegistryConfig::default(),
             node_configs: Vec::new(),
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            pool: None,
         }
     }
 }
@@ -122,6 +128,56 @@ pub enum DispatchError {
     /// The transport task is gone (the Edge is shutting down).
     #[error("edge transport stopped")]
     Stopped,
+    /// No model group has this name (404).
+    #[error("model not found")]
+    UnknownModel,
+    /// The dispatch queue is full (429).
+    #[error("queue is full")]
+    QueueFull,
+    /// No provider had capacity within the wait (503).
+    #[error("no provider available within the wait")]
+    WaitTimeout,
+}
+
+/// A request to send once the pool has selected a provider. The builder gets the lease and
+/// returns the request to send (seed 000: the final body is built after selection); the pool
+/// fills in the adapter instance, the target and the winning candidate's stall timeout.
+#[derive(Debug)]
+pub enum PoolRequest {
+    /// A normalized run (native providers).
+    Run(RunRequest),
+    /// A provider tunnel (OpenAI-compatible providers).
+    Tunnel(ProviderTunnelRequest),
+}
+
+impl PoolRequest {
+    fn run_id(&self) -> &str {
+        match self {
+            Self::Run(r) => &r.run_id,
+            Self::Tunnel(t) => &t.run_id,
+        }
+    }
+}
+
+/// The stream of a pool dispatch.
+#[derive(Debug)]
+pub enum Dispatched {
+    /// RunEvents.
+    Run(RunStream),
+    /// Tunnel frames.
+    Tunnel(TunnelStream),
+}
+
+/// Builds the request once the provider is known.
+pub type BuildRequest = Box<dyn FnOnce(&Lease) -> PoolRequest + Send>;
+
+struct WaitingDispatch {
+    build: BuildRequest,
+    reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
+}
+
+fn stall(timeout: Duration) -> ResponseStallTimeout {
+    ResponseStallTimeout::from_duration(timeout).unwrap_or(ResponseStallTimeout::DEFAULT)
 }
 
 /// The events of one dispatched run; ends after exactly one terminal event.
@@ -226,6 +282,16 @@ enum Input {
         config: NodeConfigPayload,
         reply: oneshot::Sender<Result<NodeConfigRefreshResponse, DispatchError>>,
     },
+    Dispatch {
+        model: String,
+        long_context: bool,
+        wait: Duration,
+        build: BuildRequest,
+        reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
+    },
+    Snapshot {
+        reply: oneshot::Sender<Vec<ProviderSnapshot>>,
+    },
     ReadyNodes {
         reply: oneshot::Sender<Vec<(String, Generation)>>,
     },
@@ -299,6 +365,35 @@ impl EdgeHandle {
             reply,
         })?;
         rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// Dispatches through the provider pool: selects a live candidate of `model` with capacity
+    /// (or waits up to `wait` in the bounded queue), builds the request for it and sends it.
+    /// The provider lease is released exactly once when the stream ends (terminal, caller drop,
+    /// or the Node's fence).
+    pub async fn dispatch(
+        &self,
+        model: &str,
+        long_context: bool,
+        wait: Duration,
+        build: BuildRequest,
+    ) -> Result<Dispatched, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Dispatch {
+            model: model.to_owned(),
+            long_context,
+            wait,
+            build,
+            reply,
+        })?;
+        rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// The pool's provider snapshots (empty without a pool).
+    pub async fn snapshot(&self) -> Result<Vec<ProviderSnapshot>, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Snapshot { reply })?;
+        rx.await.map_err(|_| DispatchError::Stopped)
     }
 
     /// Asks `node_id` to cancel `run_id` (its terminal then arrives on the run's stream).
@@ -407,7 +502,12 @@ pub async fn bind(
             });
         }
     });
-    tokio::spawn(registry_task(registry, input_rx, lifecycle));
+    tokio::spawn(registry_task(
+        registry,
+        config.pool.clone().map(Pool::new),
+        input_rx,
+        lifecycle,
+    ));
     Ok((handle, accept))
 }
 
@@ -479,6 +579,8 @@ struct Route {
     generation: Generation,
     run_id: String,
     sink: Sink,
+    /// The provider lease this stream holds (pool dispatch), released when the route ends.
+    lease: Option<LeaseId>,
 }
 
 /// Where a stream's events go.
@@ -518,6 +620,8 @@ struct State {
     /// stream (so the first frame clears its timer in O(log n)).
     wait_timers: BTreeSet<(Instant, u64)>,
     waiting: HashMap<u64, Instant>,
+    pool: Option<Pool>,
+    waiting_dispatch: HashMap<RequestId, WaitingDispatch>,
     pending: HashMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
@@ -530,6 +634,7 @@ fn now() -> std::time::Instant {
 
 async fn registry_task(
     registry: Registry,
+    pool: Option<Pool>,
     mut input_rx: mpsc::UnboundedReceiver<Input>,
     lifecycle: broadcast::Sender<Lifecycle>,
 ) {
@@ -540,6 +645,8 @@ async fn registry_task(
         tunnels: TunnelSequencer::with_max_streams(usize::MAX),
         wait_timers: BTreeSet::new(),
         waiting: HashMap::new(),
+        pool,
+        waiting_dispatch: HashMap::new(),
         pending: HashMap::new(),
         next_stream: 1,
         next_correlation: 1,
@@ -548,10 +655,15 @@ async fn registry_task(
     loop {
         let registry_deadline = st.registry.poll_timeout().map(Instant::from_std);
         let wait_deadline = st.wait_timers.first().map(|(at, _)| *at);
-        let deadline = match (registry_deadline, wait_deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let pool_deadline = st
+            .pool
+            .as_ref()
+            .and_then(Pool::poll_timeout)
+            .map(Instant::from_std);
+        let deadline = [registry_deadline, wait_deadline, pool_deadline]
+            .into_iter()
+            .flatten()
+            .min();
         let input = tokio::select! {
             input = input_rx.recv() => match input {
                 Some(i) => Some(i),
@@ -569,6 +681,9 @@ async fn registry_task(
             None => {
                 st.registry.handle_timeout(now());
                 st.expire_waits();
+                if let Some(pool) = st.pool.as_mut() {
+                    pool.handle_timeout(now());
+                }
             }
         }
         st.drain();
@@ -683,12 +798,40 @@ impl State {
                     Pending::Refresh(reply),
                 );
             }
+            Input::Dispatch {
+                model,
+                long_context,
+                wait,
+                build,
+                reply,
+            } => {
+                let waiting = WaitingDispatch { build, reply };
+                let Some(pool) = self.pool.as_mut() else {
+                    let _ = waiting.reply.send(Err(DispatchError::UnknownModel));
+                    return;
+                };
+                match pool.submit(now(), &model, long_context, wait) {
+                    Ok(Submitted::Granted(lease)) => self.dispatch_on(lease, waiting),
+                    Ok(Submitted::Queued(id)) => {
+                        self.waiting_dispatch.insert(id, waiting);
+                    }
+                    Err(e) => {
+                        let e = match e {
+                            PoolError::QueueFull => DispatchError::QueueFull,
+                            _ => DispatchError::UnknownModel,
+                        };
+                        let _ = waiting.reply.send(Err(e));
+                    }
+                }
+            }
+            Input::Snapshot { reply } => {
+                let _ = reply.send(self.pool.as_ref().map(Pool::snapshot).unwrap_or_default());
+            }
             Input::ReadyNodes { reply } => {
                 let _ = reply.send(self.registry.ready_nodes());
             }
             Input::StreamDropped(stream_id) => {
-                self.tunnels.close(stream_id);
-                if let Some(route) = self.routes.remove(&stream_id) {
+                if let Some(route) = self.take_route(stream_id) {
                     // The caller went away: ask the Node to stop the provider work.
                     let cancel = RuntimeMessage::CancelRequest(CancelRequest {
                         run_id: route.run_id,
@@ -701,6 +844,111 @@ impl State {
                         RuntimeFrame::new(cancel),
                     );
                 }
+            }
+        }
+    }
+
+    /// Ends a route: forgets it, closes its tunnel ordering state and releases its provider
+    /// lease (a no-op if a fence already released it).
+    fn take_route(&mut self, stream_id: u64) -> Option<Route> {
+        let route = self.routes.remove(&stream_id)?;
+        self.tunnels.close(stream_id);
+        if let (Some(lease), Some(pool)) = (route.lease, self.pool.as_mut()) {
+            pool.release(lease);
+        }
+        Some(route)
+    }
+
+    /// Dispatches pool grants and fails timed-out waiters. Returns whether there were any.
+    fn pump_pool(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let Some(event) = self.pool.as_mut().and_then(Pool::poll_event) else {
+                return any;
+            };
+            any = true;
+            match event {
+                PoolEvent::Granted { request, lease } => {
+                    if let Some(waiting) = self.waiting_dispatch.remove(&request) {
+                        self.dispatch_on(lease, waiting);
+                    } else if let Some(pool) = self.pool.as_mut() {
+                        pool.release(lease.id);
+                    }
+                }
+                PoolEvent::WaitTimedOut { request } => {
+                    if let Some(waiting) = self.waiting_dispatch.remove(&request) {
+                        let _ = waiting.reply.send(Err(DispatchError::WaitTimeout));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends a granted dispatch to its provider's Node and hands the stream to the caller.
+    fn dispatch_on(&mut self, lease: Lease, waiting: WaitingDispatch) {
+        let release = |st: &mut Self, id| {
+            if let Some(pool) = st.pool.as_mut() {
+                pool.release(id);
+            }
+        };
+        if waiting.reply.is_closed() {
+            return release(self, lease.id); // the caller went away while queued
+        }
+        let node_id = lease.key.node_id.clone();
+        let built = (waiting.build)(&lease);
+        let run_id = built.run_id().to_owned();
+        let (result, stream_id) = match built {
+            PoolRequest::Run(mut req) => {
+                req.adapter.clone_from(&lease.adapter);
+                req.target.clone_from(&lease.target);
+                req.response_stall_timeout = stall(lease.response_stall_timeout);
+                let (tx, rx) = mpsc::unbounded_channel();
+                match self.open_stream(node_id, run_id, Sink::Run(tx), |id| {
+                    RuntimeFrame::on_stream(id, RuntimeMessage::RunRequest(req))
+                }) {
+                    Ok((id, generation)) => (
+                        Ok(Dispatched::Run(RunStream {
+                            generation,
+                            events: rx,
+                            done: false,
+                        })),
+                        Some(id),
+                    ),
+                    Err(e) => (Err(e), None),
+                }
+            }
+            PoolRequest::Tunnel(mut req) => {
+                req.adapter.clone_from(&lease.adapter);
+                req.target.clone_from(&lease.target);
+                req.response_stall_timeout = stall(lease.response_stall_timeout);
+                let (tx, rx) = mpsc::unbounded_channel();
+                match self.open_stream(node_id, run_id, Sink::Tunnel(tx), |id| {
+                    RuntimeFrame::on_stream(id, RuntimeMessage::ProviderTunnelRequest(req))
+                }) {
+                    Ok((id, generation)) => (
+                        Ok(Dispatched::Tunnel(TunnelStream {
+                            generation,
+                            events: rx,
+                            done: false,
+                        })),
+                        Some(id),
+                    ),
+                    Err(e) => (Err(e), None),
+                }
+            }
+        };
+        match stream_id {
+            Some(id) => {
+                if let Some(route) = self.routes.get_mut(&id) {
+                    route.lease = Some(lease.id);
+                }
+                if waiting.reply.send(result).is_err() {
+                    self.handle(Input::StreamDropped(id));
+                }
+            }
+            None => {
+                release(self, lease.id);
+                let _ = waiting.reply.send(result);
             }
         }
     }
@@ -758,6 +1006,7 @@ impl State {
                 generation,
                 run_id,
                 sink,
+                lease: None,
             },
         );
         Ok((stream_id, generation))
@@ -793,48 +1042,73 @@ impl State {
     }
 
     fn drain(&mut self) {
-        while let Some((conn, frame)) = self.registry.poll_transmit() {
-            if let Some(out) = self.outs.get(&conn) {
-                let _ = out.send(Some(frame));
+        loop {
+            let mut progressed = false;
+            while let Some((conn, frame)) = self.registry.poll_transmit() {
+                progressed = true;
+                if let Some(out) = self.outs.get(&conn) {
+                    let _ = out.send(Some(frame));
+                }
+            }
+            while let Some(event) = self.registry.poll_event() {
+                progressed = true;
+                self.registry_event(event);
+            }
+            // Pool grants open streams, which queue transmits: go round again.
+            progressed |= self.pump_pool();
+            if !progressed {
+                return;
             }
         }
-        while let Some(event) = self.registry.poll_event() {
-            match event {
-                RegistryEvent::NodeReady {
+    }
+
+    fn registry_event(&mut self, event: RegistryEvent) {
+        match event {
+            RegistryEvent::NodeReady {
+                node_id,
+                generation,
+                ..
+            } => {
+                // Activate the generation's resources (and pump waiters) before observers hear.
+                if let Some(pool) = self.pool.as_mut() {
+                    pool.node_ready(&node_id, generation);
+                }
+                let _ = self.lifecycle.send(Lifecycle::Connected {
                     node_id,
                     generation,
-                    ..
-                } => {
-                    let _ = self.lifecycle.send(Lifecycle::Connected {
-                        node_id,
-                        generation,
-                    });
-                }
-                RegistryEvent::NodeFenced {
-                    node_id,
-                    generation,
-                    cause,
-                } => {
-                    tracing::info!(%node_id, ?generation, ?cause, "node generation fenced");
-                    self.fence(&node_id, generation);
-                    let _ = self.lifecycle.send(Lifecycle::Disconnected {
-                        node_id,
-                        generation,
-                    });
-                }
-                RegistryEvent::Frame {
-                    node_id,
-                    generation,
-                    frame,
-                    ..
-                } => self.route(&node_id, generation, frame),
-                RegistryEvent::CloseConnection { conn, .. } => {
-                    if let Some(out) = self.outs.remove(&conn) {
-                        let _ = out.send(None);
-                    }
-                }
-                _ => {}
+                });
             }
+            RegistryEvent::NodeFenced {
+                node_id,
+                generation,
+                cause,
+            } => {
+                tracing::info!(%node_id, ?generation, ?cause, "node generation fenced");
+                // Release the generation's leases exactly once, mark its providers offline and
+                // re-evaluate the queue; then end its streams (their lease release is a no-op).
+                if let Some(pool) = self.pool.as_mut() {
+                    pool.node_fenced(&node_id, generation);
+                }
+                self.fence(&node_id, generation);
+                let _ = self.lifecycle.send(Lifecycle::Disconnected {
+                    node_id,
+                    generation,
+                });
+            }
+            RegistryEvent::Frame {
+                node_id,
+                generation,
+                frame,
+                ..
+            } => {
+                self.route(&node_id, generation, frame);
+            }
+            RegistryEvent::CloseConnection { conn, .. } => {
+                if let Some(out) = self.outs.remove(&conn) {
+                    let _ = out.send(None);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -847,8 +1121,7 @@ impl State {
             .map(|(id, _)| *id)
             .collect();
         for id in dead {
-            self.tunnels.close(id);
-            if let Some(route) = self.routes.remove(&id) {
+            if let Some(route) = self.take_route(id) {
                 route.sink.disconnected();
             }
         }
@@ -886,7 +1159,7 @@ impl State {
                 let terminal = ev.kind.is_terminal();
                 let delivered = tx.send(ev).is_ok();
                 if terminal {
-                    self.routes.remove(&frame.stream_id);
+                    self.take_route(frame.stream_id);
                 } else if !delivered {
                     self.handle(Input::StreamDropped(frame.stream_id));
                 }
@@ -914,7 +1187,7 @@ impl State {
                     // Stop the provider work: the stream is over for the caller.
                     self.handle(Input::StreamDropped(stream_id));
                 } else if terminal {
-                    self.routes.remove(&stream_id);
+                    self.take_route(stream_id);
                 }
             }
             RuntimeMessage::NodeCommandResponse(resp) => {
