@@ -2,4 +2,8 @@
 //! runs it and maps the outcome to an exit code (linkerd2-proxy's `main.rs` shape):
 //!
 //! - `iop-node`: see `iop-node --help` and `iop_node::config` for the file format.
+//! - `iop-mesh`: a whole local mesh on embedded defaults (see `iop-mesh --help`).
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod devca;

@@ -1,7 +1,8 @@
 //! The built-in `demo` adapter: needs no network and streams deterministic text, for the local
 //! mesh and for tests.
 //!
-//! For an input (UTF-8 text), it streams `echo: <input>` word by word, `repeat` times, waiting
+//! For an input — plain UTF-8 text, or the normalized `{"messages": [...]}` JSON, whose last
+//! message's `content` is used — it streams `echo: <text>` word by word, `repeat` times, waiting
 //! `delay_ms` before each word. Options (from `NativeAdapterConfig.options`): `delay_ms`
 //! (default 0), `repeat` (default 1, at most 10000), `healthy` (`"false"` makes probes report
 //! `unavailable`).
@@ -61,8 +62,12 @@ impl Adapter for DemoAdapter {
         if !self.targets.is_empty() && !self.targets.contains(&request.target) {
             return Err(AdapterError::UnknownTarget);
         }
-        let input = std::str::from_utf8(&request.input)
+        let raw = std::str::from_utf8(&request.input)
             .map_err(|_| AdapterError::InvalidInput("input is not UTF-8"))?;
+        let last_message = serde_json::from_str::<serde_json::Value>(raw).ok().and_then(|v| {
+            v["messages"].as_array()?.last()?["content"].as_str().map(str::to_owned)
+        });
+        let input = last_message.as_deref().unwrap_or(raw);
         let deltas = Self::reply(input, self.repeat);
         let mut completion_tokens = 0u64;
         for d in deltas {

@@ -1,0 +1,438 @@
+//! The OpenAI-compatible HTTP surface (axum) over [`EdgeHandle::dispatch`].
+//!
+//! - `GET /v1/models`: the configured model groups.
+//! - `POST /v1/chat/completions`, streaming (`"stream": true`, SSE) and not. The external model
+//!   name selects a model group; the pool picks a provider; the request is built after
+//!   selection:
+//!   - OpenAI-compatible providers get a `ProviderTunnelRequest` (operation
+//!     `chat_completions`, the body re-serialized with `"model"` set to the provider's target),
+//!     and the provider's status, headers and body are passed through byte for byte;
+//!   - native providers (Ollama, demo) get a normalized `RunRequest` (`{"messages", "options",
+//!     "tools"}`), rendered as an OpenAI `chat.completion` JSON or `chat.completion.chunk` SSE;
+//!     `openai_tool_calls` metadata becomes `message.tool_calls` / `delta.tool_calls`.
+//! - Errors use OpenAI's shape `{"error": {"message", "type", "code"}}`: 400 bad request,
+//!   401 unauthenticated, 404 unknown model, 429 queue full, 503 no provider within the wait,
+//!   502 provider failure.
+//! - A client that disconnects — before or during the response — drops the dispatch stream,
+//!   which makes the Edge send `CancelRequest` to the Node (upstream aborted).
+//! - `/healthz` (process up) and `/readyz` (at least one Node dispatch-ready).
+//!
+//! Still to come (issue #5): `/v1/messages`, `/v1/messages/count_tokens`, `/v1/responses`,
+//! text tool-call fallback, `/metrics`, and the managed authentication mode.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use iop_wire::runtime::{
+    Header, Operation, ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest,
+};
+use iop_wire::tunnel::Delivery;
+use iop_wire::validate::ResponseStallTimeout;
+use serde_json::{Value, json};
+
+use crate::pool::ProviderKind;
+use crate::transport::{
+    DispatchError, Dispatched, EdgeHandle, PoolRequest, RunStream, TunnelEvent,
+};
+
+/// Largest request body accepted.
+pub const MAX_REQUEST_BODY: usize = 8 * 1024 * 1024;
+
+/// Decides whether a request's bearer token (if any) may use the API. The Control Plane's
+/// managed mode plugs token-digest verification in here.
+pub type AuthHook = Arc<dyn Fn(Option<&str>) -> bool + Send + Sync>;
+
+/// HTTP surface settings.
+#[derive(Clone)]
+pub struct HttpConfig {
+    /// External model names served (for `/v1/models`).
+    pub models: Vec<String>,
+    /// How long a request may wait in the pool queue.
+    pub queue_wait: Duration,
+    /// Bearer-token check; `None` accepts every request (local mesh).
+    pub auth: Option<AuthHook>,
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("models", &self.models)
+            .field("queue_wait", &self.queue_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    edge: EdgeHandle,
+    config: Arc<HttpConfig>,
+}
+
+/// The axum router of the OpenAI-compatible surface.
+pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
+    let state = AppState {
+        edge,
+        config: Arc::new(config),
+    };
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
+        .with_state(state)
+}
+
+fn error(status: StatusCode, kind: &str, message: &str) -> Response {
+    let body = json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn dispatch_error(e: DispatchError) -> Response {
+    match e {
+        DispatchError::UnknownModel => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model not found",
+        ),
+        DispatchError::QueueFull => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "too many queued requests",
+        ),
+        DispatchError::WaitTimeout | DispatchError::NotReady | DispatchError::Disconnected => {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "no provider available",
+            )
+        }
+        DispatchError::Stopped => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "edge is shutting down",
+        ),
+    }
+}
+
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    let Some(hook) = &state.config.auth else {
+        return true;
+    };
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    hook(token)
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    match state.edge.ready_nodes().await {
+        Ok(nodes) if !nodes.is_empty() => "ready".into_response(),
+        _ => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "no node is ready",
+        ),
+    }
+}
+
+async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if !authorized(&state, &headers) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid api key",
+        );
+    }
+    let data: Vec<Value> = state
+        .config
+        .models
+        .iter()
+        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "iop" }))
+        .collect();
+    axum::Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !authorized(&state, &headers) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid api key",
+        );
+    }
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "request body is not JSON",
+        );
+    };
+    let Some(model) = request["model"].as_str().map(str::to_owned) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`model` is required",
+        );
+    };
+    if !request["messages"].is_array() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`messages` must be an array",
+        );
+    }
+    let stream = request["stream"].as_bool().unwrap_or(false);
+    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let run_id = format!("chatcmpl-{n}");
+    let build_id = run_id.clone();
+    let build: crate::transport::BuildRequest = Box::new(move |lease| match lease.kind {
+        ProviderKind::OpenAiCompat => {
+            // The final body is built now that the served target is known.
+            let mut upstream = request.clone();
+            upstream["model"] = Value::String(lease.target.clone());
+            PoolRequest::Tunnel(ProviderTunnelRequest {
+                run_id: build_id,
+                adapter: String::new(),
+                target: String::new(),
+                method: "POST".into(),
+                path: "/chat/completions".into(),
+                headers: vec![Header {
+                    name: "content-type".into(),
+                    value: Bytes::from_static(b"application/json"),
+                }],
+                body: Bytes::from(upstream.to_string()),
+                stream,
+                timeout: None,
+                metadata: BTreeMap::new(),
+                session_id: String::new(),
+                long_context: false,
+                operation: Some(Operation::ChatCompletions),
+                response_stall_timeout: ResponseStallTimeout::DEFAULT,
+                credential: None,
+            })
+        }
+        ProviderKind::Native => {
+            let mut input = json!({ "messages": request["messages"].clone() });
+            for key in ["tools", "options"] {
+                if !request[key].is_null() {
+                    input[key] = request[key].clone();
+                }
+            }
+            PoolRequest::Run(RunRequest {
+                run_id: build_id,
+                adapter: String::new(),
+                target: String::new(),
+                input: Bytes::from(input.to_string()),
+                metadata: BTreeMap::new(),
+                response_stall_timeout: ResponseStallTimeout::DEFAULT,
+                timeout: None,
+                long_context: false,
+                credential: None,
+            })
+        }
+    });
+    let dispatched = match state
+        .edge
+        .dispatch(&model, false, state.config.queue_wait, build)
+        .await
+    {
+        Ok(d) => d,
+        Err(e) => return dispatch_error(e),
+    };
+    match dispatched {
+        Dispatched::Tunnel(s) => passthrough(s).await,
+        Dispatched::Run(s) if stream => sse(s, run_id, model),
+        Dispatched::Run(s) => completion(s, run_id, model).await,
+    }
+}
+
+/// Passes a tunnelled provider response through: status, headers, body bytes.
+async fn passthrough(mut s: crate::transport::TunnelStream) -> Response {
+    let (status, headers) = loop {
+        match s.next().await {
+            Some(TunnelEvent::Frame(Delivery::Start { status, headers })) => {
+                break (status, headers);
+            }
+            Some(TunnelEvent::Frame(Delivery::Usage(_))) => {}
+            Some(TunnelEvent::Frame(Delivery::Error { .. })) | None => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    "provider request failed",
+                );
+            }
+            Some(_) => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    "provider request failed",
+                );
+            }
+        }
+    };
+    let body = futures_util::stream::unfold(s, |mut s| async move {
+        loop {
+            match s.next().await? {
+                TunnelEvent::Frame(Delivery::Body(b)) => {
+                    return Some((Ok::<_, std::io::Error>(b), s));
+                }
+                TunnelEvent::Frame(Delivery::Usage(_)) => {}
+                TunnelEvent::Frame(Delivery::End) => return None,
+                // A failure after the status was sent: cut the body short so the client sees it.
+                _ => return Some((Err(std::io::Error::other("provider stream failed")), s)),
+            }
+        }
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    for h in headers {
+        if let (Ok(name), Ok(value)) = (
+            header::HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderValue::from_bytes(&h.value),
+        ) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response
+}
+
+fn tool_calls(ev: &RunEvent) -> Option<Value> {
+    ev.metadata
+        .get("openai_tool_calls")
+        .and_then(|t| serde_json::from_str(t).ok())
+}
+
+fn usage_json(ev: &RunEvent) -> Value {
+    ev.usage.map_or(Value::Null, |u| {
+        json!({ "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens })
+    })
+}
+
+/// A non-streamed normalized run, rendered as an OpenAI `chat.completion`.
+async fn completion(mut s: RunStream, id: String, model: String) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = s.next().await {
+        match ev.kind {
+            RunEventKind::Delta => text.push_str(&ev.delta),
+            RunEventKind::Complete => {
+                let mut message = json!({ "role": "assistant", "content": text });
+                let mut finish = "stop";
+                if let Some(calls) = tool_calls(&ev) {
+                    message["tool_calls"] = calls;
+                    finish = "tool_calls";
+                }
+                let body = json!({
+                    "id": id,
+                    "object": "chat.completion",
+                    "created": unix_now(),
+                    "model": model,
+                    "choices": [{ "index": 0, "message": message, "finish_reason": finish }],
+                    "usage": usage_json(&ev),
+                });
+                return axum::Json(body).into_response();
+            }
+            RunEventKind::Error | RunEventKind::Cancelled => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    "provider request failed",
+                );
+            }
+            RunEventKind::Start => {}
+        }
+    }
+    error(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        "provider request failed",
+    )
+}
+
+/// A streamed normalized run, rendered as OpenAI `chat.completion.chunk` SSE events.
+fn sse(s: RunStream, id: String, model: String) -> Response {
+    let created = unix_now();
+    let chunk = move |delta: Value, finish: Value, usage: Value| {
+        let mut c = json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+        });
+        if !usage.is_null() {
+            c["usage"] = usage;
+        }
+        Bytes::from(format!("data: {c}\n\n"))
+    };
+    let events = futures_util::stream::unfold((s, false), move |(mut s, done)| {
+        let chunk = chunk.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let ev = s.next().await?;
+            let out = match ev.kind {
+                RunEventKind::Start => chunk(
+                    json!({ "role": "assistant", "content": "" }),
+                    Value::Null,
+                    Value::Null,
+                ),
+                RunEventKind::Delta => {
+                    chunk(json!({ "content": ev.delta }), Value::Null, Value::Null)
+                }
+                RunEventKind::Complete => {
+                    let (delta, finish) = match tool_calls(&ev) {
+                        Some(calls) => (json!({ "tool_calls": calls }), "tool_calls"),
+                        None => (json!({}), "stop"),
+                    };
+                    let mut last = chunk(delta, json!(finish), usage_json(&ev)).to_vec();
+                    last.extend_from_slice(b"data: [DONE]\n\n");
+                    return Some((Ok::<_, Infallible>(Bytes::from(last)), (s, true)));
+                }
+                RunEventKind::Error | RunEventKind::Cancelled => {
+                    let e = json!({ "error": { "message": "provider request failed", "type": "server_error" } });
+                    return Some((Ok(Bytes::from(format!("data: {e}\n\n"))), (s, true)));
+                }
+            };
+            Some((Ok(out), (s, false)))
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(events))
+        .unwrap_or_else(|_| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "response failed",
+            )
+        })
+}

@@ -1,0 +1,286 @@
+//! The Edge's OpenAI-compatible HTTP surface end to end: HTTP client → Edge (axum, pool) →
+//! mTLS → Nodes → demo provider (normalized runs) and a local OpenAI-style upstream (tunnel
+//! passthrough).
+#![allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::response::Response;
+use axum::routing::post;
+use bytes::Bytes;
+use iop_edge::http::{self, HttpConfig};
+use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge::{Lifecycle, TransportConfig, bind};
+use iop_node::{AdapterRegistry, NodeOptions, run_node};
+use iop_tests::pki::Ca;
+use iop_wire::identity::role;
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, ConcreteProtocolProfile, NativeSettings, NodeConfigPayload,
+    OpenAiCompatSettings, Operation,
+};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+const LIMIT: Duration = Duration::from_secs(30);
+const UPSTREAM_SSE: &[&[u8]] = &[
+    b"data: {\"id\":\"u1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"from upstream\"}}]}\n\n",
+    b"data: [DONE]\n\n",
+];
+
+struct DropNotify(Arc<Notify>);
+impl Drop for DropNotify {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
+}
+
+struct Watched<S>(S, #[allow(dead_code)] DropNotify);
+impl<S: futures_util::Stream + Unpin> futures_util::Stream for Watched<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        std::pin::Pin::new(&mut self.0).poll_next(cx)
+    }
+}
+
+/// A local OpenAI-style upstream: `gpt-test` answers two SSE events; `gpt-slow` ticks until
+/// the client goes away (then `dropped` is notified).
+async fn upstream(dropped: Arc<Notify>) -> SocketAddr {
+    let app = Router::new().route(
+        "/v1/chat/completions",
+        post(move |body: axum::Json<serde_json::Value>| {
+            let dropped = dropped.clone();
+            async move {
+                let stream: Box<
+                    dyn futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + Unpin,
+                > = if body["model"] == "gpt-slow" {
+                    let ticks = futures_util::stream::unfold(0u32, |i| async move {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Some((
+                            Ok(Bytes::from(format!("data: {{\"tick\":{i}}}\n\n"))),
+                            i + 1,
+                        ))
+                    });
+                    Box::new(Watched(Box::pin(ticks), DropNotify(dropped)))
+                } else {
+                    Box::new(futures_util::stream::iter(
+                        UPSTREAM_SSE.iter().map(|c| Ok(Bytes::from_static(c))),
+                    ))
+                };
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(stream))
+                    .unwrap()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+fn provider(node: &str, id: &str, adapter: &str, target: &str, kind: ProviderKind) -> ProviderSpec {
+    ProviderSpec {
+        key: ProviderKey {
+            node_id: node.into(),
+            provider_id: id.into(),
+        },
+        adapter: adapter.into(),
+        target: target.into(),
+        kind,
+        category: "api".into(),
+        capacity: 4,
+        long_context_capacity: 0,
+        response_stall_timeout: Duration::from_secs(60),
+        enabled: true,
+    }
+}
+
+async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
+    let adapters = vec![
+        AdapterConfig {
+            name: "demo".into(),
+            adapter_type: "demo".into(),
+            enabled: true,
+            capacity: 4,
+            long_context_capacity: 0,
+            targets: vec!["demo-model".into()],
+            settings: AdapterSettings::Native(NativeSettings {
+                base_url: String::new(),
+                options: [("delay_ms".to_owned(), "5".to_owned())]
+                    .into_iter()
+                    .collect(),
+            }),
+        },
+        AdapterConfig {
+            name: "openai".into(),
+            adapter_type: "openai_compat".into(),
+            enabled: true,
+            capacity: 4,
+            long_context_capacity: 0,
+            targets: vec![],
+            settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                base_url: format!("http://{upstream}/v1"),
+                protocol_profile: ConcreteProtocolProfile {
+                    name: "openai".into(),
+                    operation_paths: [(Operation::ChatCompletions, "/chat/completions".to_owned())]
+                        .into_iter()
+                        .collect(),
+                    health_path: String::new(),
+                },
+                request_timeout_sec: 30,
+            }),
+        },
+    ];
+    let providers = vec![
+        provider("node-1", "demo", "demo", "demo-model", ProviderKind::Native),
+        provider(
+            "node-1",
+            "up",
+            "openai",
+            "gpt-test",
+            ProviderKind::OpenAiCompat,
+        ),
+        provider(
+            "node-1",
+            "slow",
+            "openai",
+            "gpt-slow",
+            ProviderKind::OpenAiCompat,
+        ),
+    ];
+    let mut cfg = TransportConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        iop_tests::pki::edge_server_tls(ca, "edge-1"),
+    );
+    cfg.node_configs = vec![(
+        "node-1".into(),
+        NodeConfigPayload {
+            adapters,
+            ..Default::default()
+        },
+    )];
+    cfg.pool = Some(PoolConfig {
+        models: vec![
+            ("demo".into(), vec![providers[0].key.clone()]),
+            ("gpt-4o-mini".into(), vec![providers[1].key.clone()]),
+            ("slow".into(), vec![providers[2].key.clone()]),
+        ],
+        providers,
+        max_queue: 8,
+    });
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
+    let tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
+    let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
+        .unwrap()
+        .with_adapters(AdapterRegistry::with_builtins());
+    tokio::spawn(run_node(opts, CancellationToken::new()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    let app = http::router(
+        edge,
+        HttpConfig {
+            models: vec!["demo".into(), "gpt-4o-mini".into()],
+            queue_wait: Duration::from_secs(5),
+            auth: None,
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    base
+}
+
+fn client() -> reqwest::Client {
+    // reqwest's rustls backend needs a process-wide provider even for plain http://.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+#[tokio::test]
+async fn models_chat_and_stream_through_the_mesh() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let base = surface(&ca, upstream(Arc::new(Notify::new())).await).await;
+        let http = client();
+
+        let models: serde_json::Value = http.get(format!("{base}/models")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(models["data"][0]["id"], "demo");
+
+        let chat = serde_json::json!({"model": "demo", "messages": [{"role": "user", "content": "hello mesh"}]});
+        let r: serde_json::Value = http.post(format!("{base}/chat/completions")).json(&chat).send().await.unwrap().json().await.unwrap();
+        assert_eq!(r["object"], "chat.completion");
+        assert_eq!(r["choices"][0]["message"]["content"], "echo: hello mesh");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop");
+        assert!(r["usage"]["total_tokens"].as_u64().unwrap() > 0);
+
+        let mut stream_req = chat.clone();
+        stream_req["stream"] = true.into();
+        let resp = http.post(format!("{base}/chat/completions")).json(&stream_req).send().await.unwrap();
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let text = resp.text().await.unwrap();
+        let content: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(content, "echo: hello mesh");
+        assert!(text.trim_end().ends_with("data: [DONE]"));
+
+        // An OpenAI-compatible provider: the upstream's bytes pass through unchanged, and the
+        // external model name was translated to the provider's target.
+        let up = serde_json::json!({"model": "gpt-4o-mini", "stream": true, "messages": []});
+        let body = http.post(format!("{base}/chat/completions")).json(&up).send().await.unwrap().bytes().await.unwrap();
+        assert_eq!(&body[..], &UPSTREAM_SSE.concat()[..]);
+
+        let missing = http.post(format!("{base}/chat/completions")).json(&serde_json::json!({"model": "nope", "messages": []})).send().await.unwrap();
+        assert_eq!(missing.status(), 404);
+        let e: serde_json::Value = missing.json().await.unwrap();
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+        let bad = http.post(format!("{base}/chat/completions")).body("{").send().await.unwrap();
+        assert_eq!(bad.status(), 400);
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_upstream_request() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let dropped = Arc::new(Notify::new());
+        let base = surface(&ca, upstream(dropped.clone()).await).await;
+        let http = client();
+        let req = serde_json::json!({"model": "slow", "stream": true, "messages": []});
+        let mut resp = http
+            .post(format!("{base}/chat/completions"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            resp.chunk().await.unwrap().is_some(),
+            "the stream is flowing"
+        );
+        let gone = dropped.notified();
+        let t = Instant::now();
+        drop(resp); // the HTTP client disconnects
+        gone.await;
+        println!("client disconnect → upstream cancel: {:?}", t.elapsed());
+    })
+    .await
+    .expect("scenario finishes");
+}
