@@ -1175,6 +1175,10 @@ impl State {
                 let Sink::Tunnel(tx) = &route.sink else {
                     return;
                 };
+                // The response has started arriving: its wait timer is done.
+                if let Some(at) = self.waiting.remove(&stream_id) {
+                    self.wait_timers.remove(&(at, stream_id));
+                }
                 let event = match self.tunnels.handle_frame(stream_id, tf) {
                     Ok(delivery) => TunnelEvent::Frame(delivery),
                     Err(TunnelError::Violation(v)) => TunnelEvent::Violation(v),

@@ -499,3 +499,35 @@ async fn response_wait_timeout_ends_the_tunnel_and_cancels_upstream() {
     .await
     .expect("scenario finishes");
 }
+
+#[tokio::test]
+async fn a_response_that_started_in_time_is_not_cut_by_the_wait_timeout() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        let mut stream = edge
+            .tunnel_with_wait(
+                "node-1",
+                chat("slow-wait", None, "/slow"),
+                Some(Duration::from_millis(200)),
+            )
+            .await
+            .unwrap();
+        // The slow provider ticks every 20 ms: read well past the wait.
+        let until = tokio::time::Instant::now() + Duration::from_millis(600);
+        let mut bodies = 0;
+        while tokio::time::Instant::now() < until {
+            match stream.next().await.unwrap() {
+                TunnelEvent::Frame(Delivery::Start { .. }) => {}
+                TunnelEvent::Frame(Delivery::Body(_)) => bodies += 1,
+                other => panic!("the stream was cut: {other:?}"),
+            }
+        }
+        assert!(bodies >= 10, "{bodies}");
+        drop(stream);
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
