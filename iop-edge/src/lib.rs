@@ -13,10 +13,15 @@
 //! (terminal or fence), a bounded FIFO queue pumped on ready/release, the seed's snapshot
 //! figures and the per-generation runtime-unavailable overlay. The transport's registry task
 //! drives it in the same step as its own lifecycle (ready → activate and pump; fence → release
-//! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it. Still
-//! to come (issue #5): the Edge terminal handoff and CAPABILITIES recovery on the overlay, the
-//! OpenAI-compatible HTTP surface, metrics, the local-mesh command and the Control Plane
-//! connector.
+//! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it.
+//! Stall terminals go through the Edge terminal handoff (transport identity and the lease's
+//! adapter/target; `provider_id`, `provider_health`, `recovery_handoff=confirmed` on validated
+//! run stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs
+//! the CAPABILITIES recovery probe that may clear it.
+//!
+//! [`http`] is the OpenAI-compatible surface (`/v1/models`, `/v1/chat/completions`). Still to
+//! come (issue #5): `/v1/messages`, `/v1/responses`, `/metrics`, the managed auth mode and the
+//! Control Plane connector.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

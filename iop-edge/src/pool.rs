@@ -362,6 +362,22 @@ impl Pool {
         released
     }
 
+    /// `(key, adapter, target)` of every configured provider of `node_id`.
+    pub fn bindings(&self, node_id: &str) -> Vec<(ProviderKey, String, String)> {
+        self.order
+            .iter()
+            .filter(|k| k.node_id == node_id)
+            .filter_map(|k| self.providers.get(k))
+            .map(|p| {
+                (
+                    p.spec.key.clone(),
+                    p.spec.adapter.clone(),
+                    p.spec.target.clone(),
+                )
+            })
+            .collect()
+    }
+
     /// Sets the runtime-unavailable overlay on a provider for `generation` (a validated, fresh,
     /// current `unavailable` observation). Ignored for any other generation.
     pub fn set_unavailable(&mut self, key: &ProviderKey, generation: Generation) -> bool {

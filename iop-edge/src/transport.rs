@@ -25,7 +25,7 @@
 //! that stops reading makes the Edge buffer that run's events. Bounded per-stream windows are
 //! future work.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,14 +35,17 @@ use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
 use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent};
 use iop_wire::identity::peer_identity;
 use iop_wire::runtime::{
-    CancelRequest, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshResponse, ProviderSnapshot, ProviderTunnelRequest, RunEvent, RunEventKind,
-    RunRequest, RuntimeFrame, RuntimeMessage,
+    CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
+    NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderSnapshot,
+    ProviderStatus, ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
+    RuntimeMessage,
 };
 use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
 use iop_wire::validate::ResponseStallTimeout;
 
-use crate::pool::{Lease, LeaseId, Pool, PoolConfig, PoolError, PoolEvent, RequestId, Submitted};
+use crate::pool::{
+    Lease, LeaseId, Pool, PoolConfig, PoolError, PoolEvent, ProviderKey, RequestId, Submitted,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
@@ -292,6 +295,10 @@ enum Input {
     Snapshot {
         reply: oneshot::Sender<Vec<ProviderSnapshot>>,
     },
+    Recover {
+        node_id: String,
+        reply: oneshot::Sender<Result<usize, DispatchError>>,
+    },
     ReadyNodes {
         reply: oneshot::Sender<Vec<(String, Generation)>>,
     },
@@ -384,6 +391,19 @@ impl EdgeHandle {
             long_context,
             wait,
             build,
+            reply,
+        })?;
+        rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// CAPABILITIES recovery probe of `node_id`: the Node probes its exact targets; each
+    /// runtime-unavailable overlay of the Node's current generation is cleared only by a
+    /// higher-sequence `available` answer naming exactly one provider binding. Returns how many
+    /// overlays were cleared; anything else in the answer changes nothing.
+    pub async fn recover(&self, node_id: &str) -> Result<usize, DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::Recover {
+            node_id: node_id.to_owned(),
             reply,
         })?;
         rx.await.map_err(|_| DispatchError::Stopped)?
@@ -608,6 +628,24 @@ impl Sink {
 enum Pending {
     Command(oneshot::Sender<Result<NodeCommandResponse, DispatchError>>),
     Refresh(oneshot::Sender<Result<NodeConfigRefreshResponse, DispatchError>>),
+    /// A CAPABILITIES probe whose answer may clear runtime-unavailable overlays.
+    Recovery(oneshot::Sender<Result<usize, DispatchError>>),
+}
+
+impl Pending {
+    fn fail(self, e: DispatchError) {
+        match self {
+            Self::Command(r) => {
+                let _ = r.send(Err(e));
+            }
+            Self::Refresh(r) => {
+                let _ = r.send(Err(e));
+            }
+            Self::Recovery(r) => {
+                let _ = r.send(Err(e));
+            }
+        }
+    }
 }
 
 struct State {
@@ -622,6 +660,8 @@ struct State {
     waiting: HashMap<u64, Instant>,
     pool: Option<Pool>,
     waiting_dispatch: HashMap<RequestId, WaitingDispatch>,
+    /// Last `health_observation_seq` seen per provider binding and generation.
+    observed: HashMap<(ProviderKey, Generation), u64>,
     pending: HashMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
@@ -647,6 +687,7 @@ async fn registry_task(
         waiting: HashMap::new(),
         pool,
         waiting_dispatch: HashMap::new(),
+        observed: HashMap::new(),
         pending: HashMap::new(),
         next_stream: 1,
         next_correlation: 1,
@@ -824,6 +865,18 @@ impl State {
                     }
                 }
             }
+            Input::Recover { node_id, reply } => {
+                let probe = NodeCommandRequest {
+                    kind: NodeCommandKind::Capabilities,
+                    adapter: String::new(),
+                    target: String::new(),
+                };
+                self.correlated(
+                    node_id,
+                    RuntimeMessage::NodeCommandRequest(probe),
+                    Pending::Recovery(reply),
+                );
+            }
             Input::Snapshot { reply } => {
                 let _ = reply.send(self.pool.as_ref().map(Pool::snapshot).unwrap_or_default());
             }
@@ -846,6 +899,88 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Edge terminal handoff (seed 000). A stall terminal arrived on `generation` for the stream
+    /// holding `lease`: when its typed evidence is valid and names the lease's own adapter and
+    /// target on the lease's generation, it is a validated current bound stall — the metadata
+    /// (run events) gets `provider_id`, `provider_health` and `recovery_handoff=confirmed`, and
+    /// only a *fresh* (higher `health_observation_seq`) `unavailable` observation sets the
+    /// runtime-unavailable overlay. Rejected or mismatched evidence changes nothing; the lease
+    /// is released by the terminal either way. Never adds `recovery_eligible`.
+    fn handoff(
+        &mut self,
+        lease: Option<LeaseId>,
+        generation: Generation,
+        evidence: &FailureEvidence,
+        metadata: Option<&mut BTreeMap<String, String>>,
+    ) {
+        let (Some(pool), Some(lease), FailureEvidence::Valid(f)) =
+            (self.pool.as_mut(), lease, evidence)
+        else {
+            return;
+        };
+        let Some(lease) = pool.lease(lease).cloned() else {
+            return;
+        };
+        if lease.generation != generation || f.adapter != lease.adapter || f.target != lease.target
+        {
+            return;
+        }
+        if let Some(metadata) = metadata {
+            metadata.insert("provider_id".into(), lease.key.provider_id.clone());
+            metadata.insert("provider_health".into(), f.health.provider_health().into());
+            metadata.insert("recovery_handoff".into(), "confirmed".into());
+        }
+        let last = self
+            .observed
+            .entry((lease.key.clone(), generation))
+            .or_insert(0);
+        let fresh = f.health_observation_seq.is_some_and(|seq| seq > *last);
+        if fresh {
+            *last = f.health_observation_seq.unwrap_or(*last);
+            if f.health == HealthEvidence::Unavailable {
+                pool.set_unavailable(&lease.key, generation);
+            }
+        }
+    }
+
+    /// Applies a CAPABILITIES answer from `(node_id, generation)` to the overlays: each entry
+    /// clears at most one overlay, only when `available`, fresher than anything seen for that
+    /// binding, and matching exactly one provider of the Node.
+    fn recover(
+        &mut self,
+        node_id: &str,
+        generation: Generation,
+        resp: &NodeCommandResponse,
+    ) -> usize {
+        let Some(pool) = self.pool.as_mut() else {
+            return 0;
+        };
+        if !resp.ok {
+            return 0;
+        }
+        let mut cleared = 0;
+        for cap in &resp.capabilities {
+            let matches: Vec<ProviderKey> = pool
+                .bindings(node_id)
+                .into_iter()
+                .filter(|(_, adapter, target)| *adapter == cap.adapter_key && *target == cap.target)
+                .map(|(key, _, _)| key)
+                .collect();
+            let [key] = matches.as_slice() else { continue }; // none or ambiguous
+            let last = self.observed.entry((key.clone(), generation)).or_insert(0);
+            if cap.health_observation_seq <= *last {
+                continue; // stale
+            }
+            *last = cap.health_observation_seq;
+            if cap.provider_status == ProviderStatus::Available
+                && pool.clear_unavailable(key, generation)
+            {
+                cleared += 1;
+            }
+        }
+        cleared
     }
 
     /// Ends a route: forgets it, closes its tunnel ordering state and releases its provider
@@ -1013,14 +1148,7 @@ impl State {
     }
 
     fn correlated(&mut self, node_id: String, message: RuntimeMessage, pending: Pending) {
-        let fail = |p: Pending, e| match p {
-            Pending::Command(r) => {
-                let _ = r.send(Err(e));
-            }
-            Pending::Refresh(r) => {
-                let _ = r.send(Err(e));
-            }
-        };
+        let fail = |p: Pending, e| p.fail(e);
         let Some((_, generation)) = self.registry.ready_generation(&node_id) else {
             return fail(pending, DispatchError::NotReady);
         };
@@ -1133,14 +1261,7 @@ impl State {
             .collect();
         for id in dead {
             if let Some((_, _, pending)) = self.pending.remove(&id) {
-                match pending {
-                    Pending::Command(r) => {
-                        let _ = r.send(Err(DispatchError::Disconnected));
-                    }
-                    Pending::Refresh(r) => {
-                        let _ = r.send(Err(DispatchError::Disconnected));
-                    }
-                }
+                pending.fail(DispatchError::Disconnected);
             }
         }
     }
@@ -1155,7 +1276,21 @@ impl State {
                 if route.node_id != node_id || route.generation != generation {
                     return;
                 }
-                let Sink::Run(tx) = &route.sink else { return };
+                let Sink::Run(_) = &route.sink else { return };
+                let lease = route.lease;
+                let mut ev = ev;
+                if ev.kind == RunEventKind::Error
+                    && let Some(evidence) = ev.execution_failure.clone()
+                {
+                    self.handoff(lease, generation, &evidence, Some(&mut ev.metadata));
+                }
+                let Some(Route {
+                    sink: Sink::Run(tx),
+                    ..
+                }) = self.routes.get(&frame.stream_id)
+                else {
+                    return;
+                };
                 let terminal = ev.kind.is_terminal();
                 let delivered = tx.send(ev).is_ok();
                 if terminal {
@@ -1179,6 +1314,7 @@ impl State {
                 if let Some(at) = self.waiting.remove(&stream_id) {
                     self.wait_timers.remove(&(at, stream_id));
                 }
+                let lease = route.lease;
                 let event = match self.tunnels.handle_frame(stream_id, tf) {
                     Ok(delivery) => TunnelEvent::Frame(delivery),
                     Err(TunnelError::Violation(v)) => TunnelEvent::Violation(v),
@@ -1186,7 +1322,14 @@ impl State {
                 };
                 let terminal = event.is_terminal();
                 let violation = matches!(event, TunnelEvent::Violation(_));
-                let delivered = tx.send(event).is_ok();
+                let delivered = tx.send(event.clone()).is_ok();
+                if let TunnelEvent::Frame(Delivery::Error {
+                    execution_failure: Some(evidence),
+                    ..
+                }) = &event
+                {
+                    self.handoff(lease, generation, evidence, None);
+                }
                 if violation || !delivered {
                     // Stop the provider work: the stream is over for the caller.
                     self.handle(Input::StreamDropped(stream_id));
@@ -1195,10 +1338,15 @@ impl State {
                 }
             }
             RuntimeMessage::NodeCommandResponse(resp) => {
-                if let Some((_, _, Pending::Command(reply))) =
-                    self.take_pending(frame.correlation_id, node_id, generation)
-                {
-                    let _ = reply.send(Ok(resp));
+                match self.take_pending(frame.correlation_id, node_id, generation) {
+                    Some((_, _, Pending::Command(reply))) => {
+                        let _ = reply.send(Ok(resp));
+                    }
+                    Some((_, _, Pending::Recovery(reply))) => {
+                        let cleared = self.recover(node_id, generation, &resp);
+                        let _ = reply.send(Ok(cleared));
+                    }
+                    _ => {}
                 }
             }
             RuntimeMessage::NodeConfigRefreshResponse(resp) => {
