@@ -1,0 +1,43 @@
+"""Drives a running local mesh with the official OpenAI Python SDK.
+
+Usage: python3 openai_sdk_check.py BASE_URL
+
+Exits non-zero (with the failing assertion) if anything the SDK sees is wrong.
+"""
+import sys
+
+from openai import OpenAI
+
+base = sys.argv[1]
+client = OpenAI(base_url=base, api_key="local-mesh", max_retries=0, timeout=30)
+
+models = client.models.list()
+ids = [m.id for m in models.data]
+assert ids == ["demo"], ids
+
+done = client.chat.completions.create(
+    model="demo", messages=[{"role": "user", "content": "hello sdk"}]
+)
+assert done.object == "chat.completion", done
+assert done.choices[0].message.content == "echo: hello sdk", done.choices[0].message
+assert done.choices[0].finish_reason == "stop"
+assert done.usage.total_tokens > 0
+
+chunks = list(
+    client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "stream me"}],
+        stream=True,
+    )
+)
+text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+assert text == "echo: stream me", text
+assert chunks[-1].choices[0].finish_reason == "stop"
+
+try:
+    client.chat.completions.create(model="missing", messages=[])
+    raise AssertionError("unknown model accepted")
+except Exception as e:  # the SDK's NotFoundError
+    assert getattr(e, "status_code", None) == 404, e
+
+print("openai sdk: models, chat, chat stream, 404 ok")
