@@ -1,5 +1,5 @@
-//! The official OpenAI Python SDK against the `iop-mesh` binary (models, chat completions
-//! streaming and not, error shape). `scripts/test-all.sh` installs the SDK
+//! The official OpenAI Python SDK against the `iop-mesh` binary (models, chat completions and
+//! responses, streaming and not, error shape). `scripts/test-all.sh` installs the SDK
 //! (`python3 -m pip install openai`); without it this test fails and says how to install it.
 #![allow(
     clippy::unwrap_used,
@@ -73,7 +73,7 @@ async fn official_openai_python_sdk_talks_to_the_edge() {
         "SDK check failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("models, chat, chat stream, 404 ok"));
+    assert!(stdout.contains("models, chat, chat stream, responses, responses stream, 404 ok"));
     let pid = child.id().unwrap().to_string();
     let _ = Command::new("kill").args(["-INT", &pid]).status();
     let _ = child.wait().await;

@@ -1,6 +1,9 @@
 //! The OpenAI-compatible HTTP surface (axum) over [`EdgeHandle::dispatch`].
 //!
 //! - `GET /v1/models`: the configured model groups.
+//! - `POST /v1/responses` (Responses API), streaming and not: passthrough for OpenAI-compatible
+//!   providers (operation `responses`), a `response` object or `response.*` SSE events for
+//!   native providers (`input` text or message items, `instructions` as a system message).
 //! - `POST /v1/chat/completions`, streaming (`"stream": true`, SSE) and not. The external model
 //!   name selects a model group; the pool picks a provider; the request is built after
 //!   selection:
@@ -17,8 +20,8 @@
 //!   which makes the Edge send `CancelRequest` to the Node (upstream aborted).
 //! - `/healthz` (process up) and `/readyz` (at least one Node dispatch-ready).
 //!
-//! Still to come (issue #5): `/v1/messages`, `/v1/messages/count_tokens`, `/v1/responses`,
-//! text tool-call fallback, `/metrics`, and the managed authentication mode.
+//! Still to come (issue #5): `/v1/messages`, `/v1/messages/count_tokens`, the text tool-call
+//! fallback, `/metrics`, and the managed authentication mode.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -85,6 +88,7 @@ pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
@@ -175,54 +179,63 @@ fn unix_now() -> u64 {
 
 static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if !authorized(&state, &headers) {
-        return error(
+/// A parsed request body, authenticated: `(json, model, stream)`, or the error response.
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response itself, returned at once"
+)]
+fn parse(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<(Value, String, bool), Response> {
+    if !authorized(state, headers) {
+        return Err(error(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
             "invalid api key",
-        );
+        ));
     }
-    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
-        return error(
+    let Ok(request) = serde_json::from_slice::<Value>(body) else {
+        return Err(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             "request body is not JSON",
-        );
+        ));
     };
     let Some(model) = request["model"].as_str().map(str::to_owned) else {
-        return error(
+        return Err(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             "`model` is required",
-        );
+        ));
     };
-    if !request["messages"].is_array() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "`messages` must be an array",
-        );
-    }
     let stream = request["stream"].as_bool().unwrap_or(false);
-    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let run_id = format!("chatcmpl-{n}");
-    let build_id = run_id.clone();
-    let build: crate::transport::BuildRequest = Box::new(move |lease| match lease.kind {
+    Ok((request, model, stream))
+}
+
+/// The builder of a pool dispatch: the provider's own operation for OpenAI-compatible
+/// providers (the body re-serialized with the served target), or `native_input` as a normalized
+/// run for native ones.
+fn build(
+    request: Value,
+    run_id: String,
+    stream: bool,
+    operation: Operation,
+    path: &'static str,
+    native_input: Value,
+) -> crate::transport::BuildRequest {
+    Box::new(move |lease| match lease.kind {
         ProviderKind::OpenAiCompat => {
             // The final body is built now that the served target is known.
-            let mut upstream = request.clone();
+            let mut upstream = request;
             upstream["model"] = Value::String(lease.target.clone());
             PoolRequest::Tunnel(ProviderTunnelRequest {
-                run_id: build_id,
+                run_id,
                 adapter: String::new(),
                 target: String::new(),
                 method: "POST".into(),
-                path: "/chat/completions".into(),
+                path: path.into(),
                 headers: vec![Header {
                     name: "content-type".into(),
                     value: Bytes::from_static(b"application/json"),
@@ -233,31 +246,57 @@ async fn chat_completions(
                 metadata: BTreeMap::new(),
                 session_id: String::new(),
                 long_context: false,
-                operation: Some(Operation::ChatCompletions),
+                operation: Some(operation),
                 response_stall_timeout: ResponseStallTimeout::DEFAULT,
                 credential: None,
             })
         }
-        ProviderKind::Native => {
-            let mut input = json!({ "messages": request["messages"].clone() });
-            for key in ["tools", "options"] {
-                if !request[key].is_null() {
-                    input[key] = request[key].clone();
-                }
-            }
-            PoolRequest::Run(RunRequest {
-                run_id: build_id,
-                adapter: String::new(),
-                target: String::new(),
-                input: Bytes::from(input.to_string()),
-                metadata: BTreeMap::new(),
-                response_stall_timeout: ResponseStallTimeout::DEFAULT,
-                timeout: None,
-                long_context: false,
-                credential: None,
-            })
+        ProviderKind::Native => PoolRequest::Run(RunRequest {
+            run_id,
+            adapter: String::new(),
+            target: String::new(),
+            input: Bytes::from(native_input.to_string()),
+            metadata: BTreeMap::new(),
+            response_stall_timeout: ResponseStallTimeout::DEFAULT,
+            timeout: None,
+            long_context: false,
+            credential: None,
+        }),
+    })
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let (request, model, stream) = match parse(&state, &headers, &body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    if !request["messages"].is_array() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`messages` must be an array",
+        );
+    }
+    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let run_id = format!("chatcmpl-{n}");
+    let mut input = json!({ "messages": request["messages"].clone() });
+    for key in ["tools", "options"] {
+        if !request[key].is_null() {
+            input[key] = request[key].clone();
         }
-    });
+    }
+    let build = build(
+        request,
+        run_id.clone(),
+        stream,
+        Operation::ChatCompletions,
+        "/chat/completions",
+        input,
+    );
     let dispatched = match state
         .edge
         .dispatch(&model, false, state.config.queue_wait, build)
@@ -271,6 +310,188 @@ async fn chat_completions(
         Dispatched::Run(s) if stream => sse(s, run_id, model),
         Dispatched::Run(s) => completion(s, run_id, model).await,
     }
+}
+
+/// Responses API input (`input` as text or message items, optional `instructions`) as
+/// normalized chat messages.
+fn responses_messages(request: &Value) -> Option<Value> {
+    let mut messages = Vec::new();
+    if let Some(instructions) = request["instructions"].as_str() {
+        messages.push(json!({ "role": "system", "content": instructions }));
+    }
+    match &request["input"] {
+        Value::String(text) => messages.push(json!({ "role": "user", "content": text })),
+        Value::Array(items) => {
+            for item in items {
+                let role = item["role"].as_str().unwrap_or("user");
+                let content = match &item["content"] {
+                    Value::String(t) => t.clone(),
+                    Value::Array(parts) => parts
+                        .iter()
+                        .filter_map(|p| p["text"].as_str())
+                        .collect::<Vec<_>>()
+                        .join(""),
+                    _ => return None,
+                };
+                messages.push(json!({ "role": role, "content": content }));
+            }
+        }
+        _ => return None,
+    }
+    Some(Value::Array(messages))
+}
+
+async fn responses(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, model, stream) = match parse(&state, &headers, &body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let Some(messages) = responses_messages(&request) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`input` must be text or message items",
+        );
+    };
+    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let run_id = format!("resp-{n}");
+    let build = build(
+        request,
+        run_id.clone(),
+        stream,
+        Operation::Responses,
+        "/responses",
+        json!({ "messages": messages }),
+    );
+    let dispatched = match state
+        .edge
+        .dispatch(&model, false, state.config.queue_wait, build)
+        .await
+    {
+        Ok(d) => d,
+        Err(e) => return dispatch_error(e),
+    };
+    match dispatched {
+        Dispatched::Tunnel(s) => passthrough(s).await,
+        Dispatched::Run(s) if stream => responses_sse(s, run_id, model),
+        Dispatched::Run(s) => response_object(s, run_id, model).await,
+    }
+}
+
+fn response_json(
+    id: &str,
+    model: &str,
+    text: &str,
+    usage: Option<iop_wire::runtime::Usage>,
+    status: &str,
+) -> Value {
+    json!({
+        "id": id,
+        "object": "response",
+        "created_at": unix_now(),
+        "status": status,
+        "model": model,
+        "output": [{
+            "type": "message",
+            "id": format!("msg-{id}"),
+            "status": status,
+            "role": "assistant",
+            "content": [{ "type": "output_text", "text": text, "annotations": [] }],
+        }],
+        "usage": usage.map_or(Value::Null, |u| json!({
+            "input_tokens": u.prompt_tokens,
+            "output_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+        })),
+    })
+}
+
+/// A non-streamed normalized run, rendered as a Responses API `response` object.
+async fn response_object(mut s: RunStream, id: String, model: String) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = s.next().await {
+        match ev.kind {
+            RunEventKind::Delta => text.push_str(&ev.delta),
+            RunEventKind::Complete => {
+                return axum::Json(response_json(&id, &model, &text, ev.usage, "completed"))
+                    .into_response();
+            }
+            RunEventKind::Error | RunEventKind::Cancelled => {
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    "provider request failed",
+                );
+            }
+            RunEventKind::Start => {}
+        }
+    }
+    error(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        "provider request failed",
+    )
+}
+
+/// A streamed normalized run as Responses API events (`response.created`,
+/// `response.output_text.delta`…, `response.completed`).
+fn responses_sse(s: RunStream, id: String, model: String) -> Response {
+    let events = futures_util::stream::unfold(
+        (s, String::new(), 0u64, false),
+        move |(mut s, mut text, seq, done)| {
+            let (id, model) = (id.clone(), model.clone());
+            async move {
+                if done {
+                    return None;
+                }
+                let event = |kind: &str, data: Value| {
+                    Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+                };
+                let ev = s.next().await?;
+                let out = match ev.kind {
+                    RunEventKind::Start => event(
+                        "response.created",
+                        json!({ "type": "response.created", "sequence_number": seq, "response": response_json(&id, &model, "", None, "in_progress") }),
+                    ),
+                    RunEventKind::Delta => {
+                        text.push_str(&ev.delta);
+                        event(
+                            "response.output_text.delta",
+                            json!({ "type": "response.output_text.delta", "sequence_number": seq, "item_id": format!("msg-{id}"), "output_index": 0, "content_index": 0, "delta": ev.delta }),
+                        )
+                    }
+                    RunEventKind::Complete => {
+                        let r = response_json(&id, &model, &text, ev.usage, "completed");
+                        let out = event(
+                            "response.completed",
+                            json!({ "type": "response.completed", "sequence_number": seq, "response": r }),
+                        );
+                        return Some((Ok::<_, Infallible>(out), (s, text, seq + 1, true)));
+                    }
+                    RunEventKind::Error | RunEventKind::Cancelled => {
+                        let r = response_json(&id, &model, &text, None, "failed");
+                        let out = event(
+                            "response.failed",
+                            json!({ "type": "response.failed", "sequence_number": seq, "response": r }),
+                        );
+                        return Some((Ok(out), (s, text, seq + 1, true)));
+                    }
+                };
+                Some((Ok(out), (s, text, seq + 1, false)))
+            }
+        },
+    );
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(events))
+        .unwrap_or_else(|_| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "response failed",
+            )
+        })
 }
 
 /// Passes a tunnelled provider response through: status, headers, body bytes.

@@ -34,10 +34,30 @@ text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 assert text == "echo: stream me", text
 assert chunks[-1].choices[0].finish_reason == "stop"
 
+resp = client.responses.create(model="demo", input="hello responses")
+assert resp.status == "completed", resp
+assert resp.output_text == "echo: hello responses", resp.output_text
+
+resp = client.responses.create(
+    model="demo",
+    instructions="be brief",
+    input=[{"role": "user", "content": [{"type": "input_text", "text": "items"}]}],
+)
+assert resp.output_text == "echo: items", resp.output_text
+
+deltas = []
+with client.responses.stream(model="demo", input="streamed responses") as stream:
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+    final = stream.get_final_response()
+assert "".join(deltas) == "echo: streamed responses", deltas
+assert final.output_text == "echo: streamed responses", final.output_text
+
 try:
     client.chat.completions.create(model="missing", messages=[])
     raise AssertionError("unknown model accepted")
 except Exception as e:  # the SDK's NotFoundError
     assert getattr(e, "status_code", None) == 404, e
 
-print("openai sdk: models, chat, chat stream, 404 ok")
+print("openai sdk: models, chat, chat stream, responses, responses stream, 404 ok")
