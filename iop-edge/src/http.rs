@@ -20,8 +20,10 @@
 //!   which makes the Edge send `CancelRequest` to the Node (upstream aborted).
 //! - `/healthz` (process up) and `/readyz` (at least one Node dispatch-ready).
 //!
+//! - `/metrics`: Prometheus text (see [`crate::metrics`]).
+//!
 //! Still to come (issue #5): `/v1/messages`, `/v1/messages/count_tokens`, the text tool-call
-//! fallback, `/metrics`, and the managed authentication mode.
+//! fallback, and the managed authentication mode.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -41,6 +43,7 @@ use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use serde_json::{Value, json};
 
+use crate::metrics::Endpoint;
 use crate::pool::ProviderKind;
 use crate::transport::{
     DispatchError, Dispatched, EdgeHandle, PoolRequest, RunStream, TunnelEvent,
@@ -89,6 +92,7 @@ pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
+        .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
@@ -141,6 +145,12 @@ fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     hook(token)
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let (queue, in_flight) = state.edge.pool_stats().await.unwrap_or((0, 0));
+    let text = state.edge.metrics().render(queue, in_flight);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
@@ -270,7 +280,18 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (request, model, stream) = match parse(&state, &headers, &body) {
+    let started = std::time::Instant::now();
+    let response = chat_completions_inner(&state, headers, body).await;
+    let ok = response.status().is_success();
+    state
+        .edge
+        .metrics()
+        .request(Endpoint::ChatCompletions, ok, started.elapsed());
+    response
+}
+
+async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, model, stream) = match parse(state, &headers, &body) {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -342,7 +363,18 @@ fn responses_messages(request: &Value) -> Option<Value> {
 }
 
 async fn responses(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let (request, model, stream) = match parse(&state, &headers, &body) {
+    let started = std::time::Instant::now();
+    let response = responses_inner(&state, headers, body).await;
+    let ok = response.status().is_success();
+    state
+        .edge
+        .metrics()
+        .request(Endpoint::Responses, ok, started.elapsed());
+    response
+}
+
+async fn responses_inner(state: &AppState, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, model, stream) = match parse(state, &headers, &body) {
         Ok(p) => p,
         Err(r) => return r,
     };

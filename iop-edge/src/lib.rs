@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod http;
+pub mod metrics;
 pub mod pool;
 pub mod transport;
 

@@ -43,6 +43,7 @@ use iop_wire::runtime::{
 use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
 use iop_wire::validate::ResponseStallTimeout;
 
+use crate::metrics::Metrics;
 use crate::pool::{
     Lease, LeaseId, Pool, PoolConfig, PoolError, PoolEvent, ProviderKey, RequestId, Submitted,
 };
@@ -71,6 +72,8 @@ pub struct TransportConfig {
     pub max_frame_len: usize,
     /// The provider pool behind [`EdgeHandle::dispatch`]; `None` disables pool dispatch.
     pub pool: Option<PoolConfig>,
+    /// Counters shared with the HTTP surface.
+    pub metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for TransportConfig {
@@ -95,6 +98,7 @@ impl TransportConfig {
             node_configs: Vec::new(),
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             pool: None,
+            metrics: Arc::default(),
         }
     }
 }
@@ -295,6 +299,9 @@ enum Input {
     Snapshot {
         reply: oneshot::Sender<Vec<ProviderSnapshot>>,
     },
+    PoolStats {
+        reply: oneshot::Sender<(usize, u64)>,
+    },
     Recover {
         node_id: String,
         reply: oneshot::Sender<Result<usize, DispatchError>>,
@@ -309,6 +316,7 @@ enum Input {
 /// The embeddable API of a running transport. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct EdgeHandle {
+    metrics: Arc<Metrics>,
     inputs: mpsc::UnboundedSender<Input>,
     lifecycle: broadcast::Sender<Lifecycle>,
     local_addr: SocketAddr,
@@ -409,6 +417,18 @@ impl EdgeHandle {
         rx.await.map_err(|_| DispatchError::Stopped)?
     }
 
+    /// The Edge's counters.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// `(queue depth, leases held)` of the pool (zeros without a pool).
+    pub async fn pool_stats(&self) -> Result<(usize, u64), DispatchError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Input::PoolStats { reply })?;
+        rx.await.map_err(|_| DispatchError::Stopped)
+    }
+
     /// The pool's provider snapshots (empty without a pool).
     pub async fn snapshot(&self) -> Result<Vec<ProviderSnapshot>, DispatchError> {
         let (reply, rx) = oneshot::channel();
@@ -478,6 +498,7 @@ pub async fn bind(
     let (inputs, input_rx) = mpsc::unbounded_channel();
     let (lifecycle, _) = broadcast::channel(1024);
     let handle = EdgeHandle {
+        metrics: config.metrics.clone(),
         inputs: inputs.clone(),
         lifecycle: lifecycle.clone(),
         local_addr,
@@ -525,6 +546,7 @@ pub async fn bind(
     tokio::spawn(registry_task(
         registry,
         config.pool.clone().map(Pool::new),
+        config.metrics.clone(),
         input_rx,
         lifecycle,
     ));
@@ -662,6 +684,7 @@ struct State {
     waiting_dispatch: HashMap<RequestId, WaitingDispatch>,
     /// Last `health_observation_seq` seen per provider binding and generation.
     observed: HashMap<(ProviderKey, Generation), u64>,
+    metrics: Arc<Metrics>,
     pending: HashMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
@@ -675,6 +698,7 @@ fn now() -> std::time::Instant {
 async fn registry_task(
     registry: Registry,
     pool: Option<Pool>,
+    metrics: Arc<Metrics>,
     mut input_rx: mpsc::UnboundedReceiver<Input>,
     lifecycle: broadcast::Sender<Lifecycle>,
 ) {
@@ -688,6 +712,7 @@ async fn registry_task(
         pool,
         waiting_dispatch: HashMap::new(),
         observed: HashMap::new(),
+        metrics,
         pending: HashMap::new(),
         next_stream: 1,
         next_correlation: 1,
@@ -865,6 +890,13 @@ impl State {
                     }
                 }
             }
+            Input::PoolStats { reply } => {
+                let stats = self
+                    .pool
+                    .as_ref()
+                    .map_or((0, 0), |p| (p.queue_len(), p.lease_count() as u64));
+                let _ = reply.send(stats);
+            }
             Input::Recover { node_id, reply } => {
                 let probe = NodeCommandRequest {
                     kind: NodeCommandKind::Capabilities,
@@ -925,8 +957,11 @@ impl State {
         };
         if lease.generation != generation || f.adapter != lease.adapter || f.target != lease.target
         {
+            self.metrics.recovery_eligibility(false);
             return;
         }
+        self.metrics.recovery_eligibility(true);
+        self.metrics.health_evidence(f.health.provider_health());
         if let Some(metadata) = metadata {
             metadata.insert("provider_id".into(), lease.key.provider_id.clone());
             metadata.insert("provider_health".into(), f.health.provider_health().into());
@@ -939,10 +974,19 @@ impl State {
         let fresh = f.health_observation_seq.is_some_and(|seq| seq > *last);
         if fresh {
             *last = f.health_observation_seq.unwrap_or(*last);
-            if f.health == HealthEvidence::Unavailable {
-                pool.set_unavailable(&lease.key, generation);
+            if f.health == HealthEvidence::Unavailable
+                && pool.set_unavailable(&lease.key, generation)
+            {
+                self.metrics.health_transition(true);
             }
         }
+        tracing::info!(
+            target: "iop_edge",
+            event = "edge_provider_health_observation",
+            provider_health = f.health.provider_health(),
+            fresh,
+            "stall terminal handed off"
+        );
     }
 
     /// Applies a CAPABILITIES answer from `(node_id, generation)` to the overlays: each entry
@@ -974,11 +1018,20 @@ impl State {
                 continue; // stale
             }
             *last = cap.health_observation_seq;
-            if cap.provider_status == ProviderStatus::Available
-                && pool.clear_unavailable(key, generation)
-            {
+            let ok = cap.provider_status == ProviderStatus::Available
+                && pool.clear_unavailable(key, generation);
+            self.metrics.recovery_result(ok);
+            if ok {
+                self.metrics.health_transition(false);
                 cleared += 1;
             }
+            tracing::info!(
+                target: "iop_edge",
+                event = "edge_liveness_recovery_observation",
+                provider_status = cap.provider_status.as_str(),
+                cleared = ok,
+                "recovery probe answer applied"
+            );
         }
         cleared
     }

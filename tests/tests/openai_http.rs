@@ -252,6 +252,11 @@ async fn models_chat_and_stream_through_the_mesh() {
         assert_eq!(e["error"]["type"], "invalid_request_error");
         let bad = http.post(format!("{base}/chat/completions")).body("{").send().await.unwrap();
         assert_eq!(bad.status(), 400);
+        let root = base.trim_end_matches("/v1");
+        let metrics = http.get(format!("{root}/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("iop_edge_requests_total{endpoint=\"chat_completions\",outcome=\"ok\"} 3"), "{metrics}");
+        assert!(metrics.contains("iop_edge_requests_total{endpoint=\"chat_completions\",outcome=\"error\"} 2"), "{metrics}");
+        assert!(metrics.contains("iop_edge_pool_in_flight 0"), "{metrics}");
     })
     .await
     .expect("scenario finishes");

@@ -228,6 +228,17 @@ async fn stall_sets_the_overlay_and_only_a_fresh_available_probe_clears_it() {
             last_event(&edge, "/ok").await,
             TunnelEvent::Frame(Delivery::End)
         ));
+        let metrics = edge.metrics().render(0, 0);
+        for line in [
+            "iop_edge_provider_health_evidence_total{provider_health=\"unavailable\"} 1",
+            "iop_edge_provider_health_transitions_total{to=\"unavailable\"} 1",
+            "iop_edge_provider_health_transitions_total{to=\"available\"} 1",
+            "iop_edge_liveness_recovery_eligibility_total{eligibility=\"confirmed\"} 1",
+            "iop_edge_liveness_recovery_results_total{result=\"cleared\"} 1",
+            "iop_edge_liveness_recovery_results_total{result=\"unchanged\"} 1",
+        ] {
+            assert!(metrics.contains(line), "missing {line}\n{metrics}");
+        }
     })
     .await
     .expect("scenario finishes");
