@@ -22,8 +22,11 @@
 //!
 //! - `/metrics`: Prometheus text (see [`crate::metrics`]).
 //!
-//! Still to come (issue #5): `/v1/messages`, `/v1/messages/count_tokens`, the text tool-call
-//! fallback, and the managed authentication mode.
+//! - `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic Messages API): passthrough
+//!   for OpenAI-compatible providers (operations `messages`, `count_tokens`); for native
+//!   providers a `message` object or message stream events, and a token estimate.
+//!
+//! Still to come (issue #5): the text tool-call fallback and the managed authentication mode.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -92,6 +95,8 @@ pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
@@ -261,6 +266,7 @@ fn build(
                 credential: None,
             })
         }
+        ProviderKind::Native if native_input.is_null() => PoolRequest::Nothing,
         ProviderKind::Native => PoolRequest::Run(RunRequest {
             run_id,
             adapter: String::new(),
@@ -330,6 +336,7 @@ async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Byte
         Dispatched::Tunnel(s) => passthrough(s).await,
         Dispatched::Run(s) if stream => sse(s, run_id, model),
         Dispatched::Run(s) => completion(s, run_id, model).await,
+        Dispatched::Nothing => error(StatusCode::BAD_GATEWAY, "server_error", "no request built"),
     }
 }
 
@@ -407,6 +414,7 @@ async fn responses_inner(state: &AppState, headers: HeaderMap, body: Bytes) -> R
         Dispatched::Tunnel(s) => passthrough(s).await,
         Dispatched::Run(s) if stream => responses_sse(s, run_id, model),
         Dispatched::Run(s) => response_object(s, run_id, model).await,
+        Dispatched::Nothing => error(StatusCode::BAD_GATEWAY, "server_error", "no request built"),
     }
 }
 
@@ -688,4 +696,201 @@ fn sse(s: RunStream, id: String, model: String) -> Response {
                 "response failed",
             )
         })
+}
+
+/// Anthropic-style `messages` (with an optional top-level `system`) as normalized chat messages.
+fn anthropic_messages(request: &Value) -> Option<Value> {
+    let mut out = Vec::new();
+    match &request["system"] {
+        Value::String(s) => out.push(json!({ "role": "system", "content": s })),
+        Value::Array(parts) => {
+            let text: String = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+            out.push(json!({ "role": "system", "content": text }));
+        }
+        _ => {}
+    }
+    for m in request["messages"].as_array()? {
+        let content = match &m["content"] {
+            Value::String(t) => t.clone(),
+            Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+            _ => return None,
+        };
+        out.push(json!({ "role": m["role"].as_str().unwrap_or("user"), "content": content }));
+    }
+    Some(Value::Array(out))
+}
+
+/// `POST /v1/messages` (Anthropic Messages API): passthrough for OpenAI-compatible providers
+/// whose profile has the `messages` operation; a `message` object or the message stream events
+/// for native providers.
+async fn messages(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, model, stream) = match parse(&state, &headers, &body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let Some(messages) = anthropic_messages(&request) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`messages` must be an array",
+        );
+    };
+    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let run_id = format!("msg-{n}");
+    let build = build(
+        request,
+        run_id.clone(),
+        stream,
+        Operation::Messages,
+        "/messages",
+        json!({ "messages": messages }),
+    );
+    let dispatched = match state
+        .edge
+        .dispatch(&model, false, state.config.queue_wait, build)
+        .await
+    {
+        Ok(d) => d,
+        Err(e) => return dispatch_error(e),
+    };
+    match dispatched {
+        Dispatched::Tunnel(s) => passthrough(s).await,
+        Dispatched::Nothing => error(StatusCode::BAD_GATEWAY, "server_error", "no request built"),
+        Dispatched::Run(s) if stream => anthropic_sse(s, run_id, model),
+        Dispatched::Run(mut s) => {
+            let mut text = String::new();
+            while let Some(ev) = s.next().await {
+                match ev.kind {
+                    RunEventKind::Delta => text.push_str(&ev.delta),
+                    RunEventKind::Complete => {
+                        let usage = ev.usage.unwrap_or_default();
+                        return axum::Json(json!({
+                            "id": run_id,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": model,
+                            "content": [{ "type": "text", "text": text }],
+                            "stop_reason": "end_turn",
+                            "stop_sequence": null,
+                            "usage": { "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens },
+                        }))
+                        .into_response();
+                    }
+                    RunEventKind::Error | RunEventKind::Cancelled => break,
+                    RunEventKind::Start => {}
+                }
+            }
+            error(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                "provider request failed",
+            )
+        }
+    }
+}
+
+/// A streamed normalized run as Anthropic message stream events.
+fn anthropic_sse(s: RunStream, id: String, model: String) -> Response {
+    let event = |kind: &str, data: Value| Bytes::from(format!("event: {kind}\ndata: {data}\n\n"));
+    let events = futures_util::stream::unfold((s, false), move |(mut s, done)| {
+        let (id, model) = (id.clone(), model.clone());
+        async move {
+            if done {
+                return None;
+            }
+            let ev = s.next().await?;
+            let out = match ev.kind {
+                RunEventKind::Start => {
+                    let mut b = event("message_start", json!({ "type": "message_start", "message": {
+                        "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+                        "stop_reason": null, "usage": { "input_tokens": 0, "output_tokens": 0 } } })).to_vec();
+                    b.extend_from_slice(&event("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
+                    Bytes::from(b)
+                }
+                RunEventKind::Delta => event(
+                    "content_block_delta",
+                    json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": ev.delta } }),
+                ),
+                RunEventKind::Complete => {
+                    let usage = ev.usage.unwrap_or_default();
+                    let mut b = event(
+                        "content_block_stop",
+                        json!({ "type": "content_block_stop", "index": 0 }),
+                    )
+                    .to_vec();
+                    b.extend_from_slice(&event(
+                        "message_delta",
+                        json!({ "type": "message_delta",
+                        "delta": { "stop_reason": "end_turn", "stop_sequence": null },
+                        "usage": { "output_tokens": usage.completion_tokens } }),
+                    ));
+                    b.extend_from_slice(&event("message_stop", json!({ "type": "message_stop" })));
+                    return Some((Ok::<_, Infallible>(Bytes::from(b)), (s, true)));
+                }
+                RunEventKind::Error | RunEventKind::Cancelled => {
+                    let e = json!({ "type": "error", "error": { "type": "api_error", "message": "provider request failed" } });
+                    return Some((Ok(event("error", e)), (s, true)));
+                }
+            };
+            Some((Ok(out), (s, false)))
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(events))
+        .unwrap_or_else(|_| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "response failed",
+            )
+        })
+}
+
+/// `POST /v1/messages/count_tokens`: passthrough for OpenAI-compatible providers with the
+/// `count_tokens` operation. Native providers have no tokenizer on the wire, so the Edge answers
+/// with an estimate (whitespace-separated words), marked by an `estimated` field.
+async fn count_tokens(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, model, _) = match parse(&state, &headers, &body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let Some(messages) = anthropic_messages(&request) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "`messages` must be an array",
+        );
+    };
+    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let estimate: usize = messages
+        .as_array()
+        .map(|ms| {
+            ms.iter()
+                .filter_map(|m| m["content"].as_str())
+                .map(|c| c.split_whitespace().count())
+                .sum()
+        })
+        .unwrap_or(0);
+    // Only OpenAI-compatible providers are asked; for a native one nothing is sent.
+    let build = build(
+        request,
+        format!("count-{n}"),
+        false,
+        Operation::CountTokens,
+        "/messages/count_tokens",
+        Value::Null,
+    );
+    match state
+        .edge
+        .dispatch(&model, false, state.config.queue_wait, build)
+        .await
+    {
+        Ok(Dispatched::Tunnel(s)) => passthrough(s).await,
+        Ok(Dispatched::Run(_) | Dispatched::Nothing) => {
+            axum::Json(json!({ "input_tokens": estimate, "estimated": true })).into_response()
+        }
+        Err(e) => dispatch_error(e),
+    }
 }

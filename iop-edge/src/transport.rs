@@ -155,6 +155,9 @@ pub enum PoolRequest {
     Run(RunRequest),
     /// A provider tunnel (OpenAI-compatible providers).
     Tunnel(ProviderTunnelRequest),
+    /// Nothing to send to this provider (e.g. a question only some provider kinds can answer):
+    /// the lease is released at once and the caller gets [`Dispatched::Nothing`].
+    Nothing,
 }
 
 impl PoolRequest {
@@ -162,6 +165,7 @@ impl PoolRequest {
         match self {
             Self::Run(r) => &r.run_id,
             Self::Tunnel(t) => &t.run_id,
+            Self::Nothing => "",
         }
     }
 }
@@ -173,6 +177,8 @@ pub enum Dispatched {
     Run(RunStream),
     /// Tunnel frames.
     Tunnel(TunnelStream),
+    /// The builder chose not to send anything to the selected provider.
+    Nothing,
 }
 
 /// Builds the request once the provider is known.
@@ -1086,6 +1092,7 @@ impl State {
         let built = (waiting.build)(&lease);
         let run_id = built.run_id().to_owned();
         let (result, stream_id) = match built {
+            PoolRequest::Nothing => (Ok(Dispatched::Nothing), None),
             PoolRequest::Run(mut req) => {
                 req.adapter.clone_from(&lease.adapter);
                 req.target.clone_from(&lease.target);

@@ -252,6 +252,24 @@ async fn models_chat_and_stream_through_the_mesh() {
         assert_eq!(e["error"]["type"], "invalid_request_error");
         let bad = http.post(format!("{base}/chat/completions")).body("{").send().await.unwrap();
         assert_eq!(bad.status(), 400);
+        // Anthropic Messages API on a native provider.
+        let msg = serde_json::json!({"model": "demo", "max_tokens": 64, "system": "be brief", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]});
+        let r: serde_json::Value = http.post(format!("{base}/messages")).json(&msg).send().await.unwrap().json().await.unwrap();
+        assert_eq!((r["type"].as_str(), r["content"][0]["text"].as_str(), r["stop_reason"].as_str()), (Some("message"), Some("echo: hi there"), Some("end_turn")));
+        let mut streamed = msg.clone();
+        streamed["stream"] = true.into();
+        let text = http.post(format!("{base}/messages")).json(&streamed).send().await.unwrap().text().await.unwrap();
+        let deltas: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .filter(|v| v["type"] == "content_block_delta")
+            .filter_map(|v| v["delta"]["text"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(deltas, "echo: hi there");
+        assert!(text.contains("event: message_start") && text.contains("event: message_stop"));
+        let count: serde_json::Value = http.post(format!("{base}/messages/count_tokens")).json(&msg).send().await.unwrap().json().await.unwrap();
+        assert_eq!((count["input_tokens"].as_u64(), count["estimated"].as_bool()), (Some(4), Some(true)));
         let root = base.trim_end_matches("/v1");
         let metrics = http.get(format!("{root}/metrics")).send().await.unwrap().text().await.unwrap();
         assert!(metrics.contains("iop_edge_requests_total{endpoint=\"chat_completions\",outcome=\"ok\"} 3"), "{metrics}");
