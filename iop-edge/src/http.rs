@@ -133,6 +133,11 @@ fn dispatch_error(e: DispatchError) -> Response {
                 "no provider available",
             )
         }
+        DispatchError::InvalidRequest => error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid request",
+        ),
         DispatchError::Stopped => error(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",

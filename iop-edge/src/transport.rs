@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
-use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent};
+use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent, SendError};
 use iop_wire::identity::peer_identity;
 use iop_wire::runtime::{
     CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
@@ -144,6 +144,10 @@ pub enum DispatchError {
     /// No provider had capacity within the wait (503).
     #[error("no provider available within the wait")]
     WaitTimeout,
+    /// The request has a field the Node would refuse (400); nothing was sent, the Node's session
+    /// is untouched.
+    #[error("invalid request")]
+    InvalidRequest,
 }
 
 /// A request to send once the pool has selected a provider. The builder gets the lease and
@@ -1186,13 +1190,15 @@ impl State {
         if matches!(sink, Sink::Tunnel(_)) && self.tunnels.open(stream_id).is_err() {
             return Err(DispatchError::NotReady);
         }
-        if self
+        if let Err(e) = self
             .registry
             .send(now(), &node_id, generation, frame(stream_id))
-            .is_err()
         {
             self.tunnels.close(stream_id);
-            return Err(DispatchError::NotReady);
+            return Err(match e {
+                SendError::Invalid(_) => DispatchError::InvalidRequest,
+                _ => DispatchError::NotReady,
+            });
         }
         self.routes.insert(
             stream_id,

@@ -146,7 +146,7 @@ pub enum RegistryEvent {
 }
 
 /// Why [`Registry::send`] refused a frame.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SendError {
     /// The Node has no dispatch-ready owner, or the generation is no longer current.
@@ -155,6 +155,10 @@ pub enum SendError {
     /// The frame is not an Edge → Node application message.
     #[error("this message is not sent by the Edge after ready")]
     WrongDirection,
+    /// The frame would not pass the Node's validation (e.g. an id with forbidden characters).
+    /// Sending it would make the Node close the whole session, so it is refused here.
+    #[error("invalid message: {0}")]
+    Invalid(crate::error::InvalidMessage),
 }
 
 /// Registry settings.
@@ -417,6 +421,9 @@ impl Registry {
         if current != generation {
             return Err(SendError::NotReady);
         }
+        // Validate exactly as the Node will (one encode + decode per request, not per frame of
+        // a stream): a bad field in one request must not cost the Node its session.
+        RuntimeFrame::try_from(frame.to_proto()).map_err(SendError::Invalid)?;
         self.transmit(now, conn, frame);
         Ok(conn)
     }

@@ -543,3 +543,43 @@ async fn transport_and_lifecycle_commands_answer() {
     .await
     .expect("scenario finishes");
 }
+
+#[tokio::test]
+async fn an_invalid_request_is_refused_at_the_edge_and_the_session_survives() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let edge = start_edge(&ca, demo_config(0, 1)).await;
+        let mut life = edge.subscribe();
+        let shutdown = CancellationToken::new();
+        let _node = tokio::spawn(run_node(
+            node_options(
+                &ca,
+                "node-1",
+                "node-1",
+                edge.local_addr(),
+                ReconnectPolicy::default(),
+            ),
+            shutdown.clone(),
+        ));
+        let generation = connected(&mut life).await;
+        // A run id the Node's validation forbids: refused before it is sent.
+        let err = edge.run("node-1", run("bad/id", "x")).await.unwrap_err();
+        assert_eq!(err, DispatchError::InvalidRequest);
+        // The session was not touched: same generation, and it still serves.
+        assert_eq!(
+            edge.ready_nodes().await.unwrap(),
+            [("node-1".to_owned(), generation)]
+        );
+        let events = collect(
+            &mut edge
+                .run("node-1", run("good-1", "still here"))
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(text(&events), "echo: still here");
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
