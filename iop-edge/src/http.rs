@@ -199,6 +199,27 @@ fn unix_now() -> u64 {
 
 static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// A fresh run id `<prefix>-<n>` (valid on the wire: letters, digits, `-`).
+fn next_id(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}",
+        REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
+}
+
+/// Dispatches through the pool, mapping refusals to their OpenAI-shaped error response.
+async fn pool_dispatch(
+    state: &AppState,
+    model: &str,
+    build: crate::transport::BuildRequest,
+) -> Result<Dispatched, Response> {
+    state
+        .edge
+        .dispatch(model, false, state.config.queue_wait, build)
+        .await
+        .map_err(dispatch_error)
+}
+
 /// A parsed request body, authenticated: `(json, model, stream)`, or the error response.
 #[expect(
     clippy::result_large_err,
@@ -313,8 +334,7 @@ async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Byte
             "`messages` must be an array",
         );
     }
-    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let run_id = format!("chatcmpl-{n}");
+    let run_id = next_id("chatcmpl");
     let mut input = json!({ "messages": request["messages"].clone() });
     for key in ["tools", "options"] {
         if !request[key].is_null() {
@@ -329,13 +349,9 @@ async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Byte
         "/chat/completions",
         input,
     );
-    let dispatched = match state
-        .edge
-        .dispatch(&model, false, state.config.queue_wait, build)
-        .await
-    {
+    let dispatched = match pool_dispatch(state, &model, build).await {
         Ok(d) => d,
-        Err(e) => return dispatch_error(e),
+        Err(r) => return r,
     };
     match dispatched {
         Dispatched::Tunnel(s) => passthrough(s).await,
@@ -397,8 +413,7 @@ async fn responses_inner(state: &AppState, headers: HeaderMap, body: Bytes) -> R
             "`input` must be text or message items",
         );
     };
-    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let run_id = format!("resp-{n}");
+    let run_id = next_id("resp");
     let build = build(
         request,
         run_id.clone(),
@@ -407,13 +422,9 @@ async fn responses_inner(state: &AppState, headers: HeaderMap, body: Bytes) -> R
         "/responses",
         json!({ "messages": messages }),
     );
-    let dispatched = match state
-        .edge
-        .dispatch(&model, false, state.config.queue_wait, build)
-        .await
-    {
+    let dispatched = match pool_dispatch(state, &model, build).await {
         Ok(d) => d,
-        Err(e) => return dispatch_error(e),
+        Err(r) => return r,
     };
     match dispatched {
         Dispatched::Tunnel(s) => passthrough(s).await,
@@ -740,8 +751,7 @@ async fn messages(State(state): State<AppState>, headers: HeaderMap, body: Bytes
             "`messages` must be an array",
         );
     };
-    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let run_id = format!("msg-{n}");
+    let run_id = next_id("msg");
     let build = build(
         request,
         run_id.clone(),
@@ -750,13 +760,9 @@ async fn messages(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         "/messages",
         json!({ "messages": messages }),
     );
-    let dispatched = match state
-        .edge
-        .dispatch(&model, false, state.config.queue_wait, build)
-        .await
-    {
+    let dispatched = match pool_dispatch(&state, &model, build).await {
         Ok(d) => d,
-        Err(e) => return dispatch_error(e),
+        Err(r) => return r,
     };
     match dispatched {
         Dispatched::Tunnel(s) => passthrough(s).await,
@@ -868,7 +874,6 @@ async fn count_tokens(State(state): State<AppState>, headers: HeaderMap, body: B
             "`messages` must be an array",
         );
     };
-    let n = REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let estimate: usize = messages
         .as_array()
         .map(|ms| {
@@ -881,21 +886,17 @@ async fn count_tokens(State(state): State<AppState>, headers: HeaderMap, body: B
     // Only OpenAI-compatible providers are asked; for a native one nothing is sent.
     let build = build(
         request,
-        format!("count-{n}"),
+        next_id("count"),
         false,
         Operation::CountTokens,
         "/messages/count_tokens",
         Value::Null,
     );
-    match state
-        .edge
-        .dispatch(&model, false, state.config.queue_wait, build)
-        .await
-    {
+    match pool_dispatch(&state, &model, build).await {
         Ok(Dispatched::Tunnel(s)) => passthrough(s).await,
         Ok(Dispatched::Run(_) | Dispatched::Nothing) => {
             axum::Json(json!({ "input_tokens": estimate, "estimated": true })).into_response()
         }
-        Err(e) => dispatch_error(e),
+        Err(r) => r,
     }
 }

@@ -355,13 +355,12 @@ impl EdgeHandle {
         node_id: &str,
         request: RunRequest,
     ) -> Result<RunStream, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Run {
+        self.ask(|reply| Input::Run {
             node_id: node_id.to_owned(),
             request,
             reply,
-        })?;
-        rx.await.map_err(|_| DispatchError::Stopped)?
+        })
+        .await?
     }
 
     /// Opens a provider tunnel on the current ready generation of `node_id`.
@@ -382,14 +381,13 @@ impl EdgeHandle {
         request: ProviderTunnelRequest,
         response_wait: Option<Duration>,
     ) -> Result<TunnelStream, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Tunnel {
+        self.ask(|reply| Input::Tunnel {
             node_id: node_id.to_owned(),
             request,
             response_wait,
             reply,
-        })?;
-        rx.await.map_err(|_| DispatchError::Stopped)?
+        })
+        .await?
     }
 
     /// Dispatches through the provider pool: selects a live candidate of `model` with capacity
@@ -403,15 +401,14 @@ impl EdgeHandle {
         wait: Duration,
         build: BuildRequest,
     ) -> Result<Dispatched, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Dispatch {
+        self.ask(|reply| Input::Dispatch {
             model: model.to_owned(),
             long_context,
             wait,
             build,
             reply,
-        })?;
-        rx.await.map_err(|_| DispatchError::Stopped)?
+        })
+        .await?
     }
 
     /// CAPABILITIES recovery probe of `node_id`: the Node probes its exact targets; each
@@ -419,12 +416,11 @@ impl EdgeHandle {
     /// higher-sequence `available` answer naming exactly one provider binding. Returns how many
     /// overlays were cleared; anything else in the answer changes nothing.
     pub async fn recover(&self, node_id: &str) -> Result<usize, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Recover {
+        self.ask(|reply| Input::Recover {
             node_id: node_id.to_owned(),
             reply,
-        })?;
-        rx.await.map_err(|_| DispatchError::Stopped)?
+        })
+        .await?
     }
 
     /// The Edge's counters.
@@ -434,16 +430,12 @@ impl EdgeHandle {
 
     /// `(queue depth, leases held)` of the pool (zeros without a pool).
     pub async fn pool_stats(&self) -> Result<(usize, u64), DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::PoolStats { reply })?;
-        rx.await.map_err(|_| DispatchError::Stopped)
+        self.ask(|reply| Input::PoolStats { reply }).await
     }
 
     /// The pool's provider snapshots (empty without a pool).
     pub async fn snapshot(&self) -> Result<Vec<ProviderSnapshot>, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Snapshot { reply })?;
-        rx.await.map_err(|_| DispatchError::Stopped)
+        self.ask(|reply| Input::Snapshot { reply }).await
     }
 
     /// Asks `node_id` to cancel `run_id` (its terminal then arrives on the run's stream).
@@ -461,13 +453,12 @@ impl EdgeHandle {
         node_id: &str,
         request: NodeCommandRequest,
     ) -> Result<NodeCommandResponse, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Command {
+        self.ask(|reply| Input::Command {
             node_id: node_id.to_owned(),
             request,
             reply,
-        })?;
-        rx.await.map_err(|_| DispatchError::Stopped)?
+        })
+        .await?
     }
 
     /// Pushes a config refresh to a ready Node and waits for its outcome.
@@ -476,19 +467,26 @@ impl EdgeHandle {
         node_id: &str,
         config: NodeConfigPayload,
     ) -> Result<NodeConfigRefreshResponse, DispatchError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Input::Refresh {
+        self.ask(|reply| Input::Refresh {
             node_id: node_id.to_owned(),
             config,
             reply,
-        })?;
-        rx.await.map_err(|_| DispatchError::Stopped)?
+        })
+        .await?
     }
 
     /// The dispatch-ready Nodes and their generations.
     pub async fn ready_nodes(&self) -> Result<Vec<(String, Generation)>, DispatchError> {
+        self.ask(|reply| Input::ReadyNodes { reply }).await
+    }
+
+    /// Sends a request to the registry task and waits for its reply.
+    async fn ask<T>(
+        &self,
+        input: impl FnOnce(oneshot::Sender<T>) -> Input,
+    ) -> Result<T, DispatchError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Input::ReadyNodes { reply })?;
+        self.send(input(reply))?;
         rx.await.map_err(|_| DispatchError::Stopped)
     }
 
