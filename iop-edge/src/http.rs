@@ -12,7 +12,11 @@
 //!     and the provider's status, headers and body are passed through byte for byte;
 //!   - native providers (Ollama, demo) get a normalized `RunRequest` (`{"messages", "options",
 //!     "tools"}`), rendered as an OpenAI `chat.completion` JSON or `chat.completion.chunk` SSE;
-//!     `openai_tool_calls` metadata becomes `message.tool_calls` / `delta.tool_calls`.
+//!     `openai_tool_calls` metadata becomes `message.tool_calls` / `delta.tool_calls`; under the
+//!     text tool-call fallback mark (`openai_text_tool_fallback = "true"`) calls written as
+//!     `<tool_call>{…}</tool_call>` in the content are recovered (see [`crate::tools`]). A streamed
+//!     request that declared tools holds back content that could become such a tag until the
+//!     run completes.
 //! - Errors use OpenAI's shape `{"error": {"message", "type", "code"}}`: 400 bad request,
 //!   401 unauthenticated, 404 unknown model, 429 queue full, 503 no provider within the wait,
 //!   502 provider failure.
@@ -26,7 +30,8 @@
 //!   for OpenAI-compatible providers (operations `messages`, `count_tokens`); for native
 //!   providers a `message` object or message stream events, and a token estimate.
 //!
-//! Still to come (issue #5): the text tool-call fallback and the managed authentication mode.
+//! Authentication is a hook ([`AuthHook`]); the managed mode (token digests from the Control
+//! Plane's projection) plugs in there with the Control Plane issue.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -335,6 +340,7 @@ async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Byte
         );
     }
     let run_id = next_id("chatcmpl");
+    let tools = crate::tools::declared(&request);
     let mut input = json!({ "messages": request["messages"].clone() });
     for key in ["tools", "options"] {
         if !request[key].is_null() {
@@ -355,8 +361,8 @@ async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Byte
     };
     match dispatched {
         Dispatched::Tunnel(s) => passthrough(s).await,
-        Dispatched::Run(s) if stream => sse(s, run_id, model),
-        Dispatched::Run(s) => completion(s, run_id, model).await,
+        Dispatched::Run(s) if stream => sse(s, run_id, model, tools),
+        Dispatched::Run(s) => completion(s, run_id, model, &tools).await,
         Dispatched::Nothing => error(StatusCode::BAD_GATEWAY, "server_error", "no request built"),
     }
 }
@@ -600,12 +606,6 @@ async fn passthrough(mut s: crate::transport::TunnelStream) -> Response {
     response
 }
 
-fn tool_calls(ev: &RunEvent) -> Option<Value> {
-    ev.metadata
-        .get("openai_tool_calls")
-        .and_then(|t| serde_json::from_str(t).ok())
-}
-
 fn usage_json(ev: &RunEvent) -> Value {
     ev.usage.map_or(Value::Null, |u| {
         json!({ "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens })
@@ -613,7 +613,12 @@ fn usage_json(ev: &RunEvent) -> Value {
 }
 
 /// A non-streamed normalized run, rendered as an OpenAI `chat.completion`.
-async fn completion(mut s: RunStream, id: String, model: String) -> Response {
+async fn completion(
+    mut s: RunStream,
+    id: String,
+    model: String,
+    tools: &std::collections::BTreeSet<String>,
+) -> Response {
     let mut text = String::new();
     while let Some(ev) = s.next().await {
         match ev.kind {
@@ -621,7 +626,12 @@ async fn completion(mut s: RunStream, id: String, model: String) -> Response {
             RunEventKind::Complete => {
                 let mut message = json!({ "role": "assistant", "content": text });
                 let mut finish = "stop";
-                if let Some(calls) = tool_calls(&ev) {
+                if let Some((rest, calls)) = crate::tools::finish(&ev, &text, tools) {
+                    message["content"] = if rest.is_empty() {
+                        Value::Null
+                    } else {
+                        Value::String(rest)
+                    };
                     message["tool_calls"] = calls;
                     finish = "tool_calls";
                 }
@@ -653,7 +663,14 @@ async fn completion(mut s: RunStream, id: String, model: String) -> Response {
 }
 
 /// A streamed normalized run, rendered as OpenAI `chat.completion.chunk` SSE events.
-fn sse(s: RunStream, id: String, model: String) -> Response {
+/// When the request declared tools, content that could be a text tool call is held back until
+/// `Complete` (see [`crate::tools::HoldBack`]).
+fn sse(
+    s: RunStream,
+    id: String,
+    model: String,
+    tools: std::collections::BTreeSet<String>,
+) -> Response {
     let created = unix_now();
     let chunk = move |delta: Value, finish: Value, usage: Value| {
         let mut c = json!({
@@ -668,8 +685,12 @@ fn sse(s: RunStream, id: String, model: String) -> Response {
         }
         Bytes::from(format!("data: {c}\n\n"))
     };
-    let events = futures_util::stream::unfold((s, false), move |(mut s, done)| {
+    let hold = !tools.is_empty();
+    let tools = Arc::new(tools);
+    let start = (s, false, crate::tools::HoldBack::default());
+    let events = futures_util::stream::unfold(start, move |(mut s, done, mut held)| {
         let chunk = chunk.clone();
+        let tools = tools.clone();
         async move {
             if done {
                 return None;
@@ -681,24 +702,48 @@ fn sse(s: RunStream, id: String, model: String) -> Response {
                     Value::Null,
                     Value::Null,
                 ),
+                RunEventKind::Delta if hold => {
+                    let now = held.push(&ev.delta);
+                    if now.is_empty() {
+                        Bytes::new()
+                    } else {
+                        chunk(json!({ "content": now }), Value::Null, Value::Null)
+                    }
+                }
                 RunEventKind::Delta => {
                     chunk(json!({ "content": ev.delta }), Value::Null, Value::Null)
                 }
                 RunEventKind::Complete => {
-                    let (delta, finish) = match tool_calls(&ev) {
-                        Some(calls) => (json!({ "tool_calls": calls }), "tool_calls"),
-                        None => (json!({}), "stop"),
+                    let pending = held.take();
+                    let mut last = Vec::new();
+                    let (delta, finish) = match crate::tools::finish(&ev, &pending, &tools) {
+                        Some((rest, calls)) => {
+                            if !rest.is_empty() {
+                                let c = chunk(json!({ "content": rest }), Value::Null, Value::Null);
+                                last.extend_from_slice(&c);
+                            }
+                            let calls = crate::tools::as_deltas(calls);
+                            (json!({ "tool_calls": calls }), "tool_calls")
+                        }
+                        None => {
+                            if !pending.is_empty() {
+                                let c =
+                                    chunk(json!({ "content": pending }), Value::Null, Value::Null);
+                                last.extend_from_slice(&c);
+                            }
+                            (json!({}), "stop")
+                        }
                     };
-                    let mut last = chunk(delta, json!(finish), usage_json(&ev)).to_vec();
+                    last.extend_from_slice(&chunk(delta, json!(finish), usage_json(&ev)));
                     last.extend_from_slice(b"data: [DONE]\n\n");
-                    return Some((Ok::<_, Infallible>(Bytes::from(last)), (s, true)));
+                    return Some((Ok::<_, Infallible>(Bytes::from(last)), (s, true, held)));
                 }
                 RunEventKind::Error | RunEventKind::Cancelled => {
                     let e = json!({ "error": { "message": "provider request failed", "type": "server_error" } });
-                    return Some((Ok(Bytes::from(format!("data: {e}\n\n"))), (s, true)));
+                    return Some((Ok(Bytes::from(format!("data: {e}\n\n"))), (s, true, held)));
                 }
             };
-            Some((Ok(out), (s, false)))
+            Some((Ok(out), (s, false, held)))
         }
     });
     Response::builder()

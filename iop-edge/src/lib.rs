@@ -19,15 +19,18 @@
 //! run stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs
 //! the CAPABILITIES recovery probe that may clear it.
 //!
-//! [`http`] is the OpenAI-compatible surface (`/v1/models`, `/v1/chat/completions`). Still to
-//! come (issue #5): `/v1/messages`, `/v1/responses`, `/metrics`, the managed auth mode and the
-//! Control Plane connector.
+//! [`http`] is the OpenAI-compatible surface (`/v1/models`, `/v1/chat/completions`,
+//! `/v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`, `/metrics`, `/healthz`,
+//! `/readyz`), with tool calls from native metadata or, under the seed's fallback mark, from
+//! `<tool_call>` text (module `tools`). Still to come: the managed auth mode and the Control
+//! Plane connector (issue #6).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod http;
 pub mod metrics;
 pub mod pool;
+mod tools;
 pub mod transport;
 
 pub use transport::{

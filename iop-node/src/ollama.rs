@@ -8,6 +8,13 @@
 //! `openai_tool_calls` metadata key (a JSON array in OpenAI's shape, seed 000). It never parses
 //! tool calls out of the assistant's text.
 //!
+//! Text tool-call fallback (seed 000): when the request declares `tools` and Ollama answers
+//! 400 with an error that mentions tools (a model without tool support says "... does not
+//! support tools"), the adapter retries once without `tools`/`tool_choice`, with the
+//! instruction of [`iop_wire::text_tools`] merged into the leading system message, and marks
+//! the `Complete` event `openai_text_tool_fallback = "true"`. Recovering calls from the text is
+//! the Edge's job, and only for runs so marked. Any other 400 fails the run.
+//!
 //! Probe: `GET /api/tags` must list the exact target.
 
 use std::time::Duration;
@@ -15,6 +22,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt as _;
 use iop_wire::runtime::{AdapterConfig, AdapterSettings, ProviderStatus, RunRequest, Usage};
+use iop_wire::text_tools;
 use serde_json::{Value, json};
 
 use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents};
@@ -25,6 +33,8 @@ pub const ADAPTER_TYPE: &str = "ollama";
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest NDJSON line accepted from the provider.
 const MAX_LINE: usize = 1024 * 1024;
+/// Most bytes of an error answer read to classify it.
+const MAX_ERROR_BODY: usize = 16 * 1024;
 
 /// The Ollama adapter.
 #[derive(Clone, Debug)]
@@ -79,6 +89,50 @@ fn chat_body(target: &str, input: &[u8]) -> Result<Value, AdapterError> {
     Ok(body)
 }
 
+/// The retry body of the text tool-call fallback, when `body` declared tools: `tools` and
+/// `tool_choice` removed, the instruction of [`text_tools::instruction`] merged into the
+/// leading system message (a system message is inserted first when there is none, so the
+/// backend never sees a system message after other roles).
+fn text_tool_body(body: &Value) -> Option<Value> {
+    let tools = body.get("tools")?;
+    if tools.as_array().is_none_or(Vec::is_empty) {
+        return None;
+    }
+    let instruction = text_tools::instruction(&tools.to_string());
+    let mut retry = body.clone();
+    let obj = retry.as_object_mut()?;
+    obj.remove("tools");
+    obj.remove("tool_choice");
+    let messages = obj.get_mut("messages")?.as_array_mut()?;
+    match messages.first_mut() {
+        Some(first) if first["role"] == "system" => {
+            let merged = match first["content"].as_str() {
+                Some(existing) if !existing.is_empty() => format!("{existing}\n\n{instruction}"),
+                _ => instruction,
+            };
+            first["content"] = Value::String(merged);
+        }
+        _ => messages.insert(0, json!({ "role": "system", "content": instruction })),
+    }
+    Some(retry)
+}
+
+/// At most `limit` bytes of a response body, lossily as text (for classification only).
+async fn bounded_text(response: reqwest::Response, limit: usize) -> String {
+    let mut stream = response.bytes_stream();
+    let mut out = Vec::new();
+    while out.len() < limit {
+        match stream.next().await {
+            Some(Ok(chunk)) => {
+                let take = chunk.len().min(limit - out.len());
+                out.extend_from_slice(&chunk[..take]);
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Ollama's native tool calls in OpenAI's `tool_calls` shape.
 fn openai_tool_calls(calls: &[Value]) -> Value {
     Value::Array(
@@ -124,15 +178,33 @@ impl Adapter for OllamaAdapter {
         }
         let body = chat_body(&request.target, &request.input)?;
         let fenced = || AdapterError::Provider("fenced".into());
-        let send = self
-            .client
-            .post(format!("{}/api/chat", self.base_url))
-            .json(&body)
-            .send();
-        let response = tokio::select! {
+        let mut response = tokio::select! {
             () = events.cancelled() => return Err(fenced()),
-            r = send => r.map_err(|e| classify(&e))?,
+            r = self.client.post(format!("{}/api/chat", self.base_url)).json(&body).send() => {
+                r.map_err(|e| classify(&e))?
+            }
         };
+        let mut text_tool_fallback = false;
+        if response.status() == reqwest::StatusCode::BAD_REQUEST
+            && let Some(fallback) = text_tool_body(&body)
+        {
+            // Only a rejection of the tool API itself (Ollama: "... does not support tools")
+            // earns the one text-tool retry; the provider's text is read, bounded, and dropped.
+            let rejected_tools = tokio::select! {
+                () = events.cancelled() => return Err(fenced()),
+                t = bounded_text(response, MAX_ERROR_BODY) => t.to_ascii_lowercase().contains("tool"),
+            };
+            if !rejected_tools {
+                return Err(AdapterError::Provider("status 400".into()));
+            }
+            text_tool_fallback = true;
+            response = tokio::select! {
+                () = events.cancelled() => return Err(fenced()),
+                r = self.client.post(format!("{}/api/chat", self.base_url)).json(&fallback).send() => {
+                    r.map_err(|e| classify(&e))?
+                }
+            };
+        }
         if !response.status().is_success() {
             return Err(AdapterError::Provider(format!(
                 "status {}",
@@ -195,9 +267,15 @@ impl Adapter for OllamaAdapter {
             return Err(AdapterError::Provider("stream ended before done".into()));
         }
         let mut metadata = std::collections::BTreeMap::new();
+        if text_tool_fallback {
+            metadata.insert(
+                text_tools::META_TEXT_TOOL_FALLBACK.to_owned(),
+                "true".to_owned(),
+            );
+        }
         if !tool_calls.is_empty() {
             metadata.insert(
-                "openai_tool_calls".to_owned(),
+                text_tools::META_TOOL_CALLS.to_owned(),
                 openai_tool_calls(&tool_calls).to_string(),
             );
         }
@@ -250,6 +328,31 @@ mod tests {
         assert_eq!(b["options"]["temperature"], 0);
         assert_eq!(b["model"], "m");
         assert!(chat_body("m", br#"{"messages":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn text_tool_retry_body() {
+        let body = json!({"model":"m","stream":true,"tools":[{"type":"function","function":{"name":"f"}}],
+            "tool_choice":"auto","messages":[{"role":"user","content":"hi"}]});
+        let retry = text_tool_body(&body).unwrap();
+        assert!(retry.get("tools").is_none() && retry.get("tool_choice").is_none());
+        assert_eq!(retry["messages"][0]["role"], "system");
+        assert!(
+            retry["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .contains("<tool_call>")
+        );
+        assert_eq!(retry["messages"][1]["content"], "hi");
+        // An existing leading system message is extended, not duplicated.
+        let body = json!({"tools":[{}],"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]});
+        let retry = text_tool_body(&body).unwrap();
+        let system = retry["messages"][0]["content"].as_str().unwrap();
+        assert!(system.starts_with("be brief\n\n") && system.contains("\"name\":"));
+        assert_eq!(retry["messages"].as_array().unwrap().len(), 2);
+        // No tools: no fallback.
+        assert!(text_tool_body(&json!({"messages":[]})).is_none());
+        assert!(text_tool_body(&json!({"tools":[],"messages":[]})).is_none());
     }
 
     #[test]

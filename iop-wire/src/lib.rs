@@ -18,6 +18,7 @@
 //! | [`reconnect`] | the supervisor policy: `interval_sec`, `max_attempts`, jitter, exit classes |
 //! | [`health`] | the connection-scoped `health_observation_seq` |
 //! | [`validate`] | shared field rules, including `response_stall_timeout_ms` |
+//! | [`text_tools`] | the text tool-call fallback contract: metadata keys, the `<tool_call>` text form, its splitter |
 //! | [`identity`] | SPIFFE workload identities in certificates, and rustls verifiers that require role and name |
 //!
 //! The generated prost code lives in `src/gen/` (committed, private); the `iop-wire-codegen`
@@ -110,6 +111,7 @@ pub mod identity;
 pub mod node;
 pub mod reconnect;
 pub mod runtime;
+pub mod text_tools;
 pub mod tunnel;
 pub mod validate;
 
