@@ -197,13 +197,47 @@ fn stall(timeout: Duration) -> ResponseStallTimeout {
     ResponseStallTimeout::from_duration(timeout).unwrap_or(ResponseStallTimeout::DEFAULT)
 }
 
-/// The events of one dispatched run; ends after exactly one terminal event.
+/// The events of one dispatched run; ends after exactly one terminal event. Dropping it before
+/// the terminal sends `CancelRequest` for the run id at once.
 #[derive(Debug)]
 pub struct RunStream {
     /// The generation the run was dispatched to.
     pub generation: Generation,
     events: mpsc::UnboundedReceiver<RunEvent>,
     done: bool,
+    on_drop: DropNotice,
+}
+
+/// Tells the registry task at once when a stream is dropped before its terminal, so that the
+/// `CancelRequest` leaves now rather than when the Node's next frame finds no reader.
+#[derive(Debug)]
+struct DropNotice {
+    stream_id: u64,
+    inputs: mpsc::WeakUnboundedSender<Input>,
+}
+
+impl DropNotice {
+    fn notify(&self) {
+        if let Some(inputs) = self.inputs.upgrade() {
+            let _ = inputs.send(Input::StreamDropped(self.stream_id));
+        }
+    }
+}
+
+impl Drop for RunStream {
+    fn drop(&mut self) {
+        if !self.done {
+            self.on_drop.notify();
+        }
+    }
+}
+
+impl Drop for TunnelStream {
+    fn drop(&mut self) {
+        if !self.done {
+            self.on_drop.notify();
+        }
+    }
 }
 
 impl RunStream {
@@ -244,13 +278,14 @@ impl TunnelEvent {
 }
 
 /// The ordered frames of one provider tunnel. Dropping it before the terminal sends
-/// `CancelRequest` for the run id (the Node aborts the upstream request).
+/// `CancelRequest` for the run id at once (the Node aborts the upstream request).
 #[derive(Debug)]
 pub struct TunnelStream {
     /// The generation the tunnel was opened on.
     pub generation: Generation,
     events: mpsc::UnboundedReceiver<TunnelEvent>,
     done: bool,
+    on_drop: DropNotice,
 }
 
 impl TunnelStream {
@@ -557,6 +592,7 @@ pub async fn bind(
         config.metrics.clone(),
         input_rx,
         lifecycle,
+        inputs.downgrade(),
     ));
     Ok((handle, accept))
 }
@@ -697,6 +733,8 @@ struct State {
     next_stream: u64,
     next_correlation: u64,
     lifecycle: broadcast::Sender<Lifecycle>,
+    /// This task's own input, weakly: streams report their drop through it.
+    me: mpsc::WeakUnboundedSender<Input>,
 }
 
 fn now() -> std::time::Instant {
@@ -709,8 +747,10 @@ async fn registry_task(
     metrics: Arc<Metrics>,
     mut input_rx: mpsc::UnboundedReceiver<Input>,
     lifecycle: broadcast::Sender<Lifecycle>,
+    me: mpsc::WeakUnboundedSender<Input>,
 ) {
     let mut st = State {
+        me,
         registry,
         outs: HashMap::new(),
         routes: HashMap::new(),
@@ -765,6 +805,13 @@ async fn registry_task(
 }
 
 impl State {
+    fn drop_notice(&self, stream_id: u64) -> DropNotice {
+        DropNotice {
+            stream_id,
+            inputs: self.me.clone(),
+        }
+    }
+
     fn handle(&mut self, input: Input) {
         match input {
             Input::Accepted { peer, out, reply } => {
@@ -793,6 +840,7 @@ impl State {
                             generation,
                             events: rx,
                             done: false,
+                            on_drop: self.drop_notice(stream_id),
                         };
                         if reply.send(Ok(stream)).is_err() {
                             self.handle(Input::StreamDropped(stream_id));
@@ -828,6 +876,7 @@ impl State {
                             generation,
                             events: rx,
                             done: false,
+                            on_drop: self.drop_notice(stream_id),
                         };
                         if reply.send(Ok(stream)).is_err() {
                             self.handle(Input::StreamDropped(stream_id));
@@ -1108,6 +1157,7 @@ impl State {
                             generation,
                             events: rx,
                             done: false,
+                            on_drop: self.drop_notice(id),
                         })),
                         Some(id),
                     ),
@@ -1127,6 +1177,7 @@ impl State {
                             generation,
                             events: rx,
                             done: false,
+                            on_drop: self.drop_notice(id),
                         })),
                         Some(id),
                     ),

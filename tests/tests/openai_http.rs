@@ -53,25 +53,29 @@ impl<S: futures_util::Stream + Unpin> futures_util::Stream for Watched<S> {
     }
 }
 
-/// A local OpenAI-style upstream: `gpt-test` answers two SSE events; `gpt-slow` ticks until
-/// the client goes away (then `dropped` is notified).
+/// A local OpenAI-style upstream: `gpt-test` answers two SSE events; `gpt-slow` sends one
+/// event and then nothing until the client goes away (then `dropped` is notified), so only a
+/// cancel sent when the caller disconnects — not one noticed on the next frame — reaches it;
+/// `gpt-hang` never answers at all (its handler notifies `dropped` when it is dropped).
 async fn upstream(dropped: Arc<Notify>) -> SocketAddr {
     let app = Router::new().route(
         "/v1/chat/completions",
         post(move |body: axum::Json<serde_json::Value>| {
             let dropped = dropped.clone();
             async move {
+                if body["model"] == "gpt-hang" {
+                    let _guard = DropNotify(dropped.clone());
+                    std::future::pending::<()>().await;
+                }
                 let stream: Box<
                     dyn futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + Unpin,
                 > = if body["model"] == "gpt-slow" {
-                    let ticks = futures_util::stream::unfold(0u32, |i| async move {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        Some((
-                            Ok(Bytes::from(format!("data: {{\"tick\":{i}}}\n\n"))),
-                            i + 1,
-                        ))
-                    });
-                    Box::new(Watched(Box::pin(ticks), DropNotify(dropped)))
+                    let first = futures_util::stream::iter([Ok(Bytes::from_static(
+                        b"data: {\"tick\":0}\n\n",
+                    ))]);
+                    let silent =
+                        futures_util::StreamExt::chain(first, futures_util::stream::pending());
+                    Box::new(Watched(Box::pin(silent), DropNotify(dropped)))
                 } else {
                     Box::new(futures_util::stream::iter(
                         UPSTREAM_SSE.iter().map(|c| Ok(Bytes::from_static(c))),
@@ -159,6 +163,13 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             "gpt-slow",
             ProviderKind::OpenAiCompat,
         ),
+        provider(
+            "node-1",
+            "hang",
+            "openai",
+            "gpt-hang",
+            ProviderKind::OpenAiCompat,
+        ),
     ];
     let mut cfg = TransportConfig::new(
         "127.0.0.1:0".parse().unwrap(),
@@ -176,6 +187,7 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             ("demo".into(), vec![providers[0].key.clone()]),
             ("gpt-4o-mini".into(), vec![providers[1].key.clone()]),
             ("slow".into(), vec![providers[2].key.clone()]),
+            ("hang".into(), vec![providers[3].key.clone()]),
         ],
         providers,
         max_queue: 8,
@@ -306,4 +318,26 @@ async fn client_disconnect_cancels_the_upstream_request() {
     })
     .await
     .expect("scenario finishes");
+}
+
+#[tokio::test]
+async fn client_disconnect_before_any_response_cancels_the_upstream_request() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let dropped = Arc::new(Notify::new());
+        let base = surface(&ca, upstream(dropped.clone()).await).await;
+        let gone = dropped.notified();
+        // A non-streamed request whose provider never answers: the client gives up.
+        let req = serde_json::json!({"model": "hang", "messages": []});
+        let r = client()
+            .post(format!("{base}/chat/completions"))
+            .timeout(Duration::from_millis(300))
+            .json(&req)
+            .send()
+            .await;
+        assert!(r.unwrap_err().is_timeout());
+        gone.await;
+    })
+    .await
+    .expect("the upstream request is dropped after the client disconnects");
 }

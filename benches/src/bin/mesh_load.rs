@@ -38,7 +38,7 @@ use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::edge::RegistryConfig;
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
+use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role};
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeConfigPayload,
     OpenAiCompatSettings, Operation, ProviderTunnelRequest,
@@ -47,6 +47,8 @@ use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
+
+use iop_benches::load::{at_rate, edge_tls, ms, node_tls, percentile};
 
 const SMALL_EVENTS: usize = 6;
 const BULK_BYTES: usize = 256 * 1024 * 1024;
@@ -124,26 +126,6 @@ fn adapter_config(provider: SocketAddr) -> NodeConfigPayload {
     }
 }
 
-fn edge_tls(ca: &Ca) -> Arc<rustls::ServerConfig> {
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    let verifier = client_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
-    )
-    .unwrap();
-    Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap())
-}
-
-fn node_tls(ca: &Ca, name: &str) -> Arc<rustls::ClientConfig> {
-    let leaf = ca.workload(role::NODE, name, false);
-    let verifier = server_cert_verifier(
-        ca.roots(),
-        ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
-    )
-    .unwrap();
-    Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap())
-}
-
 async fn mesh(ca: &Ca, provider: SocketAddr) -> EdgeHandle {
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), edge_tls(ca));
     cfg.node_configs = vec![("node-1".into(), adapter_config(provider))];
@@ -216,36 +198,6 @@ async fn direct_once(client: &reqwest::Client, url: &str) -> usize {
     n
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-async fn at_rate<F, Fut>(rate: u32, count: u32, f: F) -> Vec<Duration>
-where
-    F: Fn(u64) -> Fut,
-    Fut: Future<Output = ()> + Send + 'static,
-{
-    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut tasks = Vec::with_capacity(count as usize);
-    for i in 0..count {
-        tick.tick().await;
-        let fut = f(u64::from(i));
-        tasks.push(tokio::spawn(async move {
-            let t = Instant::now();
-            fut.await;
-            t.elapsed()
-        }));
-    }
-    let mut out = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out.sort();
-    out
-}
-
 async fn latency(ca: &Ca) {
     let p = provider().await;
     let edge = mesh(ca, p).await;
@@ -298,10 +250,6 @@ async fn latency(ca: &Ca) {
         ms(percentile(&mesh, 0.5)) - ms(percentile(&direct, 0.5)),
         ms(percentile(&mesh, 0.99)) - ms(percentile(&direct, 0.99))
     );
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 /// Raw TLS 1.3 loopback: the same number of bytes, server → client, in 64 KiB writes.
