@@ -141,7 +141,7 @@ async fn surface(ca: &Ca, ollama: std::net::SocketAddr) -> String {
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}/v1", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    tokio::spawn(http::serve(listener, app, std::future::pending()));
     base
 }
 

@@ -215,13 +215,12 @@ async fn run(args: Args) -> Result<(), String> {
     );
     println!("iop-mesh: Ctrl-C to stop");
     let stop = shutdown.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = tokio::signal::ctrl_c().await;
-            stop.cancel();
-        })
-        .await
-        .map_err(|e| format!("http server: {e}"))?;
+    http::serve(listener, app, async move {
+        let _ = tokio::signal::ctrl_c().await;
+        stop.cancel();
+    })
+    .await
+    .map_err(|e| format!("http server: {e}"))?;
     shutdown.cancel();
     for t in node_tasks {
         let _ = t.await;
