@@ -16,7 +16,7 @@
 //! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it.
 //! Stall terminals go through the Edge terminal handoff (transport identity and the lease's
 //! adapter/target; `provider_id`, `provider_health`, `recovery_handoff=confirmed` on validated
-//! run stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs
+//! run and tunnel stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs
 //! the CAPABILITIES recovery probe that may clear it.
 //!
 //! [`http`] is the OpenAI-compatible surface (`/v1/models`, `/v1/chat/completions`,

@@ -993,7 +993,7 @@ impl State {
     /// Edge terminal handoff (seed 000). A stall terminal arrived on `generation` for the stream
     /// holding `lease`: when its typed evidence is valid and names the lease's own adapter and
     /// target on the lease's generation, it is a validated current bound stall — the metadata
-    /// (run events) gets `provider_id`, `provider_health` and `recovery_handoff=confirmed`, and
+    /// (of the run's ERROR event or the tunnel's ERROR delivery) gets `provider_id`, `provider_health` and `recovery_handoff=confirmed`, and
     /// only a *fresh* (higher `health_observation_seq`) `unavailable` observation sets the
     /// runtime-unavailable overlay. Rejected or mismatched evidence changes nothing; the lease
     /// is released by the terminal either way. Never adds `recovery_eligible`.
@@ -1422,7 +1422,7 @@ impl State {
                 if route.node_id != node_id || route.generation != generation {
                     return;
                 }
-                let Sink::Tunnel(tx) = &route.sink else {
+                let Sink::Tunnel(_) = &route.sink else {
                     return;
                 };
                 // The response has started arriving: its wait timer is done.
@@ -1430,21 +1430,30 @@ impl State {
                     self.wait_timers.remove(&(at, stream_id));
                 }
                 let lease = route.lease;
-                let event = match self.tunnels.handle_frame(stream_id, tf) {
+                let mut event = match self.tunnels.handle_frame(stream_id, tf) {
                     Ok(delivery) => TunnelEvent::Frame(delivery),
                     Err(TunnelError::Violation(v)) => TunnelEvent::Violation(v),
                     Err(_) => return,
                 };
-                let terminal = event.is_terminal();
-                let violation = matches!(event, TunnelEvent::Violation(_));
-                let delivered = tx.send(event.clone()).is_ok();
                 if let TunnelEvent::Frame(Delivery::Error {
                     execution_failure: Some(evidence),
+                    metadata,
                     ..
-                }) = &event
+                }) = &mut event
                 {
-                    self.handoff(lease, generation, evidence, None);
+                    let evidence = evidence.clone();
+                    self.handoff(lease, generation, &evidence, Some(metadata));
                 }
+                let Some(Route {
+                    sink: Sink::Tunnel(tx),
+                    ..
+                }) = self.routes.get(&stream_id)
+                else {
+                    return;
+                };
+                let terminal = event.is_terminal();
+                let violation = matches!(event, TunnelEvent::Violation(_));
+                let delivered = tx.send(event).is_ok();
                 if violation || !delivered {
                     // Stop the provider work: the stream is over for the caller.
                     self.handle(Input::StreamDropped(stream_id));

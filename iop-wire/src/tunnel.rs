@@ -23,7 +23,7 @@
 //! finished streams are not remembered, which is why stream ids must never be reused on one
 //! connection (the Edge allocates them increasing).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 
@@ -97,6 +97,8 @@ pub enum Delivery {
         error: String,
         /// Typed stall evidence.
         execution_failure: Option<FailureEvidence>,
+        /// The terminal frame's observation metadata (the Edge adds its handoff keys here).
+        metadata: BTreeMap<String, String>,
     },
 }
 
@@ -179,6 +181,7 @@ impl TunnelSequencer {
             self.streams.remove(&stream_id);
             return Err(TunnelError::Violation(v));
         }
+        let metadata = frame.metadata;
         let delivery = match frame.payload {
             TunnelPayload::ResponseStart { status, headers } => Delivery::Start { status, headers },
             TunnelPayload::Body(b) => Delivery::Body(b),
@@ -190,6 +193,7 @@ impl TunnelSequencer {
             } => Delivery::Error {
                 error,
                 execution_failure,
+                metadata,
             },
         };
         if delivery.is_terminal() {

@@ -186,11 +186,24 @@ async fn stall_sets_the_overlay_and_only_a_fresh_available_probe_clears_it() {
         // exact-target probe (the models list lacks the target) says unavailable.
         let last = last_event(&edge, "/hang").await;
         let TunnelEvent::Frame(Delivery::Error {
-            execution_failure, ..
+            execution_failure,
+            metadata,
+            ..
         }) = last
         else {
             panic!("expected a stall, got {last:?}")
         };
+        // The Edge terminal handoff of a validated current stall, on the tunnel's terminal too.
+        assert_eq!(metadata.get("provider_id").map(String::as_str), Some("up"));
+        assert_eq!(
+            metadata.get("provider_health").map(String::as_str),
+            Some("unavailable")
+        );
+        assert_eq!(
+            metadata.get("recovery_handoff").map(String::as_str),
+            Some("confirmed")
+        );
+        assert!(!metadata.contains_key("recovery_eligible"));
         assert_eq!(
             execution_failure.unwrap().valid().unwrap().health,
             HealthEvidence::Unavailable
