@@ -427,6 +427,7 @@ async fn a_stalled_upstream_produces_exactly_one_response_stalled_terminal() {
         let TunnelEvent::Frame(Delivery::Error {
             error,
             execution_failure,
+            ..
         }) = events.last().unwrap()
         else {
             panic!("expected an ERROR terminal, got {:?}", events.last());
