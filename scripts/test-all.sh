@@ -3,7 +3,9 @@
 #
 #   1. rustfmt check, 2. clippy with -D warnings on every target, 3. every test of the
 #   workspace (unit, property, virtual-time harness, end-to-end over real TLS sockets, the
-#   generated-code drift check, doc examples), 4. a short smoke run of every cargo-fuzz target.
+#   generated-code drift check, doc examples, the store contract suite against SQLite and a
+#   PostgreSQL database this script provides: scripts/postgres.sh), 4. a short smoke run of
+#   every cargo-fuzz target.
 #
 # Environment: FUZZ_SECONDS (per fuzz target, default 20), SKIP_FUZZ=1 to skip step 4 locally.
 set -euo pipefail
@@ -33,9 +35,14 @@ cargo fmt --manifest-path fuzz/Cargo.toml --check
 step "clippy (-D warnings, all targets)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "tests"
+step "services"
+# shellcheck source=scripts/postgres.sh
+. scripts/postgres.sh
 test_log="$(mktemp)"
-trap 'rm -f "$test_log"' EXIT
+trap 'rm -f "$test_log"; pg_cleanup' EXIT
+pg_setup
+
+step "tests"
 cargo test --workspace --locked 2>&1 | tee "$test_log"
 passed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$test_log" | awk '{s+=$1} END {print s+0}')"
 failed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$test_log" | awk '{s+=$1} END {print s+0}')"

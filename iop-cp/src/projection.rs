@@ -1,0 +1,58 @@
+//! The secret-free `PrincipalProjection` (seed `001`), built from one store snapshot.
+//!
+//! It carries principals (with their enabled flag), the SHA-256 digests of active tokens, and
+//! active routes with their slot's profile and credential revision. Never raw tokens, sealed or
+//! plain credentials, keys or headers. What is left out:
+//! - revoked tokens, and tokens of disabled principals;
+//! - disabled routes, routes of disabled principals, routes whose slot is disabled.
+
+use iop_wire::control::{PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken};
+
+use crate::store::Snapshot;
+
+/// The projection of `snapshot` (its generation included).
+pub fn build(snapshot: &Snapshot) -> PrincipalProjection {
+    let enabled_principal = |id: &str| snapshot.principals.iter().any(|p| p.id == id && p.enabled);
+    let slot = |id: &str| snapshot.slots.iter().find(|s| s.id == id && s.enabled);
+    PrincipalProjection {
+        generation: snapshot.generation,
+        principals: snapshot
+            .principals
+            .iter()
+            .map(|p| ProjectedPrincipal {
+                principal_id: p.id.clone(),
+                display_name: p.display_name.clone(),
+                enabled: p.enabled,
+            })
+            .collect(),
+        tokens: snapshot
+            .tokens
+            .iter()
+            .filter(|t| !t.revoked && enabled_principal(&t.principal_id))
+            .map(|t| ProjectedToken {
+                token_id: t.id.clone(),
+                principal_id: t.principal_id.clone(),
+                sha256_digest: t.digest,
+            })
+            .collect(),
+        routes: snapshot
+            .routes
+            .iter()
+            .filter(|r| r.enabled && enabled_principal(&r.principal_id))
+            .filter_map(|r| {
+                let s = slot(&r.slot_id)?;
+                Some(ProjectedRoute {
+                    route_id: r.id.clone(),
+                    principal_id: r.principal_id.clone(),
+                    model: r.model.clone(),
+                    slot_id: r.slot_id.clone(),
+                    profile: r.profile.clone(),
+                    upstream_target: r.upstream_target.clone(),
+                    selector: r.selector.clone(),
+                    route_revision: r.revision,
+                    credential_revision: s.revision,
+                })
+            })
+            .collect(),
+    }
+}

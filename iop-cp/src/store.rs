@@ -1,0 +1,390 @@
+//! The durable store: principals, IOP API token digests, credential slots (sealed at rest),
+//! routes, the mutation log and the projection generation.
+//!
+//! One [`Store`] trait, two backends that pass one contract suite (`tests/store_contract.rs`):
+//! [`SqliteStore`] (a file in the data directory; the default, nothing to start) and
+//! [`PgStore`] (PostgreSQL, for several Control Plane replicas sharing state).
+//!
+//! Rules every backend keeps:
+//! - Every durable mutation runs in one transaction that also bumps the projection generation
+//!   by exactly one and appends one row to the mutation log (`revisions`): the generation is
+//!   strictly increasing and names exactly one committed state.
+//! - Tokens are stored only as SHA-256 verifier digests; slot credentials only sealed
+//!   ([`crate::seal`]). Nothing here ever sees a raw token or provider credential.
+//! - Re-putting a slot (rotation) or a route bumps its own revision.
+//! - [`Store::snapshot`] and [`Store::lease_view`] are consistent reads of one generation.
+//! - Errors are typed and carry no stored values; backend error text is logged at `debug`
+//!   and replaced by a stable message.
+
+use async_trait::async_trait;
+
+mod pg;
+mod sqlite;
+
+pub use pg::PgStore;
+pub use sqlite::SqliteStore;
+
+/// Longest id accepted (principal, token, slot, route).
+pub const MAX_ID_LEN: usize = 128;
+/// Longest free-text field (display name, header prefix).
+pub const MAX_TEXT_LEN: usize = 512;
+/// Longest model, upstream target or selector (the wire's target limit).
+pub const MAX_TARGET_LEN: usize = 256;
+
+/// A principal: who a token authenticates as.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    /// Stable id.
+    pub id: String,
+    /// Human-readable name.
+    pub display_name: String,
+    /// Disabled principals authenticate nothing and get no lease.
+    pub enabled: bool,
+}
+
+/// An IOP API token, as its verifier digest only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Token {
+    /// Stable id (shown in listings; not secret).
+    pub id: String,
+    /// Owner.
+    pub principal_id: String,
+    /// SHA-256 of the raw token.
+    pub digest: [u8; 32],
+    /// Revoked tokens stay listed but leave the projection.
+    pub revoked: bool,
+}
+
+/// A credential slot: one provider credential, sealed at rest.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// Stable id.
+    pub id: String,
+    /// Protocol profile the credential is for (e.g. `openai`).
+    pub profile: String,
+    /// Header the Node writes the credential into (e.g. `authorization`).
+    pub header_name: String,
+    /// Prefix before the secret in that header (e.g. `Bearer `).
+    pub header_prefix: String,
+    /// The sealed credential ([`crate::seal`]); opaque here.
+    pub sealed: Vec<u8>,
+    /// Bumped by every rotation.
+    pub revision: u64,
+    /// Disabled slots issue no lease.
+    pub enabled: bool,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("id", &self.id)
+            .field("profile", &self.profile)
+            .field("header_name", &self.header_name)
+            .field("revision", &self.revision)
+            .field("enabled", &self.enabled)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A route: principal + external model → slot, profile, upstream target, selector.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// Stable id.
+    pub id: String,
+    /// The principal allowed to use it.
+    pub principal_id: String,
+    /// External model name the principal asks for.
+    pub model: String,
+    /// The credential slot.
+    pub slot_id: String,
+    /// Protocol profile (must equal the slot's).
+    pub profile: String,
+    /// The provider's own model/target.
+    pub upstream_target: String,
+    /// Provider selector (opaque to the store).
+    pub selector: String,
+    /// Bumped by every update.
+    pub revision: u64,
+    /// Disabled routes resolve nothing.
+    pub enabled: bool,
+}
+
+/// One durable mutation. Each is applied in its own transaction with a generation bump.
+#[derive(Clone, Debug)]
+pub enum Mutation {
+    /// Creates a principal (enabled).
+    CreatePrincipal {
+        /// Id.
+        id: String,
+        /// Display name.
+        display_name: String,
+    },
+    /// Enables or disables a principal.
+    SetPrincipalEnabled {
+        /// Id.
+        id: String,
+        /// New state.
+        enabled: bool,
+    },
+    /// Adds a token digest for a principal.
+    CreateToken {
+        /// Token id.
+        id: String,
+        /// Owner.
+        principal_id: String,
+        /// SHA-256 of the raw token.
+        digest: [u8; 32],
+    },
+    /// Revokes a token.
+    RevokeToken {
+        /// Token id.
+        id: String,
+    },
+    /// Creates a slot (revision 1) or rotates it (revision + 1, new sealed credential).
+    PutSlot {
+        /// Slot id.
+        id: String,
+        /// Profile.
+        profile: String,
+        /// Header name.
+        header_name: String,
+        /// Header prefix.
+        header_prefix: String,
+        /// Sealed credential.
+        sealed: Vec<u8>,
+    },
+    /// Enables or disables a slot.
+    SetSlotEnabled {
+        /// Id.
+        id: String,
+        /// New state.
+        enabled: bool,
+    },
+    /// Creates a route (revision 1) or updates it (revision + 1).
+    PutRoute {
+        /// Route id.
+        id: String,
+        /// Principal.
+        principal_id: String,
+        /// External model.
+        model: String,
+        /// Slot.
+        slot_id: String,
+        /// Upstream target.
+        upstream_target: String,
+        /// Selector.
+        selector: String,
+    },
+    /// Enables or disables a route.
+    SetRouteEnabled {
+        /// Id.
+        id: String,
+        /// New state.
+        enabled: bool,
+    },
+}
+
+impl Mutation {
+    /// The log kind and object id of this mutation.
+    pub fn describe(&self) -> (&'static str, &str) {
+        match self {
+            Self::CreatePrincipal { id, .. } => ("create_principal", id),
+            Self::SetPrincipalEnabled { id, .. } => ("set_principal_enabled", id),
+            Self::CreateToken { id, .. } => ("create_token", id),
+            Self::RevokeToken { id } => ("revoke_token", id),
+            Self::PutSlot { id, .. } => ("put_slot", id),
+            Self::SetSlotEnabled { id, .. } => ("set_slot_enabled", id),
+            Self::PutRoute { id, .. } => ("put_route", id),
+            Self::SetRouteEnabled { id, .. } => ("set_route_enabled", id),
+        }
+    }
+
+    /// Field checks shared by every backend (bounds, non-empty ids, header syntax).
+    pub fn validate(&self) -> Result<(), StoreError> {
+        fn id(v: &str, what: &'static str) -> Result<(), StoreError> {
+            if v.is_empty()
+                || v.len() > MAX_ID_LEN
+                || !v
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+            {
+                return Err(StoreError::Invalid(what));
+            }
+            Ok(())
+        }
+        // The wire's target rule (`iop_wire` validation): ASCII graphic, at most 256 bytes.
+        fn target(v: &str, what: &'static str, required: bool) -> Result<(), StoreError> {
+            if (required && v.is_empty())
+                || v.len() > MAX_TARGET_LEN
+                || !v.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return Err(StoreError::Invalid(what));
+            }
+            Ok(())
+        }
+        fn text(v: &str, what: &'static str) -> Result<(), StoreError> {
+            if v.len() > MAX_TEXT_LEN || v.chars().any(char::is_control) {
+                return Err(StoreError::Invalid(what));
+            }
+            Ok(())
+        }
+        match self {
+            Self::CreatePrincipal {
+                id: i,
+                display_name,
+            } => {
+                id(i, "principal id")?;
+                text(display_name, "display name")
+            }
+            Self::SetPrincipalEnabled { id: i, .. } => id(i, "principal id"),
+            Self::CreateToken {
+                id: i,
+                principal_id,
+                ..
+            } => {
+                id(i, "token id")?;
+                id(principal_id, "principal id")
+            }
+            Self::RevokeToken { id: i } => id(i, "token id"),
+            Self::PutSlot {
+                id: i,
+                profile,
+                header_name,
+                header_prefix,
+                sealed,
+            } => {
+                id(i, "slot id")?;
+                id(profile, "profile")?;
+                let header_ok = !header_name.is_empty()
+                    && header_name.len() <= 64
+                    && header_name
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+                if !header_ok {
+                    return Err(StoreError::Invalid("header name"));
+                }
+                text(header_prefix, "header prefix")?;
+                if sealed.is_empty() || sealed.len() > 64 * 1024 {
+                    return Err(StoreError::Invalid("sealed credential"));
+                }
+                Ok(())
+            }
+            Self::SetSlotEnabled { id: i, .. } => id(i, "slot id"),
+            Self::PutRoute {
+                id: i,
+                principal_id,
+                model,
+                slot_id,
+                upstream_target,
+                selector,
+            } => {
+                id(i, "route id")?;
+                id(principal_id, "principal id")?;
+                id(slot_id, "slot id")?;
+                target(model, "model", true)?;
+                target(upstream_target, "upstream target", true)?;
+                target(selector, "selector", false)
+            }
+            Self::SetRouteEnabled { id: i, .. } => id(i, "route id"),
+        }
+    }
+}
+
+/// Everything the projection is built from, at one generation. Slots carry no sealed bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The projection generation of this state.
+    pub generation: u64,
+    /// All principals.
+    pub principals: Vec<Principal>,
+    /// All tokens (revoked included).
+    pub tokens: Vec<Token>,
+    /// All slots, `sealed` emptied.
+    pub slots: Vec<Slot>,
+    /// All routes.
+    pub routes: Vec<Route>,
+}
+
+/// What the lease service re-reads before decrypting, at one generation.
+#[derive(Clone, Debug)]
+pub struct LeaseView {
+    /// Current generation.
+    pub generation: u64,
+    /// The route, if it exists.
+    pub route: Option<Route>,
+    /// The slot (with its sealed credential), if it exists.
+    pub slot: Option<Slot>,
+    /// The route's principal, if it exists.
+    pub principal: Option<Principal>,
+}
+
+/// One row of the mutation log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Revision {
+    /// The generation this mutation produced.
+    pub generation: u64,
+    /// Mutation kind ([`Mutation::describe`]).
+    pub kind: String,
+    /// The mutated object's id.
+    pub object_id: String,
+}
+
+/// Store failures. None carries stored values or backend text.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// A field failed validation.
+    #[error("invalid {0}")]
+    Invalid(&'static str),
+    /// The named object does not exist.
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    /// The object already exists, or a unique value (token digest, principal + model) is
+    /// taken.
+    #[error("{0} already exists")]
+    Conflict(&'static str),
+    /// The route's profile differs from its slot's.
+    #[error("route profile does not match the slot's profile")]
+    ProfileMismatch,
+    /// The backend failed (I/O, connection, constraint not otherwise mapped).
+    #[error("store unavailable")]
+    Unavailable,
+}
+
+/// The durable store. Both backends pass `tests/store_contract.rs` unchanged.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Applies one mutation atomically with a generation bump; returns the new generation.
+    async fn apply(&self, mutation: Mutation) -> Result<u64, StoreError>;
+    /// The current generation: 1 for a new, empty store (the wire's projection generations
+    /// start at 1), then one more per mutation.
+    async fn generation(&self) -> Result<u64, StoreError>;
+    /// A consistent read of everything but sealed credentials.
+    async fn snapshot(&self) -> Result<Snapshot, StoreError>;
+    /// A consistent read of one route, one slot (with its sealed credential) and the route's
+    /// principal, with the generation they belong to.
+    async fn lease_view(&self, route_id: &str, slot_id: &str) -> Result<LeaseView, StoreError>;
+    /// The mutation log after `after_generation`, oldest first, at most `limit` rows.
+    async fn revisions(
+        &self,
+        after_generation: u64,
+        limit: u32,
+    ) -> Result<Vec<Revision>, StoreError>;
+}
+
+pub(crate) fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+pub(crate) fn digest_array(v: &[u8]) -> Result<[u8; 32], StoreError> {
+    v.try_into().map_err(|_| StoreError::Unavailable)
+}
+
+pub(crate) fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+pub(crate) fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,491 @@
+//! PostgreSQL backend (tokio-postgres) for several Control Plane replicas sharing one
+//! database. Every mutation first takes the generation row lock (`UPDATE meta … RETURNING`),
+//! so mutations from all replicas serialize and each generation names one committed state;
+//! reads run in `REPEATABLE READ` transactions (one snapshot).
+//!
+//! The connection is plain TCP (`NoTls`): run PostgreSQL on loopback or a private network.
+//! TLS to PostgreSQL is not implemented yet.
+
+use async_trait::async_trait;
+use tokio::sync::Mutex;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{Client, IsolationLevel, NoTls, Row, Transaction};
+
+use super::{
+    LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError, Token,
+    digest_array, to_i64, to_u64, unix_ms,
+};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BIGINT NOT NULL);
+INSERT INTO meta (k, v) VALUES ('generation', 1) ON CONFLICT (k) DO NOTHING;
+CREATE TABLE IF NOT EXISTS principals (
+  id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled BOOLEAN NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (
+  id TEXT PRIMARY KEY, principal_id TEXT NOT NULL REFERENCES principals(id),
+  digest BYTEA NOT NULL UNIQUE, revoked BOOLEAN NOT NULL);
+CREATE TABLE IF NOT EXISTS slots (
+  id TEXT PRIMARY KEY, profile TEXT NOT NULL, header_name TEXT NOT NULL,
+  header_prefix TEXT NOT NULL, sealed BYTEA NOT NULL, revision BIGINT NOT NULL,
+  enabled BOOLEAN NOT NULL);
+CREATE TABLE IF NOT EXISTS routes (
+  id TEXT PRIMARY KEY, principal_id TEXT NOT NULL REFERENCES principals(id),
+  model TEXT NOT NULL, slot_id TEXT NOT NULL REFERENCES slots(id), profile TEXT NOT NULL,
+  upstream_target TEXT NOT NULL, selector TEXT NOT NULL, revision BIGINT NOT NULL,
+  enabled BOOLEAN NOT NULL, UNIQUE (principal_id, model));
+CREATE TABLE IF NOT EXISTS revisions (
+  generation BIGINT PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
+  at_unix_ms BIGINT NOT NULL);
+";
+
+/// Advisory lock key serializing schema creation across replicas.
+const SCHEMA_LOCK: i64 = 0x494f_505f_4350; // "IOP_CP"
+
+/// The PostgreSQL store.
+#[derive(Debug)]
+pub struct PgStore {
+    client: Mutex<Client>,
+}
+
+fn backend(e: &tokio_postgres::Error) -> StoreError {
+    tracing::debug!(error = %e, "postgres store error");
+    StoreError::Unavailable
+}
+
+fn unique(e: &tokio_postgres::Error, what: &'static str) -> StoreError {
+    if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
+        StoreError::Conflict(what)
+    } else {
+        backend(e)
+    }
+}
+
+impl PgStore {
+    /// Connects with a libpq-style URL (`postgres://user@127.0.0.1:5432/db`) and creates the
+    /// schema if needed.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::open(url, None).await
+    }
+
+    /// As [`PgStore::connect`], with every table in `schema` (created if needed; lowercase
+    /// letters, digits and `_`, at most 63 bytes). Several deployments, or tests, can share
+    /// one database this way.
+    pub async fn connect_with_schema(url: &str, schema: &str) -> Result<Self, StoreError> {
+        let ok = !schema.is_empty()
+            && schema.len() <= 63
+            && schema
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            && !schema.as_bytes()[0].is_ascii_digit();
+        if !ok {
+            return Err(StoreError::Invalid("schema"));
+        }
+        Self::open(url, Some(schema)).await
+    }
+
+    async fn open(url: &str, schema: Option<&str>) -> Result<Self, StoreError> {
+        let (mut client, connection) = tokio_postgres::connect(url, NoTls)
+            .await
+            .map_err(|e| backend(&e))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::warn!(error = %e, "postgres connection closed");
+            }
+        });
+        let tx = client.transaction().await.map_err(|e| backend(&e))?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])
+            .await
+            .map_err(|e| backend(&e))?;
+        if let Some(schema) = schema {
+            // `schema` was checked to be a plain lowercase identifier above.
+            tx.batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema}"
+            ))
+            .await
+            .map_err(|e| backend(&e))?;
+        }
+        tx.batch_execute(SCHEMA).await.map_err(|e| backend(&e))?;
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(Self {
+            client: Mutex::new(client),
+        })
+    }
+}
+
+async fn exists(tx: &Transaction<'_>, sql: &str, id: &str) -> Result<bool, StoreError> {
+    tx.query_opt(sql, &[&id])
+        .await
+        .map(|r| r.is_some())
+        .map_err(|e| backend(&e))
+}
+
+fn changed(n: u64, what: &'static str) -> Result<(), StoreError> {
+    if n == 0 {
+        Err(StoreError::NotFound(what))
+    } else {
+        Ok(())
+    }
+}
+
+async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError> {
+    match m {
+        Mutation::CreatePrincipal { id, display_name } => {
+            tx.execute(
+                "INSERT INTO principals (id, display_name, enabled) VALUES ($1, $2, TRUE)",
+                &[id, display_name],
+            )
+            .await
+            .map_err(|e| unique(&e, "principal"))?;
+        }
+        Mutation::SetPrincipalEnabled { id, enabled } => {
+            let n = tx
+                .execute(
+                    "UPDATE principals SET enabled = $1 WHERE id = $2",
+                    &[enabled, id],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            changed(n, "principal")?;
+        }
+        Mutation::CreateToken {
+            id,
+            principal_id,
+            digest,
+        } => {
+            if !exists(tx, "SELECT 1 FROM principals WHERE id = $1", principal_id).await? {
+                return Err(StoreError::NotFound("principal"));
+            }
+            tx.execute(
+                "INSERT INTO tokens (id, principal_id, digest, revoked) VALUES ($1, $2, $3, FALSE)",
+                &[id, principal_id, &&digest[..]],
+            )
+            .await
+            .map_err(|e| unique(&e, "token"))?;
+        }
+        Mutation::RevokeToken { id } => {
+            let n = tx
+                .execute("UPDATE tokens SET revoked = TRUE WHERE id = $1", &[id])
+                .await
+                .map_err(|e| backend(&e))?;
+            changed(n, "token")?;
+        }
+        Mutation::PutSlot {
+            id,
+            profile,
+            header_name,
+            header_prefix,
+            sealed,
+        } => {
+            let other = tx
+                .query_one(
+                    "SELECT COUNT(*) FROM routes WHERE slot_id = $1 AND profile <> $2",
+                    &[id, profile],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            if other.get::<_, i64>(0) > 0 {
+                return Err(StoreError::ProfileMismatch);
+            }
+            let n = tx
+                .execute(
+                    "UPDATE slots SET profile = $2, header_name = $3, header_prefix = $4, \
+                     sealed = $5, revision = revision + 1 WHERE id = $1",
+                    &[id, profile, header_name, header_prefix, sealed],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            if n == 0 {
+                tx.execute(
+                    "INSERT INTO slots (id, profile, header_name, header_prefix, sealed, \
+                     revision, enabled) VALUES ($1, $2, $3, $4, $5, 1, TRUE)",
+                    &[id, profile, header_name, header_prefix, sealed],
+                )
+                .await
+                .map_err(|e| unique(&e, "slot"))?;
+            }
+        }
+        Mutation::SetSlotEnabled { id, enabled } => {
+            let n = tx
+                .execute(
+                    "UPDATE slots SET enabled = $1 WHERE id = $2",
+                    &[enabled, id],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            changed(n, "slot")?;
+        }
+        Mutation::PutRoute {
+            id,
+            principal_id,
+            model,
+            slot_id,
+            upstream_target,
+            selector,
+        } => {
+            if !exists(tx, "SELECT 1 FROM principals WHERE id = $1", principal_id).await? {
+                return Err(StoreError::NotFound("principal"));
+            }
+            let profile: String = tx
+                .query_opt("SELECT profile FROM slots WHERE id = $1", &[slot_id])
+                .await
+                .map_err(|e| backend(&e))?
+                .ok_or(StoreError::NotFound("slot"))?
+                .get(0);
+            let n = tx
+                .execute(
+                    "UPDATE routes SET principal_id = $2, model = $3, slot_id = $4, profile = $5, \
+                     upstream_target = $6, selector = $7, revision = revision + 1 WHERE id = $1",
+                    &[
+                        id,
+                        principal_id,
+                        model,
+                        slot_id,
+                        &profile,
+                        upstream_target,
+                        selector,
+                    ],
+                )
+                .await
+                .map_err(|e| unique(&e, "route for this principal and model"))?;
+            if n == 0 {
+                tx.execute(
+                    "INSERT INTO routes (id, principal_id, model, slot_id, profile, \
+                     upstream_target, selector, revision, enabled) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, 1, TRUE)",
+                    &[
+                        id,
+                        principal_id,
+                        model,
+                        slot_id,
+                        &profile,
+                        upstream_target,
+                        selector,
+                    ],
+                )
+                .await
+                .map_err(|e| unique(&e, "route for this principal and model"))?;
+            }
+        }
+        Mutation::SetRouteEnabled { id, enabled } => {
+            let n = tx
+                .execute(
+                    "UPDATE routes SET enabled = $1 WHERE id = $2",
+                    &[enabled, id],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            changed(n, "route")?;
+        }
+    }
+    Ok(())
+}
+
+fn principal(r: &Row) -> Principal {
+    Principal {
+        id: r.get(0),
+        display_name: r.get(1),
+        enabled: r.get(2),
+    }
+}
+
+fn route(r: &Row) -> Route {
+    Route {
+        id: r.get(0),
+        principal_id: r.get(1),
+        model: r.get(2),
+        slot_id: r.get(3),
+        profile: r.get(4),
+        upstream_target: r.get(5),
+        selector: r.get(6),
+        revision: to_u64(r.get(7)),
+        enabled: r.get(8),
+    }
+}
+
+fn slot(r: &Row) -> Slot {
+    Slot {
+        id: r.get(0),
+        profile: r.get(1),
+        header_name: r.get(2),
+        header_prefix: r.get(3),
+        sealed: r.get(4),
+        revision: to_u64(r.get(5)),
+        enabled: r.get(6),
+    }
+}
+
+const ROUTE_COLS: &str =
+    "id, principal_id, model, slot_id, profile, upstream_target, selector, revision, enabled";
+
+async fn generation(tx: &Transaction<'_>) -> Result<u64, StoreError> {
+    tx.query_one("SELECT v FROM meta WHERE k = 'generation'", &[])
+        .await
+        .map(|r| to_u64(r.get(0)))
+        .map_err(|e| backend(&e))
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn apply(&self, mutation: Mutation) -> Result<u64, StoreError> {
+        mutation.validate()?;
+        let mut client = self.client.lock().await;
+        let tx = client.transaction().await.map_err(|e| backend(&e))?;
+        // The row lock on the generation serializes mutations across replicas.
+        let generation: i64 = tx
+            .query_one(
+                "UPDATE meta SET v = v + 1 WHERE k = 'generation' RETURNING v",
+                &[],
+            )
+            .await
+            .map_err(|e| backend(&e))?
+            .get(0);
+        apply_one(&tx, &mutation).await?;
+        let (kind, object_id) = mutation.describe();
+        tx.execute(
+            "INSERT INTO revisions (generation, kind, object_id, at_unix_ms) VALUES ($1, $2, $3, $4)",
+            &[&generation, &kind, &object_id, &unix_ms()],
+        )
+        .await
+        .map_err(|e| backend(&e))?;
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(to_u64(generation))
+    }
+
+    async fn generation(&self) -> Result<u64, StoreError> {
+        let client = self.client.lock().await;
+        client
+            .query_one("SELECT v FROM meta WHERE k = 'generation'", &[])
+            .await
+            .map(|r| to_u64(r.get(0)))
+            .map_err(|e| backend(&e))
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        let mut client = self.client.lock().await;
+        let tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(|e| backend(&e))?;
+        let generation = generation(&tx).await?;
+        let q = |sql: String| {
+            let tx = &tx;
+            async move { tx.query(&sql, &[]).await.map_err(|e| backend(&e)) }
+        };
+        let principals = q("SELECT id, display_name, enabled FROM principals ORDER BY id".into())
+            .await?
+            .iter()
+            .map(principal)
+            .collect();
+        let tokens = q("SELECT id, principal_id, digest, revoked FROM tokens ORDER BY id".into())
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(Token {
+                    id: r.get(0),
+                    principal_id: r.get(1),
+                    digest: digest_array(r.get::<_, &[u8]>(2))?,
+                    revoked: r.get(3),
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let slots = q(
+            "SELECT id, profile, header_name, header_prefix, ''::bytea, revision, enabled \
+                       FROM slots ORDER BY id"
+                .into(),
+        )
+        .await?
+        .iter()
+        .map(slot)
+        .collect();
+        let routes = q(format!("SELECT {ROUTE_COLS} FROM routes ORDER BY id"))
+            .await?
+            .iter()
+            .map(route)
+            .collect();
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(Snapshot {
+            generation,
+            principals,
+            tokens,
+            slots,
+            routes,
+        })
+    }
+
+    async fn lease_view(&self, route_id: &str, slot_id: &str) -> Result<LeaseView, StoreError> {
+        let mut client = self.client.lock().await;
+        let tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(|e| backend(&e))?;
+        let generation = generation(&tx).await?;
+        let route = tx
+            .query_opt(
+                &format!("SELECT {ROUTE_COLS} FROM routes WHERE id = $1"),
+                &[&route_id],
+            )
+            .await
+            .map_err(|e| backend(&e))?
+            .as_ref()
+            .map(route);
+        let slot = tx
+            .query_opt(
+                "SELECT id, profile, header_name, header_prefix, sealed, revision, enabled \
+                 FROM slots WHERE id = $1",
+                &[&slot_id],
+            )
+            .await
+            .map_err(|e| backend(&e))?
+            .as_ref()
+            .map(slot);
+        let principal = match &route {
+            Some(r) => tx
+                .query_opt(
+                    "SELECT id, display_name, enabled FROM principals WHERE id = $1",
+                    &[&r.principal_id],
+                )
+                .await
+                .map_err(|e| backend(&e))?
+                .as_ref()
+                .map(principal),
+            None => None,
+        };
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(LeaseView {
+            generation,
+            route,
+            slot,
+            principal,
+        })
+    }
+
+    async fn revisions(
+        &self,
+        after_generation: u64,
+        limit: u32,
+    ) -> Result<Vec<Revision>, StoreError> {
+        let client = self.client.lock().await;
+        let rows = client
+            .query(
+                "SELECT generation, kind, object_id FROM revisions WHERE generation > $1 \
+                 ORDER BY generation LIMIT $2",
+                &[&to_i64(after_generation), &i64::from(limit)],
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        Ok(rows
+            .iter()
+            .map(|r| Revision {
+                generation: to_u64(r.get(0)),
+                kind: r.get(1),
+                object_id: r.get(2),
+            })
+            .collect())
+    }
+}

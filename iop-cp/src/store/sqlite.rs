@@ -1,0 +1,476 @@
+//! SQLite backend (bundled SQLite through rusqlite): one file, WAL journal, one connection
+//! behind a mutex, every call on the blocking pool. Mutations use `BEGIN IMMEDIATE`, so
+//! writers serialize on the database lock and the generation bump is atomic with the change.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use rusqlite::{Connection, ErrorCode, OptionalExtension as _, TransactionBehavior, params};
+
+use super::{
+    LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError, Token,
+    digest_array, to_i64, to_u64, unix_ms,
+};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (k, v) VALUES ('generation', 1);
+CREATE TABLE IF NOT EXISTS principals (
+  id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (
+  id TEXT PRIMARY KEY, principal_id TEXT NOT NULL REFERENCES principals(id),
+  digest BLOB NOT NULL UNIQUE, revoked INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS slots (
+  id TEXT PRIMARY KEY, profile TEXT NOT NULL, header_name TEXT NOT NULL,
+  header_prefix TEXT NOT NULL, sealed BLOB NOT NULL, revision INTEGER NOT NULL,
+  enabled INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS routes (
+  id TEXT PRIMARY KEY, principal_id TEXT NOT NULL REFERENCES principals(id),
+  model TEXT NOT NULL, slot_id TEXT NOT NULL REFERENCES slots(id), profile TEXT NOT NULL,
+  upstream_target TEXT NOT NULL, selector TEXT NOT NULL, revision INTEGER NOT NULL,
+  enabled INTEGER NOT NULL, UNIQUE (principal_id, model));
+CREATE TABLE IF NOT EXISTS revisions (
+  generation INTEGER PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
+  at_unix_ms INTEGER NOT NULL);
+";
+
+/// The SQLite store.
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+}
+
+fn backend(e: &rusqlite::Error) -> StoreError {
+    tracing::debug!(error = %e, "sqlite store error");
+    StoreError::Unavailable
+}
+
+fn unique(e: rusqlite::Error, what: &'static str) -> StoreError {
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _) if f.code == ErrorCode::ConstraintViolation => {
+            StoreError::Conflict(what)
+        }
+        _ => backend(&e),
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file at `path` and its schema.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let conn = Connection::open(path).map_err(|e| backend(&e))?;
+        Self::init(conn)
+    }
+
+    /// An in-memory database (tests, demos).
+    pub fn in_memory() -> Result<Self, StoreError> {
+        let conn = Connection::open_in_memory().map_err(|e| backend(&e))?;
+        Self::init(conn)
+    }
+
+    fn init(conn: Connection) -> Result<Self, StoreError> {
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(|e| backend(&e))?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(|e| backend(&e))?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(|e| backend(&e))?;
+        conn.execute_batch(SCHEMA).map_err(|e| backend(&e))?;
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    async fn with<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut guard = conn.lock().map_err(|_| StoreError::Unavailable)?;
+            f(&mut guard)
+        })
+        .await
+        .map_err(|_| StoreError::Unavailable)?
+    }
+}
+
+fn exists(tx: &rusqlite::Transaction<'_>, sql: &str, id: &str) -> Result<bool, StoreError> {
+    tx.query_row(sql, params![id], |_| Ok(()))
+        .optional()
+        .map(|r| r.is_some())
+        .map_err(|e| backend(&e))
+}
+
+fn changed(n: usize, what: &'static str) -> Result<(), StoreError> {
+    if n == 0 {
+        Err(StoreError::NotFound(what))
+    } else {
+        Ok(())
+    }
+}
+
+fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreError> {
+    match m {
+        Mutation::CreatePrincipal { id, display_name } => {
+            tx.execute(
+                "INSERT INTO principals (id, display_name, enabled) VALUES (?1, ?2, 1)",
+                params![id, display_name],
+            )
+            .map_err(|e| unique(e, "principal"))?;
+        }
+        Mutation::SetPrincipalEnabled { id, enabled } => {
+            let n = tx
+                .execute(
+                    "UPDATE principals SET enabled = ?1 WHERE id = ?2",
+                    params![enabled, id],
+                )
+                .map_err(|e| backend(&e))?;
+            changed(n, "principal")?;
+        }
+        Mutation::CreateToken {
+            id,
+            principal_id,
+            digest,
+        } => {
+            if !exists(tx, "SELECT 1 FROM principals WHERE id = ?1", principal_id)? {
+                return Err(StoreError::NotFound("principal"));
+            }
+            tx.execute(
+                "INSERT INTO tokens (id, principal_id, digest, revoked) VALUES (?1, ?2, ?3, 0)",
+                params![id, principal_id, &digest[..]],
+            )
+            .map_err(|e| unique(e, "token"))?;
+        }
+        Mutation::RevokeToken { id } => {
+            let n = tx
+                .execute("UPDATE tokens SET revoked = 1 WHERE id = ?1", params![id])
+                .map_err(|e| backend(&e))?;
+            changed(n, "token")?;
+        }
+        Mutation::PutSlot {
+            id,
+            profile,
+            header_name,
+            header_prefix,
+            sealed,
+        } => {
+            let other_profile: i64 = tx
+                .query_row(
+                    "SELECT COUNT(*) FROM routes WHERE slot_id = ?1 AND profile <> ?2",
+                    params![id, profile],
+                    |r| r.get(0),
+                )
+                .map_err(|e| backend(&e))?;
+            if other_profile > 0 {
+                return Err(StoreError::ProfileMismatch);
+            }
+            let n = tx
+                .execute(
+                    "UPDATE slots SET profile = ?2, header_name = ?3, header_prefix = ?4, \
+                     sealed = ?5, revision = revision + 1 WHERE id = ?1",
+                    params![id, profile, header_name, header_prefix, sealed],
+                )
+                .map_err(|e| backend(&e))?;
+            if n == 0 {
+                tx.execute(
+                    "INSERT INTO slots (id, profile, header_name, header_prefix, sealed, \
+                     revision, enabled) VALUES (?1, ?2, ?3, ?4, ?5, 1, 1)",
+                    params![id, profile, header_name, header_prefix, sealed],
+                )
+                .map_err(|e| unique(e, "slot"))?;
+            }
+        }
+        Mutation::SetSlotEnabled { id, enabled } => {
+            let n = tx
+                .execute(
+                    "UPDATE slots SET enabled = ?1 WHERE id = ?2",
+                    params![enabled, id],
+                )
+                .map_err(|e| backend(&e))?;
+            changed(n, "slot")?;
+        }
+        Mutation::PutRoute {
+            id,
+            principal_id,
+            model,
+            slot_id,
+            upstream_target,
+            selector,
+        } => {
+            if !exists(tx, "SELECT 1 FROM principals WHERE id = ?1", principal_id)? {
+                return Err(StoreError::NotFound("principal"));
+            }
+            let profile: String = tx
+                .query_row(
+                    "SELECT profile FROM slots WHERE id = ?1",
+                    params![slot_id],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(|e| backend(&e))?
+                .ok_or(StoreError::NotFound("slot"))?;
+            let n = tx
+                .execute(
+                    "UPDATE routes SET principal_id = ?2, model = ?3, slot_id = ?4, profile = ?5, \
+                     upstream_target = ?6, selector = ?7, revision = revision + 1 WHERE id = ?1",
+                    params![
+                        id,
+                        principal_id,
+                        model,
+                        slot_id,
+                        profile,
+                        upstream_target,
+                        selector
+                    ],
+                )
+                .map_err(|e| unique(e, "route for this principal and model"))?;
+            if n == 0 {
+                tx.execute(
+                    "INSERT INTO routes (id, principal_id, model, slot_id, profile, \
+                     upstream_target, selector, revision, enabled) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 1, 1)",
+                    params![
+                        id,
+                        principal_id,
+                        model,
+                        slot_id,
+                        profile,
+                        upstream_target,
+                        selector
+                    ],
+                )
+                .map_err(|e| unique(e, "route for this principal and model"))?;
+            }
+        }
+        Mutation::SetRouteEnabled { id, enabled } => {
+            let n = tx
+                .execute(
+                    "UPDATE routes SET enabled = ?1 WHERE id = ?2",
+                    params![enabled, id],
+                )
+                .map_err(|e| backend(&e))?;
+            changed(n, "route")?;
+        }
+    }
+    Ok(())
+}
+
+fn principal(r: &rusqlite::Row<'_>) -> rusqlite::Result<Principal> {
+    Ok(Principal {
+        id: r.get(0)?,
+        display_name: r.get(1)?,
+        enabled: r.get(2)?,
+    })
+}
+
+fn route(r: &rusqlite::Row<'_>) -> rusqlite::Result<Route> {
+    Ok(Route {
+        id: r.get(0)?,
+        principal_id: r.get(1)?,
+        model: r.get(2)?,
+        slot_id: r.get(3)?,
+        profile: r.get(4)?,
+        upstream_target: r.get(5)?,
+        selector: r.get(6)?,
+        revision: to_u64(r.get(7)?),
+        enabled: r.get(8)?,
+    })
+}
+
+fn slot(r: &rusqlite::Row<'_>) -> rusqlite::Result<Slot> {
+    Ok(Slot {
+        id: r.get(0)?,
+        profile: r.get(1)?,
+        header_name: r.get(2)?,
+        header_prefix: r.get(3)?,
+        sealed: r.get(4)?,
+        revision: to_u64(r.get(5)?),
+        enabled: r.get(6)?,
+    })
+}
+
+const ROUTE_COLS: &str =
+    "id, principal_id, model, slot_id, profile, upstream_target, selector, revision, enabled";
+
+fn generation(conn: &Connection) -> Result<u64, StoreError> {
+    conn.query_row("SELECT v FROM meta WHERE k = 'generation'", [], |r| {
+        r.get::<_, i64>(0)
+    })
+    .map(to_u64)
+    .map_err(|e| backend(&e))
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn apply(&self, mutation: Mutation) -> Result<u64, StoreError> {
+        mutation.validate()?;
+        self.with(move |conn| {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(|e| backend(&e))?;
+            apply_one(&tx, &mutation)?;
+            let generation: i64 = tx
+                .query_row(
+                    "UPDATE meta SET v = v + 1 WHERE k = 'generation' RETURNING v",
+                    [],
+                    |r| r.get(0),
+                )
+                .map_err(|e| backend(&e))?;
+            let (kind, object_id) = mutation.describe();
+            tx.execute(
+                "INSERT INTO revisions (generation, kind, object_id, at_unix_ms) \
+                 VALUES (?1, ?2, ?3, ?4)",
+                params![generation, kind, object_id, unix_ms()],
+            )
+            .map_err(|e| backend(&e))?;
+            tx.commit().map_err(|e| backend(&e))?;
+            Ok(to_u64(generation))
+        })
+        .await
+    }
+
+    async fn generation(&self) -> Result<u64, StoreError> {
+        self.with(|conn| generation(conn)).await
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        self.with(|conn| {
+            let tx = conn.transaction().map_err(|e| backend(&e))?;
+            let generation = generation(&tx)?;
+            let collect = |sql: &str| -> Result<Vec<_>, StoreError> {
+                let mut st = tx.prepare(sql).map_err(|e| backend(&e))?;
+                let rows = st.query_map([], principal).map_err(|e| backend(&e))?;
+                rows.collect::<Result<Vec<_>, _>>().map_err(|e| backend(&e))
+            };
+            let principals =
+                collect("SELECT id, display_name, enabled FROM principals ORDER BY id")?;
+            let mut st = tx
+                .prepare("SELECT id, principal_id, digest, revoked FROM tokens ORDER BY id")
+                .map_err(|e| backend(&e))?;
+            let tokens = st
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, Vec<u8>>(2)?,
+                        r.get::<_, bool>(3)?,
+                    ))
+                })
+                .map_err(|e| backend(&e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| backend(&e))?
+                .into_iter()
+                .map(|(id, principal_id, digest, revoked)| {
+                    Ok(Token {
+                        id,
+                        principal_id,
+                        digest: digest_array(&digest)?,
+                        revoked,
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            drop(st);
+            let mut st = tx
+                .prepare(
+                    "SELECT id, profile, header_name, header_prefix, x'', revision, enabled \
+                     FROM slots ORDER BY id",
+                )
+                .map_err(|e| backend(&e))?;
+            let slots = st
+                .query_map([], slot)
+                .map_err(|e| backend(&e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| backend(&e))?;
+            drop(st);
+            let mut st = tx
+                .prepare(&format!("SELECT {ROUTE_COLS} FROM routes ORDER BY id"))
+                .map_err(|e| backend(&e))?;
+            let routes = st
+                .query_map([], route)
+                .map_err(|e| backend(&e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| backend(&e))?;
+            drop(st);
+            tx.commit().map_err(|e| backend(&e))?;
+            Ok(Snapshot {
+                generation,
+                principals,
+                tokens,
+                slots,
+                routes,
+            })
+        })
+        .await
+    }
+
+    async fn lease_view(&self, route_id: &str, slot_id: &str) -> Result<LeaseView, StoreError> {
+        let (route_id, slot_id) = (route_id.to_owned(), slot_id.to_owned());
+        self.with(move |conn| {
+            let tx = conn.transaction().map_err(|e| backend(&e))?;
+            let generation = generation(&tx)?;
+            let route = tx
+                .query_row(
+                    &format!("SELECT {ROUTE_COLS} FROM routes WHERE id = ?1"),
+                    params![route_id],
+                    route,
+                )
+                .optional()
+                .map_err(|e| backend(&e))?;
+            let slot = tx
+                .query_row(
+                    "SELECT id, profile, header_name, header_prefix, sealed, revision, enabled \
+                     FROM slots WHERE id = ?1",
+                    params![slot_id],
+                    slot,
+                )
+                .optional()
+                .map_err(|e| backend(&e))?;
+            let principal = match &route {
+                Some(r) => tx
+                    .query_row(
+                        "SELECT id, display_name, enabled FROM principals WHERE id = ?1",
+                        params![r.principal_id],
+                        principal,
+                    )
+                    .optional()
+                    .map_err(|e| backend(&e))?,
+                None => None,
+            };
+            tx.commit().map_err(|e| backend(&e))?;
+            Ok(LeaseView {
+                generation,
+                route,
+                slot,
+                principal,
+            })
+        })
+        .await
+    }
+
+    async fn revisions(
+        &self,
+        after_generation: u64,
+        limit: u32,
+    ) -> Result<Vec<Revision>, StoreError> {
+        self.with(move |conn| {
+            let mut st = conn
+                .prepare(
+                    "SELECT generation, kind, object_id FROM revisions WHERE generation > ?1 \
+                     ORDER BY generation LIMIT ?2",
+                )
+                .map_err(|e| backend(&e))?;
+            st.query_map(params![to_i64(after_generation), limit], |r| {
+                Ok(Revision {
+                    generation: to_u64(r.get(0)?),
+                    kind: r.get(1)?,
+                    object_id: r.get(2)?,
+                })
+            })
+            .map_err(|e| backend(&e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| backend(&e))
+        })
+        .await
+    }
+}

@@ -1,0 +1,342 @@
+//! One contract suite, run unchanged against both store backends: SQLite (a temporary file)
+//! and PostgreSQL (the database named by `IOP_TEST_PG_URL`, which `scripts/test-all.sh`
+//! creates on a local server for each run and drops afterwards; each test uses its own schema).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use iop_cp::store::{Mutation, PgStore, SqliteStore, Store, StoreError};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// Opens two handles on one fresh store: as two replicas (PostgreSQL) or two connections to
+/// one file (SQLite).
+trait Backend {
+    async fn pair() -> (Arc<dyn Store>, Arc<dyn Store>);
+}
+
+struct Sqlite;
+impl Backend for Sqlite {
+    async fn pair() -> (Arc<dyn Store>, Arc<dyn Store>) {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("iop-cp-contract-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("store.sqlite3");
+        (
+            Arc::new(SqliteStore::open(&path).unwrap()),
+            Arc::new(SqliteStore::open(&path).unwrap()),
+        )
+    }
+}
+
+struct Postgres;
+impl Backend for Postgres {
+    async fn pair() -> (Arc<dyn Store>, Arc<dyn Store>) {
+        let url = std::env::var("IOP_TEST_PG_URL").expect(
+            "IOP_TEST_PG_URL is not set: run scripts/test-all.sh (it creates a PostgreSQL \
+             database for the run), or set it to postgres://USER@127.0.0.1:5432/DB",
+        );
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let schema = format!("contract_{}_{n}", std::process::id());
+        (
+            Arc::new(PgStore::connect_with_schema(&url, &schema).await.unwrap()),
+            Arc::new(PgStore::connect_with_schema(&url, &schema).await.unwrap()),
+        )
+    }
+}
+
+fn principal(id: &str) -> Mutation {
+    Mutation::CreatePrincipal {
+        id: id.into(),
+        display_name: format!("{id} team"),
+    }
+}
+
+fn slot(id: &str, profile: &str, sealed: &[u8]) -> Mutation {
+    Mutation::PutSlot {
+        id: id.into(),
+        profile: profile.into(),
+        header_name: "authorization".into(),
+        header_prefix: "Bearer ".into(),
+        sealed: sealed.to_vec(),
+    }
+}
+
+fn route(id: &str, principal: &str, model: &str, slot: &str) -> Mutation {
+    Mutation::PutRoute {
+        id: id.into(),
+        principal_id: principal.into(),
+        model: model.into(),
+        slot_id: slot.into(),
+        upstream_target: "gpt-4o-mini".into(),
+        selector: String::new(),
+    }
+}
+
+async fn generations_are_strict_and_logged<B: Backend>() {
+    let (s, _) = B::pair().await;
+    // A new store is generation 1 (projection generations start at 1 on the wire).
+    assert_eq!(s.generation().await.unwrap(), 1);
+    assert_eq!(s.snapshot().await.unwrap().generation, 1);
+    let steps = [
+        principal("team-a"),
+        Mutation::CreateToken {
+            id: "tok-1".into(),
+            principal_id: "team-a".into(),
+            digest: [7; 32],
+        },
+        slot("slot-1", "openai", b"sealed-1"),
+        route("route-1", "team-a", "gpt", "slot-1"),
+        Mutation::RevokeToken { id: "tok-1".into() },
+    ];
+    for (i, m) in steps.into_iter().enumerate() {
+        assert_eq!(s.apply(m).await.unwrap(), i as u64 + 2);
+    }
+    assert_eq!(s.generation().await.unwrap(), 6);
+    let log = s.revisions(0, 100).await.unwrap();
+    let kinds: Vec<_> = log
+        .iter()
+        .map(|r| (r.generation, r.kind.as_str(), r.object_id.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            (2, "create_principal", "team-a"),
+            (3, "create_token", "tok-1"),
+            (4, "put_slot", "slot-1"),
+            (5, "put_route", "route-1"),
+            (6, "revoke_token", "tok-1"),
+        ]
+    );
+    assert_eq!(s.revisions(4, 1).await.unwrap()[0].generation, 5);
+}
+
+async fn refused_mutations_change_nothing<B: Backend>() {
+    let (s, _) = B::pair().await;
+    s.apply(principal("team-a")).await.unwrap();
+    let before = s.snapshot().await.unwrap();
+    let refusals = [
+        (principal("team-a"), StoreError::Conflict("principal")),
+        (
+            Mutation::CreateToken {
+                id: "t".into(),
+                principal_id: "nobody".into(),
+                digest: [1; 32],
+            },
+            StoreError::NotFound("principal"),
+        ),
+        (
+            Mutation::RevokeToken { id: "nope".into() },
+            StoreError::NotFound("token"),
+        ),
+        (
+            route("r", "team-a", "gpt", "no-slot"),
+            StoreError::NotFound("slot"),
+        ),
+        (
+            Mutation::SetSlotEnabled {
+                id: "x".into(),
+                enabled: false,
+            },
+            StoreError::NotFound("slot"),
+        ),
+        (
+            Mutation::SetRouteEnabled {
+                id: "x".into(),
+                enabled: false,
+            },
+            StoreError::NotFound("route"),
+        ),
+        (
+            Mutation::SetPrincipalEnabled {
+                id: "x".into(),
+                enabled: false,
+            },
+            StoreError::NotFound("principal"),
+        ),
+        (principal(""), StoreError::Invalid("principal id")),
+        (principal("has space"), StoreError::Invalid("principal id")),
+        (
+            slot("s", "openai", b""),
+            StoreError::Invalid("sealed credential"),
+        ),
+        (
+            Mutation::PutSlot {
+                id: "s".into(),
+                profile: "openai".into(),
+                header_name: "Bad Header".into(),
+                header_prefix: String::new(),
+                sealed: vec![1],
+            },
+            StoreError::Invalid("header name"),
+        ),
+        (
+            Mutation::PutRoute {
+                id: "r".into(),
+                principal_id: "team-a".into(),
+                model: "has space".into(),
+                slot_id: "s".into(),
+                upstream_target: "t".into(),
+                selector: String::new(),
+            },
+            StoreError::Invalid("model"),
+        ),
+    ];
+    for (m, want) in refusals {
+        assert_eq!(s.apply(m.clone()).await.unwrap_err(), want, "{m:?}");
+    }
+    assert_eq!(s.snapshot().await.unwrap(), before);
+    assert_eq!(s.generation().await.unwrap(), 2);
+}
+
+async fn tokens_slots_routes_and_revisions<B: Backend>() {
+    let (s, _) = B::pair().await;
+    s.apply(principal("team-a")).await.unwrap();
+    s.apply(principal("team-b")).await.unwrap();
+    s.apply(Mutation::CreateToken {
+        id: "t1".into(),
+        principal_id: "team-a".into(),
+        digest: [9; 32],
+    })
+    .await
+    .unwrap();
+    // A digest is unique across all tokens.
+    assert_eq!(
+        s.apply(Mutation::CreateToken {
+            id: "t2".into(),
+            principal_id: "team-b".into(),
+            digest: [9; 32]
+        })
+        .await
+        .unwrap_err(),
+        StoreError::Conflict("token")
+    );
+    s.apply(slot("slot-1", "openai", b"sealed-v1"))
+        .await
+        .unwrap();
+    s.apply(route("r1", "team-a", "gpt", "slot-1"))
+        .await
+        .unwrap();
+    // One route per principal and model.
+    assert_eq!(
+        s.apply(route("r2", "team-a", "gpt", "slot-1"))
+            .await
+            .unwrap_err(),
+        StoreError::Conflict("route for this principal and model")
+    );
+    // Rotation and update bump their own revisions.
+    s.apply(slot("slot-1", "openai", b"sealed-v2"))
+        .await
+        .unwrap();
+    s.apply(route("r1", "team-a", "gpt", "slot-1"))
+        .await
+        .unwrap();
+    s.apply(route("r1", "team-a", "gpt", "slot-1"))
+        .await
+        .unwrap();
+    // A slot used by routes keeps its profile.
+    assert_eq!(
+        s.apply(slot("slot-1", "anthropic", b"x"))
+            .await
+            .unwrap_err(),
+        StoreError::ProfileMismatch
+    );
+    let snap = s.snapshot().await.unwrap();
+    assert_eq!(snap.slots.len(), 1);
+    assert_eq!(snap.slots[0].revision, 2);
+    assert!(
+        snap.slots[0].sealed.is_empty(),
+        "snapshots carry no sealed bytes"
+    );
+    assert_eq!(snap.routes[0].revision, 3);
+    assert_eq!(snap.routes[0].profile, "openai");
+    assert_eq!(snap.tokens.len(), 1);
+    assert_eq!(snap.tokens[0].digest, [9; 32]);
+    let view = s.lease_view("r1", "slot-1").await.unwrap();
+    assert_eq!(view.generation, snap.generation);
+    assert_eq!(view.slot.unwrap().sealed, b"sealed-v2");
+    assert_eq!(view.route.unwrap().principal_id, "team-a");
+    assert_eq!(view.principal.unwrap().id, "team-a");
+    let none = s.lease_view("missing", "missing").await.unwrap();
+    assert!(none.route.is_none() && none.slot.is_none() && none.principal.is_none());
+    // Flags.
+    s.apply(Mutation::SetSlotEnabled {
+        id: "slot-1".into(),
+        enabled: false,
+    })
+    .await
+    .unwrap();
+    s.apply(Mutation::SetRouteEnabled {
+        id: "r1".into(),
+        enabled: false,
+    })
+    .await
+    .unwrap();
+    s.apply(Mutation::SetPrincipalEnabled {
+        id: "team-b".into(),
+        enabled: false,
+    })
+    .await
+    .unwrap();
+    s.apply(Mutation::RevokeToken { id: "t1".into() })
+        .await
+        .unwrap();
+    let snap = s.snapshot().await.unwrap();
+    assert!(!snap.slots[0].enabled && !snap.routes[0].enabled && snap.tokens[0].revoked);
+    assert!(
+        !snap
+            .principals
+            .iter()
+            .find(|p| p.id == "team-b")
+            .unwrap()
+            .enabled
+    );
+}
+
+async fn concurrent_writers_get_distinct_generations<B: Backend>() {
+    let (a, b) = B::pair().await;
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let s = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.push(tokio::spawn(async move {
+            s.apply(principal(&format!("p{i}"))).await.unwrap()
+        }));
+    }
+    let mut gens = Vec::new();
+    for t in tasks {
+        gens.push(t.await.unwrap());
+    }
+    gens.sort_unstable();
+    assert_eq!(gens, (2..=25).collect::<Vec<u64>>());
+    assert_eq!(a.generation().await.unwrap(), 25);
+    assert_eq!(b.snapshot().await.unwrap().principals.len(), 24);
+    assert_eq!(a.revisions(0, 1000).await.unwrap().len(), 24);
+}
+
+macro_rules! contract {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name::<Sqlite>().await })*
+        }
+        mod postgres {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name::<Postgres>().await })*
+        }
+    };
+}
+
+contract!(
+    generations_are_strict_and_logged,
+    refused_mutations_change_nothing,
+    tokens_slots_routes_and_revisions,
+    concurrent_writers_get_distinct_generations,
+);
