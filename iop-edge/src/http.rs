@@ -71,8 +71,12 @@ pub struct HttpConfig {
     pub models: Vec<String>,
     /// How long a request may wait in the pool queue.
     pub queue_wait: Duration,
-    /// Bearer-token check; `None` accepts every request (local mesh).
+    /// Bearer-token check; `None` accepts every request (local mesh). Not consulted in
+    /// managed mode, where the projection authenticates.
     pub auth: Option<AuthHook>,
+    /// Managed mode: the Control Plane connector whose projection authenticates requests and
+    /// resolves routes, and whose session delivers credential leases ([`crate::control`]).
+    pub control: Option<crate::control::ControlConnector>,
 }
 
 impl std::fmt::Debug for HttpConfig {
@@ -174,15 +178,143 @@ fn dispatch_error(e: DispatchError) -> Response {
     }
 }
 
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
+fn managed(state: &AppState) -> Option<&crate::control::ControlConnector> {
+    state.config.control.as_ref().filter(|c| c.managed())
+}
+
 fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    if managed(state).is_some() {
+        return true; // the managed path authenticates against the projection
+    }
     let Some(hook) = &state.config.auth else {
         return true;
     };
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    hook(token)
+    hook(bearer(headers))
+}
+
+/// Managed mode: authenticate against the current projection.
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response itself, returned at once"
+)]
+fn authenticate(
+    control: &crate::control::ControlConnector,
+    headers: &HeaderMap,
+) -> Result<(Arc<crate::control::ProjectionIndex>, String, String), Response> {
+    let Some(index) = control.projection() else {
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "credential plane not ready",
+        ));
+    };
+    let token = bearer(headers).unwrap_or_default().to_owned();
+    let Some(principal) = index.authenticate(&token).map(str::to_owned) else {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid api key",
+        ));
+    };
+    Ok((index, principal, token))
+}
+
+/// Dispatches a request: through the pool directly, or in managed mode after authentication,
+/// route resolution, pool admission, a lease for exactly the selected Node and two binding
+/// checks (request snapshot before acquisition, current projection before dispatch).
+async fn dispatch_for(
+    state: &AppState,
+    headers: &HeaderMap,
+    model: &str,
+    build: crate::transport::BuildRequest,
+) -> Result<Dispatched, Response> {
+    let Some(control) = managed(state) else {
+        return pool_dispatch(state, model, build).await;
+    };
+    let (index, principal, token) = authenticate(control, headers)?;
+    let Some(route) = index.route(&principal, model).cloned() else {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model not found",
+        ));
+    };
+    let admission = state
+        .edge
+        .admit(&route.model, false, state.config.queue_wait)
+        .await
+        .map_err(dispatch_error)?;
+    let lease = admission.lease().clone();
+    let refuse = |msg: &str| error(StatusCode::BAD_GATEWAY, "server_error", msg);
+    if lease.kind != ProviderKind::OpenAiCompat || lease.target != route.upstream_target {
+        // A bound route is served only by its own upstream target; no fallback.
+        return Err(refuse("no provider serves this route's upstream target"));
+    }
+    let Some(recipient) = admission.recipient().cloned() else {
+        return Err(refuse("selected node has no credential recipient key"));
+    };
+    let binding = iop_wire::runtime::CredentialLeaseBinding {
+        principal_id: principal,
+        slot_id: route.slot_id.clone(),
+        route_id: route.route_id.clone(),
+        profile: route.profile.clone(),
+        upstream_target: route.upstream_target.clone(),
+        node_id: lease.key.node_id.clone(),
+        recipient_key_id: recipient.key_id.clone(),
+        credential_revision: route.credential_revision,
+        route_revision: route.route_revision,
+        projection_generation: index.generation(),
+    };
+    let forbidden = |msg: &str| error(StatusCode::FORBIDDEN, "permission_error", msg);
+    if !index.admits(&token, model, &binding) {
+        return Err(forbidden("request scope changed"));
+    }
+    let credential = match control
+        .acquire_lease(binding.clone(), recipient.public_key)
+        .await
+    {
+        Ok(lease) => lease,
+        Err(crate::control::LeaseError::Refused(reason)) => {
+            return Err(forbidden(&format!("credential lease refused: {reason}")));
+        }
+        Err(_) => {
+            return Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "control plane unavailable",
+            ));
+        }
+    };
+    // Immediately before dispatch: the current projection must still admit the binding
+    // (a token revoked or a slot rotated meanwhile fails closed).
+    if !control
+        .projection()
+        .is_some_and(|current| current.admits(&token, model, &binding))
+    {
+        return Err(forbidden("credentials changed; request refused"));
+    }
+    let request = match build(&lease) {
+        PoolRequest::Tunnel(mut req) => {
+            req.credential = Some(iop_wire::runtime::ManagedCredential {
+                lease: credential,
+                binding,
+            });
+            PoolRequest::Tunnel(req)
+        }
+        other => other,
+    };
+    state
+        .edge
+        .send_admitted(admission, request)
+        .await
+        .map_err(dispatch_error)
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
@@ -210,9 +342,21 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
             "invalid api key",
         );
     }
-    let data: Vec<Value> = state
-        .config
-        .models
+    let names: Vec<String> = match managed(&state) {
+        // Managed: the models the caller's principal has routes for.
+        Some(control) => match authenticate(control, &headers) {
+            Ok((index, principal, _)) => state
+                .config
+                .models
+                .iter()
+                .filter(|m| index.route(&principal, m).is_some())
+                .cloned()
+                .collect(),
+            Err(r) => return r,
+        },
+        None => state.config.models.clone(),
+    };
+    let data: Vec<Value> = names
         .iter()
         .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "iop" }))
         .collect();
@@ -378,7 +522,7 @@ async fn chat_completions_inner(state: &AppState, headers: HeaderMap, body: Byte
         "/chat/completions",
         input,
     );
-    let dispatched = match pool_dispatch(state, &model, build).await {
+    let dispatched = match dispatch_for(state, &headers, &model, build).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -451,7 +595,7 @@ async fn responses_inner(state: &AppState, headers: HeaderMap, body: Bytes) -> R
         "/responses",
         json!({ "messages": messages }),
     );
-    let dispatched = match pool_dispatch(state, &model, build).await {
+    let dispatched = match dispatch_for(state, &headers, &model, build).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -828,7 +972,7 @@ async fn messages(State(state): State<AppState>, headers: HeaderMap, body: Bytes
         "/messages",
         json!({ "messages": messages }),
     );
-    let dispatched = match pool_dispatch(&state, &model, build).await {
+    let dispatched = match dispatch_for(&state, &headers, &model, build).await {
         Ok(d) => d,
         Err(r) => return r,
     };
@@ -960,7 +1104,7 @@ async fn count_tokens(State(state): State<AppState>, headers: HeaderMap, body: B
         "/messages/count_tokens",
         Value::Null,
     );
-    match pool_dispatch(&state, &model, build).await {
+    match dispatch_for(&state, &headers, &model, build).await {
         Ok(Dispatched::Tunnel(s)) => passthrough(s).await,
         Ok(Dispatched::Run(_) | Dispatched::Nothing) => {
             axum::Json(json!({ "input_tokens": estimate, "estimated": true })).into_response()

@@ -27,6 +27,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod control;
 pub mod http;
 pub mod metrics;
 pub mod pool;
@@ -34,6 +35,6 @@ mod tools;
 pub mod transport;
 
 pub use transport::{
-    BuildRequest, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
-    TransportConfig, TunnelEvent, TunnelStream, bind,
+    Admission, BuildRequest, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest,
+    RunStream, TransportConfig, TunnelEvent, TunnelStream, bind,
 };

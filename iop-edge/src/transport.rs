@@ -37,8 +37,8 @@ use iop_wire::identity::peer_identity;
 use iop_wire::runtime::{
     CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
     NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderSnapshot,
-    ProviderStatus, ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
-    RuntimeMessage,
+    ProviderStatus, ProviderTunnelRequest, RecipientKey, RunEvent, RunEventKind, RunRequest,
+    RuntimeFrame, RuntimeMessage,
 };
 use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
 use iop_wire::validate::ResponseStallTimeout;
@@ -188,9 +188,69 @@ pub enum Dispatched {
 /// Builds the request once the provider is known.
 pub type BuildRequest = Box<dyn FnOnce(&Lease) -> PoolRequest + Send>;
 
-struct WaitingDispatch {
-    build: BuildRequest,
-    reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
+enum WaitingDispatch {
+    /// One step: build and send as soon as the provider is selected.
+    Build {
+        build: BuildRequest,
+        reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
+    },
+    /// Two steps: hand the selection to the caller ([`EdgeHandle::admit`]).
+    Admit {
+        reply: oneshot::Sender<Result<Admission, DispatchError>>,
+    },
+}
+
+impl WaitingDispatch {
+    fn is_closed(&self) -> bool {
+        match self {
+            Self::Build { reply, .. } => reply.is_closed(),
+            Self::Admit { reply } => reply.is_closed(),
+        }
+    }
+
+    fn fail(self, e: DispatchError) {
+        match self {
+            Self::Build { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            Self::Admit { reply } => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+}
+
+/// A provider selected and held for a request that still has asynchronous work to do before
+/// it can be sent (managed mode: acquire a credential lease for exactly this Node). Send it
+/// with [`EdgeHandle::send_admitted`]; dropping it releases the provider lease.
+#[derive(Debug)]
+pub struct Admission {
+    lease: Lease,
+    recipient: Option<RecipientKey>,
+    inputs: mpsc::WeakUnboundedSender<Input>,
+    armed: bool,
+}
+
+impl Admission {
+    /// The selected provider, its Node generation, adapter instance and target.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The lease recipient key the selected Node announced on this generation's registration.
+    pub fn recipient(&self) -> Option<&RecipientKey> {
+        self.recipient.as_ref()
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if self.armed
+            && let Some(inputs) = self.inputs.upgrade()
+        {
+            let _ = inputs.send(Input::ReleaseAdmission(self.lease.id));
+        }
+    }
 }
 
 fn stall(timeout: Duration) -> ResponseStallTimeout {
@@ -356,12 +416,25 @@ enum Input {
     },
     /// A run stream's receiver was dropped.
     StreamDropped(u64),
+    Admit {
+        model: String,
+        long_context: bool,
+        wait: Duration,
+        reply: oneshot::Sender<Result<Admission, DispatchError>>,
+    },
+    SendAdmitted {
+        lease: Lease,
+        request: PoolRequest,
+        reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
+    },
+    ReleaseAdmission(LeaseId),
 }
 
 /// The embeddable API of a running transport. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct EdgeHandle {
     metrics: Arc<Metrics>,
+    configured: Arc<Vec<(String, NodeConfigPayload)>>,
     inputs: mpsc::UnboundedSender<Input>,
     lifecycle: broadcast::Sender<Lifecycle>,
     local_addr: SocketAddr,
@@ -377,6 +450,12 @@ impl EdgeHandle {
     /// The address the listener is bound to.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The Nodes configured at bind time with their config payloads (the status view lists
+    /// them whether connected or not).
+    pub fn configured_nodes(&self) -> &[(String, NodeConfigPayload)] {
+        &self.configured
     }
 
     /// Lifecycle transitions from now on (observation only; a slow subscriber may lag).
@@ -441,6 +520,42 @@ impl EdgeHandle {
             long_context,
             wait,
             build,
+            reply,
+        })
+        .await?
+    }
+
+    /// The first half of a two-step dispatch: admission through the pool exactly as
+    /// [`EdgeHandle::dispatch`] (queue, wait, errors), but the selected provider is handed back
+    /// instead of being sent a request. The provider lease is held until the [`Admission`] is
+    /// sent with [`EdgeHandle::send_admitted`] or dropped.
+    pub async fn admit(
+        &self,
+        model: &str,
+        long_context: bool,
+        wait: Duration,
+    ) -> Result<Admission, DispatchError> {
+        self.ask(|reply| Input::Admit {
+            model: model.to_owned(),
+            long_context,
+            wait,
+            reply,
+        })
+        .await?
+    }
+
+    /// Sends `request` on an admitted provider. Fails with [`DispatchError::Disconnected`] when
+    /// the Node's generation ended meanwhile (its leases were released with the fence).
+    pub async fn send_admitted(
+        &self,
+        mut admission: Admission,
+        request: PoolRequest,
+    ) -> Result<Dispatched, DispatchError> {
+        admission.armed = false;
+        let lease = admission.lease.clone();
+        self.ask(|reply| Input::SendAdmitted {
+            lease,
+            request,
             reply,
         })
         .await?
@@ -542,6 +657,7 @@ pub async fn bind(
     let (lifecycle, _) = broadcast::channel(1024);
     let handle = EdgeHandle {
         metrics: config.metrics.clone(),
+        configured: Arc::new(config.node_configs.clone()),
         inputs: inputs.clone(),
         lifecycle: lifecycle.clone(),
         local_addr,
@@ -735,6 +851,8 @@ struct State {
     lifecycle: broadcast::Sender<Lifecycle>,
     /// This task's own input, weakly: streams report their drop through it.
     me: mpsc::WeakUnboundedSender<Input>,
+    /// The lease recipient key of each Node's current registration (managed mode).
+    recipients: HashMap<String, (Generation, Option<RecipientKey>)>,
 }
 
 fn now() -> std::time::Instant {
@@ -751,6 +869,7 @@ async fn registry_task(
 ) {
     let mut st = State {
         me,
+        recipients: HashMap::new(),
         registry,
         outs: HashMap::new(),
         routes: HashMap::new(),
@@ -928,23 +1047,37 @@ impl State {
                 build,
                 reply,
             } => {
-                let waiting = WaitingDispatch { build, reply };
-                let Some(pool) = self.pool.as_mut() else {
-                    let _ = waiting.reply.send(Err(DispatchError::UnknownModel));
-                    return;
-                };
-                match pool.submit(now(), &model, long_context, wait) {
-                    Ok(Submitted::Granted(lease)) => self.dispatch_on(lease, waiting),
-                    Ok(Submitted::Queued(id)) => {
-                        self.waiting_dispatch.insert(id, waiting);
-                    }
-                    Err(e) => {
-                        let e = match e {
-                            PoolError::QueueFull => DispatchError::QueueFull,
-                            _ => DispatchError::UnknownModel,
-                        };
-                        let _ = waiting.reply.send(Err(e));
-                    }
+                let waiting = WaitingDispatch::Build { build, reply };
+                self.submit(&model, long_context, wait, waiting);
+            }
+            Input::Admit {
+                model,
+                long_context,
+                wait,
+                reply,
+            } => {
+                self.submit(&model, long_context, wait, WaitingDispatch::Admit { reply });
+            }
+            Input::SendAdmitted {
+                lease,
+                request,
+                reply,
+            } => {
+                // Still held? A fence of its generation released it (exactly once) meanwhile.
+                let held = self
+                    .pool
+                    .as_ref()
+                    .and_then(|p| p.lease(lease.id))
+                    .is_some_and(|l| *l == lease);
+                if held {
+                    self.send_on(lease, request, reply);
+                } else {
+                    let _ = reply.send(Err(DispatchError::Disconnected));
+                }
+            }
+            Input::ReleaseAdmission(id) => {
+                if let Some(pool) = self.pool.as_mut() {
+                    pool.release(id);
                 }
             }
             Input::PoolStats { reply } => {
@@ -1122,25 +1255,85 @@ impl State {
                 }
                 PoolEvent::WaitTimedOut { request } => {
                     if let Some(waiting) = self.waiting_dispatch.remove(&request) {
-                        let _ = waiting.reply.send(Err(DispatchError::WaitTimeout));
+                        waiting.fail(DispatchError::WaitTimeout);
                     }
                 }
             }
         }
     }
 
-    /// Sends a granted dispatch to its provider's Node and hands the stream to the caller.
+    fn submit(
+        &mut self,
+        model: &str,
+        long_context: bool,
+        wait: Duration,
+        waiting: WaitingDispatch,
+    ) {
+        let Some(pool) = self.pool.as_mut() else {
+            return waiting.fail(DispatchError::UnknownModel);
+        };
+        match pool.submit(now(), model, long_context, wait) {
+            Ok(Submitted::Granted(lease)) => self.dispatch_on(lease, waiting),
+            Ok(Submitted::Queued(id)) => {
+                self.waiting_dispatch.insert(id, waiting);
+            }
+            Err(e) => waiting.fail(match e {
+                PoolError::QueueFull => DispatchError::QueueFull,
+                _ => DispatchError::UnknownModel,
+            }),
+        }
+    }
+
+    /// A granted dispatch: builds and sends it, or hands the admission to its caller.
     fn dispatch_on(&mut self, lease: Lease, waiting: WaitingDispatch) {
+        if waiting.is_closed() {
+            // The caller went away while queued.
+            if let Some(pool) = self.pool.as_mut() {
+                pool.release(lease.id);
+            }
+            return;
+        }
+        match waiting {
+            WaitingDispatch::Build { build, reply } => {
+                let built = build(&lease);
+                self.send_on(lease, built, reply);
+            }
+            WaitingDispatch::Admit { reply } => {
+                let recipient = self
+                    .recipients
+                    .get(&lease.key.node_id)
+                    .filter(|(g, _)| *g == lease.generation)
+                    .and_then(|(_, k)| k.clone());
+                let id = lease.id;
+                let admission = Admission {
+                    lease,
+                    recipient,
+                    inputs: self.me.clone(),
+                    armed: true,
+                };
+                if let Err(Ok(mut admission)) = reply.send(Ok(admission)) {
+                    admission.armed = false;
+                    if let Some(pool) = self.pool.as_mut() {
+                        pool.release(id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends a built request on a held lease and hands the stream to the caller.
+    fn send_on(
+        &mut self,
+        lease: Lease,
+        built: PoolRequest,
+        reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
+    ) {
         let release = |st: &mut Self, id| {
             if let Some(pool) = st.pool.as_mut() {
                 pool.release(id);
             }
         };
-        if waiting.reply.is_closed() {
-            return release(self, lease.id); // the caller went away while queued
-        }
         let node_id = lease.key.node_id.clone();
-        let built = (waiting.build)(&lease);
         let run_id = built.run_id().to_owned();
         let (result, stream_id) = match built {
             PoolRequest::Nothing => (Ok(Dispatched::Nothing), None),
@@ -1190,13 +1383,13 @@ impl State {
                 if let Some(route) = self.routes.get_mut(&id) {
                     route.lease = Some(lease.id);
                 }
-                if waiting.reply.send(result).is_err() {
+                if reply.send(result).is_err() {
                     self.handle(Input::StreamDropped(id));
                 }
             }
             None => {
                 release(self, lease.id);
-                let _ = waiting.reply.send(result);
+                let _ = reply.send(result);
             }
         }
     }
@@ -1307,6 +1500,14 @@ impl State {
 
     fn registry_event(&mut self, event: RegistryEvent) {
         match event {
+            RegistryEvent::Registered {
+                node_id,
+                generation,
+                recipient,
+                ..
+            } => {
+                self.recipients.insert(node_id, (generation, recipient));
+            }
             RegistryEvent::NodeReady {
                 node_id,
                 generation,
@@ -1331,6 +1532,13 @@ impl State {
                 // re-evaluate the queue; then end its streams (their lease release is a no-op).
                 if let Some(pool) = self.pool.as_mut() {
                     pool.node_fenced(&node_id, generation);
+                }
+                if self
+                    .recipients
+                    .get(&node_id)
+                    .is_some_and(|(g, _)| *g == generation)
+                {
+                    self.recipients.remove(&node_id);
                 }
                 self.fence(&node_id, generation);
                 let _ = self.lifecycle.send(Lifecycle::Disconnected {

@@ -88,15 +88,48 @@ impl RunEvents {
 ///
 /// [`TunnelSink::cancelled`] resolves when the driver fences the attempt after a response
 /// stall, as for [`RunEvents::cancelled`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct TunnelSink {
     tx: mpsc::Sender<TunnelPayload>,
     fence: CancellationToken,
+    credential: Arc<std::sync::Mutex<Option<iop_lease::OpenedCredential>>>,
+}
+
+impl std::fmt::Debug for TunnelSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelSink").finish_non_exhaustive()
+    }
 }
 
 impl TunnelSink {
-    pub(crate) fn new(tx: mpsc::Sender<TunnelPayload>, fence: CancellationToken) -> Self {
-        Self { tx, fence }
+    pub(crate) fn new(
+        tx: mpsc::Sender<TunnelPayload>,
+        fence: CancellationToken,
+        credential: Option<iop_lease::OpenedCredential>,
+    ) -> Self {
+        Self {
+            tx,
+            fence,
+            credential: Arc::new(std::sync::Mutex::new(credential)),
+        }
+    }
+
+    /// Managed mode: writes the opened lease's credential into `headers` (exactly its declared
+    /// header, replacing a caller's value) and zeroizes the plaintext. Call it right before
+    /// sending the upstream request. Returns whether there was a credential (only once).
+    pub fn inject_credential(&self, headers: &mut http::HeaderMap) -> bool {
+        let taken = self
+            .credential
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        match taken {
+            Some(c) => {
+                c.inject(headers);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Resolves once the attempt is fenced.

@@ -57,6 +57,7 @@
 
 mod adapter;
 pub mod config;
+pub mod credential;
 mod demo;
 mod exec;
 pub mod ollama;
@@ -107,6 +108,9 @@ pub struct NodeOptions {
     pub max_frame_len: usize,
     /// The lease recipient key announced at registration, if any.
     pub recipient: Option<RecipientKey>,
+    /// Managed mode (`credential_plane.enabled`): every provider tunnel must carry a lease this
+    /// plane can open ([`credential`]). Set with [`NodeOptions::with_credential_plane`].
+    pub credentials: Option<Arc<credential::CredentialPlane>>,
     /// Limit on TCP connect plus TLS handshake.
     pub connect_timeout: Duration,
     /// After a response stall, how long the aborted provider call may take to return before
@@ -168,6 +172,7 @@ impl NodeOptions {
             adapters: AdapterRegistry::new(),
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             recipient: None,
+            credentials: None,
             connect_timeout: Duration::from_secs(10),
             close_grace: DEFAULT_CLOSE_GRACE,
         })
@@ -176,6 +181,15 @@ impl NodeOptions {
     /// Sets the adapter registry.
     pub fn with_adapters(mut self, adapters: AdapterRegistry) -> Self {
         self.adapters = adapters;
+        self
+    }
+
+    /// Managed mode: announce `recipient`'s public key at registration and require an
+    /// openable lease on every provider tunnel.
+    pub fn with_credential_plane(mut self, recipient: iop_lease::Recipient) -> Self {
+        let plane = credential::CredentialPlane::new(recipient);
+        self.recipient = Some(plane.public_key().to_registration());
+        self.credentials = Some(Arc::new(plane));
         self
     }
 

@@ -143,6 +143,8 @@ impl Adapter for OpenAiCompatAdapter {
             };
             headers.append(name, value);
         }
+        // Managed mode: the lease's credential, in its declared header, right before the call.
+        frames.inject_credential(&mut headers);
         let mut builder = self
             .client
             .request(method, url)

@@ -219,6 +219,8 @@ fn handle_frame(
         RuntimeMessage::RunRequest(req) => {
             let settings = ExecSettings {
                 close_grace: opts.close_grace,
+                node_id: opts.node_id.clone(),
+                credentials: opts.credentials.clone(),
             };
             match admit(instances, runs, session_token, &req.adapter, &req.run_id) {
                 Ok((instance, permit, token)) => {
@@ -266,6 +268,8 @@ fn handle_frame(
         RuntimeMessage::ProviderTunnelRequest(req) => {
             let settings = ExecSettings {
                 close_grace: opts.close_grace,
+                node_id: opts.node_id.clone(),
+                credentials: opts.credentials.clone(),
             };
             match admit(instances, runs, session_token, &req.adapter, &req.run_id) {
                 Ok((instance, permit, token)) => {
@@ -429,9 +433,12 @@ fn command(
 }
 
 /// Settings every execution task needs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct ExecSettings {
     pub(crate) close_grace: Duration,
+    /// This Node's id and, in managed mode, its credential plane.
+    pub(crate) node_id: String,
+    pub(crate) credentials: Option<Arc<crate::credential::CredentialPlane>>,
 }
 
 fn stamped(frame: RuntimeFrame) -> Outbound {
@@ -551,13 +558,45 @@ async fn tunnel_task(
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .frame(payload)
     };
+    // Managed mode: open the lease now — after capacity admission (the permit is held),
+    // immediately before the provider call — or end the tunnel without calling the provider.
+    let mut req = req;
+    let credential = match &settings.credentials {
+        None => None,
+        Some(plane) => {
+            let profile = match &instance.config.settings {
+                iop_wire::runtime::AdapterSettings::OpenAiCompat(s) => {
+                    s.protocol_profile.name.as_str()
+                }
+                _ => "",
+            };
+            match plane.open(&settings.node_id, profile, &req, unix_ms()) {
+                Ok(c) => Some(c),
+                Err(rejected) => {
+                    tracing::info!(target: "iop_node", event = "node_credential_rejected", run_id = %run_id, reason = %rejected, "managed tunnel refused");
+                    drop(permit);
+                    let terminal = TunnelPayload::Error {
+                        error: rejected.to_string(),
+                        execution_failure: None,
+                    };
+                    if let Some(f) = numbered(terminal) {
+                        let _ = out.send(Outbound::Frame(frame(f))).await;
+                    }
+                    let _ = out.send(Outbound::RunDone(run_id)).await;
+                    return;
+                }
+            }
+        }
+    };
+    // The envelope has served its purpose; the adapter never sees it.
+    req.credential = None;
     let (ftx, frx) = mpsc::channel::<TunnelPayload>(64);
     let work = {
         let instance = instance.clone();
         tokio::spawn(async move {
             instance
                 .adapter
-                .tunnel(req, TunnelSink::new(ftx, fence))
+                .tunnel(req, TunnelSink::new(ftx, fence, credential))
                 .await
         })
     };
@@ -601,4 +640,10 @@ async fn tunnel_task(
             .await;
     }
     let _ = out.send(Outbound::RunDone(run_id)).await;
+}
+
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

@@ -38,8 +38,8 @@ use std::time::Instant;
 
 use crate::liveness::{HeartbeatConfig, Liveness};
 use crate::runtime::{
-    NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
-    RuntimeFrame, RuntimeMessage,
+    NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RecipientKey, RegisterRequest,
+    RegisterResponse, RuntimeFrame, RuntimeMessage,
 };
 
 /// Identifies one accepted transport connection. Never reused within a [`Registry`].
@@ -102,6 +102,9 @@ pub enum RegistryEvent {
         node_id: String,
         /// The new generation.
         generation: Generation,
+        /// The lease recipient key the Node announced in this registration (managed mode):
+        /// learned over the authenticated connection, valid for this generation only.
+        recipient: Option<RecipientKey>,
     },
     /// First ready transition of the current owner: activate the generation's provider
     /// resources, pump stranded waiters, publish `node.connected`.
@@ -497,6 +500,7 @@ impl Registry {
         let generation = Generation(self.next_generation);
         self.next_generation += 1;
         let node_id = req.node_id;
+        let recipient = req.recipient;
         let previous = self.owners.insert(
             node_id.clone(),
             Owner {
@@ -535,6 +539,7 @@ impl Registry {
             conn,
             node_id: node_id.clone(),
             generation,
+            recipient,
         });
         let accepted = RegisterResponse::Accepted {
             node_id,

@@ -206,6 +206,7 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             models: vec!["demo".into(), "gpt-4o-mini".into()],
             queue_wait: Duration::from_secs(5),
             auth: None,
+            control: None,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

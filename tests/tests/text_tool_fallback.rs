@@ -137,6 +137,7 @@ async fn surface(ca: &Ca, ollama: std::net::SocketAddr) -> String {
             models: vec!["tiny".into(), "plain".into()],
             queue_wait: Duration::from_secs(5),
             auth: None,
+            control: None,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -191,6 +191,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
             models: vec!["m".into(), "slow".into()],
             queue_wait: Duration::from_secs(10),
             auth: None,
+            control: None,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

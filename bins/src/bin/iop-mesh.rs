@@ -194,6 +194,7 @@ async fn run(args: Args) -> Result<(), String> {
             models: vec![args.model.clone()],
             queue_wait: Duration::from_secs(args.queue_wait_sec),
             auth: None,
+            control: None,
         },
     );
     let listener = tokio::net::TcpListener::bind(args.listen)
