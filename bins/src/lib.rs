@@ -3,6 +3,8 @@
 //!
 //! - `iop-node`: see `iop-node --help` and `iop_node::config` for the file format.
 //! - `iop-mesh`: a whole local mesh on embedded defaults (see `iop-mesh --help`).
+//! - `iop-cp`: the Control Plane: Edge wire server, loopback admin API and admin CLI (see
+//!   `iop-cp --help` and the crate docs of `iop_cp`).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -5,6 +5,7 @@
 //! | [`store`] | the durable store: principals, token digests, credential slots sealed at rest, routes, the mutation log and the strictly increasing projection generation; [`store::SqliteStore`] (default) and [`store::PgStore`] (replicas) behind one [`store::Store`] trait |
 //! | [`seal`] | AES-256-GCM at-rest sealing of slot credentials with the Control Plane's master key |
 //! | [`admin`] | the admin operations behind the CLI and the loopback HTTP admin API: create principals, tokens (the raw token is returned once, only its SHA-256 digest is stored), slots and routes |
+//! | [`admin_http`] | the HTTP admin API (axum), meant for loopback |
 //! | [`projection`] | the secret-free `PrincipalProjection` built from one store snapshot |
 //! | [`lease`] | the lease service: re-read durable state, check the binding exactly, decrypt, issue a signed lease sealed to the Node's X25519 key |
 //! | [`server`] | the Edge wire server: TLS (mTLS in managed mode), hello checks, the live Edge view, projection pushes after every mutation, lease requests, status/command correlation, Node events |
@@ -25,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod admin_http;
 pub mod lease;
 pub mod projection;
 pub mod seal;

@@ -44,6 +44,8 @@ use crate::projection;
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default heartbeat interval told to Edges.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
+/// Default interval of the store generation poll.
+pub const DEFAULT_STORE_POLL: Duration = Duration::from_millis(500);
 /// How long a status or command request waits for the Edge's answer.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -60,6 +62,9 @@ pub struct ServerConfig {
     pub heartbeat: Duration,
     /// Largest frame accepted or sent.
     pub max_frame_len: usize,
+    /// How often the store's generation is read, so that mutations made elsewhere (the CLI on
+    /// the same SQLite file, another replica on PostgreSQL) are pushed to Edges too.
+    pub store_poll: Duration,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -81,6 +86,7 @@ impl ServerConfig {
             managed,
             heartbeat: DEFAULT_HEARTBEAT,
             max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+            store_poll: DEFAULT_STORE_POLL,
         }
     }
 }
@@ -259,7 +265,21 @@ pub async fn serve(
     };
     let acceptor = TlsAcceptor::from(config.tls.clone());
     let task_cp = cp.clone();
+    let poll_admin = admin.clone();
+    let poll_every = config.store_poll;
+    let poller = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(poll_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match poll_admin.store().generation().await {
+                Ok(g) => poll_admin.observe(g),
+                Err(e) => tracing::warn!(error = %e, "store generation poll failed"),
+            }
+        }
+    });
     let task = tokio::spawn(async move {
+        let _poller = AbortOnDrop(poller);
         loop {
             let (tcp, peer) = match listener.accept().await {
                 Ok(a) => a,
@@ -292,6 +312,13 @@ pub async fn serve(
         }
     });
     Ok((cp, task))
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Why a hello is refused (the reason string is what the Edge receives).

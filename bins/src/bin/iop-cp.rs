@@ -1,0 +1,548 @@
+//! `iop-cp`: the IOP Control Plane binary — the Edge wire server and the admin CLI.
+//!
+//! ```text
+//! iop-cp --data-dir DIR serve --tls-ca ca.pem --tls-cert cp.pem --tls-key cp.key \
+//!        --trust-domain iop.local --credential-plane
+//! iop-cp --data-dir DIR principal create team-a --name "Team A"
+//! iop-cp --data-dir DIR token create --principal team-a          # prints the token once
+//! IOP_CREDENTIAL=sk-... iop-cp --data-dir DIR slot put openai-prod --profile openai \
+//!        --credential-env IOP_CREDENTIAL
+//! iop-cp --data-dir DIR route put r1 --principal team-a --model gpt-4o-mini \
+//!        --slot openai-prod --target gpt-4o-mini
+//! iop-cp --data-dir DIR issuer-key                                # the PEM Nodes pin
+//! ```
+//!
+//! The data directory holds the SQLite store (`iop-cp.sqlite3`, unless `--postgres URL`), the
+//! at-rest master key (`master.key`) and the lease issuer key (`issuer.pem`; its public half
+//! is written to `issuer.pub.pem`), all created on first use with mode 0600. CLI commands write
+//! the store directly; a running server notices the new generation within its poll interval
+//! and pushes the projection to every Edge. Credentials are never taken on the command line
+//! (other users can read it): use `--credential-env`, `--credential-file` or stdin.
+//!
+//! Exit codes: 0 success, 1 runtime failure, 2 invalid arguments or configuration.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a CLI prints its answers"
+)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use iop_cp::admin::Admin;
+use iop_cp::lease::LeaseService;
+use iop_cp::seal::MasterKey;
+use iop_cp::server::{self, ServerConfig};
+use iop_cp::store::{Mutation, PgStore, SqliteStore, Store};
+use iop_lease::{DEFAULT_MAX_TTL, IssuerSigningKey};
+use iop_wire::identity::{self, ExpectedPeer, role};
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use zeroize::Zeroizing;
+
+/// Key id of the issuer key kept in `issuer.pem`.
+const ISSUER_KEY_ID: &str = "cp-issuer-1";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "iop-cp",
+    version,
+    about = "IOP Control Plane: Edge wire server and admin CLI"
+)]
+struct Cli {
+    /// Data directory (store, master key, issuer key).
+    #[arg(long, env = "IOP_CP_DATA_DIR", default_value = "iop-cp-data")]
+    data_dir: PathBuf,
+    /// Use this PostgreSQL database (`postgres://user@host:port/db`) instead of the SQLite file;
+    /// for several replicas.
+    #[arg(long, env = "IOP_CP_POSTGRES")]
+    postgres: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the Edge wire server and the loopback admin API.
+    Serve(ServeArgs),
+    /// Principals.
+    #[command(subcommand)]
+    Principal(PrincipalCmd),
+    /// IOP API tokens.
+    #[command(subcommand)]
+    Token(TokenCmd),
+    /// Credential slots.
+    #[command(subcommand)]
+    Slot(SlotCmd),
+    /// Routes.
+    #[command(subcommand)]
+    Route(RouteCmd),
+    /// Print the lease issuer's public key (PEM) for Nodes to pin.
+    IssuerKey,
+    /// Print the mutation log.
+    Revisions {
+        /// Only after this generation.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Edge wire listen address.
+    #[arg(long, default_value = "127.0.0.1:7600")]
+    listen: SocketAddr,
+    /// Admin API listen address (loopback unless --admin-allow-remote).
+    #[arg(long, default_value = "127.0.0.1:7601")]
+    admin_listen: SocketAddr,
+    /// Allow a non-loopback admin listen address.
+    #[arg(long)]
+    admin_allow_remote: bool,
+    /// Bearer token the admin API requires (env; recommended with --admin-allow-remote).
+    #[arg(long, env = "IOP_CP_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// PEM bundle of the workload CA (verifies Edge certificates in managed mode).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// PEM certificate chain of this Control Plane (URI SAN spiffe://TD/control-plane/NAME).
+    #[arg(long)]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of this Control Plane.
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
+    /// Trust domain of the workload identities.
+    #[arg(long)]
+    trust_domain: Option<String>,
+    /// Managed mode (`credential_plane.enabled`): mTLS, projection and leases.
+    #[arg(long)]
+    credential_plane: bool,
+    /// Lease lifetime in seconds (1..=60).
+    #[arg(long, default_value_t = 30)]
+    lease_ttl_secs: u64,
+    /// Heartbeat interval told to Edges, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    heartbeat_ms: u64,
+}
+
+#[derive(Subcommand, Debug)]
+enum PrincipalCmd {
+    /// Create an enabled principal.
+    Create {
+        /// Principal id.
+        id: String,
+        /// Display name.
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// Disable a principal (its tokens and routes leave the projection).
+    Disable {
+        /// Principal id.
+        id: String,
+    },
+    /// Enable a principal.
+    Enable {
+        /// Principal id.
+        id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum TokenCmd {
+    /// Create a token; it is printed once and only its SHA-256 digest is stored.
+    Create {
+        /// Owning principal.
+        #[arg(long)]
+        principal: String,
+    },
+    /// Revoke a token.
+    Revoke {
+        /// Token id.
+        id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SlotCmd {
+    /// Create or rotate a credential slot (sealed at rest with the master key).
+    Put {
+        /// Slot id.
+        id: String,
+        /// Protocol profile (e.g. `openai`).
+        #[arg(long)]
+        profile: String,
+        /// Header the Node writes.
+        #[arg(long, default_value = "authorization")]
+        header: String,
+        /// Prefix before the credential in that header.
+        #[arg(long, default_value = "Bearer ")]
+        prefix: String,
+        /// Read the credential from this environment variable.
+        #[arg(long, conflicts_with = "credential_file")]
+        credential_env: Option<String>,
+        /// Read the credential from this file (trailing newline removed); `-` for stdin.
+        #[arg(long)]
+        credential_file: Option<PathBuf>,
+    },
+    /// Disable a slot.
+    Disable {
+        /// Slot id.
+        id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum RouteCmd {
+    /// Create or update a route (principal + model → slot, upstream target).
+    Put {
+        /// Route id.
+        id: String,
+        /// Principal.
+        #[arg(long)]
+        principal: String,
+        /// External model name.
+        #[arg(long)]
+        model: String,
+        /// Credential slot.
+        #[arg(long)]
+        slot: String,
+        /// Upstream target (the provider's model).
+        #[arg(long)]
+        target: String,
+        /// Provider selector.
+        #[arg(long, default_value = "")]
+        selector: String,
+    },
+    /// Disable a route.
+    Disable {
+        /// Route id.
+        id: String,
+    },
+}
+
+/// A failure and its exit code.
+struct Failure(i32, String);
+
+fn usage(msg: impl Into<String>) -> Failure {
+    Failure(2, msg.into())
+}
+
+fn runtime(msg: impl Into<String>) -> Failure {
+    Failure(1, msg.into())
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(Failure(code, msg)) = run(cli).await {
+        eprintln!("iop-cp: {msg}");
+        std::process::exit(code);
+    }
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+fn issuer_key(dir: &Path) -> Result<IssuerSigningKey, Failure> {
+    let path = dir.join("issuer.pem");
+    let key = match std::fs::read_to_string(&path) {
+        Ok(pem) => IssuerSigningKey::from_pem(ISSUER_KEY_ID, &pem)
+            .map_err(|e| runtime(format!("{}: {e}", path.display())))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let key = IssuerSigningKey::generate(ISSUER_KEY_ID)
+                .map_err(|e| runtime(format!("issuer key: {e}")))?;
+            write_private(&path, key.to_pem().as_bytes())
+                .map_err(|e| runtime(format!("{}: {e}", path.display())))?;
+            key
+        }
+        Err(e) => return Err(runtime(format!("{}: {e}", path.display()))),
+    };
+    let public = dir.join("issuer.pub.pem");
+    std::fs::write(&public, key.public_key().to_pem())
+        .map_err(|e| runtime(format!("{}: {e}", public.display())))?;
+    Ok(key)
+}
+
+async fn open(cli: &Cli) -> Result<Admin, Failure> {
+    std::fs::create_dir_all(&cli.data_dir)
+        .map_err(|e| runtime(format!("{}: {e}", cli.data_dir.display())))?;
+    let store: Arc<dyn Store> = match &cli.postgres {
+        Some(url) => Arc::new(
+            PgStore::connect(url)
+                .await
+                .map_err(|e| runtime(format!("postgres: {e}")))?,
+        ),
+        None => Arc::new(
+            SqliteStore::open(&cli.data_dir.join("iop-cp.sqlite3"))
+                .map_err(|e| runtime(format!("sqlite store: {e}")))?,
+        ),
+    };
+    let key = MasterKey::load_or_create(&cli.data_dir.join("master.key"))
+        .map_err(|e| runtime(format!("master key: {e}")))?;
+    let generation = store
+        .generation()
+        .await
+        .map_err(|e| runtime(format!("store: {e}")))?;
+    Ok(Admin::new(store, Arc::new(key), generation))
+}
+
+fn read_credential(env: Option<&str>, file: Option<&Path>) -> Result<Zeroizing<Vec<u8>>, Failure> {
+    let raw = match (env, file) {
+        (Some(var), None) => std::env::var(var)
+            .map_err(|_| usage(format!("--credential-env: {var} is not set")))?
+            .into_bytes(),
+        (None, Some(p)) if p == Path::new("-") => {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_line(&mut s)
+                .map_err(|e| runtime(format!("stdin: {e}")))?;
+            s.into_bytes()
+        }
+        (None, Some(p)) => std::fs::read(p)
+            .map_err(|e| usage(format!("--credential-file {}: {e}", p.display())))?,
+        _ => {
+            return Err(usage(
+                "give the credential with --credential-env or --credential-file",
+            ));
+        }
+    };
+    let mut raw = Zeroizing::new(raw);
+    while raw.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+        raw.pop();
+    }
+    Ok(raw)
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let admin = open(&cli).await?;
+    let fail = |e: iop_cp::admin::AdminError| runtime(e.to_string());
+    match &cli.command {
+        Command::Serve(args) => serve(&cli, admin, args).await,
+        Command::Principal(PrincipalCmd::Create { id, name }) => {
+            let g = admin.create_principal(id, name).await.map_err(fail)?;
+            println!("principal {id} created (generation {g})");
+            Ok(())
+        }
+        Command::Principal(PrincipalCmd::Disable { id } | PrincipalCmd::Enable { id }) => {
+            let enabled = matches!(cli.command, Command::Principal(PrincipalCmd::Enable { .. }));
+            let g = admin
+                .apply(Mutation::SetPrincipalEnabled {
+                    id: id.clone(),
+                    enabled,
+                })
+                .await
+                .map_err(fail)?;
+            println!("principal {id} enabled={enabled} (generation {g})");
+            Ok(())
+        }
+        Command::Token(TokenCmd::Create { principal }) => {
+            let t = admin.create_token(principal).await.map_err(fail)?;
+            println!("token_id: {}", t.token_id);
+            println!("token: {}", t.token.as_str());
+            eprintln!("(the token is shown once; only its SHA-256 digest is stored)");
+            Ok(())
+        }
+        Command::Token(TokenCmd::Revoke { id }) => {
+            let g = admin.revoke_token(id).await.map_err(fail)?;
+            println!("token {id} revoked (generation {g})");
+            Ok(())
+        }
+        Command::Slot(SlotCmd::Put {
+            id,
+            profile,
+            header,
+            prefix,
+            credential_env,
+            credential_file,
+        }) => {
+            let credential =
+                read_credential(credential_env.as_deref(), credential_file.as_deref())?;
+            let g = admin
+                .put_slot(id, profile, header, prefix, &credential)
+                .await
+                .map_err(fail)?;
+            println!("slot {id} stored, sealed (generation {g})");
+            Ok(())
+        }
+        Command::Slot(SlotCmd::Disable { id }) => {
+            let g = admin
+                .apply(Mutation::SetSlotEnabled {
+                    id: id.clone(),
+                    enabled: false,
+                })
+                .await
+                .map_err(fail)?;
+            println!("slot {id} disabled (generation {g})");
+            Ok(())
+        }
+        Command::Route(RouteCmd::Put {
+            id,
+            principal,
+            model,
+            slot,
+            target,
+            selector,
+        }) => {
+            let g = admin
+                .put_route(id, principal, model, slot, target, selector)
+                .await
+                .map_err(fail)?;
+            println!("route {id} stored (generation {g})");
+            Ok(())
+        }
+        Command::Route(RouteCmd::Disable { id }) => {
+            let g = admin
+                .apply(Mutation::SetRouteEnabled {
+                    id: id.clone(),
+                    enabled: false,
+                })
+                .await
+                .map_err(fail)?;
+            println!("route {id} disabled (generation {g})");
+            Ok(())
+        }
+        Command::IssuerKey => {
+            let key = issuer_key(&cli.data_dir)?;
+            print!("{}", key.public_key().to_pem());
+            Ok(())
+        }
+        Command::Revisions { after } => {
+            let rows = admin
+                .store()
+                .revisions(*after, 1000)
+                .await
+                .map_err(|e| runtime(e.to_string()))?;
+            for r in rows {
+                println!("{}\t{}\t{}", r.generation, r.kind, r.object_id);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn tls_config(args: &ServeArgs) -> Result<Arc<rustls::ServerConfig>, Failure> {
+    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
+        return Err(usage(if args.credential_plane {
+            "--credential-plane requires mTLS: give --tls-ca, --tls-cert, --tls-key and --trust-domain"
+        } else {
+            "the Edge wire is TLS: give --tls-cert and --tls-key"
+        }));
+    };
+    let read = |p: &PathBuf, what: &str| {
+        std::fs::read(p).map_err(|e| usage(format!("{what} {}: {e}", p.display())))
+    };
+    let chain = CertificateDer::pem_slice_iter(&read(cert, "--tls-cert")?)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| usage("--tls-cert: not a PEM certificate chain"))?;
+    let key = PrivateKeyDer::from_pem_slice(&read(key, "--tls-key")?)
+        .map_err(|_| usage("--tls-key: no PEM private key"))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    if !args.credential_plane {
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| usage(e.to_string()))?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .map_err(|e| usage(format!("--tls-cert/--tls-key: {e}")))?;
+        return Ok(Arc::new(config));
+    }
+    let (Some(ca), Some(td)) = (&args.tls_ca, &args.trust_domain) else {
+        return Err(usage(
+            "--credential-plane requires mTLS: give --tls-ca and --trust-domain as well",
+        ));
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&read(ca, "--tls-ca")?) {
+        roots
+            .add(c.map_err(|_| usage("--tls-ca: not a PEM bundle"))?)
+            .map_err(|_| usage("--tls-ca: invalid CA certificate"))?;
+    }
+    let expected = ExpectedPeer::any_name(td, role::EDGE)
+        .map_err(|e| usage(format!("--trust-domain: {e}")))?;
+    let verifier = identity::client_cert_verifier(Arc::new(roots), expected)
+        .map_err(|e| usage(format!("--tls-ca: {e}")))?;
+    let config = identity::server_config(chain, key, verifier)
+        .map_err(|e| usage(format!("--tls-cert/--tls-key: {e}")))?;
+    Ok(Arc::new(config))
+}
+
+async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure> {
+    if !args.admin_listen.ip().is_loopback() && !args.admin_allow_remote {
+        return Err(usage(
+            "--admin-listen must be a loopback address (or pass --admin-allow-remote)",
+        ));
+    }
+    let ttl = Duration::from_secs(args.lease_ttl_secs);
+    if ttl.is_zero() || ttl > DEFAULT_MAX_TTL {
+        return Err(usage(format!(
+            "--lease-ttl-secs must be 1..={}",
+            DEFAULT_MAX_TTL.as_secs()
+        )));
+    }
+    let tls = tls_config(args)?;
+    let leases = if args.credential_plane {
+        let issuer = iop_lease::Issuer::new(issuer_key(&cli.data_dir)?, DEFAULT_MAX_TTL)
+            .map_err(|e| runtime(format!("issuer: {e}")))?;
+        Some(Arc::new(LeaseService::new(
+            admin.store().clone(),
+            admin.master_key().clone(),
+            issuer,
+            ttl,
+        )))
+    } else {
+        None
+    };
+    let mut config = ServerConfig::new(args.listen, tls, args.credential_plane);
+    config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(100));
+    let (cp, task) = server::serve(config, admin.clone(), leases)
+        .await
+        .map_err(|e| runtime(format!("listen {}: {e}", args.listen)))?;
+    let admin_listener = tokio::net::TcpListener::bind(args.admin_listen)
+        .await
+        .map_err(|e| runtime(format!("admin listen {}: {e}", args.admin_listen)))?;
+    let admin_addr = admin_listener
+        .local_addr()
+        .map_err(|e| runtime(e.to_string()))?;
+    println!(
+        "iop-cp: edge wire on {} (managed={})",
+        cp.local_addr(),
+        args.credential_plane
+    );
+    println!("iop-cp: admin API on http://{admin_addr}");
+    if args.credential_plane {
+        println!(
+            "iop-cp: lease issuer public key in {}",
+            cli.data_dir.join("issuer.pub.pem").display()
+        );
+    }
+    let app = iop_cp::admin_http::router(admin, Some(cp), args.admin_token.clone());
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    axum::serve(admin_listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| runtime(format!("admin API: {e}")))?;
+    task.abort();
+    println!("iop-cp: stopped");
+    Ok(())
+}
