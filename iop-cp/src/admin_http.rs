@@ -10,6 +10,7 @@
 //! | `PUT /admin/v1/slots/{id}` | `{"profile", "header_name", "header_prefix", "credential"}` | `{"generation"}` (never echoes the credential) |
 //! | `PUT /admin/v1/routes/{id}` | `{"principal_id", "model", "slot_id", "upstream_target", "selector"}` | `{"generation"}` |
 //! | `GET /admin/v1/edges` | — | connected Edges |
+//! | `GET /admin/v1/edges/{id}/status` | — | that Edge's Node view (asked over the Edge wire) |
 //! | `GET /admin/v1/revisions?after=N` | — | the mutation log after generation N (at most 1000) |
 //! | `GET /healthz` | — | `ok` |
 //!
@@ -54,6 +55,7 @@ pub fn router(admin: Admin, cp: Option<ControlPlane>, admin_token: Option<String
         .route("/admin/v1/slots/{id}", put(put_slot))
         .route("/admin/v1/routes/{id}", put(put_route))
         .route("/admin/v1/edges", get(edges))
+        .route("/admin/v1/edges/{id}/status", get(edge_status))
         .route("/admin/v1/revisions", get(revisions))
         .route("/healthz", get(|| async { "ok" }))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
@@ -271,6 +273,51 @@ async fn edges(State(s): State<AppState>, headers: HeaderMap) -> Response {
         .map(|e| json!({ "edge_id": e.edge_id, "projection_generation": e.projection_generation }))
         .collect();
     axum::Json(json!({ "edges": edges })).into_response()
+}
+
+async fn edge_status(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(r) = check(&s, &headers) {
+        return r;
+    }
+    let Some(cp) = &s.cp else {
+        return fail(StatusCode::NOT_FOUND, "edge not connected");
+    };
+    match cp.status(&id).await {
+        Ok(status) => {
+            let nodes: Vec<_> = status
+                .nodes
+                .iter()
+                .map(|n| {
+                    let providers: Vec<_> = n
+                        .provider_snapshots
+                        .iter()
+                        .map(|p| {
+                            json!({
+                                "provider_id": p.provider_id, "adapter": p.adapter,
+                                "target": p.target, "category": p.category,
+                                "status": p.status, "health": p.health,
+                                "capacity": p.capacity, "in_flight": p.in_flight,
+                                "queued": p.queued,
+                            })
+                        })
+                        .collect();
+                    json!({
+                        "node_id": n.node_id,
+                        "connected": n.connected,
+                        "config_revision": n.config.revision,
+                        "adapters": n.config.adapters,
+                        "providers": providers,
+                    })
+                })
+                .collect();
+            axum::Json(json!({ "edge_id": status.edge_id, "nodes": nodes })).into_response()
+        }
+        Err(e) => fail(StatusCode::NOT_FOUND, &e.to_string()),
+    }
 }
 
 async fn revisions(

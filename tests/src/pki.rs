@@ -146,3 +146,35 @@ pub fn node_client_tls(
             .expect("node config"),
     )
 }
+
+/// A workload's server TLS: the `<role>/<name>` identity, requiring clients of `client_role`
+/// (any name) from this CA.
+pub fn server_tls(ca: &Ca, role: &str, name: &str, client_role: &str) -> Arc<rustls::ServerConfig> {
+    let leaf = ca.workload(role, name, true);
+    let expected = iop_wire::identity::ExpectedPeer::any_name(TRUST_DOMAIN, client_role)
+        .expect("valid expected peer");
+    let verifier = iop_wire::identity::client_cert_verifier(ca.roots(), expected).expect("roots");
+    Arc::new(
+        iop_wire::identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
+            .expect("server config"),
+    )
+}
+
+/// A workload's client TLS: the `<role>/<cert_name>` identity, expecting the server
+/// `<server_role>/<server_name>`.
+pub fn client_tls(
+    ca: &Ca,
+    role: &str,
+    cert_name: &str,
+    server_role: &str,
+    server_name: &str,
+) -> Arc<rustls::ClientConfig> {
+    let leaf = ca.workload(role, cert_name, false);
+    let expected = iop_wire::identity::ExpectedPeer::exact(TRUST_DOMAIN, server_role, server_name)
+        .expect("valid expected peer");
+    let verifier = iop_wire::identity::server_cert_verifier(ca.roots(), expected).expect("roots");
+    Arc::new(
+        iop_wire::identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
+            .expect("client config"),
+    )
+}

@@ -125,6 +125,10 @@ struct ServeArgs {
     /// Heartbeat interval told to Edges, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     heartbeat_ms: u64,
+    /// How often the store generation is read to notice mutations made by the CLI or another
+    /// replica, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    store_poll_ms: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -513,6 +517,7 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
     };
     let mut config = ServerConfig::new(args.listen, tls, args.credential_plane);
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(100));
+    config.store_poll = Duration::from_millis(args.store_poll_ms.max(10));
     let (cp, task) = server::serve(config, admin.clone(), leases)
         .await
         .map_err(|e| runtime(format!("listen {}: {e}", args.listen)))?;
