@@ -142,6 +142,7 @@ struct Shared {
 #[derive(Clone)]
 pub struct ControlPlane {
     shared: Arc<Mutex<Shared>>,
+    stop: tokio_util::sync::CancellationToken,
     events: broadcast::Sender<(String, EdgeNodeEvent)>,
     local_addr: SocketAddr,
 }
@@ -162,6 +163,11 @@ impl ControlPlane {
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Stops accepting and closes every Edge connection (Edges reconnect elsewhere or later).
+    pub fn shutdown(&self) {
+        self.stop.cancel();
     }
 
     /// Connected Edges, sorted by id.
@@ -260,6 +266,7 @@ pub async fn serve(
     let local_addr = listener.local_addr()?;
     let cp = ControlPlane {
         shared: Arc::default(),
+        stop: tokio_util::sync::CancellationToken::new(),
         events: broadcast::channel(1024).0,
         local_addr,
     };
@@ -281,7 +288,11 @@ pub async fn serve(
     let task = tokio::spawn(async move {
         let _poller = AbortOnDrop(poller);
         loop {
-            let (tcp, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                () = task_cp.stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            let (tcp, peer) = match accepted {
                 Ok(a) => a,
                 Err(e) => {
                     tracing::warn!(error = %e, "control plane accept failed");
@@ -445,6 +456,7 @@ async fn connection<S>(
     let mut generations_open = config.managed;
     loop {
         tokio::select! {
+            () = cp.stop.cancelled() => break,
             frame = tokio::time::timeout(idle, framed.next()) => {
                 let frame = match frame {
                     Ok(Some(Ok(f))) => f,

@@ -118,7 +118,7 @@ pub enum LeaseError {
 /// Why the last session ended or could not start (for operators and tests).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SessionState {
-    /// Not connected yet.
+    /// Not connected: before the first session, or (re)connecting after one ended.
     Connecting,
     /// Hello accepted.
     Connected,
@@ -351,7 +351,11 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
         };
         *lock(&shared.link) = None;
         match result {
-            Ok(()) => backoff = BACKOFF_MIN, // a session that was accepted, then ended
+            Ok(()) => {
+                // A session that was accepted, then ended.
+                backoff = BACKOFF_MIN;
+                shared.state.send_replace(SessionState::Connecting);
+            }
             Err(state) => {
                 tracing::warn!(target: "iop_edge", event = "edge_control_session_failed", state = ?state, "control plane session failed");
                 shared.state.send_replace(state);

@@ -539,7 +539,7 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
             cli.data_dir.join("issuer.pub.pem").display()
         );
     }
-    let app = iop_cp::admin_http::router(admin, Some(cp), args.admin_token.clone());
+    let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -547,7 +547,8 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(|e| runtime(format!("admin API: {e}")))?;
-    task.abort();
+    cp.shutdown();
+    let _ = task.await;
     println!("iop-cp: stopped");
     Ok(())
 }
