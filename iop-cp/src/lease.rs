@@ -42,7 +42,7 @@ pub enum LeaseRefusal {
     /// The route or credential revision moved on.
     #[error("stale revision")]
     StaleRevision,
-    /// The recipient key does not match the binding.
+    /// The recipient key does not match the binding, or cannot be sealed to (low order).
     #[error("recipient mismatch")]
     RecipientMismatch,
     /// The store, the master key or the issuer failed.
@@ -157,7 +157,13 @@ impl LeaseService {
         let envelope = self
             .issuer
             .issue(b, &recipient, &credential, now_unix_ms, self.ttl)
-            .map_err(|_| LeaseRefusal::Unavailable)?;
+            .map_err(|e| match e {
+                // A low-order or otherwise unusable recipient key fails the HPKE seal.
+                iop_lease::IssueError::Seal | iop_lease::IssueError::RecipientMismatch => {
+                    LeaseRefusal::RecipientMismatch
+                }
+                _ => LeaseRefusal::Unavailable,
+            })?;
         Ok(envelope.lease)
     }
 }
