@@ -221,7 +221,13 @@ impl ProjectionIndex {
 
 struct Link {
     out: mpsc::UnboundedSender<ControlFrame>,
-    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<AcquireLeaseResponse>>>>,
+    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+}
+
+/// A request on the session waiting for its correlated answer.
+enum Waiter {
+    Lease(oneshot::Sender<AcquireLeaseResponse>),
+    Pong(oneshot::Sender<()>),
 }
 
 struct Shared {
@@ -314,7 +320,7 @@ impl ControlConnector {
                 *n += 1;
                 *n
             };
-            lock(&link.pending).insert(id, tx);
+            lock(&link.pending).insert(id, Waiter::Lease(tx));
             let request = AcquireLeaseRequest {
                 binding,
                 recipient_public_key,
@@ -331,6 +337,30 @@ impl ControlConnector {
             Ok(Ok(AcquireLeaseResponse::Refused { reason })) => Err(LeaseError::Refused(reason)),
             _ => Err(LeaseError::NoAnswer),
         }
+    }
+}
+
+impl ControlConnector {
+    /// One ping/pong round trip on the current session (the baseline of the lease round trip
+    /// in `benches/`). `None` without a session or answer within [`LEASE_TIMEOUT`].
+    pub async fn ping(&self) -> Option<Duration> {
+        let (tx, rx) = oneshot::channel();
+        let started = std::time::Instant::now();
+        {
+            let link = lock(&self.shared.link);
+            let link = link.as_ref()?;
+            let id = {
+                let mut n = lock(&self.shared.next_correlation);
+                *n += 1;
+                *n
+            };
+            lock(&link.pending).insert(id, Waiter::Pong(tx));
+            link.out
+                .send(ControlFrame::correlated(id, ControlMessage::Ping))
+                .ok()?;
+        }
+        tokio::time::timeout(LEASE_TIMEOUT, rx).await.ok()?.ok()?;
+        Some(started.elapsed())
     }
 }
 
@@ -472,7 +502,7 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
         }
     }
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<ControlFrame>();
-    let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<AcquireLeaseResponse>>>> = Arc::default();
+    let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
     *lock(&shared.link) = Some(Link {
         out: out_tx.clone(),
         pending: pending.clone(),
@@ -542,7 +572,7 @@ fn inbound(
     shared: &Arc<Shared>,
     frame: ControlFrame,
     out: &mpsc::UnboundedSender<ControlFrame>,
-    pending: &Mutex<HashMap<u64, oneshot::Sender<AcquireLeaseResponse>>>,
+    pending: &Mutex<HashMap<u64, Waiter>>,
 ) -> bool {
     let id = frame.correlation_id;
     match frame.message {
@@ -568,14 +598,18 @@ fn inbound(
             ));
         }
         ControlMessage::AcquireLeaseResponse(r) => {
-            if let Some(tx) = lock(pending).remove(&id) {
+            if let Some(Waiter::Lease(tx)) = lock(pending).remove(&id) {
                 let _ = tx.send(r);
             }
         }
         ControlMessage::Ping => {
             let _ = out.send(ControlFrame::correlated(id, ControlMessage::Pong));
         }
-        ControlMessage::Pong => {}
+        ControlMessage::Pong => {
+            if let Some(Waiter::Pong(tx)) = lock(pending).remove(&id) {
+                let _ = tx.send(());
+            }
+        }
         _ => return false,
     }
     true
