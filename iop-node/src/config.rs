@@ -20,6 +20,14 @@
 //!
 //! [runtime]
 //! close_grace_ms = 2000         # after a response stall, how long the provider may take to return
+//!
+//! [credential_plane]            # managed mode (seeds 000/001); omitted = disabled
+//! enabled = true
+//! recipient_key = "/var/lib/iop/node-1.x25519.pem" # X25519 PKCS#8 PEM; created (0600) if missing
+//! recipient_key_id = "node-1-key-1"                # announced at registration, bound in leases
+//! [[credential_plane.issuers]]  # the Control Plane's lease issuer keys (several for rotation)
+//! key_id = "cp-issuer-1"
+//! public_key = "/etc/iop/cp-issuer.pub.pem"        # `iop-cp issuer-key` prints it
 //! ```
 //!
 //! Unknown keys are errors. Every error names the key it is about, and none prints key material.
@@ -52,6 +60,108 @@ pub struct NodeConfigFile {
     /// `[runtime]`.
     #[serde(default)]
     pub runtime: RuntimeSection,
+    /// `[credential_plane]`.
+    #[serde(default)]
+    pub credential_plane: CredentialPlaneSection,
+}
+
+/// `[credential_plane]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialPlaneSection {
+    /// `credential_plane.enabled`.
+    #[serde(default)]
+    pub enabled: bool,
+    /// `credential_plane.recipient_key`.
+    pub recipient_key: Option<PathBuf>,
+    /// `credential_plane.recipient_key_id`.
+    pub recipient_key_id: Option<String>,
+    /// `credential_plane.issuers`.
+    #[serde(default)]
+    pub issuers: Vec<IssuerEntry>,
+}
+
+/// One `[[credential_plane.issuers]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IssuerEntry {
+    /// `key_id`.
+    pub key_id: String,
+    /// `public_key`: a PEM file.
+    pub public_key: PathBuf,
+}
+
+impl CredentialPlaneSection {
+    /// The recipient (key + pinned issuers), when enabled.
+    fn recipient(&self) -> Result<Option<iop_lease::Recipient>, ConfigError> {
+        if !self.enabled {
+            return Ok(None);
+        }
+        let path = self.recipient_key.as_ref().ok_or_else(|| {
+            invalid("credential_plane.recipient_key", "required when enabled")
+        })?;
+        let key_id = self.recipient_key_id.as_deref().ok_or_else(|| {
+            invalid("credential_plane.recipient_key_id", "required when enabled")
+        })?;
+        let key = match std::fs::read_to_string(path) {
+            Ok(pem) => iop_lease::RecipientSecretKey::from_pem(key_id, &pem)
+                .map_err(|e| invalid("credential_plane.recipient_key", e.to_string()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let key = iop_lease::RecipientSecretKey::generate(key_id)
+                    .map_err(|e| invalid("credential_plane.recipient_key_id", e.to_string()))?;
+                write_private(path, key.to_pem().as_bytes()).map_err(|e| {
+                    invalid(
+                        "credential_plane.recipient_key",
+                        format!("cannot create {}: {e}", path.display()),
+                    )
+                })?;
+                key
+            }
+            Err(e) => {
+                return Err(invalid(
+                    "credential_plane.recipient_key",
+                    format!("cannot read {}: {e}", path.display()),
+                ));
+            }
+        };
+        if self.issuers.is_empty() {
+            return Err(invalid(
+                "credential_plane.issuers",
+                "at least one issuer public key is required when enabled",
+            ));
+        }
+        let mut trusted = iop_lease::TrustedIssuers::new();
+        for issuer in &self.issuers {
+            let pem = std::fs::read_to_string(&issuer.public_key).map_err(|e| {
+                invalid(
+                    "credential_plane.issuers.public_key",
+                    format!("cannot read {}: {e}", issuer.public_key.display()),
+                )
+            })?;
+            let k = iop_lease::IssuerPublicKey::from_pem(&issuer.key_id, &pem)
+                .map_err(|e| invalid("credential_plane.issuers.public_key", e.to_string()))?;
+            trusted.insert(k);
+        }
+        Ok(Some(iop_lease::Recipient::new(
+            key,
+            trusted,
+            iop_lease::OpenPolicy::default(),
+        )))
+    }
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
 }
 
 /// `[edge]`.
@@ -220,6 +330,9 @@ impl NodeConfigFile {
         if let Some(ms) = self.runtime.close_grace_ms {
             opts.close_grace = Duration::from_millis(ms);
         }
+        if let Some(recipient) = self.credential_plane.recipient()? {
+            opts = opts.with_credential_plane(recipient);
+        }
         Ok(opts)
     }
 }
@@ -238,6 +351,47 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("edge"), "{e}");
+    }
+
+    #[test]
+    fn credential_plane_keys_are_checked_and_the_recipient_key_created() {
+        let dir = std::env::temp_dir().join(format!("iop-node-cp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let section = |extra: &str| -> CredentialPlaneSection {
+            toml::from_str(&format!("enabled = true\n{extra}")).unwrap()
+        };
+        let e = section("").recipient().unwrap_err().to_string();
+        assert!(e.starts_with("credential_plane.recipient_key:"), "{e}");
+        let key = dir.join("node.x25519.pem");
+        let base = format!(
+            "recipient_key = {:?}\nrecipient_key_id = \"node-1-key\"\n",
+            key.display().to_string()
+        );
+        let e = section(&base).recipient().unwrap_err().to_string();
+        assert!(e.starts_with("credential_plane.issuers:"), "{e}");
+        let issuer = iop_lease::IssuerSigningKey::generate("cp-issuer-1").unwrap();
+        let issuer_pem = dir.join("issuer.pub.pem");
+        std::fs::write(&issuer_pem, issuer.public_key().to_pem()).unwrap();
+        let full = format!(
+            "{base}[[issuers]]\nkey_id = \"cp-issuer-1\"\npublic_key = {:?}\n",
+            issuer_pem.display().to_string()
+        );
+        let first = section(&full).recipient().unwrap().unwrap().public_key();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        // The same key on the next start.
+        let again = section(&full).recipient().unwrap().unwrap().public_key();
+        assert_eq!(first.as_bytes(), again.as_bytes());
+        assert!(
+            CredentialPlaneSection::default().recipient().unwrap().is_none(),
+            "disabled by default"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
