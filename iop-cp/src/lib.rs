@@ -22,6 +22,41 @@
 //! - A route's profile is its slot's profile at the time the route is written; rotating a slot
 //!   to another profile while routes use it is refused.
 //! - Ids are 1–128 bytes of `[A-Za-z0-9-_.:]`; header names are lowercase tokens.
+//! - A new store is generation 1 (the wire's projection generations start at 1); every
+//!   mutation adds exactly one.
+//! - Leases live 30 s by default ([`lease::DEFAULT_LEASE_TTL`], at most 60 s).
+//! - Mutations made outside this process (the CLI on the same SQLite file, another replica on
+//!   PostgreSQL) reach Edges within the store poll interval (500 ms by default); mutations
+//!   through [`admin::Admin`] in this process are pushed at once.
+//! - Tokens are `iop_` + 64 hex digits (256 random bits); the Edge compares SHA-256 digests in
+//!   constant time.
+//! - A managed Control Plane refuses a legacy Edge's hello and vice versa (`managed` in the
+//!   hello must match), rather than running a half-managed session.
+//!
+//! # Example: a managed Control Plane in a service
+//!
+//! ```no_run
+//! # async fn example(tls: std::sync::Arc<rustls::ServerConfig>) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use iop_cp::{admin::Admin, lease::{LeaseService, DEFAULT_LEASE_TTL}, seal::MasterKey};
+//! use iop_cp::server::{serve, ServerConfig};
+//! use iop_cp::store::{SqliteStore, Store};
+//!
+//! let store: Arc<dyn Store> = Arc::new(SqliteStore::open("cp.sqlite3".as_ref())?);
+//! let key = Arc::new(MasterKey::load_or_create("master.key".as_ref())?);
+//! let admin = Admin::new(store.clone(), key.clone(), store.generation().await?);
+//! let issuer = iop_lease::Issuer::new(
+//!     iop_lease::IssuerSigningKey::generate("cp-issuer-1")?,
+//!     iop_lease::DEFAULT_MAX_TTL,
+//! )?;
+//! let leases = Arc::new(LeaseService::new(store, key, issuer, DEFAULT_LEASE_TTL));
+//! // `tls` must require Edge client certificates (see `iop_wire::identity`).
+//! let (cp, _task) = serve(ServerConfig::new("0.0.0.0:7600".parse()?, tls, true), admin.clone(), Some(leases)).await?;
+//! admin.create_principal("team-a", "Team A").await?;
+//! let token = admin.create_token("team-a").await?; // show token.token once
+//! # let _ = (cp, token);
+//! # Ok(()) }
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

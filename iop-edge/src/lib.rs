@@ -1,6 +1,6 @@
 //! The IOP Edge, as an embeddable library.
 //!
-//! **Status:** the Node transport ([`transport`]) is here: the mTLS listener, one I/O task per
+//! The Node transport ([`transport`]): the mTLS listener, one I/O task per
 //! Node connection, and one registry task that owns `iop_wire::edge::Registry` — the single
 //! authority for `node_id → current owner, generation, pending/ready` — plus the routing of run
 //! streams and commands. [`EdgeHandle`] is the embeddable API to dispatch runs, cancel them,
@@ -13,7 +13,9 @@
 //! (terminal or fence), a bounded FIFO queue pumped on ready/release, the seed's snapshot
 //! figures and the per-generation runtime-unavailable overlay. The transport's registry task
 //! drives it in the same step as its own lifecycle (ready → activate and pump; fence → release
-//! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it.
+//! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it (or,
+//! in two steps, [`EdgeHandle::admit`] then [`EdgeHandle::send_admitted`], when something
+//! asynchronous — a credential lease — must happen between selection and sending).
 //! Stall terminals go through the Edge terminal handoff (transport identity and the lease's
 //! adapter/target; `provider_id`, `provider_health`, `recovery_handoff=confirmed` on validated
 //! run and tunnel stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs
@@ -22,8 +24,14 @@
 //! [`http`] is the OpenAI-compatible surface (`/v1/models`, `/v1/chat/completions`,
 //! `/v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`, `/metrics`, `/healthz`,
 //! `/readyz`), with tool calls from native metadata or, under the seed's fallback mark, from
-//! `<tool_call>` text (module `tools`). Still to come: the managed auth mode and the Control
-//! Plane connector (issue #6).
+//! `<tool_call>` text (module `tools`). Serve it with [`http::serve`] (it sets `TCP_NODELAY`).
+//!
+//! [`control`] is the Control Plane connector (seed `001`): it dials out, says hello, answers
+//! status and commands, relays Node lifecycle events and reconnects; in managed mode
+//! (`credential_plane.enabled`) it keeps the principal projection and acquires credential
+//! leases, and [`http`] authenticates requests against that projection, resolves the route,
+//! admits through the pool, binds a lease to exactly the selected Node and checks the binding
+//! before acquisition and again before dispatch.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -97,12 +97,14 @@ impl CredentialPlaneSection {
         if !self.enabled {
             return Ok(None);
         }
-        let path = self.recipient_key.as_ref().ok_or_else(|| {
-            invalid("credential_plane.recipient_key", "required when enabled")
-        })?;
-        let key_id = self.recipient_key_id.as_deref().ok_or_else(|| {
-            invalid("credential_plane.recipient_key_id", "required when enabled")
-        })?;
+        let path = self
+            .recipient_key
+            .as_ref()
+            .ok_or_else(|| invalid("credential_plane.recipient_key", "required when enabled"))?;
+        let key_id = self
+            .recipient_key_id
+            .as_deref()
+            .ok_or_else(|| invalid("credential_plane.recipient_key_id", "required when enabled"))?;
         let key = match std::fs::read_to_string(path) {
             Ok(pem) => iop_lease::RecipientSecretKey::from_pem(key_id, &pem)
                 .map_err(|e| invalid("credential_plane.recipient_key", e.to_string()))?,
@@ -388,7 +390,10 @@ mod tests {
         let again = section(&full).recipient().unwrap().unwrap().public_key();
         assert_eq!(first.as_bytes(), again.as_bytes());
         assert!(
-            CredentialPlaneSection::default().recipient().unwrap().is_none(),
+            CredentialPlaneSection::default()
+                .recipient()
+                .unwrap()
+                .is_none(),
             "disabled by default"
         );
         std::fs::remove_dir_all(&dir).unwrap();
