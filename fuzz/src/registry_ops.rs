@@ -84,6 +84,7 @@ impl Model {
                 conn,
                 node_id,
                 generation,
+                ..
             } => {
                 assert!(
                     self.last_generation < Some(generation),
