@@ -4,8 +4,9 @@
 #   1. rustfmt check, 2. clippy with -D warnings on every target, 3. every test of the
 #   workspace (unit, property, virtual-time harness, end-to-end over real TLS sockets, the
 #   generated-code drift check, doc examples, the store contract suite against SQLite and a
-#   PostgreSQL database this script provides: scripts/postgres.sh), 4. a short smoke run of
-#   every cargo-fuzz target.
+#   PostgreSQL database this script provides: scripts/postgres.sh; the proxy-pool store
+#   contract against a private redis-server: scripts/redis.sh), 4. a short smoke run of every
+#   cargo-fuzz target.
 #
 # Environment: FUZZ_SECONDS (per fuzz target, default 20), SKIP_FUZZ=1 to skip step 4 locally.
 set -euo pipefail
@@ -38,9 +39,12 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "services"
 # shellcheck source=scripts/postgres.sh
 . scripts/postgres.sh
+# shellcheck source=scripts/redis.sh
+. scripts/redis.sh
 test_log="$(mktemp)"
-trap 'rm -f "$test_log"; pg_cleanup' EXIT
+trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup' EXIT
 pg_setup
+redis_setup
 
 step "tests"
 cargo test --workspace --locked 2>&1 | tee "$test_log"

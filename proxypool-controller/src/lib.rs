@@ -1,7 +1,21 @@
-//! The proxy-pool WorkerControlPlane gRPC controller (seed `004`).
+//! The proxy-pool WorkerControlPlane controller (seed `004`): Gateway Workers register, receive
+//! an expiring, replaceable session, acknowledge published snapshots and report their complete
+//! sparse runtime counters; Controller replicas share sessions, snapshot references and report
+//! fences through Redis.
 //!
-//! **Status: empty.** This crate is filled by issue #7. It will own the pure worker session
-//! domain (ACK and runtime-report fences), the `ControlStore` trait with in-memory and Redis
-//! implementations, and the tonic transport. It does not depend on the IOP crates.
+//! **Scope.** This is the seed's first delivery unit: `RegisterWorker`, `AcknowledgeSnapshot`
+//! and `ReportRuntime`. `WatchSnapshots` and `ReportOutcomes` keep their contract and answer
+//! `UNIMPLEMENTED`; snapshot payloads, outcome de-duplication and revocation are not here. It
+//! is not the complete worker control plane. It does not depend on the IOP crates.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`domain`] | validated commands, the session state machine's ACK and report rules, the [`domain::ControlStore`] port and the [`domain::Service`]; no tonic, Redis or tokio types |
+//! | [`memory`] | the in-memory reference store with an injected clock (TTL in virtual time) |
+//! | [`redis_store`] | the Redis store: one Lua script per check-and-write, `{activity}` hash tag, persistent monotonic ownership epoch |
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+pub mod domain;
+pub mod memory;
+pub mod redis_store;

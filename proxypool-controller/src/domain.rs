@@ -1,0 +1,695 @@
+//! The worker control plane's domain (seed `004` sections 4, 5 and 7): validated commands,
+//! the session state machine's rules, the [`ControlStore`] port and the [`Service`].
+//!
+//! Nothing here names protobuf, tonic, Redis or tokio: the transport maps DTOs to these types
+//! and back, and the store implementations ([`crate::memory`], [`crate::redis_store`]) carry
+//! out the atomic check-and-write steps.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+/// The only protocol version this delivery unit speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Longest worker, instance, zone and proxy id (bytes).
+pub const MAX_ID_LEN: usize = 128;
+/// Most labels on a registration.
+pub const MAX_LABELS: usize = 32;
+/// Longest label key (bytes).
+pub const MAX_LABEL_KEY: usize = 64;
+/// Longest label value (bytes).
+pub const MAX_LABEL_VALUE: usize = 256;
+/// Largest total of label keys and values (bytes).
+pub const MAX_LABELS_TOTAL: usize = 4096;
+/// Longest ACK error message (bytes); checked, then dropped.
+pub const MAX_ERROR_MESSAGE: usize = 512;
+/// Longest ACK error code (bytes).
+pub const MAX_ERROR_CODE: usize = 64;
+
+/// A 128-bit session id.
+pub type SessionId = [u8; 16];
+/// A raw SHA-256 snapshot checksum.
+pub type Checksum = [u8; 32];
+
+/// A snapshot position, ordered by `(ownership_epoch, version)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SnapshotTuple {
+    /// Ownership epoch (compared first).
+    pub ownership_epoch: u64,
+    /// Snapshot version.
+    pub version: u64,
+}
+
+/// A worker session as the store holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Session {
+    /// Worker id.
+    pub worker_id: String,
+    /// Worker instance.
+    pub instance_id: String,
+    /// Session id (never logged).
+    pub session_id: SessionId,
+    /// Last positively acknowledged snapshot (zero after registration).
+    pub acked: SnapshotTuple,
+    /// Its checksum (zero after registration).
+    pub acked_checksum: Checksum,
+    /// Whether runtime reports are accepted (only after a positive ACK).
+    pub runtime_enabled: bool,
+}
+
+/// The snapshot currently published to a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotReference {
+    /// Position.
+    pub tuple: SnapshotTuple,
+    /// Checksum.
+    pub checksum: Checksum,
+}
+
+/// A worker's acknowledgement of a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotAcknowledgement {
+    /// Worker id.
+    pub worker_id: String,
+    /// Session id.
+    pub session_id: SessionId,
+    /// The acknowledged position.
+    pub tuple: SnapshotTuple,
+    /// Its checksum.
+    pub checksum: Checksum,
+    /// Applied (positive) or rejected (negative).
+    pub applied: bool,
+}
+
+/// One proxy's counters in a sparse report.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Counter {
+    /// Proxy id.
+    pub proxy_id: String,
+    /// Requests in flight.
+    pub in_flight: u64,
+    /// Open upstream connections.
+    pub open_connections: u64,
+}
+
+/// A complete sparse runtime report, canonical (counters sorted by proxy id, unique).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    /// Worker id.
+    pub worker_id: String,
+    /// Session id.
+    pub session_id: SessionId,
+    /// Report sequence.
+    pub sequence: u64,
+    /// The acknowledged snapshot the report is about.
+    pub tuple: SnapshotTuple,
+    /// Observation time, Unix milliseconds.
+    pub observed_at_unix_ms: i64,
+    /// Counters, sorted by proxy id.
+    pub counters: Vec<Counter>,
+}
+
+impl Report {
+    /// The canonical content bytes: the counters only (sequence, session and time excluded),
+    /// one `proxy_id ' ' in_flight ' ' open_connections '\n'` line per proxy, sorted.
+    pub fn canonical_counters(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.counters.len() * 24);
+        for c in &self.counters {
+            out.extend_from_slice(c.proxy_id.as_bytes());
+            out.extend_from_slice(format!(" {} {}\n", c.in_flight, c.open_connections).as_bytes());
+        }
+        out
+    }
+
+    /// SHA-256 of [`Report::canonical_counters`] and the observation time: equal sequences
+    /// with a different digest conflict.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(&self.observed_at_unix_ms.to_be_bytes());
+        ctx.update(&self.canonical_counters());
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.finish().as_ref());
+        out
+    }
+}
+
+/// A store failure. Distinct kinds, distinct recovery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The session was replaced or has expired.
+    #[error("stale session")]
+    StaleSession,
+    /// The ACK or report does not match the published/acknowledged snapshot; nothing written.
+    #[error("snapshot mismatch")]
+    SnapshotMismatch,
+    /// The report sequence went back.
+    #[error("stale report")]
+    StaleReport,
+    /// Same sequence, different canonical content.
+    #[error("conflicting report")]
+    ConflictingReport,
+    /// A published reference would move back, or change checksum at the same position.
+    #[error("snapshot reference conflict")]
+    ReferenceConflict,
+    /// The backend failed.
+    #[error("store unavailable")]
+    Unavailable,
+}
+
+/// The store port (seed 004 §3.2). Every method is one atomic step.
+#[async_trait]
+pub trait ControlStore: Send + Sync + 'static {
+    /// The global ownership epoch, initialised to 1 if absent; persistent (no TTL) and never
+    /// decreasing.
+    async fn current_ownership_epoch(&self) -> Result<u64, StoreError>;
+    /// Replaces the worker's session with `session` (not acknowledged) and deletes its runtime.
+    async fn open_session(&self, session: &Session, ttl: Duration) -> Result<(), StoreError>;
+    /// Publishes `reference` for `worker_id`: strictly forward by tuple; the same tuple only
+    /// with the same checksum (an idempotent renewal).
+    async fn record_issued_snapshot(
+        &self,
+        worker_id: &str,
+        reference: SnapshotReference,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+    /// Checks and applies an acknowledgement (seed 004 §5.2), renewing the session by `ttl`.
+    async fn acknowledge_snapshot(
+        &self,
+        ack: &SnapshotAcknowledgement,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+    /// Checks and applies a report (seed 004 §5.3): session renewed by `session_ttl`, the
+    /// report kept for `report_ttl`.
+    async fn replace_runtime(
+        &self,
+        report: &Report,
+        session_ttl: Duration,
+        report_ttl: Duration,
+    ) -> Result<(), StoreError>;
+}
+
+/// Service settings (validated by the config layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceConfig {
+    /// Heartbeat interval told to workers.
+    pub heartbeat_interval: Duration,
+    /// Session lifetime without renewal.
+    pub session_ttl: Duration,
+    /// Oldest usable runtime report.
+    pub max_stale_age: Duration,
+    /// Most counters in one report.
+    pub max_runtime_counters: usize,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval: Duration::from_secs(10),
+            session_ttl: Duration::from_secs(35),
+            max_stale_age: Duration::from_secs(30),
+            max_runtime_counters: 100_000,
+        }
+    }
+}
+
+/// A registration request (already decoded; labels unique).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegisterCommand {
+    /// Worker id.
+    pub worker_id: String,
+    /// Instance id.
+    pub instance_id: String,
+    /// Zone (may be empty).
+    pub zone: String,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// The worker's protocol version.
+    pub supported_protocol_version: u32,
+}
+
+/// A successful registration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// New session id.
+    pub session_id: SessionId,
+    /// Current ownership epoch.
+    pub ownership_epoch: u64,
+    /// Protocol version.
+    pub protocol_version: u32,
+    /// Heartbeat interval.
+    pub heartbeat_interval: Duration,
+    /// Maximum stale age.
+    pub max_stale_age: Duration,
+}
+
+/// An acknowledgement as received (the checksum still unchecked in length).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AcknowledgeCommand {
+    /// Worker id.
+    pub worker_id: String,
+    /// Session id bytes.
+    pub session_id: Vec<u8>,
+    /// Snapshot version.
+    pub snapshot_version: u64,
+    /// Ownership epoch.
+    pub ownership_epoch: u64,
+    /// Checksum bytes.
+    pub checksum: Vec<u8>,
+    /// Applied.
+    pub applied: bool,
+    /// Error code (negative ACKs).
+    pub error_code: String,
+    /// Error message: length-checked, then dropped.
+    pub error_message: String,
+}
+
+/// A report as received.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReportCommand {
+    /// Worker id.
+    pub worker_id: String,
+    /// Session id bytes.
+    pub session_id: Vec<u8>,
+    /// Sequence.
+    pub sequence: u64,
+    /// Snapshot version.
+    pub snapshot_version: u64,
+    /// Ownership epoch.
+    pub ownership_epoch: u64,
+    /// Observation time.
+    pub observed_at_unix_ms: i64,
+    /// `(proxy_id, in_flight, open_connections)` as received (signed: negatives are refused).
+    pub counters: Vec<(String, i64, i64)>,
+}
+
+/// What the worker must do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Accepted; the Controller's ownership epoch.
+    Accepted {
+        /// Current ownership epoch.
+        ownership_epoch: u64,
+    },
+    /// Nothing was written: resynchronise with a full snapshot.
+    RequireFullSnapshot {
+        /// Current ownership epoch.
+        ownership_epoch: u64,
+    },
+}
+
+/// Service failures; each maps to one gRPC code in the transport.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ServiceError {
+    /// A field is out of bounds (InvalidArgument). Names the field, never its value.
+    #[error("invalid {0}")]
+    Invalid(&'static str),
+    /// Unsupported protocol version (FailedPrecondition).
+    #[error("unsupported protocol version")]
+    UnsupportedProtocol,
+    /// The request's worker id is not the mTLS identity's (PermissionDenied).
+    #[error("worker identity mismatch")]
+    IdentityMismatch,
+    /// Session replaced or expired (FailedPrecondition).
+    #[error("stale session")]
+    StaleSession,
+    /// Report sequence went back (Aborted).
+    #[error("stale report")]
+    StaleReport,
+    /// Same sequence, different content (AlreadyExists).
+    #[error("conflicting report")]
+    ConflictingReport,
+    /// The store failed (Unavailable).
+    #[error("store unavailable")]
+    Unavailable,
+}
+
+/// A source of session ids (a CSPRNG in production; fixed in tests).
+pub trait SessionIds: Send + Sync + 'static {
+    /// A new random 128-bit id.
+    fn next(&self) -> Result<SessionId, ServiceError>;
+}
+
+/// Session ids from the OS CSPRNG (*ring*'s `SystemRandom`).
+#[derive(Debug, Default)]
+pub struct SystemSessionIds;
+
+impl SessionIds for SystemSessionIds {
+    fn next(&self) -> Result<SessionId, ServiceError> {
+        let mut id = [0u8; 16];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut id)
+            .map_err(|_| ServiceError::Unavailable)?;
+        Ok(id)
+    }
+}
+
+/// `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`.
+pub fn valid_id(v: &str) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty()
+        && b.len() <= MAX_ID_LEN
+        && b[0].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+}
+
+/// Empty or `[A-Z][A-Z0-9_]{0,63}`.
+pub fn valid_error_code(v: &str) -> bool {
+    let b = v.as_bytes();
+    b.is_empty()
+        || (b.len() <= MAX_ERROR_CODE
+            && b[0].is_ascii_uppercase()
+            && b.iter()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == b'_'))
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ServiceError> {
+    if labels.len() > MAX_LABELS {
+        return Err(ServiceError::Invalid("labels"));
+    }
+    let mut total = 0usize;
+    for (k, v) in labels {
+        let trimmed = |s: &str| s.trim() == s;
+        if k.is_empty() || k.len() > MAX_LABEL_KEY || !trimmed(k) || k.chars().any(char::is_control)
+        {
+            return Err(ServiceError::Invalid("label key"));
+        }
+        if v.len() > MAX_LABEL_VALUE || !trimmed(v) || v.chars().any(char::is_control) {
+            return Err(ServiceError::Invalid("label value"));
+        }
+        total += k.len() + v.len();
+    }
+    if total > MAX_LABELS_TOTAL {
+        return Err(ServiceError::Invalid("labels"));
+    }
+    Ok(())
+}
+
+fn session_id(v: &[u8]) -> Result<SessionId, ServiceError> {
+    v.try_into()
+        .map_err(|_| ServiceError::Invalid("session_id"))
+}
+
+fn store_error(e: StoreError) -> ServiceError {
+    match e {
+        StoreError::StaleSession => ServiceError::StaleSession,
+        StoreError::StaleReport => ServiceError::StaleReport,
+        StoreError::ConflictingReport => ServiceError::ConflictingReport,
+        StoreError::SnapshotMismatch | StoreError::ReferenceConflict | StoreError::Unavailable => {
+            ServiceError::Unavailable
+        }
+    }
+}
+
+/// The worker service (seed 004 §3.2): register, acknowledge, report runtime.
+pub struct Service {
+    store: Arc<dyn ControlStore>,
+    config: ServiceConfig,
+    ids: Arc<dyn SessionIds>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// A service over `store`.
+    pub fn new(store: Arc<dyn ControlStore>, config: ServiceConfig) -> Self {
+        Self::with_ids(store, config, Arc::new(SystemSessionIds))
+    }
+
+    /// As [`Service::new`] with a chosen session id source.
+    pub fn with_ids(
+        store: Arc<dyn ControlStore>,
+        config: ServiceConfig,
+        ids: Arc<dyn SessionIds>,
+    ) -> Self {
+        Self { store, config, ids }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> ServiceConfig {
+        self.config
+    }
+
+    /// Registers a worker instance (seed 004 §5.1). `identity` is the worker id of the
+    /// verified mTLS certificate, `None` when TLS is disabled (loopback only).
+    pub async fn register(
+        &self,
+        cmd: &RegisterCommand,
+        identity: Option<&str>,
+    ) -> Result<Registration, ServiceError> {
+        if cmd.supported_protocol_version != PROTOCOL_VERSION {
+            return Err(ServiceError::UnsupportedProtocol);
+        }
+        if !valid_id(&cmd.worker_id) {
+            return Err(ServiceError::Invalid("worker_id"));
+        }
+        if !valid_id(&cmd.instance_id) {
+            return Err(ServiceError::Invalid("instance_id"));
+        }
+        if !cmd.zone.is_empty() && !valid_id(&cmd.zone) {
+            return Err(ServiceError::Invalid("zone"));
+        }
+        validate_labels(&cmd.labels)?;
+        if identity.is_some_and(|id| id != cmd.worker_id) {
+            return Err(ServiceError::IdentityMismatch);
+        }
+        let ownership_epoch = self
+            .store
+            .current_ownership_epoch()
+            .await
+            .map_err(store_error)?;
+        let session = Session {
+            worker_id: cmd.worker_id.clone(),
+            instance_id: cmd.instance_id.clone(),
+            session_id: self.ids.next()?,
+            acked: SnapshotTuple::default(),
+            acked_checksum: [0; 32],
+            runtime_enabled: false,
+        };
+        self.store
+            .open_session(&session, self.config.session_ttl)
+            .await
+            .map_err(store_error)?;
+        Ok(Registration {
+            session_id: session.session_id,
+            ownership_epoch,
+            protocol_version: PROTOCOL_VERSION,
+            heartbeat_interval: self.config.heartbeat_interval,
+            max_stale_age: self.config.max_stale_age,
+        })
+    }
+
+    async fn epoch(&self) -> Result<u64, ServiceError> {
+        self.store
+            .current_ownership_epoch()
+            .await
+            .map_err(store_error)
+    }
+
+    /// Acknowledges a snapshot (seed 004 §5.2).
+    pub async fn acknowledge(
+        &self,
+        cmd: &AcknowledgeCommand,
+        identity: Option<&str>,
+    ) -> Result<Decision, ServiceError> {
+        if !valid_id(&cmd.worker_id) {
+            return Err(ServiceError::Invalid("worker_id"));
+        }
+        if identity.is_some_and(|id| id != cmd.worker_id) {
+            return Err(ServiceError::IdentityMismatch);
+        }
+        let session_id = session_id(&cmd.session_id)?;
+        let checksum: Checksum = cmd
+            .checksum
+            .as_slice()
+            .try_into()
+            .map_err(|_| ServiceError::Invalid("checksum"))?;
+        if !valid_error_code(&cmd.error_code) {
+            return Err(ServiceError::Invalid("error_code"));
+        }
+        // Checked, then dropped: never logged or stored.
+        if cmd.error_message.len() > MAX_ERROR_MESSAGE {
+            return Err(ServiceError::Invalid("error_message"));
+        }
+        let ack = SnapshotAcknowledgement {
+            worker_id: cmd.worker_id.clone(),
+            session_id,
+            tuple: SnapshotTuple {
+                ownership_epoch: cmd.ownership_epoch,
+                version: cmd.snapshot_version,
+            },
+            checksum,
+            applied: cmd.applied,
+        };
+        match self
+            .store
+            .acknowledge_snapshot(&ack, self.config.session_ttl)
+            .await
+        {
+            Ok(()) => Ok(Decision::Accepted {
+                ownership_epoch: self.epoch().await?,
+            }),
+            Err(StoreError::SnapshotMismatch) => Ok(Decision::RequireFullSnapshot {
+                ownership_epoch: self.epoch().await?,
+            }),
+            Err(e) => Err(store_error(e)),
+        }
+    }
+
+    /// Accepts a complete sparse runtime report (seed 004 §5.3).
+    pub async fn report_runtime(
+        &self,
+        cmd: ReportCommand,
+        identity: Option<&str>,
+    ) -> Result<Decision, ServiceError> {
+        if !valid_id(&cmd.worker_id) {
+            return Err(ServiceError::Invalid("worker_id"));
+        }
+        if identity.is_some_and(|id| id != cmd.worker_id) {
+            return Err(ServiceError::IdentityMismatch);
+        }
+        let session_id = session_id(&cmd.session_id)?;
+        if cmd.sequence == 0 {
+            return Err(ServiceError::Invalid("sequence"));
+        }
+        if cmd.observed_at_unix_ms <= 0 {
+            return Err(ServiceError::Invalid("observed_at"));
+        }
+        if cmd.counters.len() > self.config.max_runtime_counters {
+            return Err(ServiceError::Invalid("counters"));
+        }
+        let mut counters = Vec::with_capacity(cmd.counters.len());
+        for (proxy_id, in_flight, open) in cmd.counters {
+            if !valid_id(&proxy_id) {
+                return Err(ServiceError::Invalid("proxy_id"));
+            }
+            let (Ok(in_flight), Ok(open_connections)) =
+                (u64::try_from(in_flight), u64::try_from(open))
+            else {
+                return Err(ServiceError::Invalid("counter"));
+            };
+            counters.push(Counter {
+                proxy_id,
+                in_flight,
+                open_connections,
+            });
+        }
+        counters.sort();
+        if counters.windows(2).any(|w| w[0].proxy_id == w[1].proxy_id) {
+            return Err(ServiceError::Invalid("duplicate proxy_id"));
+        }
+        let report = Report {
+            worker_id: cmd.worker_id,
+            session_id,
+            sequence: cmd.sequence,
+            tuple: SnapshotTuple {
+                ownership_epoch: cmd.ownership_epoch,
+                version: cmd.snapshot_version,
+            },
+            observed_at_unix_ms: cmd.observed_at_unix_ms,
+            counters,
+        };
+        match self
+            .store
+            .replace_runtime(&report, self.config.session_ttl, self.config.max_stale_age)
+            .await
+        {
+            Ok(()) => Ok(Decision::Accepted {
+                ownership_epoch: self.epoch().await?,
+            }),
+            Err(StoreError::SnapshotMismatch) => Ok(Decision::RequireFullSnapshot {
+                ownership_epoch: self.epoch().await?,
+            }),
+            Err(e) => Err(store_error(e)),
+        }
+    }
+}
+
+/// The ACK rules of seed 004 §5.2 over a session and the published reference, shared by the
+/// in-memory store and documented for the Redis script: returns the new session state, or the
+/// refusal. `session` must already be the caller's (session id checked).
+pub fn apply_ack(
+    session: &Session,
+    reference: Option<SnapshotReference>,
+    ack: &SnapshotAcknowledgement,
+) -> Result<AckEffect, StoreError> {
+    // Behind the acknowledged upper bound: a stale ACK.
+    if ack.tuple < session.acked {
+        return Err(StoreError::SnapshotMismatch);
+    }
+    if ack.tuple == session.acked
+        && session.acked != SnapshotTuple::default()
+        && ack.checksum != session.acked_checksum
+    {
+        return Err(StoreError::SnapshotMismatch);
+    }
+    // Exactly the published reference, or nothing.
+    let Some(r) = reference else {
+        return Err(StoreError::SnapshotMismatch);
+    };
+    if ack.tuple != r.tuple || ack.checksum != r.checksum {
+        return Err(StoreError::SnapshotMismatch);
+    }
+    if !ack.applied {
+        return Ok(AckEffect::Disable);
+    }
+    if ack.tuple > session.acked {
+        Ok(AckEffect::Advance)
+    } else if session.runtime_enabled {
+        Ok(AckEffect::Renew)
+    } else {
+        Ok(AckEffect::Reenable)
+    }
+}
+
+/// What an accepted ACK does to the session (every effect renews it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AckEffect {
+    /// Strictly forward: clear the runtime and its fence, store the new bound, enable runtime.
+    Advance,
+    /// The same ACK again with runtime enabled: renew only.
+    Renew,
+    /// The same ACK after a negative one: clear residual runtime, enable runtime.
+    Reenable,
+    /// Negative ACK: keep the bound, clear the runtime and its fence, disable runtime.
+    Disable,
+}
+
+/// The report rules of seed 004 §5.3 against the session and the stored sequence fence
+/// `(sequence, digest)`.
+pub fn apply_report(
+    session: &Session,
+    fence: Option<(u64, [u8; 32])>,
+    report: &Report,
+) -> Result<ReportEffect, StoreError> {
+    if !session.runtime_enabled || report.tuple != session.acked {
+        return Err(StoreError::SnapshotMismatch);
+    }
+    match fence {
+        Some((seq, _)) if report.sequence < seq => Err(StoreError::StaleReport),
+        Some((seq, digest)) if report.sequence == seq => {
+            if digest == report.digest() {
+                Ok(ReportEffect::Replay)
+            } else {
+                Err(StoreError::ConflictingReport)
+            }
+        }
+        _ => Ok(ReportEffect::Replace),
+    }
+}
+
+/// What an accepted report does (both renew the session and the report TTL).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReportEffect {
+    /// A newer sequence: replace the runtime and the fence.
+    Replace,
+    /// The same sequence and content: renew only.
+    Replay,
+}

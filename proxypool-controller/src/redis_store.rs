@@ -1,0 +1,399 @@
+//! The Redis [`ControlStore`], shared by every Controller replica (seed 004 §3.3).
+//!
+//! Keys (all with the `{activity}` hash tag, so one Redis Cluster slot holds them and one Lua
+//! script may touch several):
+//!
+//! | key | type | content |
+//! |---|---|---|
+//! | `<ns>:{activity}:epoch` | string | the global ownership epoch; no TTL (any old TTL is removed on read) |
+//! | `<ns>:{activity}:session:<worker>` | hash | `sid` (hex), `inst`, `av`/`ae` (acked version/epoch, decimal), `ac` (acked checksum, hex), `rt` (runtime enabled `0`/`1`), `seq`/`dg` (report sequence fence and digest); TTL = session TTL |
+//! | `<ns>:{activity}:snapshot:<worker>` | hash | the published reference `v`, `e`, `c` |
+//! | `<ns>:{activity}:runtime:<worker>` | string | the last report: `seq\nobserved_at\n` + canonical counters; TTL = max stale age |
+//!
+//! Every multi-key check-and-write (register, publish, ACK, report) is one Lua script, so a
+//! failed step writes nothing. Numbers are compared as decimal strings (exact for all of
+//! `u64`). Scripts run with EVALSHA and fall back to loading on `NOSCRIPT` (after a restart or
+//! failover), which redis-rs's `Script::invoke_async` does. Nothing scans: every key is named.
+//! Backend errors are logged at `debug` and surface as [`StoreError::Unavailable`] only.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::Script;
+use redis::aio::ConnectionManager;
+
+use crate::domain::{
+    ControlStore, Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference,
+    SnapshotTuple, StoreError,
+};
+
+const LIB: &str = r"
+local function cmpnum(a, b)
+  if #a ~= #b then
+    if #a < #b then return -1 else return 1 end
+  end
+  if a == b then return 0 end
+  if a < b then return -1 else return 1 end
+end
+local function cmptuple(ea, va, eb, vb)
+  local c = cmpnum(ea, eb)
+  if c ~= 0 then return c end
+  return cmpnum(va, vb)
+end
+";
+
+const EPOCH: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then
+  redis.call('SET', KEYS[1], '1')
+  return '1'
+end
+redis.call('PERSIST', KEYS[1])
+return v
+";
+
+const OPEN: &str = r"
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], 'sid', ARGV[1], 'inst', ARGV[2], 'av', '0', 'ae', '0', 'ac', '',
+  'rt', '0', 'seq', '', 'dg', '')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 'OK'
+";
+
+const RECORD: &str = r"
+local cur = redis.call('HMGET', KEYS[1], 'v', 'e', 'c')
+if cur[1] then
+  local o = cmptuple(ARGV[2], ARGV[1], cur[2], cur[1])
+  if o < 0 then return 'REGRESS' end
+  if o == 0 and cur[3] ~= ARGV[3] then return 'REGRESS' end
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'e', ARGV[2], 'c', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 'OK'
+";
+
+const ACK: &str = r"
+local s = redis.call('HMGET', KEYS[1], 'sid', 'av', 'ae', 'ac', 'rt')
+if not s[1] or s[1] ~= ARGV[1] then return 'STALE_SESSION' end
+local ct = cmptuple(ARGV[3], ARGV[2], s[3], s[2])
+if ct < 0 then return 'MISMATCH' end
+if ct == 0 and not (s[2] == '0' and s[3] == '0') and s[4] ~= ARGV[4] then return 'MISMATCH' end
+local r = redis.call('HMGET', KEYS[2], 'v', 'e', 'c')
+if not r[1] then return 'MISMATCH' end
+if cmptuple(ARGV[3], ARGV[2], r[2], r[1]) ~= 0 or r[3] ~= ARGV[4] then return 'MISMATCH' end
+if ARGV[5] == '1' then
+  if ct > 0 then
+    redis.call('DEL', KEYS[3])
+    redis.call('HSET', KEYS[1], 'av', ARGV[2], 'ae', ARGV[3], 'ac', ARGV[4], 'rt', '1',
+      'seq', '', 'dg', '')
+  elseif s[5] ~= '1' then
+    redis.call('DEL', KEYS[3])
+    redis.call('HSET', KEYS[1], 'rt', '1', 'seq', '', 'dg', '')
+  end
+else
+  redis.call('DEL', KEYS[3])
+  redis.call('HSET', KEYS[1], 'rt', '0', 'seq', '', 'dg', '')
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+return 'OK'
+";
+
+const REPORT: &str = r"
+local s = redis.call('HMGET', KEYS[1], 'sid', 'av', 'ae', 'rt', 'seq', 'dg')
+if not s[1] or s[1] ~= ARGV[1] then return 'STALE_SESSION' end
+if s[4] ~= '1' or s[2] ~= ARGV[3] or s[3] ~= ARGV[4] then return 'MISMATCH' end
+if s[5] and s[5] ~= '' then
+  local o = cmpnum(ARGV[2], s[5])
+  if o < 0 then return 'STALE' end
+  if o == 0 then
+    if s[6] ~= ARGV[5] then return 'CONFLICT' end
+    redis.call('PEXPIRE', KEYS[1], ARGV[7])
+    redis.call('PEXPIRE', KEYS[2], ARGV[8])
+    return 'OK'
+  end
+end
+redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'dg', ARGV[5])
+redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
+return 'OK'
+";
+
+/// The Redis store.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    epoch: Script,
+    open: Script,
+    record: Script,
+    ack: Script,
+    report: Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn backend(e: &redis::RedisError) -> StoreError {
+    tracing::debug!(error = %e, "redis store error");
+    StoreError::Unavailable
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    if s.len() != N * 2 {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(i * 2..i * 2 + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn status(s: &str) -> Result<(), StoreError> {
+    match s {
+        "OK" => Ok(()),
+        "STALE_SESSION" => Err(StoreError::StaleSession),
+        "MISMATCH" => Err(StoreError::SnapshotMismatch),
+        "STALE" => Err(StoreError::StaleReport),
+        "CONFLICT" => Err(StoreError::ConflictingReport),
+        "REGRESS" => Err(StoreError::ReferenceConflict),
+        _ => Err(StoreError::Unavailable),
+    }
+}
+
+/// Whether `ns` is usable as a key namespace (no braces: the hash tag must stay `activity`).
+fn valid_namespace(ns: &str) -> bool {
+    !ns.is_empty()
+        && ns.len() <= 64
+        && ns
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://host:port/db`) with keys under `namespace`.
+    pub async fn connect(url: &str, namespace: &str) -> Result<Self, StoreError> {
+        if !valid_namespace(namespace) {
+            return Err(StoreError::Unavailable);
+        }
+        let client = redis::Client::open(url).map_err(|e| backend(&e))?;
+        let conn = ConnectionManager::new(client)
+            .await
+            .map_err(|e| backend(&e))?;
+        let script = |body: &str| Script::new(&format!("{LIB}{body}"));
+        Ok(Self {
+            conn,
+            prefix: format!("{namespace}:{{activity}}:"),
+            epoch: script(EPOCH),
+            open: script(OPEN),
+            record: script(RECORD),
+            ack: script(ACK),
+            report: script(REPORT),
+        })
+    }
+
+    fn key(&self, kind: &str, worker_id: &str) -> String {
+        format!("{}{kind}:{worker_id}", self.prefix)
+    }
+
+    /// The epoch key (tests: set a TTL on it to check that reads remove it).
+    pub fn epoch_key(&self) -> String {
+        format!("{}epoch", self.prefix)
+    }
+
+    /// A connection for tests and the load tool's raw baseline.
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    /// The report script and its keys/args for `report` (the load tool's raw EVALSHA baseline).
+    pub fn report_invocation(
+        &self,
+        report: &Report,
+        session_ttl: Duration,
+        report_ttl: Duration,
+    ) -> redis::ScriptInvocation<'_> {
+        let mut inv = self.report.prepare_invoke();
+        inv.key(self.key("session", &report.worker_id))
+            .key(self.key("runtime", &report.worker_id))
+            .arg(hex(&report.session_id))
+            .arg(report.sequence.to_string())
+            .arg(report.tuple.version.to_string())
+            .arg(report.tuple.ownership_epoch.to_string())
+            .arg(hex(&report.digest()))
+            .arg(encode_runtime(report))
+            .arg(millis(session_ttl))
+            .arg(millis(report_ttl));
+        inv
+    }
+
+    /// Reads a worker's session (tests and the crash-test model check).
+    pub async fn session(
+        &self,
+        worker_id: &str,
+    ) -> Result<Option<(Session, Option<u64>)>, StoreError> {
+        let mut conn = self.conn.clone();
+        let map: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(self.key("session", worker_id))
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        if map.is_empty() {
+            return Ok(None);
+        }
+        let get = |k: &str| map.get(k).map(String::as_str).unwrap_or_default();
+        let num = |k: &str| get(k).parse::<u64>().unwrap_or(0);
+        let session = Session {
+            worker_id: worker_id.to_owned(),
+            instance_id: get("inst").to_owned(),
+            session_id: unhex::<16>(get("sid")).ok_or(StoreError::Unavailable)?,
+            acked: SnapshotTuple {
+                ownership_epoch: num("ae"),
+                version: num("av"),
+            },
+            acked_checksum: unhex::<32>(get("ac")).unwrap_or([0; 32]),
+            runtime_enabled: get("rt") == "1",
+        };
+        let seq = get("seq").parse::<u64>().ok();
+        Ok(Some((session, seq)))
+    }
+
+    /// Reads a worker's stored runtime: `(sequence, counters)`.
+    pub async fn runtime(
+        &self,
+        worker_id: &str,
+    ) -> Result<Option<(u64, Vec<Counter>)>, StoreError> {
+        let mut conn = self.conn.clone();
+        let blob: Option<String> = redis::cmd("GET")
+            .arg(self.key("runtime", worker_id))
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        Ok(blob.and_then(|b| decode_runtime(&b)))
+    }
+}
+
+/// `seq\nobserved_at\n` + canonical counters.
+fn encode_runtime(report: &Report) -> Vec<u8> {
+    let mut out = format!("{}\n{}\n", report.sequence, report.observed_at_unix_ms).into_bytes();
+    out.extend_from_slice(&report.canonical_counters());
+    out
+}
+
+fn decode_runtime(blob: &str) -> Option<(u64, Vec<Counter>)> {
+    let mut lines = blob.lines();
+    let seq = lines.next()?.parse().ok()?;
+    let _observed: i64 = lines.next()?.parse().ok()?;
+    let counters = lines
+        .map(|l| {
+            let mut p = l.split(' ');
+            Some(Counter {
+                proxy_id: p.next()?.to_owned(),
+                in_flight: p.next()?.parse().ok()?,
+                open_connections: p.next()?.parse().ok()?,
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((seq, counters))
+}
+
+#[async_trait]
+impl ControlStore for RedisStore {
+    async fn current_ownership_epoch(&self) -> Result<u64, StoreError> {
+        let mut conn = self.conn.clone();
+        let v: String = self
+            .epoch
+            .key(self.epoch_key())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        let epoch = v.parse::<u64>().map_err(|_| StoreError::Unavailable)?;
+        Ok(epoch.max(1))
+    }
+
+    async fn open_session(&self, session: &Session, ttl: Duration) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let s: String = self
+            .open
+            .key(self.key("session", &session.worker_id))
+            .key(self.key("runtime", &session.worker_id))
+            .arg(hex(&session.session_id))
+            .arg(&session.instance_id)
+            .arg(millis(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        status(&s)
+    }
+
+    async fn record_issued_snapshot(
+        &self,
+        worker_id: &str,
+        reference: SnapshotReference,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let s: String = self
+            .record
+            .key(self.key("snapshot", worker_id))
+            .arg(reference.tuple.version.to_string())
+            .arg(reference.tuple.ownership_epoch.to_string())
+            .arg(hex(&reference.checksum))
+            .arg(millis(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        status(&s)
+    }
+
+    async fn acknowledge_snapshot(
+        &self,
+        ack: &SnapshotAcknowledgement,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let s: String = self
+            .ack
+            .key(self.key("session", &ack.worker_id))
+            .key(self.key("snapshot", &ack.worker_id))
+            .key(self.key("runtime", &ack.worker_id))
+            .arg(hex(&ack.session_id))
+            .arg(ack.tuple.version.to_string())
+            .arg(ack.tuple.ownership_epoch.to_string())
+            .arg(hex(&ack.checksum))
+            .arg(if ack.applied { "1" } else { "0" })
+            .arg(millis(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        status(&s)
+    }
+
+    async fn replace_runtime(
+        &self,
+        report: &Report,
+        session_ttl: Duration,
+        report_ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let s: String = self
+            .report_invocation(report, session_ttl, report_ttl)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        status(&s)
+    }
+}

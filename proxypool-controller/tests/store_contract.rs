@@ -1,0 +1,479 @@
+//! The `ControlStore` contract, run unchanged against the in-memory reference store (virtual
+//! time) and the Redis store (a real `redis-server` that `scripts/test-all.sh` starts on a free
+//! loopback port and names in `PROXYPOOL_TEST_REDIS_URL`; each test uses its own namespace).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use proxypool_controller::domain::{
+    ControlStore, Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference,
+    SnapshotTuple, StoreError,
+};
+use proxypool_controller::memory::{ManualClock, MemoryStore};
+use proxypool_controller::redis_store::RedisStore;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A store plus what the contract needs to observe it and move time.
+#[async_trait::async_trait]
+trait Backend: Send + Sync {
+    fn store(&self) -> &dyn ControlStore;
+    async fn session(&self, worker: &str) -> Option<(Session, Option<u64>)>;
+    async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)>;
+    async fn advance(&self, by: Duration);
+}
+
+struct Memory {
+    store: MemoryStore,
+    clock: Arc<ManualClock>,
+}
+
+#[async_trait::async_trait]
+impl Backend for Memory {
+    fn store(&self) -> &dyn ControlStore {
+        &self.store
+    }
+    async fn session(&self, worker: &str) -> Option<(Session, Option<u64>)> {
+        self.store.session_with_fence(worker)
+    }
+    async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)> {
+        self.store.runtime(worker).map(|r| (r.sequence, r.counters))
+    }
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+}
+
+struct Redis {
+    store: RedisStore,
+}
+
+#[async_trait::async_trait]
+impl Backend for Redis {
+    fn store(&self) -> &dyn ControlStore {
+        &self.store
+    }
+    async fn session(&self, worker: &str) -> Option<(Session, Option<u64>)> {
+        self.store.session(worker).await.unwrap()
+    }
+    async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)> {
+        self.store.runtime(worker).await.unwrap()
+    }
+    async fn advance(&self, by: Duration) {
+        // Real Redis expiry: real time.
+        tokio::time::sleep(by).await;
+    }
+}
+
+fn memory() -> Box<dyn Backend> {
+    let clock = Arc::new(ManualClock::default());
+    Box::new(Memory {
+        store: MemoryStore::new(clock.clone()),
+        clock,
+    })
+}
+
+async fn redis() -> Box<dyn Backend> {
+    let url = std::env::var("PROXYPOOL_TEST_REDIS_URL").expect(
+        "PROXYPOOL_TEST_REDIS_URL is not set: run scripts/test-all.sh (it starts redis-server \
+         on a free loopback port), or set it to redis://127.0.0.1:PORT/",
+    );
+    let ns = format!(
+        "contract-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    Box::new(Redis {
+        store: RedisStore::connect(&url, &ns).await.unwrap(),
+    })
+}
+
+const TTL: Duration = Duration::from_secs(30);
+const W: &str = "worker-1";
+
+fn session(id: u8) -> Session {
+    Session {
+        worker_id: W.into(),
+        instance_id: format!("inst-{id}"),
+        session_id: [id; 16],
+        acked: SnapshotTuple::default(),
+        acked_checksum: [0; 32],
+        runtime_enabled: false,
+    }
+}
+
+fn tuple(e: u64, v: u64) -> SnapshotTuple {
+    SnapshotTuple {
+        ownership_epoch: e,
+        version: v,
+    }
+}
+
+fn reference(e: u64, v: u64, c: u8) -> SnapshotReference {
+    SnapshotReference {
+        tuple: tuple(e, v),
+        checksum: [c; 32],
+    }
+}
+
+fn ack(sid: u8, e: u64, v: u64, c: u8, applied: bool) -> SnapshotAcknowledgement {
+    SnapshotAcknowledgement {
+        worker_id: W.into(),
+        session_id: [sid; 16],
+        tuple: tuple(e, v),
+        checksum: [c; 32],
+        applied,
+    }
+}
+
+fn report(sid: u8, seq: u64, e: u64, v: u64, proxies: &[(&str, u64)]) -> Report {
+    Report {
+        worker_id: W.into(),
+        session_id: [sid; 16],
+        sequence: seq,
+        tuple: tuple(e, v),
+        observed_at_unix_ms: 1_700_000_000_000,
+        counters: proxies
+            .iter()
+            .map(|(p, n)| Counter {
+                proxy_id: (*p).into(),
+                in_flight: *n,
+                open_connections: 1,
+            })
+            .collect(),
+    }
+}
+
+async fn replace(b: &dyn Backend, r: &Report) -> Result<(), StoreError> {
+    b.store().replace_runtime(r, TTL, TTL).await
+}
+
+async fn epoch_starts_at_one_and_stays(b: Box<dyn Backend>) {
+    assert_eq!(b.store().current_ownership_epoch().await.unwrap(), 1);
+    assert_eq!(b.store().current_ownership_epoch().await.unwrap(), 1);
+}
+
+async fn ack_must_match_the_published_reference(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    // Nothing published yet.
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL).await,
+        Err(StoreError::SnapshotMismatch)
+    );
+    s.record_issued_snapshot(W, reference(1, 2, 7), TTL)
+        .await
+        .unwrap();
+    let before = b.session(W).await;
+    for (a, want) in [
+        (ack(9, 1, 2, 7, true), StoreError::StaleSession),
+        (ack(1, 1, 2, 8, true), StoreError::SnapshotMismatch), // checksum
+        (ack(1, 1, 3, 7, true), StoreError::SnapshotMismatch), // ahead
+        (ack(1, 1, 1, 7, true), StoreError::SnapshotMismatch), // behind
+        (ack(1, 2, 1, 7, true), StoreError::SnapshotMismatch), // ahead by epoch
+    ] {
+        assert_eq!(s.acknowledge_snapshot(&a, TTL).await, Err(want), "{a:?}");
+        assert_eq!(b.session(W).await, before, "a refused ACK writes nothing");
+    }
+    // Not acknowledged yet: no runtime.
+    assert_eq!(
+        replace(&*b, &report(1, 1, 1, 2, &[])).await,
+        Err(StoreError::SnapshotMismatch)
+    );
+    s.acknowledge_snapshot(&ack(1, 1, 2, 7, true), TTL)
+        .await
+        .unwrap();
+    let (sess, fence) = b.session(W).await.unwrap();
+    assert_eq!(
+        (sess.acked, sess.acked_checksum, sess.runtime_enabled, fence),
+        (tuple(1, 2), [7; 32], true, None)
+    );
+}
+
+async fn report_sequence_fence(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL)
+        .await
+        .unwrap();
+    let r5 = report(1, 5, 1, 1, &[("p1", 3), ("p2", 1)]);
+    replace(&*b, &r5).await.unwrap();
+    assert_eq!(b.runtime(W).await.unwrap(), (5, r5.counters.clone()));
+    // Idempotent replay.
+    replace(&*b, &r5).await.unwrap();
+    let before = (b.session(W).await, b.runtime(W).await);
+    for (r, want) in [
+        (
+            report(1, 5, 1, 1, &[("p1", 4)]),
+            StoreError::ConflictingReport,
+        ),
+        (report(1, 4, 1, 1, &[]), StoreError::StaleReport),
+        (report(2, 6, 1, 1, &[]), StoreError::StaleSession),
+        (report(1, 6, 1, 2, &[]), StoreError::SnapshotMismatch),
+        (report(1, 6, 2, 1, &[]), StoreError::SnapshotMismatch),
+    ] {
+        assert_eq!(replace(&*b, &r).await, Err(want), "{r:?}");
+        assert_eq!(
+            (b.session(W).await, b.runtime(W).await),
+            before,
+            "a refused report writes nothing"
+        );
+    }
+    // An empty report is a heartbeat that replaces everything with zeros.
+    replace(&*b, &report(1, 6, 1, 1, &[])).await.unwrap();
+    assert_eq!(b.runtime(W).await.unwrap(), (6, vec![]));
+    assert_eq!(b.session(W).await.unwrap().1, Some(6));
+}
+
+async fn reregistration_replaces_the_session(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL)
+        .await
+        .unwrap();
+    replace(&*b, &report(1, 1, 1, 1, &[("p1", 1)]))
+        .await
+        .unwrap();
+    // A new instance registers: the old session's ACK and report fail; the runtime is gone.
+    s.open_session(&session(2), TTL).await.unwrap();
+    assert!(b.runtime(W).await.is_none());
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL).await,
+        Err(StoreError::StaleSession)
+    );
+    assert_eq!(
+        replace(&*b, &report(1, 2, 1, 1, &[])).await,
+        Err(StoreError::StaleSession)
+    );
+    let (sess, _) = b.session(W).await.unwrap();
+    assert_eq!(
+        (sess.session_id, sess.runtime_enabled, sess.acked),
+        ([2; 16], false, SnapshotTuple::default())
+    );
+    // The new session acknowledges the same reference and reports.
+    s.acknowledge_snapshot(&ack(2, 1, 1, 7, true), TTL)
+        .await
+        .unwrap();
+    replace(&*b, &report(2, 1, 1, 1, &[])).await.unwrap();
+}
+
+async fn negative_ack_disables_runtime_until_a_positive_one(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL)
+        .await
+        .unwrap();
+    replace(&*b, &report(1, 9, 1, 1, &[("p1", 1)]))
+        .await
+        .unwrap();
+    // A new snapshot is published; the worker rejects it.
+    s.record_issued_snapshot(W, reference(1, 2, 8), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 2, 8, false), TTL)
+        .await
+        .unwrap();
+    let (sess, fence) = b.session(W).await.unwrap();
+    assert_eq!(
+        (sess.acked, sess.runtime_enabled, fence),
+        (tuple(1, 1), false, None),
+        "bound kept, runtime off"
+    );
+    assert!(b.runtime(W).await.is_none(), "old runtime not kept");
+    // A late report for the old snapshot cannot rebuild the report or its fence.
+    assert_eq!(
+        replace(&*b, &report(1, 10, 1, 1, &[])).await,
+        Err(StoreError::SnapshotMismatch)
+    );
+    assert!(b.runtime(W).await.is_none());
+    // The positive ACK of the new snapshot re-enables runtime, with a fresh fence.
+    s.acknowledge_snapshot(&ack(1, 1, 2, 8, true), TTL)
+        .await
+        .unwrap();
+    replace(&*b, &report(1, 1, 1, 2, &[])).await.unwrap();
+    assert_eq!(b.runtime(W).await.unwrap().0, 1);
+}
+
+async fn same_ack_renews_without_clearing(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    s.record_issued_snapshot(W, reference(3, 4, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 3, 4, 7, true), TTL)
+        .await
+        .unwrap();
+    replace(&*b, &report(1, 2, 3, 4, &[("p", 5)]))
+        .await
+        .unwrap();
+    // The identical ACK again: renew only, the runtime and its fence stay.
+    s.acknowledge_snapshot(&ack(1, 3, 4, 7, true), TTL)
+        .await
+        .unwrap();
+    assert_eq!(b.runtime(W).await.unwrap().0, 2);
+    assert_eq!(
+        replace(&*b, &report(1, 1, 3, 4, &[])).await,
+        Err(StoreError::StaleReport)
+    );
+    // After a negative ACK of the same tuple, the same positive ACK re-enables and clears.
+    s.acknowledge_snapshot(&ack(1, 3, 4, 7, false), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 3, 4, 7, true), TTL)
+        .await
+        .unwrap();
+    assert!(b.runtime(W).await.is_none());
+    replace(&*b, &report(1, 1, 3, 4, &[])).await.unwrap();
+}
+
+async fn references_only_move_forward(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.record_issued_snapshot(W, reference(2, 5, 1), TTL)
+        .await
+        .unwrap();
+    s.record_issued_snapshot(W, reference(2, 5, 1), TTL)
+        .await
+        .unwrap(); // idempotent renewal
+    for r in [reference(2, 5, 2), reference(2, 4, 1), reference(1, 9, 1)] {
+        assert_eq!(
+            s.record_issued_snapshot(W, r, TTL).await,
+            Err(StoreError::ReferenceConflict),
+            "{r:?}"
+        );
+    }
+    s.record_issued_snapshot(W, reference(2, 6, 2), TTL)
+        .await
+        .unwrap();
+    s.record_issued_snapshot(W, reference(3, 1, 3), TTL)
+        .await
+        .unwrap();
+    // An ACK of an older published reference fails.
+    s.open_session(&session(1), TTL).await.unwrap();
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 2, 6, 2, true), TTL).await,
+        Err(StoreError::SnapshotMismatch)
+    );
+    s.acknowledge_snapshot(&ack(1, 3, 1, 3, true), TTL)
+        .await
+        .unwrap();
+    // Values beyond 2^53 compare exactly.
+    let big = u64::MAX - 1;
+    s.record_issued_snapshot("w2", reference(big, big, 1), TTL)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.record_issued_snapshot("w2", reference(big, big - 1, 1), TTL)
+            .await,
+        Err(StoreError::ReferenceConflict)
+    );
+    s.record_issued_snapshot("w2", reference(big, big + 1, 1), TTL)
+        .await
+        .unwrap();
+}
+
+async fn sessions_expire(b: Box<dyn Backend>) {
+    let s = b.store();
+    let short = Duration::from_millis(300);
+    s.open_session(&session(1), short).await.unwrap();
+    s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), short)
+        .await
+        .unwrap();
+    // Reports renew the session.
+    b.advance(Duration::from_millis(200)).await;
+    s.replace_runtime(&report(1, 1, 1, 1, &[]), short, short)
+        .await
+        .unwrap();
+    b.advance(Duration::from_millis(200)).await;
+    s.replace_runtime(&report(1, 2, 1, 1, &[]), short, short)
+        .await
+        .unwrap();
+    // Silence past the TTL: the old instance's ACK and report fail.
+    b.advance(Duration::from_millis(450)).await;
+    assert!(b.session(W).await.is_none());
+    assert!(b.runtime(W).await.is_none());
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL).await,
+        Err(StoreError::StaleSession)
+    );
+    assert_eq!(
+        replace(&*b, &report(1, 3, 1, 1, &[])).await,
+        Err(StoreError::StaleSession)
+    );
+}
+
+macro_rules! contract {
+    ($($name:ident),* $(,)?) => {
+        mod memory_store {
+            $(#[tokio::test]
+            async fn $name() { super::$name(super::memory()).await })*
+        }
+        mod redis_store {
+            $(#[tokio::test]
+            async fn $name() { super::$name(super::redis().await).await })*
+        }
+    };
+}
+
+contract!(
+    epoch_starts_at_one_and_stays,
+    ack_must_match_the_published_reference,
+    report_sequence_fence,
+    reregistration_replaces_the_session,
+    negative_ack_disables_runtime_until_a_positive_one,
+    same_ack_renews_without_clearing,
+    references_only_move_forward,
+    sessions_expire,
+);
+
+#[tokio::test]
+async fn redis_epoch_is_persistent_even_if_it_had_a_ttl() {
+    let url = std::env::var("PROXYPOOL_TEST_REDIS_URL").expect("PROXYPOOL_TEST_REDIS_URL");
+    let store = RedisStore::connect(&url, "epoch-ttl").await.unwrap();
+    let mut conn = store.connection();
+    let key = store.epoch_key();
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("7")
+        .arg("PX")
+        .arg(100_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(store.current_ownership_epoch().await.unwrap(), 7);
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(ttl, -1, "the old TTL is removed");
+    // NOSCRIPT after a restart or failover: the script cache is flushed and calls still work.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(store.current_ownership_epoch().await.unwrap(), 7);
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
