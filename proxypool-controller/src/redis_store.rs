@@ -205,6 +205,27 @@ impl RedisStore {
         })
     }
 
+    /// Runs a script: EVALSHA, loading it on `NOSCRIPT` (redis-rs does one reload); a second
+    /// `NOSCRIPT` in a row (the cache flushed again in between, e.g. during a failover) is
+    /// retried, at most twice more.
+    async fn run(&self, inv: &redis::ScriptInvocation<'_>) -> Result<String, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut attempts = 0;
+        loop {
+            match inv.invoke_async::<String>(&mut conn).await {
+                Ok(v) => return Ok(v),
+                Err(e)
+                    if attempts < 2
+                        && e.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    attempts += 1;
+                }
+                Err(e) => return Err(backend(&e)),
+            }
+        }
+    }
+
     fn key(&self, kind: &str, worker_id: &str) -> String {
         format!("{}{kind}:{worker_id}", self.prefix)
     }
@@ -313,30 +334,21 @@ fn decode_runtime(blob: &str) -> Option<(u64, Vec<Counter>)> {
 #[async_trait]
 impl ControlStore for RedisStore {
     async fn current_ownership_epoch(&self) -> Result<u64, StoreError> {
-        let mut conn = self.conn.clone();
-        let v: String = self
-            .epoch
-            .key(self.epoch_key())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
+        let mut inv = self.epoch.prepare_invoke();
+        inv.key(self.epoch_key());
+        let v = self.run(&inv).await?;
         let epoch = v.parse::<u64>().map_err(|_| StoreError::Unavailable)?;
         Ok(epoch.max(1))
     }
 
     async fn open_session(&self, session: &Session, ttl: Duration) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let s: String = self
-            .open
-            .key(self.key("session", &session.worker_id))
+        let mut inv = self.open.prepare_invoke();
+        inv.key(self.key("session", &session.worker_id))
             .key(self.key("runtime", &session.worker_id))
             .arg(hex(&session.session_id))
             .arg(&session.instance_id)
-            .arg(millis(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
-        status(&s)
+            .arg(millis(ttl));
+        status(&self.run(&inv).await?)
     }
 
     async fn record_issued_snapshot(
@@ -345,18 +357,13 @@ impl ControlStore for RedisStore {
         reference: SnapshotReference,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let s: String = self
-            .record
-            .key(self.key("snapshot", worker_id))
+        let mut inv = self.record.prepare_invoke();
+        inv.key(self.key("snapshot", worker_id))
             .arg(reference.tuple.version.to_string())
             .arg(reference.tuple.ownership_epoch.to_string())
             .arg(hex(&reference.checksum))
-            .arg(millis(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
-        status(&s)
+            .arg(millis(ttl));
+        status(&self.run(&inv).await?)
     }
 
     async fn acknowledge_snapshot(
@@ -364,10 +371,8 @@ impl ControlStore for RedisStore {
         ack: &SnapshotAcknowledgement,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let s: String = self
-            .ack
-            .key(self.key("session", &ack.worker_id))
+        let mut inv = self.ack.prepare_invoke();
+        inv.key(self.key("session", &ack.worker_id))
             .key(self.key("snapshot", &ack.worker_id))
             .key(self.key("runtime", &ack.worker_id))
             .arg(hex(&ack.session_id))
@@ -375,11 +380,8 @@ impl ControlStore for RedisStore {
             .arg(ack.tuple.ownership_epoch.to_string())
             .arg(hex(&ack.checksum))
             .arg(if ack.applied { "1" } else { "0" })
-            .arg(millis(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
-        status(&s)
+            .arg(millis(ttl));
+        status(&self.run(&inv).await?)
     }
 
     async fn replace_runtime(
@@ -388,12 +390,7 @@ impl ControlStore for RedisStore {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let s: String = self
-            .report_invocation(report, session_ttl, report_ttl)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
-        status(&s)
+        let inv = self.report_invocation(report, session_ttl, report_ttl);
+        status(&self.run(&inv).await?)
     }
 }
