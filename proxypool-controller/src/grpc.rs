@@ -55,7 +55,6 @@ impl Controller {
         }
     }
 
-    #[expect(clippy::result_large_err, reason = "tonic's Status is the error type")]
     fn identity<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
         let identity = request
             .extensions()
@@ -93,7 +92,8 @@ fn unix_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-type SnapshotStream = Pin<Box<dyn futures_core::Stream<Item = Result<pb::Snapshot, Status>> + Send>>;
+type SnapshotStream =
+    Pin<Box<dyn futures_core::Stream<Item = Result<pb::Snapshot, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl WorkerControlPlane for Controller {
@@ -112,7 +112,8 @@ impl WorkerControlPlane for Controller {
             supported_protocol_version: m.supported_protocol_version,
         };
         let result = self.service.register(&cmd, identity.as_deref()).await;
-        self.metrics.observe(Rpc::Register, result.as_ref().err(), started.elapsed());
+        self.metrics
+            .observe(Rpc::Register, result.as_ref().err(), started.elapsed());
         let r = result.map_err(|e| status(&e))?;
         let ttl = self.service.config().session_ttl;
         Ok(Response::new(pb::RegisterWorkerResponse {
@@ -144,7 +145,8 @@ impl WorkerControlPlane for Controller {
             error_message: m.error_message,
         };
         let result = self.service.acknowledge(&cmd, identity.as_deref()).await;
-        self.metrics.observe(Rpc::Acknowledge, result.as_ref().err(), started.elapsed());
+        self.metrics
+            .observe(Rpc::Acknowledge, result.as_ref().err(), started.elapsed());
         let (ownership_epoch, require_full_snapshot) = match result.map_err(|e| status(&e))? {
             Decision::Accepted { ownership_epoch } => (ownership_epoch, false),
             Decision::RequireFullSnapshot { ownership_epoch } => {
@@ -179,7 +181,8 @@ impl WorkerControlPlane for Controller {
                 .collect(),
         };
         let result = self.service.report_runtime(cmd, identity.as_deref()).await;
-        self.metrics.observe(Rpc::Report, result.as_ref().err(), started.elapsed());
+        self.metrics
+            .observe(Rpc::Report, result.as_ref().err(), started.elapsed());
         let (ownership_epoch, require_full_snapshot) = match result.map_err(|e| status(&e))? {
             Decision::Accepted { ownership_epoch } => (ownership_epoch, false),
             Decision::RequireFullSnapshot { ownership_epoch } => {

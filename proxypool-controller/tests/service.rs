@@ -170,7 +170,8 @@ async fn protocol_bounds_and_identity() {
     let huge: BTreeMap<String, String> = (0..20)
         .map(|i| (format!("k{i}"), "v".repeat(250)))
         .collect();
-    let cases: Vec<(Box<dyn Fn(&mut RegisterCommand)>, &str)> = vec![
+    type Mutate = Box<dyn Fn(&mut RegisterCommand)>;
+    let cases: Vec<(Mutate, &str)> = vec![
         (Box::new(|c| c.worker_id = String::new()), "worker_id"),
         (Box::new(|c| c.worker_id = "-bad".into()), "worker_id"),
         (Box::new(move |c| c.worker_id = long.clone()), "worker_id"),

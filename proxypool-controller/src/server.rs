@@ -1,0 +1,265 @@
+//! Bootstrap: the gRPC server with its limits, gRPC health and reflection, the admin HTTP
+//! endpoints (`/healthz`, `/readyz`, `/metrics`) and the shutdown sequence, as one lifecycle
+//! group: if either server fails, both stop.
+//!
+//! Only started when `controlPlane.enabled`; Redis is then required and part of readiness.
+//! Shutdown: readiness and gRPC health go not-serving, new RPCs are refused, in-flight ones get
+//! `shutdownTimeout` to finish (graceful stop), then every connection is dropped (hard stop).
+//!
+//! Limits set explicitly: receive and send message size (`maxMessageBytes`), concurrent streams
+//! per connection (`maxConcurrentStreams`), HTTP/2 keepalive pings (every 30 s, 10 s timeout:
+//! dead peers are dropped), pending-accept and local-error reset-stream limits (HTTP/2 reset
+//! floods, RUSTSEC-2024-0003 / CVE-2023-44487), header list size 16 KiB, TCP_NODELAY on every
+//! accepted socket, a 30 s per-RPC timeout.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::sync::watch;
+
+use crate::config::{Config, TlsMode};
+use crate::domain::{ControlStore, Service};
+use crate::grpc::Controller;
+use crate::metrics::Metrics;
+use crate::proto::controlplane::worker_control_plane_server::WorkerControlPlaneServer;
+use crate::redis_store::RedisStore;
+
+/// HTTP/2 keepalive ping interval.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// HTTP/2 keepalive ping timeout.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Remotely reset streams allowed in the pending-accept queue before GOAWAY.
+pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// Locally reset (errored) streams allowed before GOAWAY.
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
+/// Per-RPC timeout.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why the controller did not start.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StartError {
+    /// `controlPlane.enabled` is false.
+    #[error("controlPlane.enabled is false: the worker control plane is disabled")]
+    Disabled,
+    /// Redis did not answer.
+    #[error("redis unavailable at startup")]
+    RedisUnavailable,
+    /// A listener could not be bound.
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, String),
+    /// A TLS file or setting is wrong (names the key).
+    #[error("{0}")]
+    Tls(String),
+}
+
+/// A running controller.
+#[derive(Debug)]
+pub struct Running {
+    /// The gRPC listener's address.
+    pub grpc_addr: SocketAddr,
+    /// The admin listener's address.
+    pub admin_addr: Option<SocketAddr>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    ready: watch::Receiver<bool>,
+    task: tokio::task::JoinHandle<Result<(), String>>,
+}
+
+impl Running {
+    /// Whether the controller reports ready (serving, Redis reachable at the last check).
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Waits until the lifecycle group ends (after shutdown, or a server failure).
+    pub async fn wait(self) -> Result<(), String> {
+        self.task.await.map_err(|e| e.to_string())?
+    }
+}
+
+fn read_pem_certs(
+    key: &'static str,
+    path: &std::path::Path,
+) -> Result<Vec<CertificateDer<'static>>, StartError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| StartError::Tls(format!("{key}: {}: {e}", path.display())))?;
+    let certs = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| StartError::Tls(format!("{key}: not a PEM certificate file")))?;
+    if certs.is_empty() {
+        return Err(StartError::Tls(format!("{key}: no certificate found")));
+    }
+    Ok(certs)
+}
+
+/// Starts the controller with the Redis store of `config`.
+pub async fn start(
+    config: &Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Running, StartError> {
+    if !config.enabled {
+        return Err(StartError::Disabled);
+    }
+    let (url, namespace) = config.redis.clone().ok_or(StartError::RedisUnavailable)?;
+    let store = RedisStore::connect(&url, &namespace)
+        .await
+        .map_err(|_| StartError::RedisUnavailable)?;
+    start_with(config, Arc::new(store), shutdown).await
+}
+
+/// Starts the controller over any store (tests use the in-memory one).
+pub async fn start_with(
+    config: &Config,
+    store: Arc<dyn ControlStore>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Running, StartError> {
+    if !config.enabled {
+        return Err(StartError::Disabled);
+    }
+    // Redis (or the store) must answer before we call ourselves started.
+    store
+        .current_ownership_epoch()
+        .await
+        .map_err(|_| StartError::RedisUnavailable)?;
+    let metrics = Arc::new(Metrics::default());
+    let service = Arc::new(Service::new(store.clone(), config.service));
+    let mtls = matches!(config.tls, TlsMode::Mtls { .. });
+    let controller = Controller::new(service, metrics.clone(), mtls);
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| StartError::Listen(config.listen, e.to_string()))?;
+    let grpc_addr = listener
+        .local_addr()
+        .map_err(|e| StartError::Listen(config.listen, e.to_string()))?;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<WorkerControlPlaneServer<Controller>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| StartError::Tls(format!("reflection: {e}")))?;
+    let svc = WorkerControlPlaneServer::new(controller)
+        .max_decoding_message_size(config.max_message_bytes)
+        .max_encoding_message_size(config.max_message_bytes);
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(config.max_concurrent_streams)
+        .concurrency_limit_per_connection(config.max_concurrent_streams as usize)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .http2_max_header_list_size(16 * 1024)
+        .tcp_nodelay(true)
+        .timeout(RPC_TIMEOUT);
+    let router = builder
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(svc);
+
+    let (ready_tx, ready_rx) = watch::channel(true);
+    let (graceful_tx, graceful_rx) = tokio::sync::oneshot::channel::<()>();
+    let graceful = async move {
+        let _ = graceful_rx.await;
+    };
+    let server: std::pin::Pin<
+        Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+    > = match &config.tls {
+        TlsMode::Disabled => {
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            Box::pin(router.serve_with_incoming_shutdown(incoming, graceful))
+        }
+        TlsMode::Mtls {
+            server_cert,
+            server_key,
+            client_ca,
+            trust_domain,
+            environment,
+        } => {
+            let chain = read_pem_certs("controlPlane.tls.serverCert", server_cert)?;
+            let key_bytes = std::fs::read(server_key).map_err(|e| {
+                StartError::Tls(format!(
+                    "controlPlane.tls.serverKey: {}: {e}",
+                    server_key.display()
+                ))
+            })?;
+            let key = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|_| {
+                StartError::Tls("controlPlane.tls.serverKey: no PEM private key".into())
+            })?;
+            let ca = read_pem_certs("controlPlane.tls.clientCA", client_ca)?;
+            let tls = crate::tls::server_config(chain, key, ca).map_err(StartError::Tls)?;
+            let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+            let incoming = crate::tls::incoming(
+                listener,
+                acceptor,
+                trust_domain.clone(),
+                environment.clone(),
+            );
+            Box::pin(router.serve_with_incoming_shutdown(incoming, graceful))
+        }
+    };
+
+    // Admin endpoints.
+    let admin_addr;
+    let admin: std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send>> =
+        match config.admin {
+            Some(addr) => {
+                let l = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| StartError::Listen(addr, e.to_string()))?;
+                admin_addr = l.local_addr().ok();
+                Box::pin(crate::admin::serve(
+                    l,
+                    store,
+                    metrics.clone(),
+                    ready_rx.clone(),
+                ))
+            }
+            None => {
+                admin_addr = None;
+                Box::pin(std::future::pending())
+            }
+        };
+
+    let shutdown_timeout = config.shutdown_timeout;
+    let task = tokio::spawn(async move {
+        let mut server = server;
+        let mut admin = admin;
+        tokio::select! {
+            r = &mut server => {
+                let _ = ready_tx.send(false);
+                return r.map_err(|e| format!("grpc server: {e}"));
+            }
+            r = &mut admin => {
+                let _ = ready_tx.send(false);
+                return r;
+            }
+            () = shutdown => {}
+        }
+        // Not ready, not serving; stop accepting; bounded graceful stop; then hard stop.
+        let _ = ready_tx.send(false);
+        health
+            .set_not_serving::<WorkerControlPlaneServer<Controller>>()
+            .await;
+        let _ = graceful_tx.send(());
+        match tokio::time::timeout(shutdown_timeout, &mut server).await {
+            Ok(r) => r.map_err(|e| format!("grpc server: {e}")),
+            Err(_) => {
+                tracing::warn!("graceful stop timed out; dropping connections");
+                Ok(())
+            }
+        }
+    });
+    Ok(Running {
+        grpc_addr,
+        admin_addr,
+        metrics,
+        ready: ready_rx,
+        task,
+    })
+}

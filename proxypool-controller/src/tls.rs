@@ -1,0 +1,217 @@
+//! mTLS for the worker listener (seed 004 §6).
+//!
+//! The client certificate must chain to the configured client CA (rustls' WebPKI verifier,
+//! *ring* provider, TLS 1.3) and carry exactly one URI SAN of the form
+//! `spiffe://TRUST_DOMAIN/ENVIRONMENT/worker/WORKER_ID`, with this listener's trust domain and
+//! environment and a valid worker id. That worker id is the connection's identity
+//! ([`PeerInfo`], in every request's extensions); each RPC's `worker_id` must equal it. A
+//! connection without a certificate, or with another identity shape, is closed after the
+//! handshake without being served.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use x509_parser::extensions::GeneralName;
+
+use crate::domain::valid_id;
+
+/// How long a client has for the TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most handshakes in progress at once.
+pub const MAX_PENDING_HANDSHAKES: usize = 256;
+
+/// The verified peer of a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The worker id from the certificate's SPIFFE URI.
+    pub worker_id: String,
+    /// Remote address (never a metric label).
+    pub remote: SocketAddr,
+}
+
+/// Why a certificate identity was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// Not a parseable X.509 certificate.
+    #[error("certificate does not parse")]
+    Parse,
+    /// Not exactly one URI SAN.
+    #[error("certificate must carry exactly one URI SAN")]
+    UriCount,
+    /// The URI is not `spiffe://TD/ENV/worker/ID` for this trust domain and environment.
+    #[error("certificate URI is not this environment's worker identity")]
+    Shape,
+}
+
+/// The worker id of a client certificate for `trust_domain` / `environment`.
+pub fn worker_id(
+    cert: &CertificateDer<'_>,
+    trust_domain: &str,
+    environment: &str,
+) -> Result<String, IdentityError> {
+    let (_, cert) =
+        x509_parser::parse_x509_certificate(cert.as_ref()).map_err(|_| IdentityError::Parse)?;
+    let mut uris = Vec::new();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            if let GeneralName::URI(u) = name {
+                uris.push(*u);
+            }
+        }
+    }
+    let [uri] = uris.as_slice() else {
+        return Err(IdentityError::UriCount);
+    };
+    let prefix = format!("spiffe://{trust_domain}/{environment}/worker/");
+    let id = uri.strip_prefix(&prefix).ok_or(IdentityError::Shape)?;
+    if !valid_id(id) {
+        return Err(IdentityError::Shape);
+    }
+    Ok(id.to_owned())
+}
+
+/// A TLS server config requiring client certificates from `client_ca`.
+pub fn server_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    client_ca: Vec<CertificateDer<'static>>,
+) -> Result<rustls::ServerConfig, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in client_ca {
+        roots.add(c).map_err(|e| format!("client CA: {e}"))?;
+    }
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| format!("client CA: {e}"))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| format!("server certificate: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// A verified TLS connection (tonic's `Connected` exposes its [`PeerInfo`]).
+#[derive(Debug)]
+pub struct TlsConn {
+    inner: TlsStream<TcpStream>,
+    info: PeerInfo,
+}
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = PeerInfo;
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// Accepts on `listener` (TCP_NODELAY), runs handshakes concurrently (bounded, with a timeout)
+/// and yields only connections with a valid worker identity.
+pub fn incoming(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    trust_domain: String,
+    environment: String,
+) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
+    let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
+    tokio::spawn(async move {
+        loop {
+            let (tcp, remote) = match listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            if tx.is_closed() {
+                return;
+            }
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            let (td, env) = (trust_domain.clone(), environment.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                let Ok(Ok(tls)) =
+                    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                else {
+                    return;
+                };
+                let identity = tls
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                    .map(|leaf| worker_id(leaf, &td, &env));
+                match identity {
+                    Some(Ok(worker_id)) => {
+                        let _ = tx
+                            .send(Ok(TlsConn {
+                                inner: tls,
+                                info: PeerInfo { worker_id, remote },
+                            }))
+                            .await;
+                    }
+                    Some(Err(e)) => tracing::info!(error = %e, "worker certificate refused"),
+                    None => tracing::info!("connection without a client certificate refused"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
