@@ -190,7 +190,14 @@ impl RedisStore {
             return Err(StoreError::Unavailable);
         }
         let client = redis::Client::open(url).map_err(|e| backend(&e))?;
-        let conn = ConnectionManager::new(client)
+        // Bounded: a store call fails (Unavailable) rather than hang while Redis is down; the
+        // manager reconnects in the background.
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500))
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(2)));
+        let conn = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(|e| backend(&e))?;
         let script = |body: &str| Script::new(&format!("{LIB}{body}"));

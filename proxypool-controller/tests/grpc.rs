@@ -1,0 +1,496 @@
+//! gRPC through the generated client over loopback: DTOs, status codes, batch and message
+//! limits, the two unimplemented RPCs, gRPC health, readiness and shutdown; and mTLS with
+//! certificates made at test time (correct SPIFFE identity, mismatched worker_id, missing client
+//! certificate, wrong environment, the loopback-plaintext rule).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proxypool_controller::config::{Config, File, TlsMode};
+use proxypool_controller::domain::{ControlStore, SnapshotReference, SnapshotTuple};
+use proxypool_controller::memory::MemoryStore;
+use proxypool_controller::proto::controlplane as pb;
+use proxypool_controller::proto::controlplane::worker_control_plane_client::WorkerControlPlaneClient;
+use proxypool_controller::server::{Running, StartError, start, start_with};
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn config(extra: &str) -> Config {
+    let text = format!(
+        "[controlPlane]\nenabled = true\nlisten = \"127.0.0.1:0\"\nmaxMessageBytes = 65536\nmaxRuntimeCounters = 50\nshutdownTimeout = \"2s\"\n{extra}\n[redis]\nurl = \"redis://unused\"\n[admin]\nlisten = \"127.0.0.1:0\"\n"
+    );
+    File::parse(&text).unwrap().validate().unwrap()
+}
+
+async fn plaintext() -> (
+    Running,
+    MemoryStore,
+    CancellationToken,
+    WorkerControlPlaneClient<Channel>,
+) {
+    let store = MemoryStore::default();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let running = start_with(&config(""), Arc::new(store.clone()), async move {
+        s.cancelled().await
+    })
+    .await
+    .unwrap();
+    let client = WorkerControlPlaneClient::connect(format!("http://{}", running.grpc_addr))
+        .await
+        .unwrap();
+    (running, store, stop, client)
+}
+
+fn register(worker: &str) -> pb::RegisterWorkerRequest {
+    pb::RegisterWorkerRequest {
+        worker_id: worker.into(),
+        instance_id: "inst-1".into(),
+        zone: String::new(),
+        labels: [("pool".to_owned(), "dc".to_owned())].into_iter().collect(),
+        supported_protocol_version: 1,
+    }
+}
+
+async fn publish(store: &MemoryStore, worker: &str, v: u64) {
+    store
+        .record_issued_snapshot(
+            worker,
+            SnapshotReference {
+                tuple: SnapshotTuple {
+                    ownership_epoch: 1,
+                    version: v,
+                },
+                checksum: [v as u8; 32],
+            },
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+}
+
+fn ack(worker: &str, session: &[u8], v: u64) -> pb::AcknowledgeSnapshotRequest {
+    pb::AcknowledgeSnapshotRequest {
+        worker_id: worker.into(),
+        session_id: session.to_vec().into(),
+        snapshot_version: v,
+        ownership_epoch: 1,
+        checksum: vec![v as u8; 32].into(),
+        applied: true,
+        error_code: String::new(),
+        error_message: String::new(),
+    }
+}
+
+fn report(worker: &str, session: &[u8], seq: u64, v: u64, n: usize) -> pb::ReportRuntimeRequest {
+    pb::ReportRuntimeRequest {
+        worker_id: worker.into(),
+        session_id: session.to_vec().into(),
+        sequence: seq,
+        snapshot_version: v,
+        ownership_epoch: 1,
+        observed_at_unix_ms: 1_700_000_000_000,
+        counters: (0..n)
+            .map(|i| pb::ProxyCounters {
+                proxy_id: format!("proxy-{i}"),
+                in_flight: 1,
+                open_connections: 2,
+            })
+            .collect(),
+    }
+}
+
+#[tokio::test]
+async fn rpcs_dtos_and_status_codes() {
+    let (running, store, stop, mut c) = plaintext().await;
+    let r = c
+        .register_worker(register("w1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (r.session_id.len(), r.ownership_epoch, r.protocol_version),
+        (16, 1, 1)
+    );
+    assert_eq!(
+        (r.heartbeat_interval_ms, r.max_stale_age_ms),
+        (10_000, 30_000)
+    );
+    let sid = r.session_id.to_vec();
+
+    // Validation and protocol.
+    let mut bad = register("w1");
+    bad.worker_id = "bad id".into();
+    let e = c.register_worker(bad).await.unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::InvalidArgument, "invalid worker_id")
+    );
+    let mut old = register("w1");
+    old.supported_protocol_version = 2;
+    assert_eq!(
+        c.register_worker(old).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+
+    // Not yet acknowledged: a report asks for a full snapshot.
+    let resp = c
+        .report_runtime(report("w1", &sid, 1, 1, 0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(resp.require_full_snapshot && resp.revoke_proxy_ids.is_empty());
+    publish(&store, "w1", 1).await;
+    let a = c
+        .acknowledge_snapshot(ack("w1", &sid, 1))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!a.require_full_snapshot);
+    assert_eq!(a.ownership_epoch, 1);
+    let mut wrong = ack("w1", &sid, 1);
+    wrong.checksum = vec![9; 32].into();
+    assert!(
+        c.acknowledge_snapshot(wrong)
+            .await
+            .unwrap()
+            .into_inner()
+            .require_full_snapshot
+    );
+
+    let ok = c
+        .report_runtime(report("w1", &sid, 5, 1, 3))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!ok.require_full_snapshot);
+    assert_eq!(store.runtime("w1").unwrap().counters.len(), 3);
+    let e = c
+        .report_runtime(report("w1", &sid, 4, 1, 0))
+        .await
+        .unwrap_err();
+    assert_eq!((e.code(), e.message()), (Code::Aborted, "stale report"));
+    let e = c
+        .report_runtime(report("w1", &sid, 5, 1, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::AlreadyExists, "conflicting report")
+    );
+    // Batch limit (maxRuntimeCounters = 50) and message size (maxMessageBytes = 64 KiB).
+    let e = c
+        .report_runtime(report("w1", &sid, 6, 1, 51))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::InvalidArgument, "invalid counters")
+    );
+    let mut huge = report("w1", &sid, 6, 1, 1);
+    huge.counters[0].proxy_id = "p".repeat(70_000);
+    // tonic refuses an over-size message before decoding it (OUT_OF_RANGE).
+    assert_eq!(
+        c.report_runtime(huge).await.unwrap_err().code(),
+        Code::OutOfRange
+    );
+    let mut neg = report("w1", &sid, 6, 1, 1);
+    neg.counters[0].in_flight = -1;
+    assert_eq!(
+        c.report_runtime(neg).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+
+    // A new registration makes the old session stale.
+    c.register_worker(register("w1")).await.unwrap();
+    let e = c
+        .report_runtime(report("w1", &sid, 7, 1, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::FailedPrecondition, "stale session")
+    );
+
+    // The two unimplemented RPCs.
+    let e = c
+        .watch_snapshots(pb::WatchSnapshotsRequest {
+            worker_id: "w1".into(),
+            session_id: sid.clone().into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented);
+    let e = c
+        .report_outcomes(pb::ReportOutcomesRequest {
+            worker_id: "w1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented);
+
+    // Messages never carry session ids or backend text.
+    let hex_sid: String = sid.iter().map(|b| format!("{b:02x}")).collect();
+    let stale = c
+        .report_runtime(report("w1", &sid, 7, 1, 0))
+        .await
+        .unwrap_err();
+    let unknown = c
+        .acknowledge_snapshot(ack("w1", &[0; 16], 1))
+        .await
+        .unwrap_err();
+    for status in [stale, unknown, e] {
+        let m = status.message();
+        assert!(
+            !m.contains("redis") && !m.contains("activity") && !m.contains(&hex_sid),
+            "{m}"
+        );
+    }
+    // Metrics: bounded labels only.
+    let metrics = running.metrics.render();
+    assert!(metrics.contains(
+        "proxypool_controlplane_requests_total{rpc=\"report_runtime\",outcome=\"aborted\"} 1"
+    ));
+    assert!(!metrics.contains("w1") && !metrics.contains("inst-1"));
+    stop.cancel();
+    running.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn health_readiness_and_shutdown() {
+    let (running, _store, stop, _c) = plaintext().await;
+    let channel = Channel::from_shared(format!("http://{}", running.grpc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "controlplane.v1.WorkerControlPlane".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let admin = format!("http://{}", running.admin_addr.unwrap());
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    assert_eq!(
+        http.get(format!("{admin}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        http.get(format!("{admin}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert!(running.is_ready());
+    let addr = running.grpc_addr;
+    stop.cancel();
+    // The lifecycle group ends (graceful stop bounded by shutdownTimeout) and the port closes.
+    tokio::time::timeout(Duration::from_secs(10), running.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        WorkerControlPlaneClient::connect(format!("http://{addr}"))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test]
+async fn bootstrap_refusals() {
+    // Disabled by default: nothing starts.
+    let disabled = File::parse("").unwrap().validate().unwrap();
+    assert_eq!(
+        start(&disabled, std::future::pending()).await.unwrap_err(),
+        StartError::Disabled
+    );
+    // Redis unavailable at startup: refused.
+    let text = "[controlPlane]\nenabled = true\nlisten = \"127.0.0.1:0\"\n[redis]\nurl = \"redis://127.0.0.1:1/\"\n";
+    let c = File::parse(text).unwrap().validate().unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(20), start(&c, std::future::pending()))
+            .await
+            .unwrap()
+            .unwrap_err(),
+        StartError::RedisUnavailable
+    );
+    // Plaintext on a non-loopback address is a configuration error.
+    let text =
+        "[controlPlane]\nenabled = true\nlisten = \"0.0.0.0:0\"\n[redis]\nurl = \"redis://x\"\n";
+    assert_eq!(
+        File::parse(text).unwrap().validate().unwrap_err().key,
+        "controlPlane.tls.mode"
+    );
+    let _ = MemoryStore::default().current_ownership_epoch().await;
+}
+
+mod mtls {
+    use super::*;
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+
+    struct Pki {
+        ca_pem: String,
+        ca: rcgen::Issuer<'static, KeyPair>,
+    }
+
+    fn pki() -> Pki {
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "proxypool test CA");
+        let key = KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        Pki {
+            ca_pem: cert.pem(),
+            ca: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    fn leaf(pki: &Pki, uri: Option<&str>, server: bool) -> (String, String) {
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, "leaf");
+        if let Some(uri) = uri {
+            params
+                .subject_alt_names
+                .push(SanType::URI(uri.try_into().unwrap()));
+        }
+        if server {
+            params
+                .subject_alt_names
+                .push(SanType::DnsName("localhost".try_into().unwrap()));
+        }
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &pki.ca).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    async fn server(dir: &std::path::Path, pki: &Pki) -> (Running, CancellationToken) {
+        let (cert, key) = leaf(pki, None, true);
+        std::fs::write(dir.join("server.pem"), cert).unwrap();
+        std::fs::write(dir.join("server.key"), key).unwrap();
+        std::fs::write(dir.join("ca.pem"), &pki.ca_pem).unwrap();
+        let tls = format!(
+            "[controlPlane.tls]\nmode = \"mtls\"\nserverCert = {:?}\nserverKey = {:?}\nclientCA = {:?}\ntrustDomain = \"proxypool.test\"\nenvironment = \"staging\"\n",
+            dir.join("server.pem").display().to_string(),
+            dir.join("server.key").display().to_string(),
+            dir.join("ca.pem").display().to_string()
+        );
+        let config = config(&tls);
+        assert!(matches!(config.tls, TlsMode::Mtls { .. }));
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let running = start_with(&config, Arc::new(MemoryStore::default()), async move {
+            s.cancelled().await
+        })
+        .await
+        .unwrap();
+        (running, stop)
+    }
+
+    async fn client(
+        addr: std::net::SocketAddr,
+        pki: &Pki,
+        identity: Option<(String, String)>,
+    ) -> Result<WorkerControlPlaneClient<Channel>, tonic::transport::Error> {
+        let mut tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&pki.ca_pem))
+            .domain_name("localhost");
+        if let Some((cert, key)) = identity {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        let channel = Channel::from_shared(format!("https://localhost:{}", addr.port()))
+            .unwrap()
+            .tls_config(tls)?
+            .connect()
+            .await?;
+        Ok(WorkerControlPlaneClient::new(channel))
+    }
+
+    #[tokio::test]
+    async fn worker_identity_is_the_certificate() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = std::env::temp_dir().join(format!("proxypool-mtls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pki = pki();
+        let (running, stop) = server(&dir, &pki).await;
+        let addr = running.grpc_addr;
+
+        let good = leaf(
+            &pki,
+            Some("spiffe://proxypool.test/staging/worker/w1"),
+            false,
+        );
+        let mut c = client(addr, &pki, Some(good)).await.unwrap();
+        let r = c
+            .register_worker(register("w1"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.session_id.len(), 16);
+        // The request names another worker than the certificate.
+        let e = c.register_worker(register("w2")).await.unwrap_err();
+        assert_eq!(
+            (e.code(), e.message()),
+            (Code::PermissionDenied, "worker identity mismatch")
+        );
+        let e = c
+            .report_runtime(report("w2", &r.session_id, 1, 1, 0))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied);
+
+        // No client certificate, another environment, two URIs: not served.
+        let refused = [
+            None,
+            Some(leaf(
+                &pki,
+                Some("spiffe://proxypool.test/prod/worker/w1"),
+                false,
+            )),
+            Some(leaf(
+                &pki,
+                Some("spiffe://other.test/staging/worker/w1"),
+                false,
+            )),
+            Some(leaf(
+                &pki,
+                Some("spiffe://proxypool.test/staging/gateway/w1"),
+                false,
+            )),
+        ];
+        for identity in refused {
+            let result = match client(addr, &pki, identity).await {
+                Ok(mut c) => c.register_worker(register("w1")).await.map(|_| ()),
+                Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+            };
+            assert!(result.is_err(), "an unauthenticated worker was served");
+        }
+        stop.cancel();
+        running.wait().await.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
