@@ -5,6 +5,8 @@
 //! - `iop-mesh`: a whole local mesh on embedded defaults (see `iop-mesh --help`).
 //! - `iop-cp`: the Control Plane: Edge wire server, loopback admin API and admin CLI (see
 //!   `iop-cp --help` and the crate docs of `iop_cp`).
+//! - `proxypool-controller`: the proxy-pool WorkerControlPlane gRPC controller (see
+//!   `proxypool-controller --help` and `proxypool_controller::config`).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
