@@ -115,10 +115,12 @@ impl Report {
     /// The canonical content bytes: the counters only (sequence, session and time excluded),
     /// one `proxy_id ' ' in_flight ' ' open_connections '\n'` line per proxy, sorted.
     pub fn canonical_counters(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.counters.len() * 24);
+        use std::io::Write as _;
+        let mut out = Vec::with_capacity(self.counters.len() * 32);
         for c in &self.counters {
             out.extend_from_slice(c.proxy_id.as_bytes());
-            out.extend_from_slice(format!(" {} {}\n", c.in_flight, c.open_connections).as_bytes());
+            // Writing to a Vec cannot fail.
+            let _ = writeln!(out, " {} {}", c.in_flight, c.open_connections);
         }
         out
     }
@@ -126,9 +128,14 @@ impl Report {
     /// SHA-256 of [`Report::canonical_counters`] and the observation time: equal sequences
     /// with a different digest conflict.
     pub fn digest(&self) -> [u8; 32] {
+        Self::digest_of(self.observed_at_unix_ms, &self.canonical_counters())
+    }
+
+    /// [`Report::digest`] from an already built [`Report::canonical_counters`].
+    pub fn digest_of(observed_at_unix_ms: i64, canonical_counters: &[u8]) -> [u8; 32] {
         let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-        ctx.update(&self.observed_at_unix_ms.to_be_bytes());
-        ctx.update(&self.canonical_counters());
+        ctx.update(&observed_at_unix_ms.to_be_bytes());
+        ctx.update(canonical_counters);
         let mut out = [0u8; 32];
         out.copy_from_slice(ctx.finish().as_ref());
         out

@@ -254,6 +254,12 @@ impl RedisStore {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> redis::ScriptInvocation<'_> {
+        // The canonical counters once: for the digest and for the stored blob.
+        let canonical = report.canonical_counters();
+        let digest = Report::digest_of(report.observed_at_unix_ms, &canonical);
+        let mut blob =
+            format!("{}\n{}\n", report.sequence, report.observed_at_unix_ms).into_bytes();
+        blob.extend_from_slice(&canonical);
         let mut inv = self.report.prepare_invoke();
         inv.key(self.key("session", &report.worker_id))
             .key(self.key("runtime", &report.worker_id))
@@ -261,8 +267,8 @@ impl RedisStore {
             .arg(report.sequence.to_string())
             .arg(report.tuple.version.to_string())
             .arg(report.tuple.ownership_epoch.to_string())
-            .arg(hex(&report.digest()))
-            .arg(encode_runtime(report))
+            .arg(hex(&digest))
+            .arg(blob)
             .arg(millis(session_ttl))
             .arg(millis(report_ttl));
         inv
@@ -312,13 +318,6 @@ impl RedisStore {
             .map_err(|e| backend(&e))?;
         Ok(blob.and_then(|b| decode_runtime(&b)))
     }
-}
-
-/// `seq\nobserved_at\n` + canonical counters.
-fn encode_runtime(report: &Report) -> Vec<u8> {
-    let mut out = format!("{}\n{}\n", report.sequence, report.observed_at_unix_ms).into_bytes();
-    out.extend_from_slice(&report.canonical_counters());
-    out
 }
 
 fn decode_runtime(blob: &str) -> Option<(u64, Vec<Counter>)> {
