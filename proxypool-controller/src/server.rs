@@ -154,6 +154,11 @@ pub async fn start_with(
         .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
         .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
         .http2_max_header_list_size(16 * 1024)
+        // Full reports are up to maxMessageBytes: windows that fit several in flight.
+        .initial_stream_window_size(u32::try_from(config.max_message_bytes).unwrap_or(u32::MAX))
+        .initial_connection_window_size(
+            u32::try_from(config.max_message_bytes.saturating_mul(4)).unwrap_or(u32::MAX),
+        )
         .tcp_nodelay(true)
         .timeout(RPC_TIMEOUT);
     let router = builder

@@ -166,6 +166,9 @@ async fn main() {
             .unwrap();
     let channel = Channel::from_shared(format!("http://{}", running.grpc_addr))
         .unwrap()
+        .initial_stream_window_size(4 * 1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .tcp_nodelay(true)
         .connect()
         .await
         .unwrap();
