@@ -19,6 +19,26 @@
 //! | [`config`] | the `controlPlane` block (seed 004 §6) and its validation |
 //! | [`server`] | bootstrap: limits, gRPC health and reflection, admin `/healthz` `/readyz` `/metrics`, bounded graceful stop |
 //! | [`metrics`] | Prometheus counters and histograms with bounded labels |
+//!
+//! # Choices where the seed is silent
+//!
+//! - `controlplane.proto` is written from the seed's field list: counters are
+//!   `(proxy_id, in_flight, open_connections)` as `int64` so that negative values can be refused
+//!   (seed: "counts non-negative"); the session id travels as 16 raw bytes; the checksum as 32.
+//! - An ACK that does not match (older, newer, another checksum) answers `OK` with
+//!   `require_full_snapshot = true` and writes nothing, like a mismatched report; a request whose
+//!   `worker_id` differs from the mTLS identity is `PERMISSION_DENIED`.
+//! - The report fence `(sequence, digest)` lives in the session hash, so it lives exactly as long
+//!   as the session and is cleared with the runtime (ACK advance, negative ACK, re-enable);
+//!   the report itself expires after `maxStaleAge`. The digest covers the canonical counters
+//!   and the observation time.
+//! - The configuration file is TOML (one format across our binaries) with the seed's key names
+//!   (`controlPlane.sessionTTL`, …) and durations written `10s`, `500ms`, `2m`. We add
+//!   `maxConcurrentStreams` (default 256) and `shutdownTimeout` (default 10 s).
+//! - Limits: HTTP/2 keepalive pings every 30 s (10 s timeout), 20 pending-accept and 256
+//!   local-error reset streams before GOAWAY, 16 KiB header lists, 30 s per RPC. tonic exposes no
+//!   server-side minimum client ping interval ("keepalive enforcement" in gRPC-Go's sense); h2's
+//!   own limits apply.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
