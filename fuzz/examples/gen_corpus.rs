@@ -38,6 +38,55 @@ fn main() {
     tunnel_seeds(&root.join("tunnel_sequencer"));
     registry_seeds(&root.join("registry_ops"));
     lease_seeds(&root.join("lease_open"));
+    signed_request_seeds(&root.join("signed_request"));
+}
+
+// === signed_request ===
+
+fn signed_request_seeds(dir: &Path) {
+    use iop_fuzz::signed_request::{NOW, encode, identity, key, run};
+    use orbit_runtime::signing::sign;
+    let dir = fresh_dir(dir);
+    let cases: [(&str, &str, &str, &[u8]); 3] = [
+        (
+            "heartbeat",
+            "POST",
+            "/api/v1/edge-runtime/heartbeat",
+            br#"{"reported_address":"203.0.113.7"}"#,
+        ),
+        (
+            "desired_state",
+            "GET",
+            "/api/v1/edge-runtime/desired-state",
+            b"",
+        ),
+        (
+            "apply_result_query",
+            "POST",
+            "/api/v1/edge-runtime/apply-result?x=1",
+            br#"{"version":3,"results":[]}"#,
+        ),
+    ];
+    for (i, (name, method, target, body)) in cases.into_iter().enumerate() {
+        let nonce = format!("{i:032x}");
+        let h = sign(&key(), &identity(), method, target, body, NOW, &nonce);
+        let seed = encode(&h, method, target, body);
+        write(&dir, name, &seed);
+        run(&seed);
+    }
+    // A valid request with the signature of another body: parses, fails verification.
+    let h = sign(
+        &key(),
+        &identity(),
+        "POST",
+        "/x",
+        b"a",
+        NOW,
+        &"f".repeat(32),
+    );
+    let seed = encode(&h, "POST", "/x", b"b");
+    write(&dir, "digest_mismatch", &seed);
+    run(&seed);
 }
 
 // === lease_open ===

@@ -1,4 +1,4 @@
-//! Fuzz entry points for `iop-wire` and `iop-lease`. Each target in `fuzz_targets/` is a few lines that call
+//! Fuzz entry points for `iop-wire`, `iop-lease` and `orbit-runtime`. Each target in `fuzz_targets/` is a few lines that call
 //! one `run` function here; keeping the logic in a library lets `examples/gen_corpus.rs` build
 //! seed inputs from the same operation types (see `README.md`).
 #![forbid(unsafe_code)]
@@ -7,4 +7,5 @@ pub mod frame_decoder;
 pub mod lease_open;
 pub mod registry_ops;
 pub mod seed;
+pub mod signed_request;
 pub mod tunnel_sequencer;
