@@ -1,14 +1,22 @@
 //! The OrbitMesh Edge Runtime protocol (seed `003`).
 //!
-//! **Status (issue #8, in progress):** the pure core is here — [`signing`] (the seven
-//! `X-OrbitMesh-*` headers, the signed payload, strict Ed25519 verification, the body digest,
-//! the timestamp window and the bounded [`signing::NonceStore`], with a published test vector)
-//! and [`versions`] (the desired-state version rules). The control plane HTTP server (register,
-//! heartbeat, DNS providers, certificates with ACME DNS-01, desired state, apply results, store)
-//! and the agent are not written yet. It does not depend on the IOP crates.
+//! **Status (issue #8, in progress).** Here:
+//! - pure core: [`signing`] (the seven `X-OrbitMesh-*` headers, the signed payload, strict
+//!   Ed25519 verification, the body digest, the timestamp window and the bounded
+//!   [`signing::NonceStore`], with a published test vector) and [`versions`] (the desired-state
+//!   version rules);
+//! - [`server`]: register, heartbeat (with DNS reconciliation through [`dns::DnsProvider`]),
+//!   desired state with 304, apply results, a loopback admin API; state in memory;
+//! - [`agent`]: key generation into the state directory, register, heartbeat, pull, apply
+//!   through [`agent::Applier`], report, persisted applied version, jittered backoff.
+//!
+//! Not yet: certificates (CSR, ACME DNS-01 with pebble), the Cloudflare-style and RFC 2136 DNS
+//! clients, the SQLite/PostgreSQL store, the binaries. It does not depend on the IOP crates.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod agent;
 pub mod dns;
+pub mod server;
 pub mod signing;
 pub mod versions;

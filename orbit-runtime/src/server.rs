@@ -1,0 +1,640 @@
+//! The control plane's Edge Runtime API (axum), seed `003`:
+//!
+//! | endpoint | auth | does |
+//! |---|---|---|
+//! | `POST /api/v1/edge-runtime/register` | `Authorization: Bearer <deployment token>` | binds or refreshes `installation_id` + `public_key` + `device_fingerprint_hash`; returns `node_id`, `edge_runtime_id`, `control_plane_url`, `heartbeat_interval_seconds` |
+//! | `POST /api/v1/edge-runtime/heartbeat` | signed | records liveness; a present `reported_address` is persisted and reconciles the Node's endpoint DNS records; empty values keep the last address |
+//! | `GET /api/v1/edge-runtime/desired-state` | signed, `X-OrbitMesh-Current-Version` | `304`, or `200 {version, configurations}` ([`crate::versions`]) |
+//! | `POST /api/v1/edge-runtime/apply-result` | signed | `{version, results: [{configuration_id, status}]}`; advances `current_version` only when every configuration of the version is `applied` |
+//!
+//! and a loopback admin API: `POST /admin/v1/deployment-tokens {uses}` (the token is shown
+//! once; only its SHA-256 is kept), `POST /admin/v1/nodes/{node_id}/endpoints {name}`,
+//! `POST /admin/v1/nodes/{node_id}/desired-state {version, configurations}`,
+//! `GET /admin/v1/nodes/{node_id}`.
+//!
+//! Deployment tokens authorise enrolment only; they are never a runtime identity, and there is
+//! no `edge_secret`. The server keeps only public keys. Errors are `{"error": "<stable code>"}`
+//! and echo nothing from the request. Certificates (CSR, ACME DNS-01) and the SQLite/PostgreSQL
+//! store are not written yet (issue #8): state lives in memory here.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine as _;
+use ed25519_dalek::VerifyingKey;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::dns::DnsProvider;
+use crate::signing::{self, Identity, NonceStore, VerifyError};
+use crate::versions::{self, ApplyStatus, DesiredAnswer};
+
+/// `X-OrbitMesh-Current-Version`.
+pub const H_CURRENT_VERSION: &str = "x-orbitmesh-current-version";
+/// Default heartbeat interval told to runtimes.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(15);
+/// Largest request body.
+pub const MAX_BODY: usize = 1024 * 1024;
+
+/// One RuntimeConfiguration of a desired state version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeConfiguration {
+    /// Configuration id (unique within the version).
+    pub id: String,
+    /// Adapter kind, e.g. `nginx`, `wireguard`.
+    pub kind: String,
+    /// Adapter-specific content (certificate material appears as local file paths).
+    #[serde(default)]
+    pub spec: Value,
+}
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The URL runtimes should use (returned by register).
+    pub control_plane_url: String,
+    /// Heartbeat interval told to runtimes.
+    pub heartbeat_interval: Duration,
+    /// Signed-request timestamp window, seconds each way.
+    pub window_secs: i64,
+    /// Most nonces remembered.
+    pub nonce_capacity: usize,
+}
+
+impl ServerConfig {
+    /// Defaults (15 s heartbeats, ±300 s window) for `control_plane_url`.
+    pub fn new(control_plane_url: &str) -> Self {
+        Self {
+            control_plane_url: control_plane_url.to_owned(),
+            heartbeat_interval: DEFAULT_HEARTBEAT,
+            window_secs: signing::DEFAULT_WINDOW_SECS,
+            nonce_capacity: signing::DEFAULT_NONCE_CAPACITY,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct NodeRecord {
+    identity: Identity,
+    public_key: VerifyingKey,
+    device_fingerprint_hash: String,
+    reported_address: Option<IpAddr>,
+    public_address: Option<IpAddr>,
+    last_heartbeat: Option<i64>,
+    current_applied: u64,
+    endpoints: Vec<String>,
+}
+
+#[derive(Default)]
+struct Inner {
+    tokens: HashMap<[u8; 32], u32>,
+    nodes: HashMap<String, NodeRecord>,
+    by_installation: HashMap<String, String>,
+    desired: HashMap<String, BTreeMap<u64, Vec<RuntimeConfiguration>>>,
+    results: HashMap<(String, u64), BTreeMap<String, ApplyStatus>>,
+    next: u64,
+}
+
+/// A clock in Unix seconds (tests move it by hand).
+pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
+
+/// The system clock.
+pub fn system_clock() -> Clock {
+    Arc::new(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+    })
+}
+
+/// The server state, shared by the API and admin routers.
+#[derive(Clone)]
+pub struct ControlPlane {
+    inner: Arc<Mutex<Inner>>,
+    nonces: Arc<Mutex<NonceStore>>,
+    dns: Arc<dyn DnsProvider>,
+    config: Arc<ServerConfig>,
+    clock: Clock,
+    /// When false, signed endpoints skip verification (the heartbeat bench's baseline only).
+    verify: bool,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn fail(status: StatusCode, code: &str) -> Response {
+    (status, axum::Json(json!({ "error": code }))).into_response()
+}
+
+fn verify_failure(e: VerifyError) -> Response {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::UNAUTHORIZED);
+    fail(status, e.code())
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// An optional address: absent or empty means "no value" (never clears the last one).
+#[allow(clippy::result_large_err, reason = "the error is the response itself")]
+fn address(key: &'static str, v: Option<&str>) -> Result<Option<IpAddr>, Response> {
+    match v {
+        None | Some("") => Ok(None),
+        Some(s) => s
+            .parse()
+            .map(Some)
+            .map_err(|_| fail(StatusCode::BAD_REQUEST, key)),
+    }
+}
+
+impl ControlPlane {
+    /// A control plane writing endpoint records through `dns`.
+    pub fn new(config: ServerConfig, dns: Arc<dyn DnsProvider>, clock: Clock) -> Self {
+        let nonces = NonceStore::new(config.window_secs, config.nonce_capacity);
+        Self {
+            inner: Arc::default(),
+            nonces: Arc::new(Mutex::new(nonces)),
+            dns,
+            config: Arc::new(config),
+            clock,
+            verify: true,
+        }
+    }
+
+    /// The same state without signature verification: only for the heartbeat bench baseline.
+    #[doc(hidden)]
+    pub fn without_verification_for_bench(&self) -> Self {
+        Self {
+            verify: false,
+            ..self.clone()
+        }
+    }
+
+    /// Creates a deployment token usable `uses` times; the raw token is returned once.
+    pub fn create_deployment_token(&self, uses: u32) -> String {
+        let mut raw = [0u8; 32];
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw);
+        let token = format!(
+            "omdt_{}",
+            raw.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
+        lock(&self.inner).tokens.insert(digest(&token), uses);
+        token
+    }
+
+    /// Assigns an endpoint name (DNS record) to a Node.
+    pub fn add_endpoint(&self, node_id: &str, name: &str) -> bool {
+        let mut inner = lock(&self.inner);
+        match inner.nodes.get_mut(node_id) {
+            Some(n) => {
+                if !n.endpoints.iter().any(|e| e == name) {
+                    n.endpoints.push(name.to_owned());
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Publishes a desired state version for a Node (versions only go up).
+    pub fn publish(
+        &self,
+        node_id: &str,
+        version: u64,
+        configurations: Vec<RuntimeConfiguration>,
+    ) -> bool {
+        let mut inner = lock(&self.inner);
+        if !inner.nodes.contains_key(node_id) {
+            return false;
+        }
+        let versions = inner.desired.entry(node_id.to_owned()).or_default();
+        if versions
+            .keys()
+            .next_back()
+            .is_some_and(|latest| *latest >= version)
+        {
+            return false;
+        }
+        versions.insert(version, configurations);
+        true
+    }
+
+    /// A Node's current applied version and reported address.
+    pub fn node_state(&self, node_id: &str) -> Option<(u64, Option<IpAddr>, Option<i64>)> {
+        lock(&self.inner)
+            .nodes
+            .get(node_id)
+            .map(|n| (n.current_applied, n.reported_address, n.last_heartbeat))
+    }
+
+    /// The device fingerprint hash a Node registered with.
+    pub fn device_fingerprint_hash(&self, node_id: &str) -> Option<String> {
+        lock(&self.inner)
+            .nodes
+            .get(node_id)
+            .map(|n| n.device_fingerprint_hash.clone())
+    }
+
+    /// The runtime API router.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/api/v1/edge-runtime/register", post(register))
+            .route("/api/v1/edge-runtime/heartbeat", post(heartbeat))
+            .route("/api/v1/edge-runtime/desired-state", get(desired_state))
+            .route("/api/v1/edge-runtime/apply-result", post(apply_result))
+            .route("/healthz", get(|| async { "ok" }))
+            .layer(DefaultBodyLimit::max(MAX_BODY))
+            .with_state(self.clone())
+    }
+
+    /// The admin router (bind it to loopback).
+    pub fn admin_router(&self) -> Router {
+        Router::new()
+            .route("/admin/v1/deployment-tokens", post(admin_token))
+            .route("/admin/v1/nodes/{node_id}/endpoints", post(admin_endpoint))
+            .route(
+                "/admin/v1/nodes/{node_id}/desired-state",
+                post(admin_publish),
+            )
+            .route("/admin/v1/nodes/{node_id}", get(admin_node))
+            .with_state(self.clone())
+    }
+
+    /// Verifies a signed request; returns the Node id.
+    #[allow(clippy::result_large_err, reason = "the error is the response itself")]
+    fn authenticate(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<String, Response> {
+        let parsed = signing::parse_headers(|name| headers.get(name).map(|v| v.as_bytes()))
+            .map_err(verify_failure)?;
+        let (expected, key) = {
+            let inner = lock(&self.inner);
+            let node = inner
+                .nodes
+                .get(&parsed.identity.node_id)
+                .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
+            (node.identity.clone(), node.public_key)
+        };
+        if !self.verify {
+            return Ok(expected.node_id);
+        }
+        let target = uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut nonces = lock(&self.nonces);
+        signing::verify(
+            &parsed,
+            &expected,
+            &key,
+            method.as_str(),
+            target,
+            body,
+            (self.clock)(),
+            self.config.window_secs,
+            &mut nonces,
+        )
+        .map_err(|e| {
+            tracing::info!(target: "orbit_runtime", event = "orbit_signature_refused", code = e.code(), "signed request refused");
+            verify_failure(e)
+        })?;
+        Ok(expected.node_id)
+    }
+}
+
+#[derive(Deserialize)]
+struct RegisterBody {
+    installation_id: String,
+    public_key: String,
+    device_fingerprint_hash: String,
+    #[serde(default)]
+    reported_address: Option<String>,
+    #[serde(default)]
+    public_address: Option<String>,
+}
+
+fn valid_id(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 128
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+async fn register(State(cp): State<ControlPlane>, headers: HeaderMap, body: Bytes) -> Response {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    let Ok(b) = serde_json::from_slice::<RegisterBody>(&body) else {
+        return fail(StatusCode::BAD_REQUEST, "invalid_body");
+    };
+    if !valid_id(&b.installation_id) {
+        return fail(StatusCode::BAD_REQUEST, "invalid_installation_id");
+    }
+    if b.device_fingerprint_hash.len() > 128 {
+        return fail(StatusCode::BAD_REQUEST, "invalid_device_fingerprint_hash");
+    }
+    let Some(key) = base64::engine::general_purpose::STANDARD
+        .decode(&b.public_key)
+        .ok()
+        .and_then(|raw| signing::parse_public_key(&raw))
+    else {
+        return fail(StatusCode::BAD_REQUEST, "invalid_public_key");
+    };
+    let reported = match address("invalid_reported_address", b.reported_address.as_deref()) {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let public = match address("invalid_public_address", b.public_address.as_deref()) {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let mut inner = lock(&cp.inner);
+    let d = digest(token);
+    match inner.tokens.get_mut(&d) {
+        Some(uses) if *uses > 0 => *uses -= 1,
+        _ => return fail(StatusCode::UNAUTHORIZED, "invalid_deployment_token"),
+    }
+    let node_id = match inner.by_installation.get(&b.installation_id) {
+        Some(n) => n.clone(),
+        None => {
+            inner.next += 1;
+            format!("node-{}", inner.next)
+        }
+    };
+    let edge_runtime_id = format!("er-{node_id}");
+    let prior = inner.nodes.get(&node_id).cloned();
+    let record = NodeRecord {
+        identity: Identity {
+            node_id: node_id.clone(),
+            edge_runtime_id: edge_runtime_id.clone(),
+            installation_id: b.installation_id.clone(),
+        },
+        public_key: key,
+        device_fingerprint_hash: b.device_fingerprint_hash,
+        reported_address: reported.or(prior.as_ref().and_then(|p| p.reported_address)),
+        public_address: public.or(prior.as_ref().and_then(|p| p.public_address)),
+        last_heartbeat: prior.as_ref().and_then(|p| p.last_heartbeat),
+        current_applied: prior.as_ref().map_or(0, |p| p.current_applied),
+        endpoints: prior.map(|p| p.endpoints).unwrap_or_default(),
+    };
+    inner.nodes.insert(node_id.clone(), record);
+    inner
+        .by_installation
+        .insert(b.installation_id, node_id.clone());
+    tracing::info!(target: "orbit_runtime", event = "orbit_register", node_id = %node_id, "runtime registered");
+    axum::Json(json!({
+        "node_id": node_id,
+        "edge_runtime_id": edge_runtime_id,
+        "control_plane_url": cp.config.control_plane_url,
+        "heartbeat_interval_seconds": cp.config.heartbeat_interval.as_secs(),
+    }))
+    .into_response()
+}
+
+#[derive(Deserialize, Default)]
+struct HeartbeatBody {
+    #[serde(default)]
+    reported_address: Option<String>,
+    #[serde(default)]
+    public_address: Option<String>,
+}
+
+async fn heartbeat(
+    State(cp): State<ControlPlane>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let b: HeartbeatBody = if body.is_empty() {
+        HeartbeatBody::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(_) => return fail(StatusCode::BAD_REQUEST, "invalid_body"),
+        }
+    };
+    let reported = match address("invalid_reported_address", b.reported_address.as_deref()) {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let public = match address("invalid_public_address", b.public_address.as_deref()) {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let (endpoints, changed) = {
+        let mut inner = lock(&cp.inner);
+        let Some(node) = inner.nodes.get_mut(&node_id) else {
+            return fail(StatusCode::UNAUTHORIZED, "unknown_identity");
+        };
+        node.last_heartbeat = Some((cp.clock)());
+        if public.is_some() {
+            node.public_address = public;
+        }
+        // Empty values never clear the last known address.
+        let changed = reported.filter(|a| node.reported_address != Some(*a));
+        if reported.is_some() {
+            node.reported_address = reported;
+        }
+        (
+            node.endpoints.clone(),
+            reported.map(|a| (a, changed.is_some())),
+        )
+    };
+    if let Some((addr, _)) = changed {
+        for name in endpoints {
+            if cp.dns.upsert_address(&name, addr).await.is_err() {
+                tracing::warn!(target: "orbit_runtime", event = "orbit_dns_failed", "endpoint record update failed");
+            }
+        }
+    }
+    axum::Json(json!({ "heartbeat_interval_seconds": cp.config.heartbeat_interval.as_secs() }))
+        .into_response()
+}
+
+async fn desired_state(
+    State(cp): State<ControlPlane>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let header_current = match headers.get(H_CURRENT_VERSION) {
+        None => None,
+        Some(v) => match v.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
+            Some(n) => Some(n),
+            None => return fail(StatusCode::BAD_REQUEST, "invalid_current_version"),
+        },
+    };
+    let inner = lock(&cp.inner);
+    let current = inner.nodes.get(&node_id).map_or(0, |n| n.current_applied);
+    let versions = inner.desired.get(&node_id);
+    let latest = versions.and_then(|v| v.keys().next_back().copied());
+    match versions::desired_answer(latest, current, header_current) {
+        DesiredAnswer::NotModified => StatusCode::NOT_MODIFIED.into_response(),
+        DesiredAnswer::Version(v) => {
+            let configurations = versions
+                .and_then(|m| m.get(&v))
+                .cloned()
+                .unwrap_or_default();
+            axum::Json(json!({ "version": v, "configurations": configurations })).into_response()
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct ApplyResultBody {
+    version: u64,
+    results: Vec<ApplyResultEntry>,
+}
+
+#[derive(Deserialize)]
+struct ApplyResultEntry {
+    configuration_id: String,
+    status: String,
+}
+
+async fn apply_result(
+    State(cp): State<ControlPlane>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let Ok(b) = serde_json::from_slice::<ApplyResultBody>(&body) else {
+        return fail(StatusCode::BAD_REQUEST, "invalid_body");
+    };
+    let mut parsed = Vec::with_capacity(b.results.len());
+    for r in b.results {
+        let Some(status) = ApplyStatus::parse(&r.status) else {
+            return fail(StatusCode::BAD_REQUEST, "invalid_status");
+        };
+        parsed.push((r.configuration_id, status));
+    }
+    let mut inner = lock(&cp.inner);
+    let Some(configs) = inner
+        .desired
+        .get(&node_id)
+        .and_then(|m| m.get(&b.version))
+        .map(|c| c.iter().map(|c| c.id.clone()).collect::<Vec<_>>())
+    else {
+        return fail(StatusCode::NOT_FOUND, "unknown_version");
+    };
+    let recorded = inner
+        .results
+        .entry((node_id.clone(), b.version))
+        .or_default();
+    for (id, status) in parsed {
+        if configs.contains(&id) {
+            recorded.insert(id, status);
+        }
+    }
+    let recorded = recorded.clone();
+    let Some(node) = inner.nodes.get_mut(&node_id) else {
+        return fail(StatusCode::UNAUTHORIZED, "unknown_identity");
+    };
+    node.current_applied = versions::advance(node.current_applied, b.version, &configs, &recorded);
+    tracing::info!(target: "orbit_runtime", event = "orbit_apply_result", node_id = %node_id, version = b.version, current = node.current_applied, "apply result recorded");
+    axum::Json(json!({ "current_version": node.current_applied })).into_response()
+}
+
+#[derive(Deserialize)]
+struct TokenBody {
+    #[serde(default = "one")]
+    uses: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+async fn admin_token(
+    State(cp): State<ControlPlane>,
+    axum::Json(b): axum::Json<TokenBody>,
+) -> Response {
+    let token = cp.create_deployment_token(b.uses.max(1));
+    axum::Json(json!({ "token": token, "uses": b.uses.max(1) })).into_response()
+}
+
+#[derive(Deserialize)]
+struct EndpointBody {
+    name: String,
+}
+
+async fn admin_endpoint(
+    State(cp): State<ControlPlane>,
+    Path(node_id): Path<String>,
+    axum::Json(b): axum::Json<EndpointBody>,
+) -> Response {
+    if cp.add_endpoint(&node_id, &b.name) {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        fail(StatusCode::NOT_FOUND, "unknown_node")
+    }
+}
+
+#[derive(Deserialize)]
+struct PublishBody {
+    version: u64,
+    configurations: Vec<RuntimeConfiguration>,
+}
+
+async fn admin_publish(
+    State(cp): State<ControlPlane>,
+    Path(node_id): Path<String>,
+    axum::Json(b): axum::Json<PublishBody>,
+) -> Response {
+    if cp.publish(&node_id, b.version, b.configurations) {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        fail(StatusCode::CONFLICT, "version_not_newer_or_unknown_node")
+    }
+}
+
+async fn admin_node(State(cp): State<ControlPlane>, Path(node_id): Path<String>) -> Response {
+    match cp.node_state(&node_id) {
+        Some((current, addr, hb)) => axum::Json(json!({
+            "node_id": node_id,
+            "current_version": current,
+            "reported_address": addr.map(|a| a.to_string()),
+            "last_heartbeat": hb,
+        }))
+        .into_response(),
+        None => fail(StatusCode::NOT_FOUND, "unknown_node"),
+    }
+}
