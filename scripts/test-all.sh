@@ -5,8 +5,8 @@
 #   workspace (unit, property, virtual-time harness, end-to-end over real TLS sockets, the
 #   generated-code drift check, doc examples, the store contract suite against SQLite and a
 #   PostgreSQL database this script provides: scripts/postgres.sh; the proxy-pool store
-#   contract against a private redis-server: scripts/redis.sh), 4. a short smoke run of every
-#   cargo-fuzz target.
+#   contract against a private redis-server: scripts/redis.sh; the OrbitMesh RFC 2136 DNS tests
+#   against a private BIND 9: scripts/bind9.sh), 4. a short smoke run of every cargo-fuzz target.
 #
 # Environment: FUZZ_SECONDS (per fuzz target, default 20), SKIP_FUZZ=1 to skip step 4 locally.
 set -euo pipefail
@@ -41,10 +41,13 @@ step "services"
 . scripts/postgres.sh
 # shellcheck source=scripts/redis.sh
 . scripts/redis.sh
+# shellcheck source=scripts/bind9.sh
+. scripts/bind9.sh
 test_log="$(mktemp)"
-trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup' EXIT
+trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup; bind9_cleanup' EXIT
 pg_setup
 redis_setup
+bind9_setup
 
 step "tests"
 cargo test --workspace --locked 2>&1 | tee "$test_log"

@@ -8,10 +8,12 @@
 //! - [`server`]: register, heartbeat (with DNS reconciliation through [`dns::DnsProvider`]),
 //!   desired state with 304, apply results, a loopback admin API; state in memory;
 //! - [`agent`]: key generation into the state directory, register, heartbeat, pull, apply
-//!   through [`agent::Applier`], report, persisted applied version, jittered backoff.
+//!   through [`agent::Applier`], report, persisted applied version, jittered backoff;
+//! - [`dns`]: the provider trait, the in-memory default and an RFC 2136 client with TSIG
+//!   (tested against a real BIND 9).
 //!
-//! Not yet: certificates (CSR, ACME DNS-01 with pebble), the Cloudflare-style and RFC 2136 DNS
-//! clients, the SQLite/PostgreSQL store, the binaries. It does not depend on the IOP crates.
+//! Not yet: certificates (CSR, ACME DNS-01 with pebble), the Cloudflare-style REST DNS client,
+//! the SQLite/PostgreSQL store, the binaries. It does not depend on the IOP crates.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
