@@ -6,7 +6,9 @@
 #   generated-code drift check, doc examples, the store contract suite against SQLite and a
 #   PostgreSQL database this script provides: scripts/postgres.sh; the proxy-pool store
 #   contract against a private redis-server: scripts/redis.sh; the OrbitMesh RFC 2136 DNS tests
-#   against a private BIND 9: scripts/bind9.sh), 4. a short smoke run of every cargo-fuzz target.
+#   against a private BIND 9: scripts/bind9.sh; ACME DNS-01 against a private pebble that
+#   resolves through that BIND 9: scripts/pebble.sh), 4. a short smoke run of every cargo-fuzz
+#   target.
 #
 # Environment: FUZZ_SECONDS (per fuzz target, default 20), SKIP_FUZZ=1 to skip step 4 locally.
 set -euo pipefail
@@ -43,11 +45,14 @@ step "services"
 . scripts/redis.sh
 # shellcheck source=scripts/bind9.sh
 . scripts/bind9.sh
+# shellcheck source=scripts/pebble.sh
+. scripts/pebble.sh
 test_log="$(mktemp)"
-trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup; bind9_cleanup' EXIT
+trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup; pebble_cleanup; bind9_cleanup' EXIT
 pg_setup
 redis_setup
 bind9_setup
+pebble_setup
 
 step "tests"
 cargo test --workspace --locked 2>&1 | tee "$test_log"

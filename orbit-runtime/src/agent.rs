@@ -363,6 +363,51 @@ impl Agent {
         }
     }
 
+    /// Submits a CSR (PEM) for this Node's endpoints; writes the issued chain to `out` (mode
+    /// 0600) for the runtime adapters, and returns the certificate id.
+    pub async fn request_certificate(
+        &self,
+        csr_pem: &str,
+        out: &Path,
+    ) -> Result<String, AgentError> {
+        let body = serde_json::to_vec(&json!({ "csr": csr_pem })).unwrap_or_default();
+        let r = self
+            .signed(
+                reqwest::Method::POST,
+                "/api/v1/edge-runtime/certificates/csr",
+                body,
+                None,
+            )
+            .await?;
+        if !r.status().is_success() {
+            return Err(AgentError::Status(r.status().as_u16()));
+        }
+        let v: serde_json::Value = r.json().await.map_err(|_| AgentError::Malformed)?;
+        let (Some(id), Some(chain)) = (v["certificate_id"].as_str(), v["chain_pem"].as_str())
+        else {
+            return Err(AgentError::Malformed);
+        };
+        write_private(out, chain.as_bytes())
+            .map_err(|e| AgentError::State(e.kind().to_string()))?;
+        Ok(id.to_owned())
+    }
+
+    /// The certificate metadata the control plane holds for this Node.
+    pub async fn certificates(&self) -> Result<serde_json::Value, AgentError> {
+        let r = self
+            .signed(
+                reqwest::Method::GET,
+                "/api/v1/edge-runtime/certificates",
+                Vec::new(),
+                None,
+            )
+            .await?;
+        if !r.status().is_success() {
+            return Err(AgentError::Status(r.status().as_u16()));
+        }
+        r.json().await.map_err(|_| AgentError::Malformed)
+    }
+
     /// One cycle: register if needed, heartbeat, pull.
     pub async fn tick(
         &mut self,

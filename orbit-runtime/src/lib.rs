@@ -10,14 +10,18 @@
 //! - [`agent`]: key generation into the state directory, register, heartbeat, pull, apply
 //!   through [`agent::Applier`], report, persisted applied version, jittered backoff;
 //! - [`dns`]: the provider trait, the in-memory default and an RFC 2136 client with TSIG
-//!   (tested against a real BIND 9).
+//!   (tested against a real BIND 9);
+//! - [`certs`]: CSR validation against the Node's endpoints and ACME DNS-01 issuance with
+//!   `instant-acme` (tested against pebble resolving through that BIND 9), challenge TXT values
+//!   removed afterwards.
 //!
-//! Not yet: certificates (CSR, ACME DNS-01 with pebble), the Cloudflare-style REST DNS client,
-//! the SQLite/PostgreSQL store, the binaries. It does not depend on the IOP crates.
+//! Not yet: the Cloudflare-style REST DNS client, the SQLite/PostgreSQL store (state is in
+//! memory), the binaries. It does not depend on the IOP crates.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod certs;
 pub mod dns;
 pub mod server;
 pub mod signing;

@@ -14,8 +14,10 @@
 //!
 //! Deployment tokens authorise enrolment only; they are never a runtime identity, and there is
 //! no `edge_secret`. The server keeps only public keys. Errors are `{"error": "<stable code>"}`
-//! and echo nothing from the request. Certificates (CSR, ACME DNS-01) and the SQLite/PostgreSQL
-//! store are not written yet (issue #8): state lives in memory here.
+//! and echo nothing from the request. `GET /certificates` lists the Node's certificate metadata;
+//! `POST /certificates/csr {csr}` validates the CSR against the Node's endpoints and issues
+//! through ACME DNS-01 ([`crate::certs`]), answering with the chain. The SQLite/PostgreSQL store
+//! is not written yet (issue #8): state lives in memory here.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -100,7 +102,16 @@ struct Inner {
     by_installation: HashMap<String, String>,
     desired: HashMap<String, BTreeMap<u64, Vec<RuntimeConfiguration>>>,
     results: HashMap<(String, u64), BTreeMap<String, ApplyStatus>>,
+    certs: HashMap<String, Vec<CertRecord>>,
     next: u64,
+}
+
+#[derive(Clone, Debug)]
+struct CertRecord {
+    id: String,
+    names: Vec<String>,
+    serial: String,
+    not_after: i64,
 }
 
 /// A clock in Unix seconds (tests move it by hand).
@@ -125,6 +136,7 @@ pub struct ControlPlane {
     clock: Clock,
     /// When false, signed endpoints skip verification (the heartbeat bench's baseline only).
     verify: bool,
+    issuer: Option<Arc<crate::certs::AcmeIssuer>>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -178,7 +190,14 @@ impl ControlPlane {
             config: Arc::new(config),
             clock,
             verify: true,
+            issuer: None,
         }
+    }
+
+    /// Issues Node certificates through `issuer` (ACME DNS-01).
+    pub fn with_acme(mut self, issuer: Arc<crate::certs::AcmeIssuer>) -> Self {
+        self.issuer = Some(issuer);
+        self
     }
 
     /// The same state without signature verification: only for the heartbeat bench baseline.
@@ -262,6 +281,11 @@ impl ControlPlane {
             .route("/api/v1/edge-runtime/heartbeat", post(heartbeat))
             .route("/api/v1/edge-runtime/desired-state", get(desired_state))
             .route("/api/v1/edge-runtime/apply-result", post(apply_result))
+            .route("/api/v1/edge-runtime/certificates", get(certificates))
+            .route(
+                "/api/v1/edge-runtime/certificates/csr",
+                post(certificate_csr),
+            )
             .route("/healthz", get(|| async { "ok" }))
             .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(self.clone())
@@ -637,4 +661,126 @@ async fn admin_node(State(cp): State<ControlPlane>, Path(node_id): Path<String>)
         .into_response(),
         None => fail(StatusCode::NOT_FOUND, "unknown_node"),
     }
+}
+
+async fn certificates(
+    State(cp): State<ControlPlane>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let list: Vec<Value> = lock(&cp.inner)
+        .certs
+        .get(&node_id)
+        .map(|v| {
+            v.iter()
+                .map(|c| json!({ "certificate_id": c.id, "names": c.names, "serial": c.serial, "not_after": c.not_after }))
+                .collect()
+        })
+        .unwrap_or_default();
+    axum::Json(json!({ "certificates": list })).into_response()
+}
+
+#[derive(Deserialize)]
+struct CsrBody {
+    csr: String,
+}
+
+/// Serial (hex) and notAfter (Unix seconds) of the first certificate of a PEM chain.
+fn leaf_metadata(chain_pem: &str) -> Option<(String, i64)> {
+    let b64: String = chain_pem
+        .split("-----BEGIN CERTIFICATE-----")
+        .nth(1)?
+        .split("-----END CERTIFICATE-----")
+        .next()?
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect();
+    let der = base64::engine::general_purpose::STANDARD.decode(b64).ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).ok()?;
+    Some((
+        cert.raw_serial_as_string(),
+        cert.validity().not_after.timestamp(),
+    ))
+}
+
+async fn certificate_csr(
+    State(cp): State<ControlPlane>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let Some(issuer) = cp.issuer.clone() else {
+        return fail(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "certificates_not_configured",
+        );
+    };
+    let Ok(b) = serde_json::from_slice::<CsrBody>(&body) else {
+        return fail(StatusCode::BAD_REQUEST, "invalid_body");
+    };
+    let endpoints = lock(&cp.inner)
+        .nodes
+        .get(&node_id)
+        .map(|n| n.endpoints.clone())
+        .unwrap_or_default();
+    let names = match crate::certs::csr_der(b.csr.as_bytes())
+        .and_then(|der| crate::certs::validate_csr(&der, &endpoints).map(|n| (der, n)))
+    {
+        Ok(v) => v,
+        Err(e) => {
+            let code = match e {
+                crate::certs::CsrError::Parse => "csr_parse",
+                crate::certs::CsrError::Signature => "csr_signature",
+                crate::certs::CsrError::NoNames => "csr_no_names",
+                crate::certs::CsrError::ForeignName => "csr_foreign_name",
+                crate::certs::CsrError::Key => "csr_key",
+            };
+            return fail(StatusCode::BAD_REQUEST, code);
+        }
+    };
+    let (der, names) = names;
+    let chain = match issuer.issue(&names, &der).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(target: "orbit_runtime", event = "orbit_acme_failed", error = %e, "certificate issuance failed");
+            return fail(StatusCode::SERVICE_UNAVAILABLE, "issuance_failed");
+        }
+    };
+    let (serial, not_after) = leaf_metadata(&chain).unwrap_or_default();
+    let id = {
+        let mut inner = lock(&cp.inner);
+        inner.next += 1;
+        let id = format!("cert-{}", inner.next);
+        inner
+            .certs
+            .entry(node_id.clone())
+            .or_default()
+            .push(CertRecord {
+                id: id.clone(),
+                names: names.clone(),
+                serial: serial.clone(),
+                not_after,
+            });
+        id
+    };
+    tracing::info!(target: "orbit_runtime", event = "orbit_certificate_issued", node_id = %node_id, "certificate issued");
+    axum::Json(json!({
+        "certificate_id": id,
+        "names": names,
+        "serial": serial,
+        "not_after": not_after,
+        "chain_pem": chain,
+    }))
+    .into_response()
 }

@@ -40,23 +40,27 @@ struct Cli {
     check_config: bool,
 }
 
-async fn signal() {
+/// The shutdown signal. The SIGTERM handler is installed here, before anything is served, so a
+/// SIGTERM that arrives early still means a clean stop (not the default kill).
+fn signal() -> impl Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
-    {
-        let Ok(mut term) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        else {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    async move {
+        #[cfg(unix)]
+        {
+            let Some(mut term) = term else {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -93,7 +97,8 @@ async fn main() {
         );
         return;
     }
-    let running = match server::start(&config, signal()).await {
+    let shutdown = signal();
+    let running = match server::start(&config, shutdown).await {
         Ok(r) => r,
         Err(StartError::Disabled) => {
             println!("proxypool-controller: controlPlane.enabled is false; nothing to run");
