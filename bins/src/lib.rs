@@ -7,6 +7,8 @@
 //!   `iop-cp --help` and the crate docs of `iop_cp`).
 //! - `proxypool-controller`: the proxy-pool WorkerControlPlane gRPC controller (see
 //!   `proxypool-controller --help` and `proxypool_controller::config`).
+//! - `orbit-control-plane` and `orbit-agent`: the OrbitMesh Edge Runtime control plane and agent
+//!   (see their `--help` and `orbit_runtime`).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

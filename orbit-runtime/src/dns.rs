@@ -4,7 +4,7 @@
 //! name of the Node, never proxied (`proxied=false` for Cloudflare-style providers), as an
 //! idempotent create-or-update. [`MemoryDns`] is the embedded default; [`Rfc2136Dns`] updates a
 //! real authoritative server (TSIG-signed RFC 2136 UPDATEs) and also serves ACME DNS-01 TXT
-//! records ([`TxtProvider`]). The Cloudflare-style REST client is not written yet (issue #8).
+//! records ([`TxtProvider`]); [`CloudflareDns`] speaks the Cloudflare-style REST API.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -409,5 +409,189 @@ impl TxtProvider for Rfc2136Dns {
             &txt_rdata(value)?,
         )?;
         self.update(updates, 1).await
+    }
+}
+
+/// A Cloudflare-style REST DNS client (`/zones/{zone_id}/dns_records`, bearer token). Address
+/// upserts are idempotent: an existing record of the right type with the right content and
+/// `proxied=false` is left alone; one with other content is updated in place (`PUT`); none is
+/// created (`POST`); records of the other address family at the same name are deleted. Records
+/// are always written with `proxied=false`. TXT values are created and deleted individually.
+/// Errors never carry the token or the provider's text.
+#[derive(Clone)]
+pub struct CloudflareDns {
+    client: reqwest::Client,
+    base_url: String,
+    zone_id: String,
+    token: String,
+    ttl: u32,
+}
+
+impl std::fmt::Debug for CloudflareDns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CloudflareDns")
+            .field("base_url", &self.base_url)
+            .field("zone_id", &self.zone_id)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct CfRecord {
+    id: String,
+    #[serde(rename = "type")]
+    kind: String,
+    content: String,
+    #[serde(default)]
+    proxied: bool,
+}
+
+#[derive(serde::Deserialize)]
+struct CfList {
+    success: bool,
+    #[serde(default)]
+    result: Vec<CfRecord>,
+}
+
+impl CloudflareDns {
+    /// A client for `zone_id` at `base_url` (e.g. `https://api.cloudflare.com/client/v4`).
+    pub fn new(base_url: &str, zone_id: &str, token: &str, ttl: u32) -> Result<Self, DnsError> {
+        let client = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(15))
+            .build()
+            .map_err(|_| DnsError::Unavailable)?;
+        Ok(Self {
+            client,
+            base_url: base_url.trim_end_matches('/').to_owned(),
+            zone_id: zone_id.to_owned(),
+            token: token.to_owned(),
+            ttl,
+        })
+    }
+
+    fn records_url(&self) -> String {
+        format!("{}/zones/{}/dns_records", self.base_url, self.zone_id)
+    }
+
+    async fn list(&self, name: &str) -> Result<Vec<CfRecord>, DnsError> {
+        // DNS names only: nothing in them needs URL encoding.
+        let plain = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+        if !plain {
+            return Err(DnsError::Unavailable);
+        }
+        let r = self
+            .client
+            .get(format!("{}?name={name}&per_page=100", self.records_url()))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|_| DnsError::Unavailable)?;
+        if !r.status().is_success() {
+            return Err(DnsError::Unavailable);
+        }
+        let list: CfList = r.json().await.map_err(|_| DnsError::Unavailable)?;
+        if !list.success {
+            return Err(DnsError::Unavailable);
+        }
+        Ok(list.result)
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> Result<(), DnsError> {
+        let r = req
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|_| DnsError::Unavailable)?;
+        if r.status().is_success() {
+            Ok(())
+        } else {
+            Err(DnsError::Unavailable)
+        }
+    }
+}
+
+fn txt_matches(content: &str, value: &str) -> bool {
+    content == value || content.trim_matches('"') == value
+}
+
+#[async_trait]
+impl DnsProvider for CloudflareDns {
+    async fn upsert_address(&self, name: &str, addr: IpAddr) -> Result<(), DnsError> {
+        let kind = record_type(addr);
+        let content = addr.to_string();
+        let records = self.list(name).await?;
+        let body = serde_json::json!({
+            "type": kind, "name": name, "content": content, "ttl": self.ttl, "proxied": false,
+        });
+        match records.iter().find(|r| r.kind == kind) {
+            Some(r) if r.content == content && !r.proxied => {}
+            Some(r) => {
+                self.send(
+                    self.client
+                        .put(format!("{}/{}", self.records_url(), r.id))
+                        .json(&body),
+                )
+                .await?;
+            }
+            None => {
+                self.send(self.client.post(self.records_url()).json(&body))
+                    .await?
+            }
+        }
+        // The other address family at this name is stale now.
+        for r in records
+            .iter()
+            .filter(|r| (r.kind == "A" || r.kind == "AAAA") && r.kind != kind)
+        {
+            self.send(
+                self.client
+                    .delete(format!("{}/{}", self.records_url(), r.id)),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn address(&self, name: &str) -> Result<Option<IpAddr>, DnsError> {
+        Ok(self
+            .list(name)
+            .await?
+            .into_iter()
+            .filter(|r| r.kind == "A" || r.kind == "AAAA")
+            .find_map(|r| r.content.parse().ok()))
+    }
+}
+
+#[async_trait]
+impl TxtProvider for CloudflareDns {
+    async fn add_txt(&self, name: &str, value: &str) -> Result<(), DnsError> {
+        if self
+            .list(name)
+            .await?
+            .iter()
+            .any(|r| r.kind == "TXT" && txt_matches(&r.content, value))
+        {
+            return Ok(());
+        }
+        let body =
+            serde_json::json!({ "type": "TXT", "name": name, "content": value, "ttl": self.ttl });
+        self.send(self.client.post(self.records_url()).json(&body))
+            .await
+    }
+
+    async fn delete_txt(&self, name: &str, value: &str) -> Result<(), DnsError> {
+        for r in self.list(name).await? {
+            if r.kind == "TXT" && txt_matches(&r.content, value) {
+                self.send(
+                    self.client
+                        .delete(format!("{}/{}", self.records_url(), r.id)),
+                )
+                .await?;
+            }
+        }
+        Ok(())
     }
 }

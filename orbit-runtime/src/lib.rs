@@ -9,14 +9,14 @@
 //!   desired state with 304, apply results, a loopback admin API; state in memory;
 //! - [`agent`]: key generation into the state directory, register, heartbeat, pull, apply
 //!   through [`agent::Applier`], report, persisted applied version, jittered backoff;
-//! - [`dns`]: the provider trait, the in-memory default and an RFC 2136 client with TSIG
-//!   (tested against a real BIND 9);
+//! - [`dns`]: the provider trait, the in-memory default, an RFC 2136 client with TSIG (tested
+//!   against a real BIND 9) and a Cloudflare-style REST client (`proxied=false`, idempotent);
 //! - [`certs`]: CSR validation against the Node's endpoints and ACME DNS-01 issuance with
 //!   `instant-acme` (tested against pebble resolving through that BIND 9), challenge TXT values
 //!   removed afterwards.
 //!
-//! Not yet: the Cloudflare-style REST DNS client, the SQLite/PostgreSQL store (state is in
-//! memory), the binaries. It does not depend on the IOP crates.
+//! The binaries are `orbit-control-plane` and `orbit-agent` (crate `iop-bins`). Not yet: the
+//! SQLite/PostgreSQL store (state is in memory, so a control plane restart forgets runtimes). It does not depend on the IOP crates.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
