@@ -352,6 +352,18 @@ impl DnsProvider for Rfc2136Dns {
         if !self.in_zone(name) {
             return Err(DnsError::Unavailable);
         }
+        // Idempotent: no UPDATE when the server already has exactly this one address record.
+        let (a, aaaa) = (
+            self.query(name, TYPE_A).await?,
+            self.query(name, TYPE_AAAA).await?,
+        );
+        let only_this = match addr {
+            IpAddr::V4(v4) => aaaa.is_empty() && a == [v4.octets().to_vec()],
+            IpAddr::V6(v6) => a.is_empty() && aaaa == [v6.octets().to_vec()],
+        };
+        if only_this {
+            return Ok(());
+        }
         let (rtype, other, rdata) = match addr {
             IpAddr::V4(a) => (TYPE_A, TYPE_AAAA, a.octets().to_vec()),
             IpAddr::V6(a) => (TYPE_AAAA, TYPE_A, a.octets().to_vec()),

@@ -15,8 +15,11 @@
 //!   `instant-acme` (tested against pebble resolving through that BIND 9), challenge TXT values
 //!   removed afterwards.
 //!
-//! The binaries are `orbit-control-plane` and `orbit-agent` (crate `iop-bins`). Not yet: the
-//! SQLite/PostgreSQL store (state is in memory, so a control plane restart forgets runtimes). It does not depend on the IOP crates.
+//! - [`store`]: the durable state behind the control plane — SQLite (a file, or in memory by
+//!   default) or PostgreSQL for replicas, one contract suite; nonces live there too, so every
+//!   replica refuses a replay.
+//!
+//! The binaries are `orbit-control-plane` and `orbit-agent` (crate `iop-bins`). It does not depend on the IOP crates.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -25,4 +28,5 @@ pub mod certs;
 pub mod dns;
 pub mod server;
 pub mod signing;
+pub mod store;
 pub mod versions;

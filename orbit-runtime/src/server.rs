@@ -16,12 +16,11 @@
 //! no `edge_secret`. The server keeps only public keys. Errors are `{"error": "<stable code>"}`
 //! and echo nothing from the request. `GET /certificates` lists the Node's certificate metadata;
 //! `POST /certificates/csr {csr}` validates the CSR against the Node's endpoints and issues
-//! through ACME DNS-01 ([`crate::certs`]), answering with the chain. The SQLite/PostgreSQL store
-//! is not written yet (issue #8): state lives in memory here.
+//! through ACME DNS-01 ([`crate::certs`]), answering with the chain. State is in an
+//! [`OrbitStore`] (SQLite or PostgreSQL), including the nonces of signed requests.
 
-use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -31,12 +30,12 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use base64::Engine as _;
-use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::dns::DnsProvider;
-use crate::signing::{self, Identity, NonceStore, VerifyError};
+use crate::signing::{self, Identity, VerifyError};
+use crate::store::{CertRow, OrbitStore, Registration, SqliteStore, StoreError};
 use crate::versions::{self, ApplyStatus, DesiredAnswer};
 
 /// `X-OrbitMesh-Current-Version`.
@@ -83,37 +82,6 @@ impl ServerConfig {
     }
 }
 
-#[derive(Clone, Debug)]
-struct NodeRecord {
-    identity: Identity,
-    public_key: VerifyingKey,
-    device_fingerprint_hash: String,
-    reported_address: Option<IpAddr>,
-    public_address: Option<IpAddr>,
-    last_heartbeat: Option<i64>,
-    current_applied: u64,
-    endpoints: Vec<String>,
-}
-
-#[derive(Default)]
-struct Inner {
-    tokens: HashMap<[u8; 32], u32>,
-    nodes: HashMap<String, NodeRecord>,
-    by_installation: HashMap<String, String>,
-    desired: HashMap<String, BTreeMap<u64, Vec<RuntimeConfiguration>>>,
-    results: HashMap<(String, u64), BTreeMap<String, ApplyStatus>>,
-    certs: HashMap<String, Vec<CertRecord>>,
-    next: u64,
-}
-
-#[derive(Clone, Debug)]
-struct CertRecord {
-    id: String,
-    names: Vec<String>,
-    serial: String,
-    not_after: i64,
-}
-
 /// A clock in Unix seconds (tests move it by hand).
 pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 
@@ -129,8 +97,7 @@ pub fn system_clock() -> Clock {
 /// The server state, shared by the API and admin routers.
 #[derive(Clone)]
 pub struct ControlPlane {
-    inner: Arc<Mutex<Inner>>,
-    nonces: Arc<Mutex<NonceStore>>,
+    store: Arc<dyn OrbitStore>,
     dns: Arc<dyn DnsProvider>,
     config: Arc<ServerConfig>,
     clock: Clock,
@@ -163,8 +130,8 @@ fn digest(token: &str) -> [u8; 32] {
     out
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+fn unavailable(_: StoreError) -> Response {
+    fail(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
 }
 
 /// An optional address: absent or empty means "no value" (never clears the last one).
@@ -180,18 +147,36 @@ fn address(key: &'static str, v: Option<&str>) -> Result<Option<IpAddr>, Respons
 }
 
 impl ControlPlane {
-    /// A control plane writing endpoint records through `dns`.
-    pub fn new(config: ServerConfig, dns: Arc<dyn DnsProvider>, clock: Clock) -> Self {
-        let nonces = NonceStore::new(config.window_secs, config.nonce_capacity);
+    /// A control plane over `store`, writing endpoint records through `dns`.
+    pub fn new(
+        config: ServerConfig,
+        store: Arc<dyn OrbitStore>,
+        dns: Arc<dyn DnsProvider>,
+        clock: Clock,
+    ) -> Self {
         Self {
-            inner: Arc::default(),
-            nonces: Arc::new(Mutex::new(nonces)),
+            store,
             dns,
             config: Arc::new(config),
             clock,
             verify: true,
             issuer: None,
         }
+    }
+
+    /// A control plane over an in-memory SQLite store (the embedded default; nothing survives
+    /// a restart).
+    pub fn in_memory(
+        config: ServerConfig,
+        dns: Arc<dyn DnsProvider>,
+        clock: Clock,
+    ) -> Result<Self, StoreError> {
+        Ok(Self::new(
+            config,
+            Arc::new(SqliteStore::in_memory()?),
+            dns,
+            clock,
+        ))
     }
 
     /// Issues Node certificates through `issuer` (ACME DNS-01).
@@ -209,69 +194,39 @@ impl ControlPlane {
         }
     }
 
-    /// Creates a deployment token usable `uses` times; the raw token is returned once.
-    pub fn create_deployment_token(&self, uses: u32) -> String {
+    /// Creates a deployment token usable `uses` times; the raw token is returned once and only
+    /// its SHA-256 is stored.
+    pub async fn create_deployment_token(&self, uses: u32) -> Result<String, StoreError> {
         let mut raw = [0u8; 32];
-        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw);
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw)
+            .map_err(|_| StoreError::Unavailable)?;
         let token = format!(
             "omdt_{}",
             raw.iter().map(|b| format!("{b:02x}")).collect::<String>()
         );
-        lock(&self.inner).tokens.insert(digest(&token), uses);
-        token
+        self.store.create_token(digest(&token), uses).await?;
+        Ok(token)
     }
 
-    /// Assigns an endpoint name (DNS record) to a Node.
-    pub fn add_endpoint(&self, node_id: &str, name: &str) -> bool {
-        let mut inner = lock(&self.inner);
-        match inner.nodes.get_mut(node_id) {
-            Some(n) => {
-                if !n.endpoints.iter().any(|e| e == name) {
-                    n.endpoints.push(name.to_owned());
-                }
-                true
-            }
-            None => false,
-        }
+    /// Assigns an endpoint name (DNS record) to a Node; `false` for an unknown Node.
+    pub async fn add_endpoint(&self, node_id: &str, name: &str) -> Result<bool, StoreError> {
+        self.store.add_endpoint(node_id, name).await
     }
 
     /// Publishes a desired state version for a Node (versions only go up).
-    pub fn publish(
+    pub async fn publish(
         &self,
         node_id: &str,
         version: u64,
-        configurations: Vec<RuntimeConfiguration>,
-    ) -> bool {
-        let mut inner = lock(&self.inner);
-        if !inner.nodes.contains_key(node_id) {
-            return false;
-        }
-        let versions = inner.desired.entry(node_id.to_owned()).or_default();
-        if versions
-            .keys()
-            .next_back()
-            .is_some_and(|latest| *latest >= version)
-        {
-            return false;
-        }
-        versions.insert(version, configurations);
-        true
+        configurations: &[RuntimeConfiguration],
+    ) -> Result<bool, StoreError> {
+        let json = serde_json::to_string(configurations).map_err(|_| StoreError::Unavailable)?;
+        self.store.publish(node_id, version, &json).await
     }
 
-    /// A Node's current applied version and reported address.
-    pub fn node_state(&self, node_id: &str) -> Option<(u64, Option<IpAddr>, Option<i64>)> {
-        lock(&self.inner)
-            .nodes
-            .get(node_id)
-            .map(|n| (n.current_applied, n.reported_address, n.last_heartbeat))
-    }
-
-    /// The device fingerprint hash a Node registered with.
-    pub fn device_fingerprint_hash(&self, node_id: &str) -> Option<String> {
-        lock(&self.inner)
-            .nodes
-            .get(node_id)
-            .map(|n| n.device_fingerprint_hash.clone())
+    /// A Node's record.
+    pub async fn node(&self, node_id: &str) -> Result<Option<crate::store::NodeRow>, StoreError> {
+        self.store.node(node_id).await
     }
 
     /// The runtime API router.
@@ -304,46 +259,64 @@ impl ControlPlane {
             .with_state(self.clone())
     }
 
-    /// Verifies a signed request; returns the Node id.
-    #[allow(clippy::result_large_err, reason = "the error is the response itself")]
-    fn authenticate(
+    /// Verifies a signed request (the nonce recorded in the shared store); returns the Node.
+    async fn authenticate(
         &self,
         method: &Method,
         uri: &Uri,
         headers: &HeaderMap,
         body: &[u8],
-    ) -> Result<String, Response> {
+    ) -> Result<crate::store::NodeRow, Response> {
         let parsed = signing::parse_headers(|name| headers.get(name).map(|v| v.as_bytes()))
             .map_err(verify_failure)?;
-        let (expected, key) = {
-            let inner = lock(&self.inner);
-            let node = inner
-                .nodes
-                .get(&parsed.identity.node_id)
-                .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
-            (node.identity.clone(), node.public_key)
-        };
+        let node = self
+            .store
+            .node(&parsed.identity.node_id)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
         if !self.verify {
-            return Ok(expected.node_id);
+            return Ok(node);
         }
+        let expected = Identity {
+            node_id: node.node_id.clone(),
+            edge_runtime_id: node.edge_runtime_id.clone(),
+            installation_id: node.installation_id.clone(),
+        };
+        let key = signing::parse_public_key(&node.public_key)
+            .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
         let target = uri.path_and_query().map_or("/", |p| p.as_str());
-        let mut nonces = lock(&self.nonces);
-        signing::verify(
+        let now = (self.clock)();
+        let refused = |e: VerifyError| {
+            tracing::info!(target: "orbit_runtime", event = "orbit_signature_refused", code = e.code(), "signed request refused");
+            verify_failure(e)
+        };
+        signing::verify_signature(
             &parsed,
             &expected,
             &key,
             method.as_str(),
             target,
             body,
-            (self.clock)(),
+            now,
             self.config.window_secs,
-            &mut nonces,
         )
-        .map_err(|e| {
-            tracing::info!(target: "orbit_runtime", event = "orbit_signature_refused", code = e.code(), "signed request refused");
-            verify_failure(e)
-        })?;
-        Ok(expected.node_id)
+        .map_err(refused)?;
+        // Only an authentic request consumes its nonce; every replica sees it.
+        let fresh = self
+            .store
+            .record_nonce(
+                &node.node_id,
+                &parsed.nonce,
+                parsed.timestamp.saturating_add(self.config.window_secs),
+                now,
+            )
+            .await
+            .map_err(unavailable)?;
+        if !fresh {
+            return Err(refused(VerifyError::Replayed));
+        }
+        Ok(node)
     }
 }
 
@@ -395,43 +368,26 @@ async fn register(State(cp): State<ControlPlane>, headers: HeaderMap, body: Byte
         Ok(a) => a,
         Err(r) => return r,
     };
-    let mut inner = lock(&cp.inner);
-    let d = digest(token);
-    match inner.tokens.get_mut(&d) {
-        Some(uses) if *uses > 0 => *uses -= 1,
-        _ => return fail(StatusCode::UNAUTHORIZED, "invalid_deployment_token"),
+    match cp.store.consume_token(digest(token)).await {
+        Ok(true) => {}
+        Ok(false) => return fail(StatusCode::UNAUTHORIZED, "invalid_deployment_token"),
+        Err(e) => return unavailable(e),
     }
-    let node_id = match inner.by_installation.get(&b.installation_id) {
-        Some(n) => n.clone(),
-        None => {
-            inner.next += 1;
-            format!("node-{}", inner.next)
-        }
-    };
-    let edge_runtime_id = format!("er-{node_id}");
-    let prior = inner.nodes.get(&node_id).cloned();
-    let record = NodeRecord {
-        identity: Identity {
-            node_id: node_id.clone(),
-            edge_runtime_id: edge_runtime_id.clone(),
-            installation_id: b.installation_id.clone(),
-        },
-        public_key: key,
+    let registration = Registration {
+        installation_id: b.installation_id,
+        public_key: key.to_bytes(),
         device_fingerprint_hash: b.device_fingerprint_hash,
-        reported_address: reported.or(prior.as_ref().and_then(|p| p.reported_address)),
-        public_address: public.or(prior.as_ref().and_then(|p| p.public_address)),
-        last_heartbeat: prior.as_ref().and_then(|p| p.last_heartbeat),
-        current_applied: prior.as_ref().map_or(0, |p| p.current_applied),
-        endpoints: prior.map(|p| p.endpoints).unwrap_or_default(),
+        reported_address: reported.map(|a| a.to_string()),
+        public_address: public.map(|a| a.to_string()),
     };
-    inner.nodes.insert(node_id.clone(), record);
-    inner
-        .by_installation
-        .insert(b.installation_id, node_id.clone());
-    tracing::info!(target: "orbit_runtime", event = "orbit_register", node_id = %node_id, "runtime registered");
+    let node = match cp.store.register(&registration).await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    tracing::info!(target: "orbit_runtime", event = "orbit_register", node_id = %node.node_id, "runtime registered");
     axum::Json(json!({
-        "node_id": node_id,
-        "edge_runtime_id": edge_runtime_id,
+        "node_id": node.node_id,
+        "edge_runtime_id": node.edge_runtime_id,
         "control_plane_url": cp.config.control_plane_url,
         "heartbeat_interval_seconds": cp.config.heartbeat_interval.as_secs(),
     }))
@@ -453,7 +409,7 @@ async fn heartbeat(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+    let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
     };
@@ -473,28 +429,29 @@ async fn heartbeat(
         Ok(a) => a,
         Err(r) => return r,
     };
-    let (endpoints, changed) = {
-        let mut inner = lock(&cp.inner);
-        let Some(node) = inner.nodes.get_mut(&node_id) else {
-            return fail(StatusCode::UNAUTHORIZED, "unknown_identity");
-        };
-        node.last_heartbeat = Some((cp.clock)());
-        if public.is_some() {
-            node.public_address = public;
-        }
-        // Empty values never clear the last known address.
-        let changed = reported.filter(|a| node.reported_address != Some(*a));
-        if reported.is_some() {
-            node.reported_address = reported;
-        }
-        (
-            node.endpoints.clone(),
-            reported.map(|a| (a, changed.is_some())),
+    // Empty values never clear the last known address.
+    let changed = match cp
+        .store
+        .heartbeat(
+            &node.node_id,
+            (cp.clock)(),
+            reported.map(|a| a.to_string()).as_deref(),
+            public.map(|a| a.to_string()).as_deref(),
         )
+        .await
+    {
+        Ok(Some(c)) => c,
+        Ok(None) => return fail(StatusCode::UNAUTHORIZED, "unknown_identity"),
+        Err(e) => return unavailable(e),
     };
-    if let Some((addr, _)) = changed {
-        for name in endpoints {
-            if cp.dns.upsert_address(&name, addr).await.is_err() {
+    // A present address reconciles the endpoint records (the providers are idempotent), so a
+    // record lost or edited on the DNS side is repaired by the next heartbeat.
+    if changed {
+        tracing::info!(target: "orbit_runtime", event = "orbit_reported_address_changed", node_id = %node.node_id, "reported address changed");
+    }
+    if let Some(addr) = reported {
+        for name in &node.endpoints {
+            if cp.dns.upsert_address(name, addr).await.is_err() {
                 tracing::warn!(target: "orbit_runtime", event = "orbit_dns_failed", "endpoint record update failed");
             }
         }
@@ -510,7 +467,7 @@ async fn desired_state(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+    let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
     };
@@ -521,17 +478,27 @@ async fn desired_state(
             None => return fail(StatusCode::BAD_REQUEST, "invalid_current_version"),
         },
     };
-    let inner = lock(&cp.inner);
-    let current = inner.nodes.get(&node_id).map_or(0, |n| n.current_applied);
-    let versions = inner.desired.get(&node_id);
-    let latest = versions.and_then(|v| v.keys().next_back().copied());
-    match versions::desired_answer(latest, current, header_current) {
+    let latest = match cp.store.latest(&node.node_id).await {
+        Ok(l) => l,
+        Err(e) => return unavailable(e),
+    };
+    match versions::desired_answer(
+        latest.as_ref().map(|(v, _)| *v),
+        node.current_applied,
+        header_current,
+    ) {
         DesiredAnswer::NotModified => StatusCode::NOT_MODIFIED.into_response(),
         DesiredAnswer::Version(v) => {
-            let configurations = versions
-                .and_then(|m| m.get(&v))
-                .cloned()
-                .unwrap_or_default();
+            let json = match latest {
+                Some((lv, json)) if lv == v => json,
+                _ => match cp.store.configurations(&node.node_id, v).await {
+                    Ok(Some(json)) => json,
+                    Ok(None) => "[]".to_owned(),
+                    Err(e) => return unavailable(e),
+                },
+            };
+            let configurations: Value =
+                serde_json::from_str(&json).unwrap_or(Value::Array(Vec::new()));
             axum::Json(json!({ "version": v, "configurations": configurations })).into_response()
         }
     }
@@ -556,7 +523,7 @@ async fn apply_result(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+    let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
     };
@@ -570,31 +537,24 @@ async fn apply_result(
         };
         parsed.push((r.configuration_id, status));
     }
-    let mut inner = lock(&cp.inner);
-    let Some(configs) = inner
-        .desired
-        .get(&node_id)
-        .and_then(|m| m.get(&b.version))
-        .map(|c| c.iter().map(|c| c.id.clone()).collect::<Vec<_>>())
-    else {
-        return fail(StatusCode::NOT_FOUND, "unknown_version");
+    let ids: Vec<String> = match cp.store.configurations(&node.node_id, b.version).await {
+        Ok(Some(json)) => serde_json::from_str::<Vec<RuntimeConfiguration>>(&json)
+            .map(|c| c.into_iter().map(|c| c.id).collect())
+            .unwrap_or_default(),
+        Ok(None) => return fail(StatusCode::NOT_FOUND, "unknown_version"),
+        Err(e) => return unavailable(e),
     };
-    let recorded = inner
-        .results
-        .entry((node_id.clone(), b.version))
-        .or_default();
-    for (id, status) in parsed {
-        if configs.contains(&id) {
-            recorded.insert(id, status);
-        }
-    }
-    let recorded = recorded.clone();
-    let Some(node) = inner.nodes.get_mut(&node_id) else {
-        return fail(StatusCode::UNAUTHORIZED, "unknown_identity");
+    let current = match cp
+        .store
+        .apply_results(&node.node_id, b.version, &ids, &parsed)
+        .await
+    {
+        Ok(Some(c)) => c,
+        Ok(None) => return fail(StatusCode::NOT_FOUND, "unknown_version"),
+        Err(e) => return unavailable(e),
     };
-    node.current_applied = versions::advance(node.current_applied, b.version, &configs, &recorded);
-    tracing::info!(target: "orbit_runtime", event = "orbit_apply_result", node_id = %node_id, version = b.version, current = node.current_applied, "apply result recorded");
-    axum::Json(json!({ "current_version": node.current_applied })).into_response()
+    tracing::info!(target: "orbit_runtime", event = "orbit_apply_result", node_id = %node.node_id, version = b.version, current, "apply result recorded");
+    axum::Json(json!({ "current_version": current })).into_response()
 }
 
 #[derive(Deserialize)]
@@ -611,8 +571,10 @@ async fn admin_token(
     State(cp): State<ControlPlane>,
     axum::Json(b): axum::Json<TokenBody>,
 ) -> Response {
-    let token = cp.create_deployment_token(b.uses.max(1));
-    axum::Json(json!({ "token": token, "uses": b.uses.max(1) })).into_response()
+    match cp.create_deployment_token(b.uses.max(1)).await {
+        Ok(token) => axum::Json(json!({ "token": token, "uses": b.uses.max(1) })).into_response(),
+        Err(e) => unavailable(e),
+    }
 }
 
 #[derive(Deserialize)]
@@ -625,10 +587,10 @@ async fn admin_endpoint(
     Path(node_id): Path<String>,
     axum::Json(b): axum::Json<EndpointBody>,
 ) -> Response {
-    if cp.add_endpoint(&node_id, &b.name) {
-        StatusCode::NO_CONTENT.into_response()
-    } else {
-        fail(StatusCode::NOT_FOUND, "unknown_node")
+    match cp.add_endpoint(&node_id, &b.name).await {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => fail(StatusCode::NOT_FOUND, "unknown_node"),
+        Err(e) => unavailable(e),
     }
 }
 
@@ -643,23 +605,25 @@ async fn admin_publish(
     Path(node_id): Path<String>,
     axum::Json(b): axum::Json<PublishBody>,
 ) -> Response {
-    if cp.publish(&node_id, b.version, b.configurations) {
-        StatusCode::NO_CONTENT.into_response()
-    } else {
-        fail(StatusCode::CONFLICT, "version_not_newer_or_unknown_node")
+    match cp.publish(&node_id, b.version, &b.configurations).await {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => fail(StatusCode::CONFLICT, "version_not_newer_or_unknown_node"),
+        Err(e) => unavailable(e),
     }
 }
 
 async fn admin_node(State(cp): State<ControlPlane>, Path(node_id): Path<String>) -> Response {
-    match cp.node_state(&node_id) {
-        Some((current, addr, hb)) => axum::Json(json!({
-            "node_id": node_id,
-            "current_version": current,
-            "reported_address": addr.map(|a| a.to_string()),
-            "last_heartbeat": hb,
+    match cp.node(&node_id).await {
+        Ok(Some(n)) => axum::Json(json!({
+            "node_id": n.node_id,
+            "current_version": n.current_applied,
+            "reported_address": n.reported_address,
+            "last_heartbeat": n.last_heartbeat,
+            "endpoints": n.endpoints,
         }))
         .into_response(),
-        None => fail(StatusCode::NOT_FOUND, "unknown_node"),
+        Ok(None) => fail(StatusCode::NOT_FOUND, "unknown_node"),
+        Err(e) => unavailable(e),
     }
 }
 
@@ -670,19 +634,17 @@ async fn certificates(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+    let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
     };
-    let list: Vec<Value> = lock(&cp.inner)
-        .certs
-        .get(&node_id)
-        .map(|v| {
-            v.iter()
-                .map(|c| json!({ "certificate_id": c.id, "names": c.names, "serial": c.serial, "not_after": c.not_after }))
-                .collect()
-        })
-        .unwrap_or_default();
+    let list: Vec<Value> = match cp.store.certificates(&node.node_id).await {
+        Ok(v) => v
+            .iter()
+            .map(|c| json!({ "certificate_id": c.id, "names": c.names, "serial": c.serial, "not_after": c.not_after }))
+            .collect(),
+        Err(e) => return unavailable(e),
+    };
     axum::Json(json!({ "certificates": list })).into_response()
 }
 
@@ -716,7 +678,7 @@ async fn certificate_csr(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let node_id = match cp.authenticate(&method, &uri, &headers, &body) {
+    let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
     };
@@ -729,14 +691,9 @@ async fn certificate_csr(
     let Ok(b) = serde_json::from_slice::<CsrBody>(&body) else {
         return fail(StatusCode::BAD_REQUEST, "invalid_body");
     };
-    let endpoints = lock(&cp.inner)
-        .nodes
-        .get(&node_id)
-        .map(|n| n.endpoints.clone())
-        .unwrap_or_default();
-    let names = match crate::certs::csr_der(b.csr.as_bytes())
-        .and_then(|der| crate::certs::validate_csr(&der, &endpoints).map(|n| (der, n)))
-    {
+    let checked = crate::certs::csr_der(b.csr.as_bytes())
+        .and_then(|der| crate::certs::validate_csr(&der, &node.endpoints).map(|n| (der, n)));
+    let (der, names) = match checked {
         Ok(v) => v,
         Err(e) => {
             let code = match e {
@@ -749,7 +706,6 @@ async fn certificate_csr(
             return fail(StatusCode::BAD_REQUEST, code);
         }
     };
-    let (der, names) = names;
     let chain = match issuer.issue(&names, &der).await {
         Ok(c) => c,
         Err(e) => {
@@ -758,23 +714,22 @@ async fn certificate_csr(
         }
     };
     let (serial, not_after) = leaf_metadata(&chain).unwrap_or_default();
-    let id = {
-        let mut inner = lock(&cp.inner);
-        inner.next += 1;
-        let id = format!("cert-{}", inner.next);
-        inner
-            .certs
-            .entry(node_id.clone())
-            .or_default()
-            .push(CertRecord {
-                id: id.clone(),
-                names: names.clone(),
-                serial: serial.clone(),
-                not_after,
-            });
-        id
+    let mut raw = [0u8; 8];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw);
+    let id = format!(
+        "cert-{}",
+        raw.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    let row = CertRow {
+        id: id.clone(),
+        names: names.clone(),
+        serial: serial.clone(),
+        not_after,
     };
-    tracing::info!(target: "orbit_runtime", event = "orbit_certificate_issued", node_id = %node_id, "certificate issued");
+    if let Err(e) = cp.store.add_certificate(&node.node_id, &row).await {
+        return unavailable(e);
+    }
+    tracing::info!(target: "orbit_runtime", event = "orbit_certificate_issued", node_id = %node.node_id, "certificate issued");
     axum::Json(json!({
         "certificate_id": id,
         "names": names,

@@ -344,7 +344,7 @@ impl NonceStore {
 }
 
 /// Verifies a request against the registered `key` and `expected` identity, at server time
-/// `now` (Unix seconds).
+/// `now` (Unix seconds), then records its nonce in `nonces`.
 #[allow(
     clippy::too_many_arguments,
     reason = "each input is one part of the seed's payload"
@@ -359,6 +359,42 @@ pub fn verify(
     now: i64,
     window: i64,
     nonces: &mut NonceStore,
+) -> Result<(), VerifyError> {
+    verify_signature(
+        headers,
+        expected,
+        key,
+        method,
+        path_and_query,
+        body,
+        now,
+        window,
+    )?;
+    // Only an authentic request may consume a nonce.
+    nonces.record(
+        &headers.identity.node_id,
+        &headers.nonce,
+        headers.timestamp,
+        now,
+    )
+}
+
+/// [`verify`] without the nonce step: identity, body digest, window, strict signature. The
+/// caller must then record the nonce (the control plane does it in its shared store, so every
+/// replica refuses a replay).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "each input is one part of the seed's payload"
+)]
+pub fn verify_signature(
+    headers: &SignedHeaders,
+    expected: &Identity,
+    key: &VerifyingKey,
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    now: i64,
+    window: i64,
 ) -> Result<(), VerifyError> {
     if headers.identity != *expected {
         return Err(VerifyError::UnknownIdentity);
@@ -378,14 +414,7 @@ pub fn verify(
         &headers.identity,
     );
     key.verify_strict(&msg, &Signature::from_bytes(&headers.signature))
-        .map_err(|_| VerifyError::BadSignature)?;
-    // Only an authentic request may consume a nonce.
-    nonces.record(
-        &headers.identity.node_id,
-        &headers.nonce,
-        headers.timestamp,
-        now,
-    )
+        .map_err(|_| VerifyError::BadSignature)
 }
 
 #[cfg(test)]

@@ -71,11 +71,12 @@ async fn acme_dns01_with_pebble_and_bind9() {
     )
     .await
     .expect("ACME account at pebble");
-    let cp = ControlPlane::new(
+    let cp = ControlPlane::in_memory(
         ServerConfig::new("http://unused"),
         dns.clone(),
         system_clock(),
     )
+    .unwrap()
     .with_acme(Arc::new(issuer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -86,7 +87,7 @@ async fn acme_dns01_with_pebble_and_bind9() {
     let _ = std::fs::remove_dir_all(&dir);
     let mut agent = Agent::open(AgentConfig {
         control_plane_url: url,
-        deployment_token: cp.create_deployment_token(1),
+        deployment_token: cp.create_deployment_token(1).await.unwrap(),
         state_dir: dir.clone(),
         device_fingerprint_hash: "fp".into(),
     })
@@ -94,7 +95,7 @@ async fn acme_dns01_with_pebble_and_bind9() {
     agent.register(None).await.unwrap();
     let node = agent.state().node_id.clone().unwrap();
     let endpoint = format!("tls-{}.{zone}", std::process::id());
-    assert!(cp.add_endpoint(&node, &endpoint));
+    assert!(cp.add_endpoint(&node, &endpoint).await.unwrap());
 
     // Refused before any ACME traffic: a foreign name, an Ed25519 key.
     let key = rcgen::KeyPair::generate().unwrap(); // ECDSA P-256

@@ -61,13 +61,14 @@ async fn serve(cp: &ControlPlane) -> String {
 async fn agent_lifecycle_end_to_end() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dns = Arc::new(MemoryDns::default());
-    let cp = ControlPlane::new(
+    let cp = ControlPlane::in_memory(
         ServerConfig::new("http://unused"),
         dns.clone(),
         system_clock(),
-    );
+    )
+    .unwrap();
     let url = serve(&cp).await;
-    let token = cp.create_deployment_token(1);
+    let token = cp.create_deployment_token(1).await.unwrap();
     let dir = std::env::temp_dir().join(format!("orbit-agent-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let config = AgentConfig {
@@ -94,7 +95,14 @@ async fn agent_lifecycle_end_to_end() {
         Pulled::NotModified
     );
     let node = agent.state().node_id.clone().unwrap();
-    assert_eq!(cp.device_fingerprint_hash(&node).unwrap(), "fp-sha256-abc");
+    assert_eq!(
+        cp.node(&node)
+            .await
+            .unwrap()
+            .unwrap()
+            .device_fingerprint_hash,
+        "fp-sha256-abc"
+    );
     // The token was single use.
     let mut other = Agent::open(AgentConfig {
         state_dir: dir.join("other"),
@@ -107,7 +115,7 @@ async fn agent_lifecycle_end_to_end() {
     );
 
     // DNS: the endpoint gets the reported address; an empty one keeps it; a change moves it.
-    assert!(cp.add_endpoint(&node, "edge-1.example.net"));
+    assert!(cp.add_endpoint(&node, "edge-1.example.net").await.unwrap());
     agent.heartbeat(Some(a1)).await.unwrap();
     assert_eq!(dns.address("edge-1.example.net").await.unwrap(), Some(a1));
     agent.heartbeat(None).await.unwrap();
@@ -121,7 +129,11 @@ async fn agent_lifecycle_end_to_end() {
     assert_eq!(orbit_runtime::dns::record_type(a2), "AAAA");
 
     // Version 1 applies.
-    assert!(cp.publish(&node, 1, vec![cfg("web", false), cfg("tls", false)]));
+    assert!(
+        cp.publish(&node, 1, &[cfg("web", false), cfg("tls", false)])
+            .await
+            .unwrap()
+    );
     assert_eq!(
         agent.tick(&applier, None).await.unwrap(),
         Pulled::Applied(1)
@@ -130,15 +142,23 @@ async fn agent_lifecycle_end_to_end() {
         agent.tick(&applier, None).await.unwrap(),
         Pulled::NotModified
     );
-    assert_eq!(cp.node_state(&node).unwrap().0, 1);
+    assert_eq!(cp.node(&node).await.unwrap().unwrap().current_applied, 1);
     // Version 2 fails: reported, the server keeps returning it, current stays 1.
-    assert!(cp.publish(&node, 2, vec![cfg("web", false), cfg("tls", true)]));
+    assert!(
+        cp.publish(&node, 2, &[cfg("web", false), cfg("tls", true)])
+            .await
+            .unwrap()
+    );
     assert_eq!(agent.tick(&applier, None).await.unwrap(), Pulled::Failed(2));
     assert_eq!(agent.tick(&applier, None).await.unwrap(), Pulled::Failed(2));
-    assert_eq!(cp.node_state(&node).unwrap().0, 1);
+    assert_eq!(cp.node(&node).await.unwrap().unwrap().current_applied, 1);
     assert_eq!(agent.state().applied_version, 1);
     // A fix (version 3) converges.
-    assert!(cp.publish(&node, 3, vec![cfg("web", false), cfg("tls", false)]));
+    assert!(
+        cp.publish(&node, 3, &[cfg("web", false), cfg("tls", false)])
+            .await
+            .unwrap()
+    );
     assert_eq!(
         agent.tick(&applier, None).await.unwrap(),
         Pulled::Applied(3)
@@ -147,7 +167,7 @@ async fn agent_lifecycle_end_to_end() {
         agent.tick(&applier, None).await.unwrap(),
         Pulled::NotModified
     );
-    assert_eq!(cp.node_state(&node).unwrap().0, 3);
+    assert_eq!(cp.node(&node).await.unwrap().unwrap().current_applied, 3);
     assert_eq!(applier.0.lock().unwrap().as_slice(), [1, 2, 2, 3]);
 
     // Restart: same identity and applied version; no re-registration, no refetch.
@@ -165,17 +185,18 @@ async fn agent_lifecycle_end_to_end() {
 #[tokio::test]
 async fn tampered_and_replayed_requests_are_refused_over_http() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cp = ControlPlane::new(
+    let cp = ControlPlane::in_memory(
         ServerConfig::new("http://unused"),
         Arc::new(MemoryDns::default()),
         system_clock(),
-    );
+    )
+    .unwrap();
     let url = serve(&cp).await;
     let dir = std::env::temp_dir().join(format!("orbit-tamper-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut agent = Agent::open(AgentConfig {
         control_plane_url: url.clone(),
-        deployment_token: cp.create_deployment_token(1),
+        deployment_token: cp.create_deployment_token(1).await.unwrap(),
         state_dir: dir.clone(),
         device_fingerprint_hash: String::new(),
     })

@@ -91,11 +91,12 @@ async fn reported_address_reaches_the_dns_server() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (dns, zone) = provider();
     let dns = Arc::new(dns);
-    let cp = ControlPlane::new(
+    let cp = ControlPlane::in_memory(
         ServerConfig::new("http://unused"),
         dns.clone(),
         system_clock(),
-    );
+    )
+    .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let app = cp.router();
@@ -104,7 +105,7 @@ async fn reported_address_reaches_the_dns_server() {
     let _ = std::fs::remove_dir_all(&dir);
     let mut agent = Agent::open(AgentConfig {
         control_plane_url: url,
-        deployment_token: cp.create_deployment_token(1),
+        deployment_token: cp.create_deployment_token(1).await.unwrap(),
         state_dir: dir.clone(),
         device_fingerprint_hash: "fp".into(),
     })
@@ -112,7 +113,7 @@ async fn reported_address_reaches_the_dns_server() {
     agent.register(None).await.unwrap();
     let node = agent.state().node_id.clone().unwrap();
     let endpoint = format!("edge-{}.{zone}", std::process::id());
-    assert!(cp.add_endpoint(&node, &endpoint));
+    assert!(cp.add_endpoint(&node, &endpoint).await.unwrap());
     let a1: IpAddr = "198.51.100.20".parse().unwrap();
     agent.tick(&Nothing, Some(a1)).await.unwrap();
     assert_eq!(dns.address(&endpoint).await.unwrap(), Some(a1));

@@ -105,16 +105,17 @@ fn signed_batches(
 #[tokio::main]
 async fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cp = ControlPlane::new(
+    let cp = ControlPlane::in_memory(
         ServerConfig::new("http://unused"),
         Arc::new(MemoryDns::default()),
         system_clock(),
-    );
+    )
+    .unwrap();
     let verified = serve(cp.router()).await;
     let unverified = serve(cp.without_verification_for_bench().router()).await;
     // One registered runtime.
     let key = ed25519_dalek::SigningKey::from_bytes(&[9; 32]);
-    let token = cp.create_deployment_token(1);
+    let token = cp.create_deployment_token(1).await.unwrap();
     let reg: serde_json::Value = reqwest::Client::new()
         .post(format!("{verified}/api/v1/edge-runtime/register"))
         .bearer_auth(token)

@@ -11,8 +11,8 @@
 //! on `--listen`; the admin API (deployment tokens, endpoints, desired state publishing) on
 //! `--admin-listen`, loopback only unless `--admin-allow-remote`. DNS providers: `memory`
 //! (default), `rfc2136` (TSIG hmac-sha256), `cloudflare` (token from a file). Certificates need
-//! `--acme-directory` and a provider that can write TXT records. State is in memory in this
-//! version (issue #8: the SQLite/PostgreSQL store is not written yet).
+//! `--acme-directory` and a provider that can write TXT records. State: `--sqlite FILE`,
+//! `--postgres URL` (several replicas), or in memory by default.
 //!
 //! Exit codes: 0 clean stop, 1 runtime failure, 2 invalid arguments.
 #![allow(
@@ -31,6 +31,7 @@ use clap::{Parser, ValueEnum};
 use orbit_runtime::certs::AcmeIssuer;
 use orbit_runtime::dns::{CloudflareDns, DnsProvider, MemoryDns, Rfc2136Dns, TxtProvider};
 use orbit_runtime::server::{ControlPlane, ServerConfig, system_clock};
+use orbit_runtime::store::{OrbitStore, PgStore, SqliteStore};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Dns {
@@ -91,6 +92,15 @@ struct Cli {
     /// Record TTL, seconds.
     #[arg(long, default_value_t = 60)]
     dns_ttl: u32,
+    /// SQLite database file (default: in memory, nothing survives a restart).
+    #[arg(long)]
+    sqlite: Option<PathBuf>,
+    /// PostgreSQL URL, for several replicas sharing state (takes precedence over --sqlite).
+    #[arg(long, env = "ORBIT_POSTGRES_URL", hide_env_values = true)]
+    postgres: Option<String>,
+    /// PostgreSQL schema for the tables.
+    #[arg(long, default_value = "orbit")]
+    postgres_schema: String,
     /// ACME directory URL (enables certificates).
     #[arg(long)]
     acme_directory: Option<String>,
@@ -163,7 +173,30 @@ async fn main() {
     let mut config = ServerConfig::new(&public_url);
     config.heartbeat_interval = Duration::from_secs(cli.heartbeat_secs.max(1));
     config.window_secs = cli.window_secs.max(1);
-    let mut cp = ControlPlane::new(config, dns, system_clock());
+    let store: Arc<dyn OrbitStore> = match (&cli.postgres, &cli.sqlite) {
+        (Some(url), _) => match PgStore::connect(url, &cli.postgres_schema).await {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                eprintln!("orbit-control-plane: postgres: {e}");
+                std::process::exit(1);
+            }
+        },
+        (None, Some(path)) => match SqliteStore::open(path) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                eprintln!("orbit-control-plane: sqlite {}: {e}", path.display());
+                std::process::exit(1);
+            }
+        },
+        (None, None) => match SqliteStore::in_memory() {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                eprintln!("orbit-control-plane: {e}");
+                std::process::exit(1);
+            }
+        },
+    };
+    let mut cp = ControlPlane::new(config, store, dns, system_clock());
     if let Some(directory) = &cli.acme_directory {
         let Some(txt) = txt else {
             usage(
