@@ -269,3 +269,67 @@ async fn tampered_and_replayed_requests_are_refused_over_http() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[tokio::test]
+async fn agent_survives_a_control_plane_restart() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = std::env::temp_dir().join(format!("orbit-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = dir.join("cp.sqlite3");
+    let start = |port: u16| {
+        let db = db.clone();
+        async move {
+            let store = Arc::new(orbit_runtime::store::SqliteStore::open(&db).unwrap());
+            let cp = ControlPlane::new(
+                ServerConfig::new("http://unused"),
+                store,
+                Arc::new(MemoryDns::default()),
+                system_clock(),
+            );
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let app = cp.router();
+            (
+                cp,
+                port,
+                tokio::spawn(async move { axum::serve(listener, app).await.unwrap() }),
+            )
+        }
+    };
+    let (cp, port, server) = start(0).await;
+    let token = cp.create_deployment_token(1).await.unwrap();
+    let mut agent = Agent::open(AgentConfig {
+        control_plane_url: format!("http://127.0.0.1:{port}"),
+        deployment_token: token,
+        state_dir: dir.join("agent"),
+        device_fingerprint_hash: "fp".into(),
+    })
+    .unwrap();
+    let applier = Recorder::default();
+    assert_eq!(
+        agent.tick(&applier, None).await.unwrap(),
+        Pulled::NotModified
+    );
+    let node = agent.state().node_id.clone().unwrap();
+    assert!(cp.publish(&node, 1, &[cfg("web", false)]).await.unwrap());
+    // The control plane goes away: the agent sees a network error, nothing is lost.
+    server.abort();
+    let _ = server.await;
+    drop(cp);
+    assert_eq!(
+        agent.tick(&applier, None).await.unwrap_err(),
+        AgentError::Unreachable
+    );
+    // Back on the same address over the same database: the registration, the key and the
+    // published version are all still there; the agent neither re-registers nor fails.
+    let (cp, _, _server) = start(port).await;
+    assert_eq!(
+        agent.tick(&applier, None).await.unwrap(),
+        Pulled::Applied(1)
+    );
+    assert_eq!(cp.node(&node).await.unwrap().unwrap().current_applied, 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
