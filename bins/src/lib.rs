@@ -3,6 +3,8 @@
 //!
 //! - `iop-node`: see `iop-node --help` and `iop_node::config` for the file format.
 //! - `iop-mesh`: a whole local mesh on embedded defaults (see `iop-mesh --help`).
+//! - `iop-edge`: the Edge as a standalone service from a TOML file (Node listener, pool, HTTP
+//!   surface, optional Control Plane connector; see `src/bin/iop-edge.rs` for the keys).
 //! - `iop-cp`: the Control Plane: Edge wire server, loopback admin API and admin CLI (see
 //!   `iop-cp --help` and the crate docs of `iop_cp`).
 //! - `proxypool-controller`: the proxy-pool WorkerControlPlane gRPC controller (see
