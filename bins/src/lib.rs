@@ -15,3 +15,22 @@
 #![warn(missing_docs)]
 
 pub mod devca;
+
+/// Resolves on SIGTERM or Ctrl-C (SIGINT). Call it before serving: the SIGTERM handler is
+/// installed by the call itself, so a SIGTERM that arrives while the binary starts up still
+/// means a clean stop rather than the default kill.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    #[cfg(unix)]
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    async move {
+        #[cfg(unix)]
+        if let Some(mut term) = term {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            return;
+        }
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

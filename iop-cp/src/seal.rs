@@ -122,7 +122,8 @@ fn aad(slot_id: &str) -> Vec<u8> {
     a
 }
 
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes a new file readable by its owner only (`0600` on Unix); fails if it exists.
+pub fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);

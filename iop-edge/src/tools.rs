@@ -61,27 +61,16 @@ pub(crate) fn finish(
 pub(crate) fn recover(content: &str, declared: &BTreeSet<String>) -> Option<(String, Value)> {
     let mut calls = Vec::new();
     let mut text = String::new();
-    let mut rest = content;
-    let mut spans = 0;
-    while spans < text_tools::MAX_TEXT_TOOL_CALLS {
-        let Some(start) = rest.find(text_tools::OPEN) else {
-            break;
-        };
-        let body_start = start + text_tools::OPEN.len();
-        let Some(len) = rest[body_start..].find(text_tools::CLOSE) else {
-            break;
-        };
-        let span_end = body_start + len + text_tools::CLOSE.len();
-        text.push_str(&rest[..start]);
-        match call(&rest[body_start..body_start + len], declared, calls.len()) {
-            Some(c) => calls.push(c),
-            // Not one valid call of a declared tool: it stays content, as written.
-            None => text.push_str(&rest[start..span_end]),
+    for segment in text_tools::segments(content) {
+        match segment {
+            text_tools::Segment::Text(t) => text.push_str(t),
+            text_tools::Segment::Call { span, body } => match call(body, declared, calls.len()) {
+                Some(c) => calls.push(c),
+                // Not one valid call of a declared tool: it stays content, as written.
+                None => text.push_str(span),
+            },
         }
-        rest = &rest[span_end..];
-        spans += 1;
     }
-    text.push_str(rest);
     if calls.is_empty() {
         return None;
     }

@@ -15,7 +15,7 @@
 //! `arguments` (whitespace around the JSON is allowed). This is the form used by Hermes- and
 //! Qwen-style chat templates, so many local models already produce it. Text outside the tags
 //! stays assistant content. The JSON itself is checked by the Edge (this crate has no JSON
-//! dependency); [`split`] only finds the tagged spans.
+//! dependency); [`segments`] and [`split`] only find the tagged spans.
 //!
 //! Bounds: at most [`MAX_TEXT_TOOL_CALLS`] calls are recovered from one answer; the rest of the
 //! text stays content.
@@ -42,23 +42,77 @@ pub fn instruction(tools_json: &str) -> String {
     )
 }
 
+/// A piece of assistant content: text, or one complete `<tool_call>…</tool_call>` span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Segment<'a> {
+    /// Text outside the tags (an unclosed opening tag, and anything after the
+    /// [`MAX_TEXT_TOOL_CALLS`]th span, stays text).
+    Text(&'a str),
+    /// A complete span: `span` is the whole tagged text, `body` what is between the tags.
+    Call {
+        /// The span as written, tags included.
+        span: &'a str,
+        /// The text between the tags.
+        body: &'a str,
+    },
+}
+
+/// The content cut into [`Segment`]s, in order (at most [`MAX_TEXT_TOOL_CALLS`] calls).
+pub fn segments(content: &str) -> impl Iterator<Item = Segment<'_>> {
+    let mut rest = content;
+    let mut calls = 0;
+    let mut pending_call: Option<Segment<'_>> = None;
+    std::iter::from_fn(move || {
+        if let Some(call) = pending_call.take() {
+            return Some(call);
+        }
+        if rest.is_empty() {
+            return None;
+        }
+        let found = (calls < MAX_TEXT_TOOL_CALLS)
+            .then(|| rest.find(OPEN))
+            .flatten()
+            .and_then(|start| {
+                let body_start = start + OPEN.len();
+                let len = rest[body_start..].find(CLOSE)?;
+                Some((
+                    start,
+                    body_start,
+                    body_start + len,
+                    body_start + len + CLOSE.len(),
+                ))
+            });
+        let Some((start, body_start, body_end, end)) = found else {
+            return Some(Segment::Text(std::mem::take(&mut rest)));
+        };
+        calls += 1;
+        let call = Segment::Call {
+            span: &rest[start..end],
+            body: &rest[body_start..body_end],
+        };
+        let text = &rest[..start];
+        rest = &rest[end..];
+        if text.is_empty() {
+            Some(call)
+        } else {
+            pending_call = Some(call);
+            Some(Segment::Text(text))
+        }
+    })
+}
+
 /// The assistant content split into its text outside the tags and the bodies of complete
-/// `<tool_call>…</tool_call>` spans (at most [`MAX_TEXT_TOOL_CALLS`]; later spans, and an
-/// unclosed opening tag, stay in the text).
+/// `<tool_call>…</tool_call>` spans ([`segments`], collected).
 #[must_use]
 pub fn split(content: &str) -> (String, Vec<&str>) {
     let mut text = String::new();
     let mut calls = Vec::new();
-    let mut rest = content;
-    while calls.len() < MAX_TEXT_TOOL_CALLS {
-        let Some(start) = rest.find(OPEN) else { break };
-        let after = &rest[start + OPEN.len()..];
-        let Some(end) = after.find(CLOSE) else { break };
-        text.push_str(&rest[..start]);
-        calls.push(&after[..end]);
-        rest = &after[end + CLOSE.len()..];
+    for segment in segments(content) {
+        match segment {
+            Segment::Text(t) => text.push_str(t),
+            Segment::Call { body, .. } => calls.push(body),
+        }
     }
-    text.push_str(rest);
     (text, calls)
 }
 

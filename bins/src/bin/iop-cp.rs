@@ -34,7 +34,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use iop_cp::admin::Admin;
 use iop_cp::lease::LeaseService;
-use iop_cp::seal::MasterKey;
+use iop_cp::seal::{MasterKey, write_private};
 use iop_cp::server::{self, ServerConfig};
 use iop_cp::store::{Mutation, PgStore, SqliteStore, Store};
 use iop_lease::{DEFAULT_MAX_TTL, IssuerSigningKey};
@@ -250,20 +250,6 @@ async fn main() {
         eprintln!("iop-cp: {msg}");
         std::process::exit(code);
     }
-}
-
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt as _;
-        opts.mode(0o600);
-    }
-    let mut f = opts.open(path)?;
-    f.write_all(bytes)?;
-    f.sync_all()
 }
 
 fn issuer_key(dir: &Path) -> Result<IssuerSigningKey, Failure> {
@@ -540,9 +526,7 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
         );
     }
     let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+    let shutdown = iop_bins::shutdown_signal();
     axum::serve(admin_listener, app)
         .with_graceful_shutdown(shutdown)
         .await

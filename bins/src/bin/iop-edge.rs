@@ -413,22 +413,6 @@ fn build(file: File) -> Result<Built, String> {
     })
 }
 
-fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
-    #[cfg(unix)]
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    async move {
-        #[cfg(unix)]
-        if let Some(mut term) = term {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            return;
-        }
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
@@ -439,7 +423,7 @@ async fn main() {
         .with_writer(std::io::stderr)
         .init();
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let shutdown = shutdown_signal();
+    let shutdown = iop_bins::shutdown_signal();
     let text = std::fs::read_to_string(&cli.config).unwrap_or_else(|e| {
         eprintln!("iop-edge: {}: {e}", cli.config.display());
         std::process::exit(2);

@@ -216,8 +216,9 @@ async fn run(args: Args) -> Result<(), String> {
     );
     println!("iop-mesh: Ctrl-C to stop");
     let stop = shutdown.clone();
+    let signal = iop_bins::shutdown_signal();
     http::serve(listener, app, async move {
-        let _ = tokio::signal::ctrl_c().await;
+        signal.await;
         stop.cancel();
     })
     .await

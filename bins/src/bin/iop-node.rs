@@ -61,8 +61,9 @@ fn main() -> ExitCode {
     let exit = runtime.block_on(async {
         let shutdown = CancellationToken::new();
         let signals = shutdown.clone();
+        let signal = iop_bins::shutdown_signal();
         tokio::spawn(async move {
-            wait_for_signal().await;
+            signal.await;
             tracing::info!("shutdown requested");
             signals.cancel();
         });
@@ -70,26 +71,4 @@ fn main() -> ExitCode {
     });
     tracing::info!(?exit, "iop-node stopped");
     ExitCode::from(u8::try_from(exit.exit_code()).unwrap_or(1))
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

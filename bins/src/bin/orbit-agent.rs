@@ -115,10 +115,6 @@ async fn main() {
     );
     let (_tx, addr) = tokio::sync::watch::channel(cli.reported_address);
     let applier = FileApplier(cli.state_dir.clone());
-    agent
-        .run(&applier, addr, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await;
+    agent.run(&applier, addr, iop_bins::shutdown_signal()).await;
     println!("orbit-agent: stopped");
 }

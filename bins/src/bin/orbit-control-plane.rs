@@ -237,9 +237,7 @@ async fn main() {
         admin.local_addr().map_or(cli.admin_listen, |a| a)
     );
     let (api_app, admin_app) = (cp.router(), cp.admin_router());
-    let stop = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+    let stop = iop_bins::shutdown_signal();
     tokio::select! {
         r = axum::serve(api, api_app) => if let Err(e) = r { eprintln!("orbit-control-plane: {e}"); std::process::exit(1) },
         r = axum::serve(admin, admin_app) => if let Err(e) = r { eprintln!("orbit-control-plane: {e}"); std::process::exit(1) },

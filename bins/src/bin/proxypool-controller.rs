@@ -40,30 +40,6 @@ struct Cli {
     check_config: bool,
 }
 
-/// The shutdown signal. The SIGTERM handler is installed here, before anything is served, so a
-/// SIGTERM that arrives early still means a clean stop (not the default kill).
-fn signal() -> impl Future<Output = ()> + Send + 'static {
-    #[cfg(unix)]
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    async move {
-        #[cfg(unix)]
-        {
-            let Some(mut term) = term else {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
@@ -97,7 +73,7 @@ async fn main() {
         );
         return;
     }
-    let shutdown = signal();
+    let shutdown = iop_bins::shutdown_signal();
     let running = match server::start(&config, shutdown).await {
         Ok(r) => r,
         Err(StartError::Disabled) => {
