@@ -133,7 +133,8 @@ pub trait OrbitStore: Send + Sync + 'static {
     /// A Node's certificate metadata.
     async fn certificates(&self, node_id: &str) -> Result<Vec<CertRow>, StoreError>;
     /// Records a nonce until `expires_at`; `false` if it is already recorded and live at `now`.
-    /// Expired nonces are removed on the way.
+    /// An expired nonce is revived in place; expired rows are purged in bulk once every
+    /// [`NONCE_PURGE_EVERY`] writes, not on every request.
     async fn record_nonce(
         &self,
         node_id: &str,
@@ -141,6 +142,29 @@ pub trait OrbitStore: Send + Sync + 'static {
         expires_at: i64,
         now: i64,
     ) -> Result<bool, StoreError>;
+}
+
+/// Expired nonces are deleted in bulk once every this many `record_nonce` calls per store
+/// handle, so the signed-request hot path does one write, not a scan and a write.
+pub const NONCE_PURGE_EVERY: u64 = 1024;
+
+/// Inserts a nonce, or revives it when the recorded one has expired (`?4` is now); a live
+/// duplicate changes no row, which is how a replay is detected.
+pub(crate) const RECORD_NONCE_SQLITE: &str = "INSERT INTO nonces (node_id, nonce, expires_at) \
+     VALUES (?1, ?2, ?3) ON CONFLICT (node_id, nonce) DO UPDATE \
+     SET expires_at = excluded.expires_at WHERE nonces.expires_at < ?4";
+
+/// [`RECORD_NONCE_SQLITE`] for PostgreSQL.
+pub(crate) const RECORD_NONCE_PG: &str = "INSERT INTO nonces (node_id, nonce, expires_at) \
+     VALUES ($1, $2, $3) ON CONFLICT (node_id, nonce) DO UPDATE \
+     SET expires_at = excluded.expires_at WHERE nonces.expires_at < $4";
+
+/// Whether this `record_nonce` call should also purge expired nonces (the first, then every
+/// [`NONCE_PURGE_EVERY`]th).
+pub(crate) fn purge_due(writes: &std::sync::atomic::AtomicU64) -> bool {
+    writes
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        .is_multiple_of(NONCE_PURGE_EVERY)
 }
 
 pub(crate) fn to_u64(v: i64) -> u64 {

@@ -33,6 +33,7 @@ const SCHEMA_LOCK: i64 = 0x004f_5242_4954; // "ORBIT"
 #[derive(Debug)]
 pub struct PgStore {
     client: Mutex<Client>,
+    nonce_writes: std::sync::atomic::AtomicU64,
 }
 
 fn backend(e: &tokio_postgres::Error) -> StoreError {
@@ -73,6 +74,7 @@ impl PgStore {
         tx.commit().await.map_err(|e| backend(&e))?;
         Ok(Self {
             client: Mutex::new(client),
+            nonce_writes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 }
@@ -432,12 +434,14 @@ impl OrbitStore for PgStore {
         now: i64,
     ) -> Result<bool, StoreError> {
         let c = self.client.lock().await;
-        c.execute("DELETE FROM nonces WHERE expires_at < $1", &[&now])
-            .await
-            .map_err(|e| backend(&e))?;
+        if super::purge_due(&self.nonce_writes) {
+            c.execute("DELETE FROM nonces WHERE expires_at < $1", &[&now])
+                .await
+                .map_err(|e| backend(&e))?;
+        }
         c.execute(
-            "INSERT INTO nonces (node_id, nonce, expires_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-            &[&node_id, &nonce, &expires_at],
+            super::RECORD_NONCE_PG,
+            &[&node_id, &nonce, &expires_at, &now],
         )
         .await
         .map(|n| n == 1)

@@ -31,6 +31,7 @@ CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces (expires_at);
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
+    nonce_writes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 fn backend(e: &rusqlite::Error) -> StoreError {
@@ -57,6 +58,7 @@ impl SqliteStore {
         conn.execute_batch(SCHEMA).map_err(|e| backend(&e))?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
+            nonce_writes: Arc::default(),
         })
     }
 
@@ -434,11 +436,15 @@ impl OrbitStore for SqliteStore {
         now: i64,
     ) -> Result<bool, StoreError> {
         let (node_id, nonce) = (node_id.to_owned(), nonce.to_owned());
+        let purge = super::purge_due(&self.nonce_writes);
         self.with(move |c| {
-            c.execute("DELETE FROM nonces WHERE expires_at < ?1", params![now]).map_err(|e| backend(&e))?;
+            if purge {
+                c.execute("DELETE FROM nonces WHERE expires_at < ?1", params![now])
+                    .map_err(|e| backend(&e))?;
+            }
             c.execute(
-                "INSERT INTO nonces (node_id, nonce, expires_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
-                params![node_id, nonce, expires_at],
+                super::RECORD_NONCE_SQLITE,
+                params![node_id, nonce, expires_at, now],
             )
             .map(|n| n == 1)
             .map_err(|e| backend(&e))
