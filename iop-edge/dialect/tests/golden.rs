@@ -97,9 +97,8 @@ fn fold_client(dialect: Dialect, bytes: &[u8]) -> Message {
         Dialect::Messages => fold_upstream(Upstream::Messages, bytes),
         Dialect::Responses => {
             let text = std::str::from_utf8(bytes).unwrap();
-            let mut sequence = 0;
             let mut last = None;
-            for block in text.split("\n\n").filter(|b| !b.is_empty()) {
+            for (sequence, block) in text.split("\n\n").filter(|b| !b.is_empty()).enumerate() {
                 let (event, data) = block.split_once('\n').unwrap();
                 let event = event.strip_prefix("event: ").unwrap();
                 let data: Value =
@@ -109,7 +108,6 @@ fn fold_client(dialect: Dialect, bytes: &[u8]) -> Message {
                     data["sequence_number"], sequence,
                     "sequence numbers count up"
                 );
-                sequence += 1;
                 last = Some(data);
             }
             let last = last.unwrap();
