@@ -11,10 +11,16 @@
 //!   `proxypool-controller --help` and `proxypool_controller::config`).
 //! - `orbit-control-plane` and `orbit-agent`: the OrbitMesh Edge Runtime control plane and agent
 //!   (see their `--help` and `orbit_runtime`).
+//! - `iop-ca`: a small workload CA for real deployments (`init`, `issue`; see [`ca`]).
+//!
+//! Shared by the mains: [`ca`] (the workload CA), [`devca`] (the local mesh's in-memory CA),
+//! [`tls_reload`] (hot reload of TLS files) and [`shutdown_signal`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod ca;
 pub mod devca;
+pub mod tls_reload;
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT). Call it before serving: the SIGTERM handler is
 /// installed by the call itself, so a SIGTERM that arrives while the binary starts up still

@@ -123,7 +123,7 @@ fn node_config(upstream: std::net::SocketAddr) -> NodeConfigPayload {
                     operation_paths: [(Operation::ChatCompletions, "/chat/completions".to_owned())]
                         .into_iter()
                         .collect(),
-                    health_path: String::new(),
+                    ..Default::default()
                 },
                 request_timeout_sec: 30,
             }),
@@ -394,7 +394,7 @@ async fn managed_credentials_end_to_end() {
             HttpConfig {
                 models: vec![MODEL.into()],
                 queue_wait: Duration::from_secs(5),
-                auth: None,
+                api_keys: None,
                 control: Some(control.clone()),
             },
         );

@@ -35,10 +35,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod config;
 pub mod control;
 pub mod http;
 pub mod metrics;
 pub mod pool;
+pub mod profile;
 mod tools;
 pub mod transport;
 

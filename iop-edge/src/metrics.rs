@@ -7,7 +7,7 @@
 //! | `iop_edge_provider_health_transitions_total` | `to` = unavailable, available |
 //! | `iop_edge_liveness_recovery_eligibility_total` | `eligibility` = confirmed, rejected |
 //! | `iop_edge_liveness_recovery_results_total` | `result` = cleared, unchanged |
-//! | `iop_edge_requests_total` | `endpoint` = chat_completions, responses; `outcome` = ok, error |
+//! | `iop_edge_requests_total` | `endpoint` = models, chat_completions, responses, messages, count_tokens; `outcome` = ok, error |
 //! | `iop_edge_request_duration_seconds` (histogram) | `endpoint` |
 //! | `iop_edge_pool_queue_depth`, `iop_edge_pool_in_flight` (gauges, at scrape) | — |
 //!
@@ -65,24 +65,43 @@ impl Histogram {
 /// An HTTP endpoint, as a bounded label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
+    /// `/v1/models`.
+    Models,
     /// `/v1/chat/completions`.
     ChatCompletions,
     /// `/v1/responses`.
     Responses,
+    /// `/v1/messages`.
+    Messages,
+    /// `/v1/messages/count_tokens`.
+    CountTokens,
 }
 
 impl Endpoint {
+    const ALL: [Self; ENDPOINTS] = [
+        Self::Models,
+        Self::ChatCompletions,
+        Self::Responses,
+        Self::Messages,
+        Self::CountTokens,
+    ];
+
     fn index(self) -> usize {
         self as usize
     }
 
     fn label(self) -> &'static str {
         match self {
+            Self::Models => "models",
             Self::ChatCompletions => "chat_completions",
             Self::Responses => "responses",
+            Self::Messages => "messages",
+            Self::CountTokens => "count_tokens",
         }
     }
 }
+
+const ENDPOINTS: usize = 5;
 
 /// The Edge's counters. Cheap to share (`Arc`).
 #[derive(Debug, Default)]
@@ -91,8 +110,8 @@ pub struct Metrics {
     transitions: [AtomicU64; 2],
     eligibility: [AtomicU64; 2],
     recovery: [AtomicU64; 2],
-    requests: [[AtomicU64; 2]; 2],
-    durations: [Histogram; 2],
+    requests: [[AtomicU64; 2]; ENDPOINTS],
+    durations: [Histogram; ENDPOINTS],
 }
 
 impl Metrics {
@@ -189,7 +208,7 @@ impl Metrics {
             out,
             "# HELP iop_edge_requests_total HTTP requests.\n# TYPE iop_edge_requests_total counter"
         );
-        for e in [Endpoint::ChatCompletions, Endpoint::Responses] {
+        for e in Endpoint::ALL {
             for (i, outcome) in ["ok", "error"].iter().enumerate() {
                 let _ = writeln!(
                     out,
@@ -203,7 +222,7 @@ impl Metrics {
             out,
             "# HELP iop_edge_request_duration_seconds Time to the response head.\n# TYPE iop_edge_request_duration_seconds histogram"
         );
-        for e in [Endpoint::ChatCompletions, Endpoint::Responses] {
+        for e in Endpoint::ALL {
             self.durations[e.index()].render(
                 &mut out,
                 "iop_edge_request_duration_seconds",
@@ -253,6 +272,11 @@ mod tests {
         assert!(text.contains(
             "iop_edge_request_duration_seconds_bucket{endpoint=\"chat_completions\",le=\"0.005\"} 1"
         ));
+        for endpoint in ["models", "responses", "messages", "count_tokens"] {
+            assert!(text.contains(&format!(
+                "iop_edge_requests_total{{endpoint=\"{endpoint}\",outcome=\"error\"}} 0"
+            )));
+        }
         assert!(text.contains("iop_edge_pool_queue_depth 2"));
         assert!(text.contains("iop_edge_pool_in_flight 5"));
     }

@@ -95,26 +95,6 @@ fn call(body: &str, declared: &BTreeSet<String>, index: usize) -> Option<Value> 
     }))
 }
 
-/// Tool calls as stream deltas: each entry gets its `index` (OpenAI clients accumulate
-/// `delta.tool_calls` by index).
-pub(crate) fn as_deltas(calls: Value) -> Value {
-    match calls {
-        Value::Array(items) => Value::Array(
-            items
-                .into_iter()
-                .enumerate()
-                .map(|(i, mut c)| {
-                    if c.get("index").is_none() {
-                        c["index"] = json!(i);
-                    }
-                    c
-                })
-                .collect(),
-        ),
-        other => other,
-    }
-}
-
 /// Streaming content for a request that declared tools: text that might be a text tool call is
 /// held back until `Complete` says whether the fallback was used.
 #[derive(Debug, Default)]
@@ -196,14 +176,14 @@ mod tests {
     }
 
     #[test]
-    fn native_calls_win_and_get_stream_indexes() {
+    fn native_calls_win() {
         let ev = complete(&[(
             "openai_tool_calls",
             r#"[{"id":"call_0","type":"function","function":{"name":"f","arguments":"{}"}}]"#,
         )]);
         let (text, calls) = finish(&ev, "", &BTreeSet::new()).unwrap();
         assert_eq!(text, "");
-        assert_eq!(as_deltas(calls)[0]["index"], 0);
+        assert_eq!(calls[0]["id"], "call_0");
     }
 
     #[test]

@@ -435,6 +435,7 @@ enum Input {
 pub struct EdgeHandle {
     metrics: Arc<Metrics>,
     configured: Arc<Vec<(String, NodeConfigPayload)>>,
+    pool_config: Option<Arc<PoolConfig>>,
     inputs: mpsc::UnboundedSender<Input>,
     lifecycle: broadcast::Sender<Lifecycle>,
     local_addr: SocketAddr,
@@ -456,6 +457,11 @@ impl EdgeHandle {
     /// them whether connected or not).
     pub fn configured_nodes(&self) -> &[(String, NodeConfigPayload)] {
         &self.configured
+    }
+
+    /// The provider pool's configuration at bind time (model groups and their providers).
+    pub fn pool_config(&self) -> Option<&PoolConfig> {
+        self.pool_config.as_deref()
     }
 
     /// Lifecycle transitions from now on (observation only; a slow subscriber may lag).
@@ -658,6 +664,7 @@ pub async fn bind(
     let handle = EdgeHandle {
         metrics: config.metrics.clone(),
         configured: Arc::new(config.node_configs.clone()),
+        pool_config: config.pool.clone().map(Arc::new),
         inputs: inputs.clone(),
         lifecycle: lifecycle.clone(),
         local_addr,

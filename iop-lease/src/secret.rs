@@ -76,6 +76,14 @@ impl Secret {
         Self(Zeroizing::new(bytes))
     }
 
+    /// Wraps `bytes` after checking that an HTTP header can carry them: 1..=[`MAX_SECRET_LEN`]
+    /// bytes of visible ASCII (the rule [`Credential::new`] applies).
+    pub fn for_header(bytes: Vec<u8>) -> Result<Self, CredentialError> {
+        let secret = Self::new(bytes);
+        check_secret(secret.expose())?;
+        Ok(secret)
+    }
+
     /// The length in bytes.
     pub fn len(&self) -> usize {
         self.0.len()
@@ -131,6 +139,21 @@ impl HeaderSpec {
     /// The value prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// Writes `name: prefix + secret` into `headers`, replacing any value a caller put there,
+    /// marked sensitive, and touches nothing else. Every credential the Node sends upstream —
+    /// an opened lease or the Node's own key — is written here; the value's copy is zeroized.
+    pub fn inject(&self, secret: &Secret, headers: &mut HeaderMap) {
+        let mut value = Zeroizing::new(Vec::with_capacity(self.prefix.len() + secret.len()));
+        value.extend_from_slice(self.prefix.as_bytes());
+        value.extend_from_slice(secret.expose());
+        // The prefix was checked when the spec was built and the secret when it was wrapped
+        // (visible ASCII, space/tab in the prefix), so the conversion cannot fail.
+        if let Ok(mut v) = HeaderValue::from_bytes(&value) {
+            v.set_sensitive(true);
+            headers.insert(self.name.clone(), v);
+        }
     }
 }
 
@@ -257,18 +280,9 @@ impl OpenedCredential {
     /// Writes `name: prefix + secret` into `headers`, replacing any value a caller put there,
     /// and touches nothing else. Consumes `self`: the plaintext is zeroized on return.
     pub fn inject(self, headers: &mut HeaderMap) {
-        let header = &self.credential.header;
-        let mut value = Zeroizing::new(Vec::with_capacity(
-            header.prefix.len() + self.credential.secret.len(),
-        ));
-        value.extend_from_slice(header.prefix.as_bytes());
-        value.extend_from_slice(self.credential.secret.expose());
-        // Both parts were checked to be visible ASCII (or space/tab in the prefix) when the
-        // credential was built, so the conversion cannot fail.
-        if let Ok(mut v) = HeaderValue::from_bytes(&value) {
-            v.set_sensitive(true);
-            headers.insert(header.name.clone(), v);
-        }
+        self.credential
+            .header
+            .inject(&self.credential.secret, headers);
     }
 }
 

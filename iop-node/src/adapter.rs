@@ -20,6 +20,8 @@ use iop_wire::runtime::{
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use crate::credential::{LocalKey, UpstreamCredential};
+
 /// Why an adapter run failed. The text goes on the wire as the legacy error string, so it must
 /// be stable and low-sensitivity (no credentials, no upstream bodies).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -92,7 +94,17 @@ impl RunEvents {
 pub struct TunnelSink {
     tx: mpsc::Sender<TunnelPayload>,
     fence: CancellationToken,
-    credential: Arc<std::sync::Mutex<Option<iop_lease::OpenedCredential>>>,
+    credential: Arc<std::sync::Mutex<Option<Injection>>>,
+}
+
+/// The credential a tunnel's provider request carries: a lease opened for this dispatch
+/// (managed mode) or the key the Node holds for the instance (legacy mode). Both are written by
+/// `iop_lease::HeaderSpec::inject`.
+pub(crate) enum Injection {
+    /// An opened lease (zeroized once written).
+    Lease(iop_lease::OpenedCredential),
+    /// The Node's own key for the instance.
+    Local(UpstreamCredential),
 }
 
 impl std::fmt::Debug for TunnelSink {
@@ -105,7 +117,7 @@ impl TunnelSink {
     pub(crate) fn new(
         tx: mpsc::Sender<TunnelPayload>,
         fence: CancellationToken,
-        credential: Option<iop_lease::OpenedCredential>,
+        credential: Option<Injection>,
     ) -> Self {
         Self {
             tx,
@@ -114,9 +126,10 @@ impl TunnelSink {
         }
     }
 
-    /// Managed mode: writes the opened lease's credential into `headers` (exactly its declared
-    /// header, replacing a caller's value) and zeroizes the plaintext. Call it right before
-    /// sending the upstream request. Returns whether there was a credential (only once).
+    /// Writes the tunnel's credential into `headers` — the opened lease (managed mode; its
+    /// plaintext is zeroized) or the Node's own key for the instance (legacy mode) — exactly in
+    /// its declared header, replacing a caller's value. Call it right before sending the
+    /// upstream request. Returns whether there was a credential (only once).
     pub fn inject_credential(&self, headers: &mut http::HeaderMap) -> bool {
         let taken = self
             .credential
@@ -124,7 +137,11 @@ impl TunnelSink {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         match taken {
-            Some(c) => {
+            Some(Injection::Lease(c)) => {
+                c.inject(headers);
+                true
+            }
+            Some(Injection::Local(c)) => {
                 c.inject(headers);
                 true
             }
@@ -179,8 +196,10 @@ pub trait Adapter: Send + Sync + 'static {
 
     /// A bounded, fail-closed health probe of exactly `target` (CAPABILITIES and stall
     /// evidence). Must not take longer than the caller's timeout to be useful; the driver
-    /// enforces that timeout and reports `Unknown` when it passes.
-    async fn probe(&self, target: &str) -> ProviderStatus;
+    /// enforces that timeout and reports `Unknown` when it passes. `credential` is the key the
+    /// Node holds for this instance (legacy mode), to write into the probe request; managed
+    /// mode has no lease for probes.
+    async fn probe(&self, target: &str, credential: Option<&UpstreamCredential>) -> ProviderStatus;
 }
 
 /// The HTTP client of the built-in provider adapters: rustls with the ring provider and the
@@ -280,9 +299,14 @@ impl AdapterRegistry {
         t
     }
 
-    /// Builds every enabled instance of `configs`. Fails without side effects if any instance
-    /// fails, so a bad refresh leaves the old set in force.
-    pub(crate) fn build(&self, configs: &[AdapterConfig]) -> Result<Instances, String> {
+    /// Builds every enabled instance of `configs`, pairing each with the Node's own key for
+    /// it, if any (with the header its protocol profile declares). Fails without side effects
+    /// if any instance fails, so a bad refresh leaves the old set in force.
+    pub(crate) fn build(
+        &self,
+        configs: &[AdapterConfig],
+        keys: &HashMap<String, LocalKey>,
+    ) -> Result<Instances, String> {
         let mut by_key = HashMap::new();
         for c in configs.iter().filter(|c| c.enabled) {
             let factory = self.factories.get(&c.adapter_type).ok_or_else(|| {
@@ -292,12 +316,28 @@ impl AdapterRegistry {
                 )
             })?;
             let adapter = factory(c).map_err(|e| format!("adapter `{}`: {e}", c.instance_key()))?;
+            let credential = match keys.get(c.instance_key()) {
+                None => None,
+                Some(key) => {
+                    let declared = match &c.settings {
+                        iop_wire::runtime::AdapterSettings::OpenAiCompat(s) => {
+                            s.protocol_profile.credential_header()
+                        }
+                        _ => ("authorization", "Bearer "),
+                    };
+                    Some(
+                        key.for_profile(declared)
+                            .map_err(|e| format!("adapter `{}`: {e}", c.instance_key()))?,
+                    )
+                }
+            };
             by_key.insert(
                 c.instance_key().to_owned(),
                 Arc::new(Instance {
                     config: c.clone(),
                     adapter,
                     gate: CapacityGate::new(c.capacity),
+                    credential,
                 }),
             );
         }
@@ -310,6 +350,8 @@ pub(crate) struct Instance {
     pub(crate) config: AdapterConfig,
     pub(crate) adapter: Arc<dyn Adapter>,
     pub(crate) gate: CapacityGate,
+    /// The Node's own key for this instance (legacy mode).
+    pub(crate) credential: Option<UpstreamCredential>,
 }
 
 /// The running set, keyed by instance identity.

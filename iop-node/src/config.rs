@@ -13,6 +13,8 @@
 //! ca = "/etc/iop/ca.pem"        # PEM bundle of the workload CA
 //! cert = "/etc/iop/node.pem"    # PEM chain, leaf first (URI SAN spiffe://<td>/node/<node_id>)
 //! key = "/etc/iop/node.key"     # PEM PKCS#8 private key
+//! reload_sec = 5                # re-read the three files this often (0 = never): a rotated
+//!                               # certificate is used from the next connection on
 //!
 //! [reconnect]                   # seed 000 semantics
 //! interval_sec = 10             # omitted = 10; must be > 0 when max_attempts = 0
@@ -28,18 +30,26 @@
 //! [[credential_plane.issuers]]  # the Control Plane's lease issuer keys (several for rotation)
 //! key_id = "cp-issuer-1"
 //! public_key = "/etc/iop/cp-issuer.pub.pem"        # `iop-cp issuer-key` prints it
+//!
+//! [[credentials]]               # legacy mode only: upstream keys this Node holds itself
+//! adapter = "openai"            # the adapter instance name in the Edge's config
+//! api_key_env = "OPENAI_API_KEY" # or api_key_file = "/etc/iop/openai.key" (not world-readable)
+//! # header = "x-api-key"        # optional; default: the instance's protocol profile's auth
+//! # prefix = ""                 #   header (Authorization: Bearer; x-api-key for `anthropic`)
 //! ```
 //!
 //! Unknown keys are errors. Every error names the key it is about, and none prints key material.
+//! A key is read once at startup, stays in this process's memory only (zeroized on exit), and
+//! is written into the upstream request right before it leaves; it never goes to the Edge, a
+//! log line or a metric. `[[credentials]]` together with `[credential_plane] enabled = true` is
+//! refused: a managed Node takes credentials only from leases.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iop_wire::identity::{self, ExpectedPeer, role};
+use iop_wire::identity::{ExpectedPeer, MaterialError, WorkloadTls, role};
 use iop_wire::reconnect::ReconnectPolicy;
-use rustls_pki_types::pem::PemObject as _;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::Deserialize;
 
 use crate::{AdapterRegistry, NodeOptions};
@@ -63,6 +73,53 @@ pub struct NodeConfigFile {
     /// `[credential_plane]`.
     #[serde(default)]
     pub credential_plane: CredentialPlaneSection,
+    /// `[[credentials]]`.
+    #[serde(default)]
+    pub credentials: Vec<CredentialEntry>,
+}
+
+/// One `[[credentials]]` entry: an upstream key this Node holds for one adapter instance.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialEntry {
+    /// `credentials.adapter`: the instance name in the Edge's config.
+    pub adapter: String,
+    /// `credentials.api_key_env`.
+    pub api_key_env: Option<String>,
+    /// `credentials.api_key_file`.
+    pub api_key_file: Option<PathBuf>,
+    /// `credentials.header`.
+    pub header: Option<String>,
+    /// `credentials.prefix` (with `header`).
+    pub prefix: Option<String>,
+}
+
+impl CredentialEntry {
+    fn load(&self) -> Result<crate::credential::LocalKey, ConfigError> {
+        use crate::credential::LocalKey;
+        let key = match (&self.api_key_env, &self.api_key_file) {
+            (Some(var), None) => LocalKey::from_env(var)
+                .map_err(|e| invalid("credentials.api_key_env", e.to_string()))?,
+            (None, Some(path)) => LocalKey::from_file(path)
+                .map_err(|e| invalid("credentials.api_key_file", e.to_string()))?,
+            _ => {
+                return Err(invalid(
+                    "credentials",
+                    format!(
+                        "adapter `{}`: exactly one of api_key_env and api_key_file is required",
+                        self.adapter
+                    ),
+                ));
+            }
+        };
+        match (&self.header, &self.prefix) {
+            (Some(h), p) => key
+                .with_header(h, p.as_deref().unwrap_or(""))
+                .map_err(|e| invalid("credentials.header", e.to_string())),
+            (None, Some(_)) => Err(invalid("credentials.prefix", "needs credentials.header")),
+            (None, None) => Ok(key),
+        }
+    }
 }
 
 /// `[credential_plane]`.
@@ -190,6 +247,30 @@ pub struct TlsSection {
     pub cert: PathBuf,
     /// `tls.key`.
     pub key: PathBuf,
+    /// `tls.reload_sec`: re-read the three files this often (default 5; 0 = never).
+    #[serde(default = "default_reload")]
+    pub reload_sec: u64,
+}
+
+fn default_reload() -> u64 {
+    5
+}
+
+/// The Node's options with its TLS material and files (see [`NodeConfigFile::build`]).
+#[derive(Debug)]
+pub struct NodeBuilt {
+    /// The options for [`crate::run_node`].
+    pub options: NodeOptions,
+    /// The TLS material the options' client configuration reads at every handshake.
+    pub tls: Arc<WorkloadTls>,
+    /// `tls.ca`.
+    pub ca: PathBuf,
+    /// `tls.cert`.
+    pub cert: PathBuf,
+    /// `tls.key`.
+    pub key: PathBuf,
+    /// `tls.reload_sec`; `None` = never.
+    pub reload: Option<Duration>,
 }
 
 /// `[reconnect]`.
@@ -247,6 +328,27 @@ fn read(key: &'static str, path: &Path) -> Result<Vec<u8>, ConfigError> {
 }
 
 impl NodeConfigFile {
+    /// `[[credentials]]`, loaded: refused with the credential plane, one entry per adapter.
+    fn local_keys(&self) -> Result<Vec<(String, crate::credential::LocalKey)>, ConfigError> {
+        if self.credential_plane.enabled && !self.credentials.is_empty() {
+            return Err(invalid(
+                "credentials",
+                "not allowed with credential_plane.enabled: a managed Node takes upstream credentials only from Control Plane leases",
+            ));
+        }
+        let mut keys = Vec::with_capacity(self.credentials.len());
+        for entry in &self.credentials {
+            if keys.iter().any(|(a, _)| *a == entry.adapter) {
+                return Err(invalid(
+                    "credentials.adapter",
+                    format!("adapter `{}` has more than one entry", entry.adapter),
+                ));
+            }
+            keys.push((entry.adapter.clone(), entry.load()?));
+        }
+        Ok(keys)
+    }
+
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -263,6 +365,14 @@ impl NodeConfigFile {
 
     /// Validates every key and builds the Node's options (reads the TLS files).
     pub fn into_options(self, adapters: AdapterRegistry) -> Result<NodeOptions, ConfigError> {
+        self.build(adapters).map(|b| b.options)
+    }
+
+    /// As [`NodeConfigFile::into_options`], also returning the TLS material and where it comes
+    /// from, for a caller that reloads it (the `iop-node` binary does, every
+    /// `tls.reload_sec`).
+    pub fn build(self, adapters: AdapterRegistry) -> Result<NodeBuilt, ConfigError> {
+        let local_keys = self.local_keys()?;
         let reconnect =
             ReconnectPolicy::from_config(self.reconnect.interval_sec, self.reconnect.max_attempts)
                 .map_err(|e| {
@@ -278,41 +388,32 @@ impl NodeConfigFile {
         let expected = ExpectedPeer::exact(&self.tls.trust_domain, role::EDGE, &self.edge.name)
             .map_err(|e| invalid("edge.name", e.to_string()))?;
         let ca = read("tls.ca", &self.tls.ca)?;
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(&ca) {
-            let cert = cert.map_err(|_| invalid("tls.ca", "not a PEM certificate bundle"))?;
-            roots
-                .add(cert)
-                .map_err(|_| invalid("tls.ca", "invalid CA certificate"))?;
-        }
-        if roots.is_empty() {
-            return Err(invalid("tls.ca", "no certificate found"));
-        }
         let cert = read("tls.cert", &self.tls.cert)?;
-        let chain = CertificateDer::pem_slice_iter(&cert)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| invalid("tls.cert", "not a PEM certificate chain"))?;
         let key = read("tls.key", &self.tls.key)?;
-        let key = PrivateKeyDer::from_pem_slice(&key)
-            .map_err(|_| invalid("tls.key", "no PEM private key found"))?;
-        let leaf = chain
-            .first()
-            .ok_or_else(|| invalid("tls.cert", "no certificate found"))?;
-        let own = identity::WorkloadId::from_certificate(leaf)
-            .map_err(|e| invalid("tls.cert", e.to_string()))?;
-        if own.role() != role::NODE || own.name() != self.node_id {
+        let material = WorkloadTls::from_pem(&ca, &cert, &key).map_err(|e| {
+            let key = match e {
+                MaterialError::Ca(_) => "tls.ca",
+                MaterialError::Key(_) => "tls.key",
+                _ => "tls.cert",
+            };
+            invalid(key, e.to_string())
+        })?;
+        let own = material.identity();
+        if own.role() != role::NODE
+            || own.name() != self.node_id
+            || own.trust_domain() != self.tls.trust_domain
+        {
             return Err(invalid(
                 "tls.cert",
                 format!(
-                    "certificate identity {own} is not role `node` with name `{}` (node_id)",
-                    self.node_id
+                    "certificate identity {own} is not spiffe://{}/node/{} (tls.trust_domain, node_id)",
+                    self.tls.trust_domain, self.node_id
                 ),
             ));
         }
-        let verifier = identity::server_cert_verifier(Arc::new(roots), expected)
+        let tls = material
+            .client_config(expected)
             .map_err(|e| invalid("tls.ca", e.to_string()))?;
-        let tls = identity::client_config(chain, key, verifier)
-            .map_err(|e| invalid("tls.key", e.to_string()))?;
         let mut opts = NodeOptions::new(
             &self.node_id,
             &self.edge.address,
@@ -332,10 +433,21 @@ impl NodeConfigFile {
         if let Some(ms) = self.runtime.close_grace_ms {
             opts.close_grace = Duration::from_millis(ms);
         }
+        for (adapter, key) in local_keys {
+            opts = opts.with_local_key(&adapter, key);
+        }
         if let Some(recipient) = self.credential_plane.recipient()? {
             opts = opts.with_credential_plane(recipient);
         }
-        Ok(opts)
+        let reload = (self.tls.reload_sec > 0).then(|| Duration::from_secs(self.tls.reload_sec));
+        Ok(NodeBuilt {
+            options: opts,
+            tls: material,
+            ca: self.tls.ca,
+            cert: self.tls.cert,
+            key: self.tls.key,
+            reload,
+        })
     }
 }
 
@@ -396,6 +508,65 @@ mod tests {
                 .is_none(),
             "disabled by default"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn local_credentials_are_checked_and_never_printed() {
+        let base = "node_id = \"n\"\n[edge]\naddress = \"a:1\"\nserver_name = \"localhost\"\nname = \"e\"\n[tls]\ntrust_domain = \"t\"\nca = \"/nonexistent\"\ncert = \"/x\"\nkey = \"/y\"\n";
+        let err = |extra: &str| {
+            NodeConfigFile::parse(&format!("{base}{extra}"))
+                .unwrap()
+                .into_options(AdapterRegistry::new())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err("[[credentials]]\nadapter = \"a\"\napi_key_env = \"IOP_TEST_UNSET_KEY_VAR\"\n");
+        assert_eq!(
+            e,
+            "credentials.api_key_env: environment variable IOP_TEST_UNSET_KEY_VAR is not set or empty"
+        );
+        let e = err("[[credentials]]\nadapter = \"a\"\n");
+        assert!(
+            e.starts_with("credentials: adapter `a`: exactly one of"),
+            "{e}"
+        );
+        let e = err(
+            "[credential_plane]\nenabled = true\n[[credentials]]\nadapter = \"a\"\napi_key_env = \"X\"\n",
+        );
+        assert!(
+            e.starts_with("credentials: not allowed with credential_plane.enabled"),
+            "{e}"
+        );
+        let dir = std::env::temp_dir().join(format!("iop-node-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "sk-secret-value\n").unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+            let e = err(&format!(
+                "[[credentials]]\nadapter = \"a\"\napi_key_file = {:?}\n",
+                file.display().to_string()
+            ));
+            assert!(e.contains("is readable by other users (mode 644)"), "{e}");
+            assert!(!e.contains("sk-secret-value"));
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        // A readable key, a bad header: the header is named, the key is not printed.
+        let e = err(&format!(
+            "[[credentials]]\nadapter = \"a\"\napi_key_file = {:?}\nheader = \"bad header\"\n",
+            file.display().to_string()
+        ));
+        assert!(e.starts_with("credentials.header:"), "{e}");
+        assert!(!e.contains("sk-secret-value"));
+        // Valid: the next error is about TLS, after the key was loaded.
+        let e = err(&format!(
+            "[[credentials]]\nadapter = \"a\"\napi_key_file = {:?}\nheader = \"x-api-key\"\n",
+            file.display().to_string()
+        ));
+        assert!(e.starts_with("tls.ca:"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use iop_wire::runtime::{AdapterConfig, AdapterSettings, ProviderStatus, RunRequest, Usage};
 
 use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents};
+use crate::credential::UpstreamCredential;
 
 /// The demo adapter.
 #[derive(Clone, Debug)]
@@ -97,7 +98,11 @@ impl Adapter for DemoAdapter {
         })
     }
 
-    async fn probe(&self, target: &str) -> ProviderStatus {
+    async fn probe(
+        &self,
+        target: &str,
+        _credential: Option<&UpstreamCredential>,
+    ) -> ProviderStatus {
         if !self.healthy || (!self.targets.is_empty() && !self.targets.iter().any(|t| t == target))
         {
             ProviderStatus::Unavailable

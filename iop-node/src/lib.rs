@@ -111,6 +111,10 @@ pub struct NodeOptions {
     /// Managed mode (`credential_plane.enabled`): every provider tunnel must carry a lease this
     /// plane can open ([`credential`]). Set with [`NodeOptions::with_credential_plane`].
     pub credentials: Option<Arc<credential::CredentialPlane>>,
+    /// Legacy mode: upstream keys the Node holds itself, by adapter instance name
+    /// ([`credential::LocalKey`]). Set with [`NodeOptions::with_local_key`]; refused together
+    /// with the credential plane.
+    pub local_keys: std::collections::HashMap<String, credential::LocalKey>,
     /// Limit on TCP connect plus TLS handshake.
     pub connect_timeout: Duration,
     /// After a response stall, how long the aborted provider call may take to return before
@@ -173,6 +177,7 @@ impl NodeOptions {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             recipient: None,
             credentials: None,
+            local_keys: std::collections::HashMap::new(),
             connect_timeout: Duration::from_secs(10),
             close_grace: DEFAULT_CLOSE_GRACE,
         })
@@ -190,6 +195,14 @@ impl NodeOptions {
         let plane = credential::CredentialPlane::new(recipient);
         self.recipient = Some(plane.public_key().to_registration());
         self.credentials = Some(Arc::new(plane));
+        self
+    }
+
+    /// Legacy mode: the Node's own upstream key for adapter instance `adapter` (the instance
+    /// name in the Edge's config), written into the header the instance's protocol profile
+    /// declares (or the key's own override) on every provider request and health probe.
+    pub fn with_local_key(mut self, adapter: &str, key: credential::LocalKey) -> Self {
+        self.local_keys.insert(adapter.to_owned(), key);
         self
     }
 
@@ -216,6 +229,14 @@ fn jitter() -> u32 {
 /// Runs the Node until `shutdown` is cancelled, the reconnect budget is exhausted, or a fatal
 /// local error. Returns the outcome; [`Exit::exit_code`] maps it to a process exit code.
 pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
+    if opts.credentials.is_some() && !opts.local_keys.is_empty() {
+        // One source of truth: a managed Node takes credentials only from leases.
+        tracing::error!(
+            target: "iop_node",
+            "local upstream keys are not allowed with the credential plane enabled"
+        );
+        return Exit::Fatal;
+    }
     let mut supervisor = Supervisor::new(opts.reconnect);
     loop {
         match supervisor.poll_action() {

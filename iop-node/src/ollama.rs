@@ -26,6 +26,7 @@ use iop_wire::text_tools;
 use serde_json::{Value, json};
 
 use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents};
+use crate::credential::UpstreamCredential;
 
 /// The adapter type name in `AdapterConfig.type`.
 pub const ADAPTER_TYPE: &str = "ollama";
@@ -282,7 +283,11 @@ impl Adapter for OllamaAdapter {
         Ok(RunCompletion { metadata, usage })
     }
 
-    async fn probe(&self, target: &str) -> ProviderStatus {
+    async fn probe(
+        &self,
+        target: &str,
+        _credential: Option<&UpstreamCredential>,
+    ) -> ProviderStatus {
         let request = self
             .client
             .get(format!("{}/api/tags", self.base_url))

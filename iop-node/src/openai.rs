@@ -1,4 +1,11 @@
-//! The `openai_compat` adapter: provider raw tunnel to an OpenAI-compatible HTTP API.
+//! The `openai_compat` adapter: provider raw tunnel to an HTTP API described by the instance's
+//! protocol profile — an OpenAI-compatible server (`chat_only`, `openai` presets) or an
+//! Anthropic-native one (`anthropic`: `x-api-key`, `anthropic-version`). The adapter is
+//! dialect-blind: the Edge decides what to send and translates what comes back.
+//!
+//! Every request and health probe carries the profile's fixed headers and then the credential
+//! — an opened lease (managed mode) or the key the Node holds for the instance (legacy mode) —
+//! in its declared header, written at the last moment (`TunnelSink::inject_credential`).
 //!
 //! For a `ProviderTunnelRequest` it opens the upstream request (the path from the instance's
 //! protocol profile for the named operation, or the request's fallback path), then streams the
@@ -21,6 +28,7 @@ use iop_wire::runtime::{
 };
 
 use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents, TunnelSink};
+use crate::credential::UpstreamCredential;
 
 /// The adapter type name in `AdapterConfig.type`.
 pub const ADAPTER_TYPE: &str = "openai_compat";
@@ -76,6 +84,18 @@ impl OpenAiCompatAdapter {
             profile: settings.protocol_profile.clone(),
             targets: config.targets.clone(),
         })
+    }
+
+    /// The protocol profile's fixed headers (e.g. `anthropic-version`), replacing a caller's.
+    fn profile_headers(&self, headers: &mut http::HeaderMap) {
+        for h in &self.profile.headers {
+            if let (Ok(name), Ok(value)) = (
+                http::HeaderName::from_bytes(h.name.as_bytes()),
+                http::HeaderValue::from_bytes(&h.value),
+            ) {
+                headers.insert(name, value);
+            }
+        }
     }
 
     fn url(&self, operation: Option<Operation>, fallback: &str) -> Result<String, AdapterError> {
@@ -143,7 +163,9 @@ impl Adapter for OpenAiCompatAdapter {
             };
             headers.append(name, value);
         }
-        // Managed mode: the lease's credential, in its declared header, right before the call.
+        // The profile's fixed headers, then the credential (an opened lease or the Node's own
+        // key) in its declared header, right before the call.
+        self.profile_headers(&mut headers);
         frames.inject_credential(&mut headers);
         let mut builder = self
             .client
@@ -197,7 +219,7 @@ impl Adapter for OpenAiCompatAdapter {
         Ok(())
     }
 
-    async fn probe(&self, target: &str) -> ProviderStatus {
+    async fn probe(&self, target: &str, credential: Option<&UpstreamCredential>) -> ProviderStatus {
         let path = if self.profile.health_path.is_empty() {
             self.profile
                 .operation_paths
@@ -206,9 +228,15 @@ impl Adapter for OpenAiCompatAdapter {
         } else {
             self.profile.health_path.as_str()
         };
+        let mut headers = http::HeaderMap::new();
+        self.profile_headers(&mut headers);
+        if let Some(c) = credential {
+            c.inject(&mut headers);
+        }
         let request = self
             .client
             .get(format!("{}{}", self.base_url, path))
+            .headers(headers)
             .timeout(PROBE_TIMEOUT);
         let Ok(response) = request.send().await else {
             return ProviderStatus::Unavailable;

@@ -25,7 +25,7 @@ use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 
 use crate::NodeOptions;
-use crate::adapter::{Instance, Instances, RunEvents, TunnelSink};
+use crate::adapter::{Injection, Instance, Instances, RunEvents, TunnelSink};
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel::TunnelWriter;
 
@@ -102,7 +102,7 @@ where
                 progressed = true;
                 match event {
                     NodeEvent::ApplyConfig { config, .. } => {
-                        match opts.adapters.build(&config.adapters) {
+                        match opts.adapters.build(&config.adapters, &opts.local_keys) {
                             Ok(built) => {
                                 instances = built;
                                 // Handlers are the arms of this loop: installed once it runs.
@@ -329,7 +329,7 @@ fn refresh(
     instances: &mut Instances,
     opts: &NodeOptions,
 ) -> NodeConfigRefreshResponse {
-    match opts.adapters.build(&config.adapters) {
+    match opts.adapters.build(&config.adapters, &opts.local_keys) {
         Ok(built) => {
             // Runs in flight keep their `Arc<Instance>` until they finish.
             *instances = built;
@@ -373,9 +373,12 @@ fn command(
             tokio::spawn(async move {
                 let mut entries = Vec::with_capacity(probes.len());
                 for (key, target, inst) in probes {
-                    let status = tokio::time::timeout(PROBE_TIMEOUT, inst.adapter.probe(&target))
-                        .await
-                        .unwrap_or(ProviderStatus::Unknown);
+                    let status = tokio::time::timeout(
+                        PROBE_TIMEOUT,
+                        inst.adapter.probe(&target, inst.credential.as_ref()),
+                    )
+                    .await
+                    .unwrap_or(ProviderStatus::Unknown);
                     entries.push((key, target, status, inst.config.adapter_type.clone()));
                 }
                 let _ = out_tx
@@ -481,7 +484,12 @@ async fn run_task(
         tokio::spawn(async move { instance.adapter.run(req, RunEvents::new(dtx, fence)).await })
     };
     let target = ident.target.clone();
-    let probe = || async move { instance.adapter.probe(&target).await };
+    let probe = || async move {
+        instance
+            .adapter
+            .probe(&target, instance.credential.as_ref())
+            .await
+    };
     let forward = |text: String| {
         let mut ev = RunEvent::new(RunEventKind::Delta);
         ev.delta = text;
@@ -562,7 +570,7 @@ async fn tunnel_task(
     // immediately before the provider call — or end the tunnel without calling the provider.
     let mut req = req;
     let credential = match &settings.credentials {
-        None => None,
+        None => instance.credential.clone().map(Injection::Local),
         Some(plane) => {
             let profile = match &instance.config.settings {
                 iop_wire::runtime::AdapterSettings::OpenAiCompat(s) => {
@@ -571,7 +579,7 @@ async fn tunnel_task(
                 _ => "",
             };
             match plane.open(&settings.node_id, profile, &req, unix_ms()) {
-                Ok(c) => Some(c),
+                Ok(c) => Some(Injection::Lease(c)),
                 Err(rejected) => {
                     tracing::info!(target: "iop_node", event = "node_credential_rejected", run_id = %run_id, reason = %rejected, "managed tunnel refused");
                     drop(permit);
@@ -601,7 +609,12 @@ async fn tunnel_task(
         })
     };
     let target = ident.target.clone();
-    let probe = || async move { instance.adapter.probe(&target).await };
+    let probe = || async move {
+        instance
+            .adapter
+            .probe(&target, instance.credential.as_ref())
+            .await
+    };
     // The writer refuses out-of-order payloads from a misbehaving adapter.
     let forward = |payload: TunnelPayload| numbered(payload).map(|f| Outbound::Frame(frame(f)));
     let ended = exec::supervise(work, frx, forward, &out, watch, permit, probe, ident).await;

@@ -498,6 +498,8 @@ impl fmt::Display for ExpectedPeer {
     }
 }
 
+pub use crate::workload_tls::{MaterialError, WorkloadTls};
+
 // === impl verifiers ===
 
 /// The only crypto provider this crate uses; passed explicitly so nothing depends on a

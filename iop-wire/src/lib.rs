@@ -114,6 +114,7 @@ pub mod runtime;
 pub mod text_tools;
 pub mod tunnel;
 pub mod validate;
+mod workload_tls;
 
 pub use liveness::{DEFAULT_HEARTBEAT_INTERVAL, HeartbeatConfig};
 

@@ -543,6 +543,9 @@ impl AdapterConfig {
                                 .map(|(op, path)| (op.as_str().to_owned(), path.clone()))
                                 .collect(),
                             health_path: s.protocol_profile.health_path.clone(),
+                            auth_header: s.protocol_profile.auth_header.clone(),
+                            auth_prefix: s.protocol_profile.auth_prefix.clone(),
+                            headers: headers_to_proto(&s.protocol_profile.headers),
                         }),
                         request_timeout_sec: s.request_timeout_sec,
                     }))
@@ -600,12 +603,24 @@ impl TryFrom<pb::AdapterConfig> for AdapterConfig {
                     )?;
                     operation_paths.insert(op, path);
                 }
+                if !profile.auth_header.is_empty() {
+                    validate::header_name(&profile.auth_header)?;
+                }
+                validate::header_value(profile.auth_prefix.as_bytes())?;
+                if profile.headers.len() > MAX_PROFILE_HEADERS {
+                    return Err(InvalidMessage::TooLong(
+                        "adapters.openai_compat.protocol_profile.headers",
+                    ));
+                }
                 AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
                     base_url: s.base_url,
                     protocol_profile: ConcreteProtocolProfile {
                         name: profile.name,
                         operation_paths,
                         health_path: profile.health_path,
+                        auth_header: profile.auth_header,
+                        auth_prefix: profile.auth_prefix,
+                        headers: headers_from_proto(profile.headers)?,
                     },
                     request_timeout_sec: s.request_timeout_sec,
                 })
@@ -663,6 +678,33 @@ pub struct ConcreteProtocolProfile {
     pub operation_paths: BTreeMap<Operation, String>,
     /// Health probe path; empty = the `models` operation path.
     pub health_path: String,
+    /// The header a credential the Node holds itself is written into (legacy mode); empty =
+    /// `authorization` with the `Bearer ` prefix. Managed leases declare their own header.
+    pub auth_header: String,
+    /// The value prefix before the secret in `auth_header` (used when `auth_header` is set).
+    pub auth_prefix: String,
+    /// Fixed request headers the upstream protocol requires (e.g. `anthropic-version`), sent
+    /// on every request and probe; at most [`MAX_PROFILE_HEADERS`].
+    pub headers: Vec<Header>,
+}
+
+/// Most fixed headers one protocol profile declares.
+pub const MAX_PROFILE_HEADERS: usize = 32;
+
+impl ConcreteProtocolProfile {
+    /// The `(header, prefix)` a credential the Node holds itself is written as.
+    pub fn credential_header(&self) -> (&str, &str) {
+        if self.auth_header.is_empty() {
+            ("authorization", "Bearer ")
+        } else {
+            (&self.auth_header, &self.auth_prefix)
+        }
+    }
+
+    /// Whether the upstream serves `operation`.
+    pub fn serves(&self, operation: Operation) -> bool {
+        self.operation_paths.contains_key(&operation)
+    }
 }
 
 /// Native adapter settings.

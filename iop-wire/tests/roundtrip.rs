@@ -100,6 +100,12 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
                             (Operation::Models, "/models".into()),
                         ]),
                         health_path: String::new(),
+                        auth_header: "x-api-key".into(),
+                        auth_prefix: String::new(),
+                        headers: vec![Header {
+                            name: "anthropic-version".into(),
+                            value: Bytes::from_static(b"2023-06-01"),
+                        }],
                     },
                     request_timeout_sec: 60,
                 }),

@@ -92,7 +92,7 @@ async fn setup(ca: &Ca, healthy: Arc<AtomicBool>) -> EdgeHandle {
                 operation_paths: [(Operation::Models, "/models".to_owned())]
                     .into_iter()
                     .collect(),
-                health_path: String::new(),
+                ..Default::default()
             },
             request_timeout_sec: 30,
         }),

@@ -206,7 +206,7 @@ fn node_config(provider: SocketAddr) -> NodeConfigPayload {
                     ]
                     .into_iter()
                     .collect(),
-                    health_path: String::new(),
+                    ..Default::default()
                 },
                 request_timeout_sec: 30,
             }),

@@ -49,7 +49,11 @@ impl Adapter for StallingAdapter {
         Err(AdapterError::Provider("closed".into()))
     }
 
-    async fn probe(&self, _target: &str) -> ProviderStatus {
+    async fn probe(
+        &self,
+        _target: &str,
+        _credential: Option<&iop_node::credential::UpstreamCredential>,
+    ) -> ProviderStatus {
         ProviderStatus::Unavailable
     }
 }

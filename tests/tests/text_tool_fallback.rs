@@ -136,7 +136,7 @@ async fn surface(ca: &Ca, ollama: std::net::SocketAddr) -> String {
         HttpConfig {
             models: vec!["tiny".into(), "plain".into()],
             queue_wait: Duration::from_secs(5),
-            auth: None,
+            api_keys: None,
             control: None,
         },
     );
@@ -232,9 +232,21 @@ async fn text_tool_calls_are_recovered_only_under_the_fallback_mark() {
         );
         let last = events.last().unwrap();
         assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
-        let call = &last["choices"][0]["delta"]["tool_calls"][0];
-        assert_eq!(call["index"], 0);
-        assert_eq!(call["function"]["name"], "get_weather");
+        // As OpenAI streams a call: its start (index, id, name), then its argument fragments.
+        let calls: Vec<&Value> = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["tool_calls"].get(0))
+            .collect();
+        assert_eq!(calls[0]["index"], 0);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        let args: String = calls
+            .iter()
+            .filter_map(|c| c["function"]["arguments"].as_str())
+            .collect();
+        assert_eq!(
+            serde_json::from_str::<Value>(&args).unwrap(),
+            json!({"city": "Paris"})
+        );
 
         // No fallback mark: the same text is ordinary content, streamed and not.
         seen.lock().unwrap().clear();

@@ -137,7 +137,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
                 operation_paths: [(Operation::ChatCompletions, "/chat/completions".to_owned())]
                     .into_iter()
                     .collect(),
-                health_path: String::new(),
+                ..Default::default()
             },
             request_timeout_sec: 600,
         }),
@@ -190,7 +190,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
         HttpConfig {
             models: vec!["m".into(), "slow".into()],
             queue_wait: Duration::from_secs(10),
-            auth: None,
+            api_keys: None,
             control: None,
         },
     );

@@ -117,7 +117,7 @@ fn adapter_config(provider: SocketAddr) -> NodeConfigPayload {
                     operation_paths: [(Operation::ChatCompletions, "/chat/completions".to_owned())]
                         .into_iter()
                         .collect(),
-                    health_path: String::new(),
+                    ..Default::default()
                 },
                 request_timeout_sec: 600,
             }),

@@ -32,15 +32,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use iop_bins::tls_reload::{self, TlsPaths};
 use iop_cp::admin::Admin;
 use iop_cp::lease::LeaseService;
 use iop_cp::seal::{MasterKey, write_private};
 use iop_cp::server::{self, ServerConfig};
 use iop_cp::store::{Mutation, PgStore, SqliteStore, Store};
 use iop_lease::{DEFAULT_MAX_TTL, IssuerSigningKey};
-use iop_wire::identity::{self, ExpectedPeer, role};
+use iop_wire::identity::WorkloadTls;
+use iop_wire::identity::{ExpectedPeer, role};
 use rustls_pki_types::pem::PemObject as _;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_util::sync::CancellationToken;
 use zeroize::Zeroizing;
 
 /// Key id of the issuer key kept in `issuer.pem`.
@@ -116,6 +119,11 @@ struct ServeArgs {
     /// Trust domain of the workload identities.
     #[arg(long)]
     trust_domain: Option<String>,
+    /// Managed mode: re-read --tls-ca, --tls-cert and --tls-key this often, in seconds (0 =
+    /// never); a rotated certificate is used by new Edge connections without a restart, an
+    /// invalid one is refused with a log line. (Legacy TLS is read once.)
+    #[arg(long, default_value_t = 5)]
+    tls_reload_sec: u64,
     /// Managed mode (`credential_plane.enabled`): mTLS, projection and leases.
     #[arg(long)]
     credential_plane: bool,
@@ -430,7 +438,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 }
 
 fn tls_config(args: &ServeArgs) -> Result<Arc<rustls::ServerConfig>, Failure> {
-    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
+    let (Some(cert_path), Some(key_path)) = (&args.tls_cert, &args.tls_key) else {
         return Err(usage(if args.credential_plane {
             "--credential-plane requires mTLS: give --tls-ca, --tls-cert, --tls-key and --trust-domain"
         } else {
@@ -440,13 +448,13 @@ fn tls_config(args: &ServeArgs) -> Result<Arc<rustls::ServerConfig>, Failure> {
     let read = |p: &PathBuf, what: &str| {
         std::fs::read(p).map_err(|e| usage(format!("{what} {}: {e}", p.display())))
     };
-    let chain = CertificateDer::pem_slice_iter(&read(cert, "--tls-cert")?)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| usage("--tls-cert: not a PEM certificate chain"))?;
-    let key = PrivateKeyDer::from_pem_slice(&read(key, "--tls-key")?)
-        .map_err(|_| usage("--tls-key: no PEM private key"))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
     if !args.credential_plane {
+        let chain = CertificateDer::pem_slice_iter(&read(cert_path, "--tls-cert")?)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| usage("--tls-cert: not a PEM certificate chain"))?;
+        let key = PrivateKeyDer::from_pem_slice(&read(key_path, "--tls-key")?)
+            .map_err(|_| usage("--tls-key: no PEM private key"))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| usage(e.to_string()))?
@@ -455,23 +463,37 @@ fn tls_config(args: &ServeArgs) -> Result<Arc<rustls::ServerConfig>, Failure> {
             .map_err(|e| usage(format!("--tls-cert/--tls-key: {e}")))?;
         return Ok(Arc::new(config));
     }
-    let (Some(ca), Some(td)) = (&args.tls_ca, &args.trust_domain) else {
+    let (Some(ca_path), Some(td)) = (&args.tls_ca, &args.trust_domain) else {
         return Err(usage(
             "--credential-plane requires mTLS: give --tls-ca and --trust-domain as well",
         ));
     };
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(&read(ca, "--tls-ca")?) {
-        roots
-            .add(c.map_err(|_| usage("--tls-ca: not a PEM bundle"))?)
-            .map_err(|_| usage("--tls-ca: invalid CA certificate"))?;
-    }
+    let material = WorkloadTls::from_pem(
+        &read(ca_path, "--tls-ca")?,
+        &read(cert_path, "--tls-cert")?,
+        &read(key_path, "--tls-key")?,
+    )
+    .map_err(|e| usage(format!("--tls-ca/--tls-cert/--tls-key: {e}")))?;
     let expected = ExpectedPeer::any_name(td, role::EDGE)
         .map_err(|e| usage(format!("--trust-domain: {e}")))?;
-    let verifier = identity::client_cert_verifier(Arc::new(roots), expected)
+    let config = material
+        .server_config(expected)
         .map_err(|e| usage(format!("--tls-ca: {e}")))?;
-    let config = identity::server_config(chain, key, verifier)
-        .map_err(|e| usage(format!("--tls-cert/--tls-key: {e}")))?;
+    if args.tls_reload_sec > 0 {
+        let paths = TlsPaths {
+            ca: ca_path.clone(),
+            cert: cert_path.clone(),
+            key: key_path.clone(),
+        };
+        let every = Duration::from_secs(args.tls_reload_sec);
+        tls_reload::spawn(
+            material,
+            paths,
+            every,
+            "control-plane",
+            CancellationToken::new(),
+        );
+    }
     Ok(Arc::new(config))
 }
 

@@ -2,28 +2,36 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use iop_bins::devca::DevCa;
-use iop_edge::http::{self, HttpConfig};
+use iop_edge::http::{self, ApiKeys, HttpConfig};
 use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge::profile::{DEFAULT_PRESET, Profile};
 use iop_edge::{Lifecycle, TransportConfig};
+use iop_node::credential::LocalKey;
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_wire::runtime::{
-    AdapterConfig, AdapterSettings, ConcreteProtocolProfile, NativeSettings, NodeConfigPayload,
-    OpenAiCompatSettings, Operation,
+    AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, OpenAiCompatSettings,
 };
 use tokio_util::sync::CancellationToken;
 
-/// Start a whole local IOP mesh: an Edge with its OpenAI-compatible HTTP surface, one or more
-/// Nodes connected to it over mTLS (an ephemeral CA is made at startup), and a provider — the
-/// built-in demo provider by default, or a real upstream (`--openai-url`, `--ollama-url`).
+/// Start a whole local IOP mesh: an Edge with its HTTP API (OpenAI chat completions, the
+/// Responses API and the Anthropic Messages API on every model), one or more Nodes connected to
+/// it over mTLS (an ephemeral CA is made at startup), and a provider — the built-in demo
+/// provider by default, or a real upstream (`--openai-url`, `--anthropic-url`, `--ollama-url`).
 /// Prints the base URL and a ready-to-paste curl; Ctrl-C shuts everything down.
+///
+/// Keys: clients need a key when `--api-key` is given (sent as `Authorization: Bearer` or
+/// `x-api-key`); without one the mesh accepts every request and refuses to listen beyond
+/// loopback. An upstream that needs a key gets the one in `--upstream-api-key-env`, held by
+/// the Nodes only.
 #[derive(Debug, Parser)]
 #[command(name = "iop-mesh", version, about, long_about)]
 struct Args {
-    /// Address of the OpenAI-compatible HTTP surface.
+    /// Address of the HTTP API.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// Number of Nodes (each serves the model).
@@ -38,32 +46,62 @@ struct Args {
     /// Demo provider: delay before each streamed word, in milliseconds.
     #[arg(long, default_value_t = 30)]
     demo_delay_ms: u32,
-    /// Use an OpenAI-compatible upstream instead of the demo (e.g. http://127.0.0.1:8000/v1).
-    #[arg(long, conflicts_with = "ollama_url")]
+    /// Use an OpenAI-compatible upstream instead of the demo (e.g. http://127.0.0.1:8000/v1 for
+    /// vLLM, https://api.openai.com/v1). It is asked for models and chat completions; the
+    /// Responses and Messages APIs are translated (see --upstream-profile).
+    #[arg(long, conflicts_with_all = ["ollama_url", "anthropic_url"])]
     openai_url: Option<String>,
+    /// Use an Anthropic-native upstream (e.g. https://api.anthropic.com/v1): messages and
+    /// count_tokens pass through with x-api-key and anthropic-version; chat completions and the
+    /// Responses API are translated.
+    #[arg(long, conflicts_with = "ollama_url")]
+    anthropic_url: Option<String>,
     /// Use a local Ollama instead of the demo (e.g. http://127.0.0.1:11434).
     #[arg(long)]
     ollama_url: Option<String>,
-    /// Upstream model name (target) for --openai-url / --ollama-url; defaults to --model.
+    /// The protocol profile of --openai-url: chat_only (default: models and chat completions,
+    /// what every OpenAI-compatible server has) or openai (also passes /v1/responses through,
+    /// for OpenAI itself).
+    #[arg(long, value_parser = ["chat_only", "openai", "anthropic"])]
+    upstream_profile: Option<String>,
+    /// Upstream model name (target) for --openai-url / --anthropic-url / --ollama-url; defaults
+    /// to --model.
     #[arg(long)]
     upstream_model: Option<String>,
+    /// The environment variable holding the upstream's API key (read by the Nodes, written in
+    /// the profile's auth header: Authorization: Bearer, or x-api-key for --anthropic-url).
+    #[arg(long, value_name = "NAME")]
+    upstream_api_key_env: Option<String>,
+    /// A key clients must present (repeatable, or comma-separated in IOP_MESH_API_KEYS).
+    #[arg(
+        long = "api-key",
+        env = "IOP_MESH_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    api_keys: Vec<String>,
     /// How long a request may wait for a free provider before a 503.
     #[arg(long, default_value_t = 30)]
     queue_wait_sec: u64,
 }
 
-fn adapter(args: &Args, target: &str) -> (AdapterConfig, ProviderKind) {
-    let (adapter_type, settings, kind) = if let Some(url) = &args.openai_url {
-        let profile = ConcreteProtocolProfile {
-            name: "openai".into(),
-            operation_paths: [
-                (Operation::ChatCompletions, "/chat/completions".to_owned()),
-                (Operation::Models, "/models".to_owned()),
-            ]
-            .into_iter()
-            .collect(),
-            health_path: String::new(),
-        };
+fn adapter(args: &Args, target: &str) -> Result<(AdapterConfig, ProviderKind), String> {
+    let upstream = args
+        .openai_url
+        .as_ref()
+        .map(|u| {
+            (
+                u,
+                args.upstream_profile.as_deref().unwrap_or(DEFAULT_PRESET),
+            )
+        })
+        .or_else(|| {
+            args.anthropic_url
+                .as_ref()
+                .map(|u| (u, args.upstream_profile.as_deref().unwrap_or("anthropic")))
+        });
+    let (adapter_type, settings, kind) = if let Some((url, preset)) = upstream {
+        let profile = Profile::preset(preset).map_err(|e| format!("--upstream-profile: {e}"))?;
         let s = OpenAiCompatSettings {
             base_url: url.clone(),
             protocol_profile: profile,
@@ -102,16 +140,29 @@ fn adapter(args: &Args, target: &str) -> (AdapterConfig, ProviderKind) {
         targets: vec![target.to_owned()],
         settings,
     };
-    (config, kind)
+    Ok((config, kind))
 }
 
 async fn run(args: Args) -> Result<(), String> {
+    if args.api_keys.is_empty() && !args.listen.ip().is_loopback() {
+        return Err(format!(
+            "refusing to listen on {} without a key: anyone who can reach it could use the upstream; give --api-key (or IOP_MESH_API_KEYS), or listen on 127.0.0.1",
+            args.listen
+        ));
+    }
+    let api_keys = (!args.api_keys.is_empty()).then(|| Arc::new(ApiKeys::new(&args.api_keys)));
+    let local_key = match &args.upstream_api_key_env {
+        None => None,
+        Some(var) => {
+            Some(LocalKey::from_env(var).map_err(|e| format!("--upstream-api-key-env: {e}"))?)
+        }
+    };
     let ca = DevCa::new().map_err(|e| e.to_string())?;
     let target = args
         .upstream_model
         .clone()
         .unwrap_or_else(|| args.model.clone());
-    let (adapter, kind) = adapter(&args, &target);
+    let (adapter, kind) = adapter(&args, &target)?;
     let names: Vec<String> = (1..=args.nodes).map(|i| format!("node-{i}")).collect();
     let providers: Vec<ProviderSpec> = names
         .iter()
@@ -168,9 +219,12 @@ async fn run(args: Args) -> Result<(), String> {
     let mut node_tasks = Vec::new();
     for name in &names {
         let tls = ca.node_tls(name, "edge-1").map_err(|e| e.to_string())?;
-        let opts = NodeOptions::new(name, &edge.local_addr().to_string(), "localhost", tls)
+        let mut opts = NodeOptions::new(name, &edge.local_addr().to_string(), "localhost", tls)
             .map_err(|e| e.to_string())?
             .with_adapters(AdapterRegistry::with_builtins());
+        if let Some(key) = &local_key {
+            opts = opts.with_local_key(&adapter.name, key.clone());
+        }
         node_tasks.push(tokio::spawn(run_node(opts, shutdown.clone())));
     }
     let mut ready = 0;
@@ -193,7 +247,7 @@ async fn run(args: Args) -> Result<(), String> {
         HttpConfig {
             models: vec![args.model.clone()],
             queue_wait: Duration::from_secs(args.queue_wait_sec),
-            auth: None,
+            api_keys,
             control: None,
         },
     );
@@ -211,7 +265,15 @@ async fn run(args: Args) -> Result<(), String> {
     );
     println!("iop-mesh: OpenAI-compatible base URL: {base}");
     println!(
-        "\n  curl -N {base}/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello mesh\"}}]}}'\n",
+        "iop-mesh: routes: /v1/models, /v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens"
+    );
+    let auth = if args.api_keys.is_empty() {
+        String::new()
+    } else {
+        " -H 'authorization: Bearer <your --api-key>'".to_owned()
+    };
+    println!(
+        "\n  curl -N {base}/chat/completions -H 'content-type: application/json'{auth} \\\n    -d '{{\"model\":\"{}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello mesh\"}}]}}'\n",
         args.model
     );
     println!("iop-mesh: Ctrl-C to stop");

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use iop_bins::tls_reload::{self, TlsPaths};
 use iop_node::config::NodeConfigFile;
 use iop_node::{AdapterRegistry, run_node};
 use tokio_util::sync::CancellationToken;
@@ -19,8 +20,12 @@ use tokio_util::sync::CancellationToken;
 #[command(name = "iop-node", version, about, long_about)]
 struct Args {
     /// Path to the TOML config file. Keys: node_id; [edge] address, server_name, name;
-    /// [tls] trust_domain, ca, cert, key; [reconnect] interval_sec, max_attempts;
-    /// [runtime] close_grace_ms. See the iop_node::config docs for their meaning.
+    /// [tls] trust_domain, ca, cert, key, reload_sec (the files are re-read this often, 5 by
+    /// default, so a rotated certificate needs no restart); [reconnect] interval_sec,
+    /// max_attempts; [runtime] close_grace_ms; [credential_plane] enabled, recipient_key,
+    /// recipient_key_id, [[credential_plane.issuers]] key_id, public_key (managed mode);
+    /// [[credentials]] adapter, api_key_env | api_key_file, header, prefix (legacy mode: the
+    /// upstream keys this Node holds itself). See the iop_node::config docs for their meaning.
     #[arg(long, short = 'c', value_name = "FILE")]
     config: PathBuf,
 
@@ -38,10 +43,10 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let options = match NodeConfigFile::load(&args.config)
-        .and_then(|file| file.into_options(AdapterRegistry::with_builtins()))
+    let built = match NodeConfigFile::load(&args.config)
+        .and_then(|file| file.build(AdapterRegistry::with_builtins()))
     {
-        Ok(options) => options,
+        Ok(built) => built,
         Err(e) => {
             eprintln!("iop-node: invalid configuration: {e}");
             return ExitCode::from(1);
@@ -67,7 +72,15 @@ fn main() -> ExitCode {
             tracing::info!("shutdown requested");
             signals.cancel();
         });
-        run_node(options, shutdown).await
+        if let Some(every) = built.reload {
+            let paths = TlsPaths {
+                ca: built.ca,
+                cert: built.cert,
+                key: built.key,
+            };
+            tls_reload::spawn(built.tls, paths, every, "node", shutdown.clone());
+        }
+        run_node(built.options, shutdown).await
     });
     tracing::info!(?exit, "iop-node stopped");
     ExitCode::from(u8::try_from(exit.exit_code()).unwrap_or(1))

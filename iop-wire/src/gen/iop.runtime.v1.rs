@@ -201,6 +201,17 @@ pub struct ConcreteProtocolProfile {
     /// Health probe path relative to base_url; empty means the "models" operation path.
     #[prost(string, tag = "3")]
     pub health_path: ::prost::alloc::string::String,
+    /// The request header an upstream credential goes in when the Node holds its own key for the
+    /// instance (legacy mode), e.g. "x-api-key"; empty means "authorization" with "Bearer ".
+    /// Managed leases declare their own header.
+    #[prost(string, tag = "4")]
+    pub auth_header: ::prost::alloc::string::String,
+    /// The value prefix before the secret in auth_header, e.g. "Bearer "; used with auth_header.
+    #[prost(string, tag = "5")]
+    pub auth_prefix: ::prost::alloc::string::String,
+    /// Fixed request headers the upstream protocol requires, e.g. anthropic-version.
+    #[prost(message, repeated, tag = "6")]
+    pub headers: ::prost::alloc::vec::Vec<Header>,
 }
 /// Settings for a native (normalized RunRequest) instance such as Ollama.
 #[derive(Clone, PartialEq, ::prost::Message)]

@@ -1,0 +1,626 @@
+//! The Edge's configuration file (TOML), shared by the `iop-edge` binary and embedders, with
+//! strict validation: unknown keys are errors, and every error names its key.
+//!
+//! ```toml
+//! edge_id = "edge-1"                 # the name in the Edge's workload certificate
+//!
+//! [listen]
+//! nodes = "0.0.0.0:7443"             # Node wire (mTLS)
+//! http = "127.0.0.1:8080"            # OpenAI / Anthropic-compatible HTTP API
+//!
+//! [tls]
+//! trust_domain = "iop.local"
+//! ca = "/etc/iop/ca.pem"             # workload CA bundle (verifies Nodes and the Control Plane)
+//! cert = "/etc/iop/edge.pem"         # URI SAN spiffe://<trust_domain>/edge/<edge_id>
+//! key = "/etc/iop/edge.key"
+//! reload_sec = 5                     # re-read the three files this often (0 = never)
+//!
+//! [auth]                             # gateway API keys (legacy mode); omitted = no key needed
+//! keys_file = "/etc/iop/api-keys"    # one key, or sha256:<hex>, per line; not world-readable
+//! keys_env = "IOP_API_KEYS"          # and/or keys (comma-separated) in this variable
+//!
+//! [pool]
+//! queue_wait_sec = 30                # how long a request may wait for a provider (then 503)
+//! max_queue = 256                    # waiting requests (then 429)
+//!
+//! [[nodes]]
+//! node_id = "node-1"
+//! [[nodes.adapters]]
+//! name = "openai"                    # the instance name (a Node's [[credentials]] refer to it)
+//! type = "openai_compat"             # or "ollama", "demo"
+//! base_url = "https://api.openai.com/v1"
+//! profile = "openai"                 # chat_only (default), openai, anthropic: see iop_edge::profile
+//! # operations = { chat_completions = "/chat/completions", models = "/models" }
+//! capacity = 8
+//! targets = ["gpt-4o-mini"]
+//!
+//! [[models]]
+//! name = "gpt-4o-mini"               # what clients ask for
+//! [[models.providers]]
+//! node_id = "node-1"
+//! provider_id = "openai-mini"
+//! adapter = "openai"
+//! target = "gpt-4o-mini"             # the upstream model
+//! capacity = 8
+//! response_stall_timeout_sec = 300
+//!
+//! [control_plane]                    # optional
+//! address = "cp.internal:7600"
+//! server_name = "cp.internal"
+//! name = "cp-1"                      # spiffe://<trust_domain>/control-plane/<name>
+//! credential_plane = true            # managed mode: projection auth and leases
+//! ```
+//!
+//! - `profile` names a preset (see [`crate::profile`]): which operations the upstream serves
+//!   (the HTTP surface translates the others), the header a Node's own key goes in, and fixed
+//!   headers. `operations` replaces the preset's operation list with explicit paths and keeps
+//!   its name, auth header and fixed headers.
+//! - `[auth]` applies in legacy mode; managed mode (`credential_plane = true`) authenticates
+//!   against the Control Plane's projection and refuses an `[auth]` section.
+//! - Upstream keys are not configured here: each Node holds its own (`iop_node::config`
+//!   `[[credentials]]`), or the Control Plane leases them (managed mode).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_wire::identity::{ExpectedPeer, WorkloadTls, role};
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, OpenAiCompatSettings,
+};
+use serde::Deserialize;
+
+use crate::control::ControlConfig;
+use crate::http::{ApiKeys, HttpConfig};
+use crate::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use crate::profile::{DEFAULT_PRESET, Profile};
+use crate::transport::TransportConfig;
+
+/// A configuration error; the text names the key (or file) it is about.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or had unknown/missing keys (toml's message names them).
+    #[error("{0}")]
+    Syntax(String),
+    /// A key had an invalid value.
+    #[error("{key}: {message}")]
+    Invalid {
+        /// The key, e.g. `nodes.adapters.profile`.
+        key: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn invalid(key: &'static str, message: impl std::fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        message: message.to_string(),
+    }
+}
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeConfigFile {
+    /// `edge_id`.
+    pub edge_id: String,
+    /// `[listen]`.
+    pub listen: Listen,
+    /// `[tls]`.
+    pub tls: Tls,
+    /// `[auth]`.
+    pub auth: Option<Auth>,
+    /// `[pool]`.
+    #[serde(default)]
+    pub pool: Pool,
+    /// `[[nodes]]`.
+    #[serde(default)]
+    pub nodes: Vec<Node>,
+    /// `[[models]]`.
+    #[serde(default)]
+    pub models: Vec<Model>,
+    /// `[control_plane]`.
+    pub control_plane: Option<ControlPlane>,
+}
+
+/// `[listen]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listen {
+    /// `listen.nodes`.
+    pub nodes: SocketAddr,
+    /// `listen.http`.
+    pub http: SocketAddr,
+}
+
+/// `[tls]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tls {
+    /// `tls.trust_domain`.
+    pub trust_domain: String,
+    /// `tls.ca`.
+    pub ca: PathBuf,
+    /// `tls.cert`.
+    pub cert: PathBuf,
+    /// `tls.key`.
+    pub key: PathBuf,
+    /// `tls.reload_sec` (default 5; 0 = never).
+    #[serde(default = "default_reload")]
+    pub reload_sec: u64,
+}
+
+fn default_reload() -> u64 {
+    5
+}
+
+/// `[auth]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Auth {
+    /// `auth.keys_file`.
+    pub keys_file: Option<PathBuf>,
+    /// `auth.keys_env`.
+    pub keys_env: Option<String>,
+}
+
+/// `[pool]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pool {
+    /// `pool.queue_wait_sec`.
+    #[serde(default = "default_wait")]
+    pub queue_wait_sec: u64,
+    /// `pool.max_queue`.
+    #[serde(default = "default_queue")]
+    pub max_queue: usize,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Self {
+            queue_wait_sec: default_wait(),
+            max_queue: default_queue(),
+        }
+    }
+}
+
+fn default_wait() -> u64 {
+    30
+}
+
+fn default_queue() -> usize {
+    256
+}
+
+/// `[[nodes]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    /// `nodes.node_id`.
+    pub node_id: String,
+    /// `[[nodes.adapters]]`.
+    #[serde(default)]
+    pub adapters: Vec<Adapter>,
+}
+
+/// `[[nodes.adapters]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Adapter {
+    /// `nodes.adapters.name`.
+    pub name: String,
+    /// `nodes.adapters.type`.
+    #[serde(rename = "type")]
+    pub adapter_type: String,
+    /// `nodes.adapters.base_url`.
+    #[serde(default)]
+    pub base_url: String,
+    /// `nodes.adapters.capacity`.
+    #[serde(default = "one")]
+    pub capacity: u32,
+    /// `nodes.adapters.long_context_capacity`.
+    #[serde(default)]
+    pub long_context_capacity: u32,
+    /// `nodes.adapters.targets`.
+    #[serde(default)]
+    pub targets: Vec<String>,
+    /// `nodes.adapters.request_timeout_sec`.
+    #[serde(default)]
+    pub request_timeout_sec: u32,
+    /// `nodes.adapters.profile`.
+    pub profile: Option<String>,
+    /// `nodes.adapters.operations`.
+    pub operations: Option<BTreeMap<String, String>>,
+    /// `nodes.adapters.options` (native adapters).
+    #[serde(default)]
+    pub options: BTreeMap<String, String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// `[[models]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Model {
+    /// `models.name`.
+    pub name: String,
+    /// `[[models.providers]]`.
+    pub providers: Vec<Provider>,
+}
+
+/// `[[models.providers]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Provider {
+    /// `models.providers.node_id`.
+    pub node_id: String,
+    /// `models.providers.provider_id`.
+    pub provider_id: String,
+    /// `models.providers.adapter`.
+    pub adapter: String,
+    /// `models.providers.target`.
+    pub target: String,
+    /// `models.providers.capacity`.
+    #[serde(default = "one")]
+    pub capacity: u32,
+    /// `models.providers.long_context_capacity`.
+    #[serde(default)]
+    pub long_context_capacity: u32,
+    /// `models.providers.response_stall_timeout_sec`.
+    #[serde(default = "stall")]
+    pub response_stall_timeout_sec: u64,
+}
+
+fn stall() -> u64 {
+    300
+}
+
+/// `[control_plane]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlPlane {
+    /// `control_plane.address`.
+    pub address: String,
+    /// `control_plane.server_name`.
+    pub server_name: String,
+    /// `control_plane.name`.
+    pub name: String,
+    /// `control_plane.credential_plane`.
+    #[serde(default)]
+    pub credential_plane: bool,
+}
+
+/// The three TLS files and how often to re-read them.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// CA bundle.
+    pub ca: PathBuf,
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+    /// Re-read interval; `None` = never.
+    pub reload: Option<Duration>,
+}
+
+/// Everything the Edge needs, built from the file.
+#[derive(Debug)]
+pub struct EdgeConfig {
+    /// The Edge's id.
+    pub edge_id: String,
+    /// The Node listener, its Node configs and the pool.
+    pub transport: TransportConfig,
+    /// The HTTP listener address.
+    pub http_listen: SocketAddr,
+    /// The HTTP surface.
+    pub http: HttpConfig,
+    /// The Control Plane connector, when configured.
+    pub control: Option<ControlConfig>,
+    /// The TLS material every listener and dialer reads at each handshake; reload it with
+    /// [`WorkloadTls::reload_pem`] when [`EdgeConfig::tls_files`] change.
+    pub tls: Arc<WorkloadTls>,
+    /// Where the TLS material comes from.
+    pub tls_files: TlsFiles,
+}
+
+impl EdgeConfigFile {
+    /// Reads and parses `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))
+    }
+
+    /// Validates every key, reads the TLS files and key files, and builds the Edge's parts.
+    pub fn build(self) -> Result<EdgeConfig, ConfigError> {
+        let read = |key: &'static str, p: &Path| {
+            std::fs::read(p).map_err(|e| invalid(key, format!("cannot read {}: {e}", p.display())))
+        };
+        let ca = read("tls.ca", &self.tls.ca)?;
+        let cert = read("tls.cert", &self.tls.cert)?;
+        let key = read("tls.key", &self.tls.key)?;
+        let tls = WorkloadTls::from_pem(&ca, &cert, &key).map_err(|e| {
+            let key = match e {
+                iop_wire::identity::MaterialError::Ca(_) => "tls.ca",
+                iop_wire::identity::MaterialError::Key(_) => "tls.key",
+                _ => "tls.cert",
+            };
+            invalid(key, e)
+        })?;
+        let own = tls.identity();
+        if own.role() != role::EDGE
+            || own.name() != self.edge_id
+            || own.trust_domain() != self.tls.trust_domain
+        {
+            return Err(invalid(
+                "tls.cert",
+                format!(
+                    "identity {own} is not spiffe://{}/edge/{} (tls.trust_domain, edge_id)",
+                    self.tls.trust_domain, self.edge_id
+                ),
+            ));
+        }
+        let nodes_expected = ExpectedPeer::any_name(&self.tls.trust_domain, role::NODE)
+            .map_err(|e| invalid("tls.trust_domain", e))?;
+        let server_tls = tls
+            .server_config(nodes_expected)
+            .map_err(|e| invalid("tls.ca", e))?;
+
+        let managed = self
+            .control_plane
+            .as_ref()
+            .is_some_and(|c| c.credential_plane);
+        let api_keys = match &self.auth {
+            None => None,
+            Some(_) if managed => {
+                return Err(invalid(
+                    "auth",
+                    "not used in managed mode (control_plane.credential_plane = true): the Control Plane's tokens authenticate requests",
+                ));
+            }
+            Some(a) => Some(Arc::new(
+                ApiKeys::load(a.keys_file.as_deref(), a.keys_env.as_deref()).map_err(|e| {
+                    let key = if a.keys_file.is_some() && a.keys_env.is_none() {
+                        "auth.keys_file"
+                    } else if a.keys_file.is_none() {
+                        "auth.keys_env"
+                    } else {
+                        "auth"
+                    };
+                    invalid(key, e)
+                })?,
+            )),
+        };
+
+        let mut node_configs = Vec::new();
+        let mut kinds = HashMap::new();
+        for n in &self.nodes {
+            let mut adapters = Vec::new();
+            for a in &n.adapters {
+                let (settings, kind) = adapter_settings(a)?;
+                kinds.insert((n.node_id.clone(), a.name.clone()), kind);
+                adapters.push(AdapterConfig {
+                    name: a.name.clone(),
+                    adapter_type: a.adapter_type.clone(),
+                    enabled: true,
+                    capacity: a.capacity,
+                    long_context_capacity: a.long_context_capacity,
+                    targets: a.targets.clone(),
+                    settings,
+                });
+            }
+            node_configs.push((
+                n.node_id.clone(),
+                NodeConfigPayload {
+                    adapters,
+                    revision: 1,
+                    ..Default::default()
+                },
+            ));
+        }
+        let mut providers = Vec::new();
+        let mut models = Vec::new();
+        for m in &self.models {
+            let mut keys = Vec::new();
+            for p in &m.providers {
+                let Some(kind) = kinds.get(&(p.node_id.clone(), p.adapter.clone())) else {
+                    return Err(invalid(
+                        "models.providers.adapter",
+                        format!("no adapter `{}` on node `{}`", p.adapter, p.node_id),
+                    ));
+                };
+                let key = ProviderKey {
+                    node_id: p.node_id.clone(),
+                    provider_id: p.provider_id.clone(),
+                };
+                keys.push(key.clone());
+                providers.push(ProviderSpec {
+                    key,
+                    adapter: p.adapter.clone(),
+                    target: p.target.clone(),
+                    kind: *kind,
+                    category: if *kind == ProviderKind::OpenAiCompat {
+                        "api".into()
+                    } else {
+                        "local_inference".into()
+                    },
+                    capacity: p.capacity,
+                    long_context_capacity: p.long_context_capacity,
+                    response_stall_timeout: Duration::from_secs(
+                        p.response_stall_timeout_sec.max(1),
+                    ),
+                    enabled: true,
+                });
+            }
+            models.push((m.name.clone(), keys));
+        }
+        let mut transport = TransportConfig::new(self.listen.nodes, Arc::new(server_tls));
+        transport.node_configs = node_configs;
+        transport.pool = Some(PoolConfig {
+            models: models.clone(),
+            providers,
+            max_queue: self.pool.max_queue,
+        });
+        let control = match &self.control_plane {
+            None => None,
+            Some(cp) => {
+                let expected =
+                    ExpectedPeer::exact(&self.tls.trust_domain, role::CONTROL_PLANE, &cp.name)
+                        .map_err(|e| invalid("control_plane.name", e))?;
+                let client = tls
+                    .client_config(expected)
+                    .map_err(|e| invalid("tls.ca", e))?;
+                Some(ControlConfig {
+                    address: cp.address.clone(),
+                    server_name: rustls_pki_types::ServerName::try_from(cp.server_name.clone())
+                        .map_err(|_| {
+                            invalid("control_plane.server_name", "not a DNS name or IP")
+                        })?,
+                    tls: Arc::new(client),
+                    edge_id: self.edge_id.clone(),
+                    managed: cp.credential_plane,
+                    max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+                })
+            }
+        };
+        Ok(EdgeConfig {
+            edge_id: self.edge_id,
+            transport,
+            http_listen: self.listen.http,
+            http: HttpConfig {
+                models: models.into_iter().map(|(m, _)| m).collect(),
+                queue_wait: Duration::from_secs(self.pool.queue_wait_sec),
+                api_keys,
+                control: None,
+            },
+            control,
+            tls,
+            tls_files: TlsFiles {
+                ca: self.tls.ca,
+                cert: self.tls.cert,
+                key: self.tls.key,
+                reload: (self.tls.reload_sec > 0).then(|| Duration::from_secs(self.tls.reload_sec)),
+            },
+        })
+    }
+}
+
+/// An adapter's settings and dispatch kind.
+fn adapter_settings(a: &Adapter) -> Result<(AdapterSettings, ProviderKind), ConfigError> {
+    match a.adapter_type.as_str() {
+        "openai_compat" => {
+            if a.base_url.is_empty() {
+                return Err(invalid(
+                    "nodes.adapters.base_url",
+                    format!("adapter `{}`: required for openai_compat", a.name),
+                ));
+            }
+            let preset = a.profile.as_deref().unwrap_or(DEFAULT_PRESET);
+            let profile = match &a.operations {
+                None => {
+                    Profile::preset(preset).map_err(|e| invalid("nodes.adapters.profile", e))?
+                }
+                Some(ops) => Profile::custom(preset, preset, ops)
+                    .map_err(|e| invalid("nodes.adapters.operations", e))?,
+            };
+            Ok((
+                AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                    base_url: a.base_url.clone(),
+                    protocol_profile: profile,
+                    request_timeout_sec: a.request_timeout_sec,
+                }),
+                ProviderKind::OpenAiCompat,
+            ))
+        }
+        "ollama" | "demo" => {
+            if a.profile.is_some() || a.operations.is_some() {
+                return Err(invalid(
+                    "nodes.adapters.profile",
+                    format!(
+                        "adapter `{}`: only openai_compat adapters have a profile",
+                        a.name
+                    ),
+                ));
+            }
+            Ok((
+                AdapterSettings::Native(NativeSettings {
+                    base_url: a.base_url.clone(),
+                    options: a.options.clone(),
+                }),
+                ProviderKind::Native,
+            ))
+        }
+        _ => Err(invalid(
+            "nodes.adapters.type",
+            "must be openai_compat, ollama or demo",
+        )),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    fn adapter(extra: &str) -> Adapter {
+        toml::from_str(&format!(
+            "name = \"a\"\ntype = \"openai_compat\"\nbase_url = \"http://x/v1\"\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn adapter_profiles_resolve_from_presets_and_errors_name_the_key() {
+        let (s, kind) = adapter_settings(&adapter("")).unwrap();
+        assert_eq!(kind, ProviderKind::OpenAiCompat);
+        let AdapterSettings::OpenAiCompat(s) = s else {
+            panic!("openai_compat settings")
+        };
+        assert_eq!(s.protocol_profile.name, "chat_only");
+        let (s, _) = adapter_settings(&adapter("profile = \"anthropic\"")).unwrap();
+        let AdapterSettings::OpenAiCompat(s) = s else {
+            panic!("openai_compat settings")
+        };
+        assert_eq!(s.protocol_profile.auth_header, "x-api-key");
+        let e = adapter_settings(&adapter("profile = \"claude\"")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("nodes.adapters.profile: unknown profile preset `claude`"),
+            "{e}"
+        );
+        let e = adapter_settings(&adapter("operations = { chat = \"/c\" }")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("nodes.adapters.operations: unknown operation `chat`"),
+            "{e}"
+        );
+        let e =
+            adapter_settings(&toml::from_str("name = \"a\"\ntype = \"openai_compat\"").unwrap())
+                .unwrap_err();
+        assert!(e.to_string().starts_with("nodes.adapters.base_url:"), "{e}");
+        let e = EdgeConfigFile::parse("edge_id = \"e\"\nbogus = 1\n").unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+    }
+}

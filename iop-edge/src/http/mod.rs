@@ -1,0 +1,879 @@
+//! The HTTP surface (axum): OpenAI Chat Completions, the OpenAI Responses API and the Anthropic
+//! Messages API on every model, whatever its provider speaks.
+//!
+//! | route | dialect | module |
+//! |---|---|---|
+//! | `GET /v1/models` | OpenAI list, or Anthropic's when the request has `anthropic-version` | here |
+//! | `POST /v1/chat/completions` | OpenAI chat | [`chat`] |
+//! | `POST /v1/responses` | OpenAI Responses | [`responses`] |
+//! | `POST /v1/messages`, `POST /v1/messages/count_tokens` | Anthropic | [`anthropic`] |
+//! | `/healthz`, `/readyz`, `/metrics` | — | here |
+//!
+//! # How a request is served
+//!
+//! Every route takes one path: parse the body (a JSON object with a `model`; errors in the
+//! route's dialect, a body over [`MAX_REQUEST_BODY`] is 413) → authenticate (legacy mode: the
+//! gateway [`ApiKeys`] when configured; managed mode: the Control Plane's projection) → resolve
+//! the model group (404 naming the model; 501 naming the model and the operation when no
+//! provider of the group can serve the route, even translated) → admission through the
+//! provider pool (`EdgeHandle::admit`) → build the request **in this task** for the selected
+//! provider → (managed: bind and acquire a credential lease for exactly that Node) →
+//! `EdgeHandle::send_admitted` → render.
+//!
+//! What is built depends on the selected provider ([`Plan`]): each OpenAI-compatible adapter
+//! instance declares the operations its upstream serves (its protocol profile, pushed to the
+//! Node in its config; presets in [`crate::profile`]), so the Edge knows without guessing:
+//!
+//! - the route's own operation → **passthrough**: the client's body with `model` set to the
+//!   provider's target; status, headers and body bytes come back untouched (an upstream error
+//!   included);
+//! - otherwise, over `chat_completions` (a Responses or Messages request) or `messages` (a chat
+//!   or Responses request to an Anthropic-native upstream) → **translated** with `iop_dialect`:
+//!   the request through chat form, the response (SSE incrementally, or JSON whole) back into
+//!   the route's dialect, where it is rendered anyway, so no extra hop; an upstream error
+//!   status keeps its status and message in the route's shape;
+//! - native providers (Ollama, demo, your own adapters) → a normalized `RunRequest` whose
+//!   events render in any dialect, tool calls included.
+//!
+//! A client that goes away drops the response stream, which cancels the upstream request
+//! (`CancelRequest` to the Node), on every route and plan.
+//!
+//! # Errors
+//!
+//! In the route's dialect (see `iop_dialect::error`): OpenAI's `{"error": {…}}` on
+//! `/v1/chat/completions`, `/v1/responses` and `/v1/models`; Anthropic's `{"type": "error",
+//! "error": {…}}` on `/v1/messages*` (and on `/v1/models` for Anthropic clients). 400 invalid
+//! body, 401 bad or missing key, 403 managed scope refused, 404 unknown model or path, 405
+//! method, 413 body too large, 429 queue full, 501 operation not served, 502 provider failure,
+//! 503 (Anthropic: 529 `overloaded_error`) no provider within the wait.
+
+mod anthropic;
+mod auth;
+mod chat;
+mod render;
+mod responses;
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use iop_dialect::{Dialect, Meta, TranslateError, Upstream};
+use iop_wire::runtime::{
+    AdapterSettings, ConcreteProtocolProfile, Header, Operation, ProviderTunnelRequest, RunRequest,
+};
+use iop_wire::validate::ResponseStallTimeout;
+use serde_json::{Value, json};
+
+pub use auth::{ApiKeys, ApiKeysError};
+
+use crate::metrics::Endpoint;
+use crate::pool::ProviderKind;
+use crate::transport::{Admission, Dispatched, EdgeHandle, PoolRequest};
+
+/// Largest request body accepted (413 past it, in the route's dialect).
+pub const MAX_REQUEST_BODY: usize = 8 * 1024 * 1024;
+
+/// HTTP surface settings.
+#[derive(Clone)]
+pub struct HttpConfig {
+    /// External model names served (for `/v1/models`).
+    pub models: Vec<String>,
+    /// How long a request may wait in the pool queue.
+    pub queue_wait: Duration,
+    /// Legacy mode: the gateway API keys every request must present (`None` accepts every
+    /// request: a local mesh on loopback). Not consulted in managed mode.
+    pub api_keys: Option<Arc<ApiKeys>>,
+    /// Managed mode: the Control Plane connector whose projection authenticates requests and
+    /// resolves routes, and whose session delivers credential leases ([`crate::control`]).
+    pub control: Option<crate::control::ControlConnector>,
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("models", &self.models)
+            .field("queue_wait", &self.queue_wait)
+            .field("api_keys", &self.api_keys)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    edge: EdgeHandle,
+    config: Arc<HttpConfig>,
+    catalog: Arc<Catalog>,
+}
+
+/// The axum router of the HTTP surface.
+pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
+    let catalog = Arc::new(Catalog::new(&edge));
+    let state = AppState {
+        edge,
+        config: Arc::new(config),
+        catalog,
+    };
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
+        .with_state(state)
+}
+
+/// Serves `router` on `listener` until `shutdown` completes (then finishes in-flight
+/// requests), with `TCP_NODELAY` on every accepted connection.
+///
+/// Use this rather than a bare `axum::serve`: a passthrough stream writes each provider chunk
+/// as it arrives, and with Nagle's algorithm on, the second small write of a response waits for
+/// the client's delayed ACK — measured here as +44 ms at p99 and 1.3k instead of 3.4k+ requests/s
+/// (`benches/README.md`, `http_load`).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::serve::ListenerExt as _;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection failed");
+        }
+    });
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+fn dialect_of_path(path: &str) -> Dialect {
+    if path.starts_with("/v1/messages") {
+        Dialect::Messages
+    } else {
+        Dialect::Chat
+    }
+}
+
+async fn unknown_path(uri: Uri) -> Response {
+    render::error(
+        dialect_of_path(uri.path()),
+        StatusCode::NOT_FOUND,
+        "unknown path",
+    )
+}
+
+async fn method_not_allowed(uri: Uri) -> Response {
+    render::error(
+        dialect_of_path(uri.path()),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method not allowed",
+    )
+}
+
+// === Catalog ===
+
+/// What each provider's upstream serves, from the configuration at bind time: the protocol
+/// profile of every OpenAI-compatible adapter instance, and per model group the union of its
+/// providers' operations.
+#[derive(Debug, Default)]
+struct Catalog {
+    profiles: HashMap<(String, String), Arc<ConcreteProtocolProfile>>,
+    models: HashMap<String, ModelCaps>,
+}
+
+#[derive(Debug, Default)]
+struct ModelCaps {
+    operations: BTreeSet<Operation>,
+    native: bool,
+}
+
+impl ModelCaps {
+    /// Whether some provider of the group can serve `op`, passed through or translated.
+    fn can_serve(&self, op: Operation) -> bool {
+        let has = |o| self.operations.contains(&o);
+        match op {
+            Operation::CountTokens | Operation::Models => true,
+            _ => {
+                self.native
+                    || has(op)
+                    || has(Operation::ChatCompletions)
+                    || (has(Operation::Messages) && op != Operation::Messages)
+            }
+        }
+    }
+}
+
+impl Catalog {
+    fn new(edge: &EdgeHandle) -> Self {
+        let mut profiles = HashMap::new();
+        for (node_id, payload) in edge.configured_nodes() {
+            for a in &payload.adapters {
+                if let AdapterSettings::OpenAiCompat(s) = &a.settings {
+                    profiles.insert(
+                        (node_id.clone(), a.instance_key().to_owned()),
+                        Arc::new(s.protocol_profile.clone()),
+                    );
+                }
+            }
+        }
+        let mut models: HashMap<String, ModelCaps> = HashMap::new();
+        if let Some(pool) = edge.pool_config() {
+            for (model, keys) in &pool.models {
+                let caps = models.entry(model.clone()).or_default();
+                for spec in pool.providers.iter().filter(|p| keys.contains(&p.key)) {
+                    match spec.kind {
+                        ProviderKind::Native => caps.native = true,
+                        ProviderKind::OpenAiCompat => {
+                            let key = (spec.key.node_id.clone(), spec.adapter.clone());
+                            match profiles.get(&key) {
+                                Some(p) => caps.operations.extend(p.operation_paths.keys()),
+                                // No profile known: the Node decides (passthrough only).
+                                None => caps.operations.extend([
+                                    Operation::ChatCompletions,
+                                    Operation::Responses,
+                                    Operation::Messages,
+                                    Operation::CountTokens,
+                                ]),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Self { profiles, models }
+    }
+
+    fn profile(&self, admission: &Admission) -> Option<&ConcreteProtocolProfile> {
+        let lease = admission.lease();
+        self.profiles
+            .get(&(lease.key.node_id.clone(), lease.adapter.clone()))
+            .map(AsRef::as_ref)
+    }
+}
+
+/// What the Edge sends to the selected provider for a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Plan {
+    /// The client's body, `model` set to the target, on the route's own operation.
+    Passthrough(Operation),
+    /// A chat completions request; the chat response translated back.
+    ViaChat,
+    /// An Anthropic Messages request; its response translated back.
+    ViaMessages,
+    /// A normalized run (native provider).
+    Native,
+    /// Nothing this provider serves can answer the route.
+    Unservable,
+}
+
+fn plan(op: Operation, kind: ProviderKind, profile: Option<&ConcreteProtocolProfile>) -> Plan {
+    if kind == ProviderKind::Native {
+        return Plan::Native;
+    }
+    let Some(p) = profile else {
+        return Plan::Passthrough(op);
+    };
+    if p.serves(op) {
+        Plan::Passthrough(op)
+    } else if op != Operation::ChatCompletions && p.serves(Operation::ChatCompletions) {
+        Plan::ViaChat
+    } else if op != Operation::Messages && p.serves(Operation::Messages) {
+        Plan::ViaMessages
+    } else {
+        Plan::Unservable
+    }
+}
+
+fn unservable(dialect: Dialect, model: &str, op: Operation) -> Response {
+    let shown: String = model.chars().take(128).collect();
+    render::error(
+        dialect,
+        StatusCode::NOT_IMPLEMENTED,
+        &format!(
+            "model `{shown}` cannot serve `{}`: its provider declares neither that operation nor one it can be translated from",
+            op.as_str()
+        ),
+    )
+}
+
+// === Requests ===
+
+/// A parsed request body.
+struct Parsed {
+    json: Value,
+    model: String,
+    stream: bool,
+}
+
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response itself, returned at once"
+)]
+fn parse(dialect: Dialect, body: Result<Bytes, BytesRejection>) -> Result<Parsed, Response> {
+    let body = body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("request body exceeds {MAX_REQUEST_BODY} bytes")
+        } else {
+            "request body could not be read".to_owned()
+        };
+        render::error(dialect, status, &message)
+    })?;
+    let Ok(json @ Value::Object(_)) = serde_json::from_slice::<Value>(&body) else {
+        return Err(render::error(
+            dialect,
+            StatusCode::BAD_REQUEST,
+            "request body is not a JSON object",
+        ));
+    };
+    let Some(model) = json["model"].as_str().map(str::to_owned) else {
+        return Err(render::error(
+            dialect,
+            StatusCode::BAD_REQUEST,
+            "`model` is required",
+        ));
+    };
+    let stream = json["stream"].as_bool().unwrap_or(false);
+    Ok(Parsed {
+        json,
+        model,
+        stream,
+    })
+}
+
+/// `field` must be an array.
+fn require_array(request: &Value, field: &'static str) -> Result<(), TranslateError> {
+    if request[field].is_array() {
+        Ok(())
+    } else {
+        Err(TranslateError::Invalid {
+            field: field.into(),
+            reason: "must be an array",
+        })
+    }
+}
+
+fn bad_request(dialect: Dialect, e: &TranslateError) -> Response {
+    render::error(dialect, StatusCode::BAD_REQUEST, &e.to_string())
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A fresh request number (run ids `<prefix>-<n>`: letters, digits and `-` are valid on the
+/// wire).
+fn next_request() -> u64 {
+    REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+// === Authentication ===
+
+/// Who is asking.
+enum Caller {
+    /// Legacy mode (gateway keys checked, or none configured).
+    Open,
+    /// Managed mode: the projection the request authenticated with.
+    Managed {
+        control: crate::control::ControlConnector,
+        index: Arc<crate::control::ProjectionIndex>,
+        principal: String,
+        token: String,
+    },
+}
+
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response itself, returned at once"
+)]
+fn authenticate(
+    state: &AppState,
+    dialect: Dialect,
+    headers: &HeaderMap,
+) -> Result<Caller, Response> {
+    let unauthorized = || {
+        render::error_with_code(
+            dialect,
+            StatusCode::UNAUTHORIZED,
+            "invalid api key",
+            Some("invalid_api_key"),
+        )
+    };
+    if let Some(control) = state.config.control.as_ref().filter(|c| c.managed()) {
+        let Some(index) = control.projection() else {
+            return Err(render::overloaded(dialect, "credential plane not ready"));
+        };
+        let token = auth::presented_key(headers).unwrap_or_default().to_owned();
+        let Some(principal) = index.authenticate(&token).map(str::to_owned) else {
+            return Err(unauthorized());
+        };
+        return Ok(Caller::Managed {
+            control: control.clone(),
+            index,
+            principal,
+            token,
+        });
+    }
+    if let Some(keys) = &state.config.api_keys
+        && !auth::presented_key(headers).is_some_and(|k| keys.verify(k))
+    {
+        return Err(unauthorized());
+    }
+    Ok(Caller::Open)
+}
+
+/// The pool model group a request for `model` goes to: the model itself, or in managed mode
+/// the principal's route for it.
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response itself, returned at once"
+)]
+fn model_group(
+    state: &AppState,
+    dialect: Dialect,
+    caller: &Caller,
+    model: &str,
+) -> Result<String, Response> {
+    let group = match caller {
+        Caller::Open => model.to_owned(),
+        Caller::Managed {
+            index, principal, ..
+        } => match index.route(principal, model) {
+            Some(r) => r.model.clone(),
+            None => return Err(render::not_found_model(dialect, model)),
+        },
+    };
+    if !state.catalog.models.contains_key(&group) {
+        return Err(render::not_found_model(dialect, model));
+    }
+    Ok(group)
+}
+
+// === Dispatch ===
+
+/// Admission through the pool for `group`.
+async fn admit(
+    state: &AppState,
+    dialect: Dialect,
+    group: &str,
+    model: &str,
+) -> Result<Admission, Response> {
+    state
+        .edge
+        .admit(group, false, state.config.queue_wait)
+        .await
+        .map_err(|e| render::dispatch_error(dialect, e, model))
+}
+
+/// Sends a request built for `admission`; in managed mode binds it to the selected Node,
+/// acquires the credential lease and checks the binding before acquisition and again right
+/// before dispatch.
+async fn send(
+    state: &AppState,
+    dialect: Dialect,
+    caller: &Caller,
+    model: &str,
+    admission: Admission,
+    request: PoolRequest,
+) -> Result<Dispatched, Response> {
+    let request = match caller {
+        Caller::Open => request,
+        Caller::Managed {
+            control,
+            index,
+            principal,
+            token,
+        } => {
+            let route = index
+                .route(principal, model)
+                .ok_or_else(|| render::not_found_model(dialect, model))?;
+            let lease = admission.lease();
+            let refuse = |msg: &str| render::error(dialect, StatusCode::BAD_GATEWAY, msg);
+            if lease.kind != ProviderKind::OpenAiCompat || lease.target != route.upstream_target {
+                // A bound route is served only by its own upstream target; no fallback.
+                return Err(refuse("no provider serves this route's upstream target"));
+            }
+            let Some(recipient) = admission.recipient().cloned() else {
+                return Err(refuse("selected node has no credential recipient key"));
+            };
+            let binding = iop_wire::runtime::CredentialLeaseBinding {
+                principal_id: principal.clone(),
+                slot_id: route.slot_id.clone(),
+                route_id: route.route_id.clone(),
+                profile: route.profile.clone(),
+                upstream_target: route.upstream_target.clone(),
+                node_id: lease.key.node_id.clone(),
+                recipient_key_id: recipient.key_id.clone(),
+                credential_revision: route.credential_revision,
+                route_revision: route.route_revision,
+                projection_generation: index.generation(),
+            };
+            let forbidden = |msg: &str| render::error(dialect, StatusCode::FORBIDDEN, msg);
+            if !index.admits(token, model, &binding) {
+                return Err(forbidden("request scope changed"));
+            }
+            let credential = match control
+                .acquire_lease(binding.clone(), recipient.public_key)
+                .await
+            {
+                Ok(lease) => lease,
+                Err(crate::control::LeaseError::Refused(reason)) => {
+                    return Err(forbidden(&format!("credential lease refused: {reason}")));
+                }
+                Err(_) => return Err(render::overloaded(dialect, "control plane unavailable")),
+            };
+            // Immediately before dispatch: the current projection must still admit the
+            // binding (a token revoked or a slot rotated meanwhile fails closed).
+            if !control
+                .projection()
+                .is_some_and(|current| current.admits(token, model, &binding))
+            {
+                return Err(forbidden("credentials changed; request refused"));
+            }
+            match request {
+                PoolRequest::Tunnel(mut req) => {
+                    req.credential = Some(iop_wire::runtime::ManagedCredential {
+                        lease: credential,
+                        binding,
+                    });
+                    PoolRequest::Tunnel(req)
+                }
+                other => other,
+            }
+        }
+    };
+    state
+        .edge
+        .send_admitted(admission, request)
+        .await
+        .map_err(|e| render::dispatch_error(dialect, e, model))
+}
+
+/// A tunnel request for `operation` with `body` (the pool fills in adapter, target and the
+/// stall timeout).
+fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> PoolRequest {
+    PoolRequest::Tunnel(ProviderTunnelRequest {
+        run_id,
+        adapter: String::new(),
+        target: String::new(),
+        method: "POST".into(),
+        path: String::new(),
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from(body.to_string()),
+        stream,
+        timeout: None,
+        metadata: std::collections::BTreeMap::new(),
+        session_id: String::new(),
+        long_context: false,
+        operation: Some(operation),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        credential: None,
+    })
+}
+
+fn native_run(run_id: String, input: &Value) -> PoolRequest {
+    PoolRequest::Run(RunRequest {
+        run_id,
+        adapter: String::new(),
+        target: String::new(),
+        input: Bytes::from(input.to_string()),
+        metadata: std::collections::BTreeMap::new(),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        timeout: None,
+        long_context: false,
+        credential: None,
+    })
+}
+
+fn with_model(mut body: Value, target: &str) -> Value {
+    body["model"] = Value::String(target.to_owned());
+    body
+}
+
+/// What differs between the three chat-like routes.
+struct Route {
+    dialect: Dialect,
+    operation: Operation,
+    /// Run id prefix on the wire (`chatcmpl`, `resp`, `msg`).
+    run_prefix: &'static str,
+    /// The client-visible id for request `n`.
+    id: fn(u64) -> String,
+    /// Checks the request has what every plan needs (400 otherwise).
+    check: fn(&Value) -> Result<(), TranslateError>,
+    /// The request in chat form (the route's own translation to it).
+    to_chat: fn(&Value) -> Result<Value, TranslateError>,
+    /// The native run input from the request and its chat form.
+    native_input: fn(&Value, &Value) -> Value,
+    /// The client side of the response for this request.
+    client: fn(&Value, Meta, bool) -> render::ClientSide,
+}
+
+/// Serves one chat-like request: see the module docs for the path it takes.
+async fn serve_route(
+    state: &AppState,
+    route: &Route,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let dialect = route.dialect;
+    let parsed = match parse(dialect, body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let caller = match authenticate(state, dialect, headers) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    if let Err(e) = (route.check)(&parsed.json) {
+        return bad_request(dialect, &e);
+    }
+    let group = match model_group(state, dialect, &caller, &parsed.model) {
+        Ok(g) => g,
+        Err(r) => return r,
+    };
+    if !state
+        .catalog
+        .models
+        .get(&group)
+        .is_some_and(|caps| caps.can_serve(route.operation))
+    {
+        return unservable(dialect, &parsed.model, route.operation);
+    }
+    let admission = match admit(state, dialect, &group, &parsed.model).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let lease = admission.lease();
+    let plan = plan(
+        route.operation,
+        lease.kind,
+        state.catalog.profile(&admission),
+    );
+    let target = lease.target.clone();
+    let n = next_request();
+    let run_id = format!("{}-{n}", route.run_prefix);
+    let request = match plan {
+        Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
+        Plan::Passthrough(op) => tunnel(
+            run_id,
+            op,
+            &with_model(parsed.json.clone(), &target),
+            parsed.stream,
+        ),
+        Plan::ViaChat | Plan::ViaMessages | Plan::Native => {
+            let chat = match (route.to_chat)(&parsed.json) {
+                Ok(c) => c,
+                Err(e) => return bad_request(dialect, &e),
+            };
+            match plan {
+                Plan::ViaChat => tunnel(
+                    run_id,
+                    Operation::ChatCompletions,
+                    &with_model(chat, &target),
+                    parsed.stream,
+                ),
+                Plan::ViaMessages => match iop_dialect::request::chat_to_messages(&chat) {
+                    Ok(m) => tunnel(
+                        run_id,
+                        Operation::Messages,
+                        &with_model(m, &target),
+                        parsed.stream,
+                    ),
+                    Err(e) => return bad_request(dialect, &e),
+                },
+                _ => {
+                    let tools = crate::tools::declared(&chat);
+                    let input = (route.native_input)(&parsed.json, &chat);
+                    let run = native_run(run_id, &input);
+                    let meta = Meta {
+                        id: (route.id)(n),
+                        model: parsed.model.clone(),
+                        created: unix_now(),
+                    };
+                    let client = (route.client)(&parsed.json, meta, parsed.stream);
+                    return match send(state, dialect, &caller, &parsed.model, admission, run).await
+                    {
+                        Ok(Dispatched::Run(s)) => {
+                            let events = render::NativeEvents::new(tools, parsed.stream);
+                            render::native(s, events, client).await
+                        }
+                        Ok(_) => {
+                            render::error(dialect, StatusCode::BAD_GATEWAY, render::PROVIDER_FAILED)
+                        }
+                        Err(r) => r,
+                    };
+                }
+            }
+        }
+    };
+    let dispatched = match send(state, dialect, &caller, &parsed.model, admission, request).await {
+        Ok(Dispatched::Tunnel(s)) => s,
+        Ok(_) => return render::error(dialect, StatusCode::BAD_GATEWAY, render::PROVIDER_FAILED),
+        Err(r) => return r,
+    };
+    let upstream = match plan {
+        Plan::ViaChat => Upstream::Chat,
+        Plan::ViaMessages => Upstream::Messages,
+        _ => return render::passthrough(dialect, dispatched).await,
+    };
+    let meta = Meta {
+        id: (route.id)(n),
+        model: parsed.model.clone(),
+        created: unix_now(),
+    };
+    let client = (route.client)(&parsed.json, meta, parsed.stream);
+    render::translated(upstream, dispatched, client).await
+}
+
+/// Records the outcome and duration of a handler in the Edge's metrics.
+async fn measured(
+    state: &AppState,
+    endpoint: Endpoint,
+    response: impl Future<Output = Response>,
+) -> Response {
+    let started = std::time::Instant::now();
+    let response = response.await;
+    let ok = response.status().is_success();
+    state
+        .edge
+        .metrics()
+        .request(endpoint, ok, started.elapsed());
+    response
+}
+
+// === Models, health, metrics ===
+
+async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let anthropic = headers.contains_key("anthropic-version");
+    let dialect = if anthropic {
+        Dialect::Messages
+    } else {
+        Dialect::Chat
+    };
+    measured(&state, Endpoint::Models, async {
+        let names: Vec<String> = match authenticate(&state, dialect, &headers) {
+            Err(r) => return r,
+            // Managed: the models the caller's principal has routes for.
+            Ok(Caller::Managed {
+                index, principal, ..
+            }) => state
+                .config
+                .models
+                .iter()
+                .filter(|m| index.route(&principal, m).is_some())
+                .cloned()
+                .collect(),
+            Ok(Caller::Open) => state.config.models.clone(),
+        };
+        let body = if anthropic {
+            let data: Vec<Value> = names
+                .iter()
+                .map(|m| json!({ "type": "model", "id": m, "display_name": m, "created_at": "1970-01-01T00:00:00Z" }))
+                .collect();
+            json!({ "data": data, "has_more": false, "first_id": names.first(), "last_id": names.last() })
+        } else {
+            let data: Vec<Value> = names
+                .iter()
+                .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "iop" }))
+                .collect();
+            json!({ "object": "list", "data": data })
+        };
+        render::json_response(StatusCode::OK, &body)
+    })
+    .await
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let (queue, in_flight) = state.edge.pool_stats().await.unwrap_or((0, 0));
+    let text = state.edge.metrics().render(queue, in_flight);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    match state.edge.ready_nodes().await {
+        Ok(nodes) if !nodes.is_empty() => "ready".into_response(),
+        _ => render::error(
+            Dialect::Chat,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no node is ready",
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(ops: &[Operation]) -> ConcreteProtocolProfile {
+        ConcreteProtocolProfile {
+            operation_paths: ops
+                .iter()
+                .map(|o| (*o, format!("/{}", o.as_str())))
+                .collect(),
+            ..ConcreteProtocolProfile::default()
+        }
+    }
+
+    #[test]
+    fn the_plan_prefers_passthrough_then_chat_then_messages() {
+        use Operation::*;
+        let chat_only = profile(&[Models, ChatCompletions]);
+        let openai = profile(&[Models, ChatCompletions, Responses]);
+        let anthropic = profile(&[Models, Messages, CountTokens]);
+        let compat = ProviderKind::OpenAiCompat;
+        assert_eq!(
+            plan(ChatCompletions, compat, Some(&chat_only)),
+            Plan::Passthrough(ChatCompletions)
+        );
+        assert_eq!(plan(Responses, compat, Some(&chat_only)), Plan::ViaChat);
+        assert_eq!(plan(Messages, compat, Some(&chat_only)), Plan::ViaChat);
+        assert_eq!(
+            plan(Responses, compat, Some(&openai)),
+            Plan::Passthrough(Responses)
+        );
+        assert_eq!(plan(Messages, compat, Some(&openai)), Plan::ViaChat);
+        assert_eq!(
+            plan(ChatCompletions, compat, Some(&anthropic)),
+            Plan::ViaMessages
+        );
+        assert_eq!(plan(Responses, compat, Some(&anthropic)), Plan::ViaMessages);
+        assert_eq!(
+            plan(Messages, compat, Some(&anthropic)),
+            Plan::Passthrough(Messages)
+        );
+        assert_eq!(
+            plan(ChatCompletions, compat, Some(&profile(&[Models]))),
+            Plan::Unservable
+        );
+        assert_eq!(plan(Messages, ProviderKind::Native, None), Plan::Native);
+        let caps = ModelCaps {
+            operations: [Models].into_iter().collect(),
+            native: false,
+        };
+        assert!(!caps.can_serve(ChatCompletions) && caps.can_serve(CountTokens));
+        let caps = ModelCaps {
+            operations: [Messages].into_iter().collect(),
+            native: false,
+        };
+        assert!(caps.can_serve(ChatCompletions) && caps.can_serve(Responses));
+    }
+}

@@ -1,0 +1,443 @@
+//! Responses, in one place per dialect: errors, passthrough, translated tunnel responses and
+//! normalized runs, streamed or as one JSON body. The dialect work itself is `iop_dialect`'s;
+//! this module moves bytes between the Edge's streams and axum bodies.
+
+use std::collections::BTreeSet;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use iop_dialect::decode::{ChatStreamDecoder, MessagesStreamDecoder};
+use iop_dialect::{Dialect, Encoder, Event, Message, StreamTranslator, Upstream};
+use iop_wire::runtime::{Header, RunEvent, RunEventKind};
+use iop_wire::tunnel::Delivery;
+use serde_json::Value;
+
+use crate::transport::{DispatchError, RunStream, TunnelEvent, TunnelStream};
+
+/// The stable text of a provider failure (no backend detail leaves the Edge).
+pub(super) const PROVIDER_FAILED: &str = "provider request failed";
+
+/// Largest upstream error body read to translate its message.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+/// Largest non-streamed upstream body translated (it is parsed as a whole).
+pub(super) const MAX_TRANSLATED_BODY: usize = 32 * 1024 * 1024;
+
+/// An error response in `dialect`'s shape.
+pub(super) fn error(dialect: Dialect, status: StatusCode, message: &str) -> Response {
+    error_with_code(dialect, status, message, None)
+}
+
+/// An error response with OpenAI's machine-readable `code` (ignored by Anthropic's shape).
+pub(super) fn error_with_code(
+    dialect: Dialect,
+    status: StatusCode,
+    message: &str,
+    code: Option<&str>,
+) -> Response {
+    let body = iop_dialect::error::body(dialect, status.as_u16(), message, code);
+    json_response(status, &body)
+}
+
+pub(super) fn json_response(status: StatusCode, body: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// "Busy": OpenAI's 503, Anthropic's 529 `overloaded_error`.
+pub(super) fn overloaded(dialect: Dialect, message: &str) -> Response {
+    let status = match dialect {
+        Dialect::Messages => StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    error(dialect, status, message)
+}
+
+/// A refused dispatch in `dialect`'s shape.
+pub(super) fn dispatch_error(dialect: Dialect, e: DispatchError, model: &str) -> Response {
+    match e {
+        DispatchError::UnknownModel => not_found_model(dialect, model),
+        DispatchError::QueueFull => error(
+            dialect,
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many queued requests",
+        ),
+        DispatchError::WaitTimeout | DispatchError::NotReady | DispatchError::Disconnected => {
+            overloaded(dialect, "no provider available")
+        }
+        DispatchError::InvalidRequest => error(dialect, StatusCode::BAD_REQUEST, "invalid request"),
+        DispatchError::Stopped => overloaded(dialect, "edge is shutting down"),
+    }
+}
+
+/// 404 for a model this Edge (or this caller's principal) does not serve.
+pub(super) fn not_found_model(dialect: Dialect, model: &str) -> Response {
+    let model = iop_dialect::error::bounded_message(model);
+    let shown: String = model.chars().take(128).collect();
+    error_with_code(
+        dialect,
+        StatusCode::NOT_FOUND,
+        &format!("model `{shown}` not found"),
+        Some("model_not_found"),
+    )
+}
+
+fn sse(body: Body) -> Response {
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+// === Passthrough ===
+
+/// Waits for the tunnel's response start: `(status, headers)`, or the stream ended first.
+pub(super) async fn response_start(s: &mut TunnelStream) -> Option<(u16, Vec<Header>)> {
+    loop {
+        match s.next().await? {
+            TunnelEvent::Frame(Delivery::Start { status, headers }) => {
+                return Some((status, headers));
+            }
+            TunnelEvent::Frame(Delivery::Usage(_)) => {}
+            _ => return None,
+        }
+    }
+}
+
+/// Passes a tunnelled provider response through: status, headers, body bytes.
+pub(super) async fn passthrough(dialect: Dialect, mut s: TunnelStream) -> Response {
+    let Some((status, headers)) = response_start(&mut s).await else {
+        return error(dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
+    };
+    let body = futures_util::stream::unfold(s, |mut s| async move {
+        loop {
+            match s.next().await? {
+                TunnelEvent::Frame(Delivery::Body(b)) => {
+                    return Some((Ok::<_, std::io::Error>(b), s));
+                }
+                TunnelEvent::Frame(Delivery::Usage(_)) => {}
+                TunnelEvent::Frame(Delivery::End) => return None,
+                // A failure after the status was sent: cut the body short so the client sees it.
+                _ => return Some((Err(std::io::Error::other(PROVIDER_FAILED)), s)),
+            }
+        }
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    for h in headers {
+        if let (Ok(name), Ok(value)) = (
+            header::HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderValue::from_bytes(&h.value),
+        ) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response
+}
+
+/// Reads the rest of a tunnel's body, at most `limit` bytes (`None` past it or on failure).
+async fn collect(s: &mut TunnelStream, limit: usize) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        match s.next().await? {
+            TunnelEvent::Frame(Delivery::Body(b)) => {
+                if body.len() + b.len() > limit {
+                    return None;
+                }
+                body.extend_from_slice(&b);
+            }
+            TunnelEvent::Frame(Delivery::Usage(_)) => {}
+            TunnelEvent::Frame(Delivery::End) => return Some(body),
+            _ => return None,
+        }
+    }
+}
+
+// === Translated tunnel responses ===
+
+/// How the client wants its answer.
+pub(super) struct ClientSide {
+    pub(super) dialect: Dialect,
+    pub(super) stream: bool,
+    /// The stream encoder (used for streams, and for a stream made of a JSON answer).
+    pub(super) encoder: Encoder,
+    /// Renders a whole message as the dialect's JSON body.
+    pub(super) json: Box<dyn FnOnce(&Message) -> Value + Send>,
+}
+
+/// A tunnel response in `upstream`'s dialect rendered for `client`: an upstream error status
+/// becomes the client dialect's error with the same status and the upstream's message; a
+/// stream is translated as it arrives; a JSON body is translated whole.
+pub(super) async fn translated(
+    upstream: Upstream,
+    mut s: TunnelStream,
+    client: ClientSide,
+) -> Response {
+    let dialect = client.dialect;
+    let Some((status, headers)) = response_start(&mut s).await else {
+        return error(dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
+    };
+    if !(200..300).contains(&status) {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+        let message = collect(&mut s, MAX_ERROR_BODY)
+            .await
+            .and_then(|b| iop_dialect::error::upstream_message(&b))
+            .unwrap_or_else(|| {
+                status
+                    .canonical_reason()
+                    .unwrap_or("upstream error")
+                    .to_owned()
+            });
+        return error(dialect, status, &message);
+    }
+    let upstream_sse = headers.iter().any(|h| {
+        h.name.eq_ignore_ascii_case("content-type") && h.value.starts_with(b"text/event-stream")
+    });
+    if upstream_sse && client.stream {
+        return sse(stream_translated(
+            s,
+            StreamTranslator::new(upstream, client.encoder),
+        ));
+    }
+    let Some(body) = collect(&mut s, MAX_TRANSLATED_BODY).await else {
+        return error(dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
+    };
+    let message = if upstream_sse {
+        fold_stream(upstream, &body)
+    } else {
+        serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| match upstream {
+                Upstream::Chat => iop_dialect::decode::message_from_chat(&v).ok(),
+                Upstream::Messages => iop_dialect::decode::message_from_messages(&v).ok(),
+            })
+    };
+    let Some(message) = message.filter(|m| m.error.is_none()) else {
+        return error(dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
+    };
+    whole(client, &message)
+}
+
+/// A whole message for the client: its JSON, or a stream of its events.
+pub(super) fn whole(client: ClientSide, message: &Message) -> Response {
+    if client.stream {
+        let mut encoder = client.encoder;
+        let mut out = Vec::new();
+        for e in message.events() {
+            encoder.event(&e, &mut out);
+        }
+        encoder.finish(&mut out);
+        return sse(Body::from(out));
+    }
+    json_response(StatusCode::OK, &(client.json)(message))
+}
+
+fn fold_stream(upstream: Upstream, body: &[u8]) -> Option<Message> {
+    let mut events = Vec::new();
+    let ok = match upstream {
+        Upstream::Chat => {
+            let mut d = ChatStreamDecoder::new();
+            d.feed(body, &mut events)
+                .and_then(|()| d.finish(&mut events))
+        }
+        Upstream::Messages => {
+            let mut d = MessagesStreamDecoder::new();
+            d.feed(body, &mut events)
+                .and_then(|()| d.finish(&mut events))
+        }
+    };
+    ok.ok()?;
+    let mut m = Message::default();
+    for e in &events {
+        m.apply(e);
+    }
+    Some(m)
+}
+
+fn stream_translated(s: TunnelStream, t: StreamTranslator) -> Body {
+    let stream = futures_util::stream::unfold((s, t), |(mut s, mut t)| async move {
+        if t.is_done() {
+            // Dropping `s` here cancels a tunnel the translator gave up on.
+            return None;
+        }
+        loop {
+            let mut out = Vec::new();
+            match s.next().await {
+                Some(TunnelEvent::Frame(Delivery::Body(b))) => t.feed(&b, &mut out),
+                Some(TunnelEvent::Frame(Delivery::Usage(_) | Delivery::Start { .. })) => {}
+                Some(TunnelEvent::Frame(Delivery::End)) | None => t.finish(&mut out),
+                Some(_) => t.fail(PROVIDER_FAILED, &mut out),
+            }
+            if !out.is_empty() {
+                return Some((Ok::<_, std::io::Error>(Bytes::from(out)), (s, t)));
+            }
+            if t.is_done() {
+                return None;
+            }
+        }
+    });
+    Body::from_stream(stream)
+}
+
+// === Normalized runs ===
+
+/// A native run's events as dialect [`Event`]s: deltas as text (held back while they could be
+/// a text tool call, when the request declared tools), and on `Complete` the tool calls (native
+/// `openai_tool_calls` metadata, or text calls under the fallback mark; see [`crate::tools`]),
+/// usage and the finish reason.
+///
+/// A non-streamed run keeps all its text until `Complete` (so recovered calls are cut from the
+/// whole content, and what remains is trimmed as one piece).
+pub(super) struct NativeEvents {
+    tools: BTreeSet<String>,
+    held: Option<crate::tools::HoldBack>,
+    /// Non-streamed: nothing is released before `Complete`.
+    whole: Option<String>,
+}
+
+impl NativeEvents {
+    pub(super) fn new(tools: BTreeSet<String>, stream: bool) -> Self {
+        let held = (stream && !tools.is_empty()).then(crate::tools::HoldBack::default);
+        let whole = (!stream).then(String::new);
+        Self { tools, held, whole }
+    }
+
+    /// The events of one run event; `true` once the run ended.
+    pub(super) fn on(&mut self, ev: &RunEvent, out: &mut Vec<Event>) -> bool {
+        match ev.kind {
+            RunEventKind::Start => out.push(Event::Start),
+            RunEventKind::Delta if self.whole.is_some() => {
+                if let Some(w) = self.whole.as_mut() {
+                    w.push_str(&ev.delta);
+                }
+            }
+            RunEventKind::Delta => {
+                let now = match self.held.as_mut() {
+                    Some(h) => h.push(&ev.delta),
+                    None => ev.delta.clone(),
+                };
+                if !now.is_empty() {
+                    out.push(Event::Text(now));
+                }
+            }
+            RunEventKind::Complete => {
+                let pending = match (self.whole.take(), self.held.as_mut()) {
+                    (Some(whole), _) => whole,
+                    (None, Some(h)) => h.take(),
+                    (None, None) => String::new(),
+                };
+                let (text, calls) = match crate::tools::finish(ev, &pending, &self.tools) {
+                    Some((rest, calls)) => (rest, calls),
+                    None => (pending, Value::Null),
+                };
+                if !text.is_empty() {
+                    out.push(Event::Text(text));
+                }
+                let calls = calls.as_array().cloned().unwrap_or_default();
+                for (i, c) in calls.iter().enumerate() {
+                    let index = u32::try_from(i).unwrap_or(u32::MAX);
+                    out.push(Event::ToolCallStart {
+                        index,
+                        id: c["id"]
+                            .as_str()
+                            .map_or_else(|| format!("call_{i}"), str::to_owned),
+                        name: c["function"]["name"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                    });
+                    let arguments = match &c["function"]["arguments"] {
+                        Value::String(s) => s.clone(),
+                        Value::Null => String::new(),
+                        other => other.to_string(),
+                    };
+                    if !arguments.is_empty() {
+                        out.push(Event::ToolCallArguments {
+                            index,
+                            delta: arguments,
+                        });
+                    }
+                }
+                if let Some(u) = ev.usage {
+                    out.push(Event::Usage(iop_dialect::Usage {
+                        input_tokens: Some(u.prompt_tokens),
+                        output_tokens: Some(u.completion_tokens),
+                    }));
+                }
+                out.push(Event::Finish(if calls.is_empty() {
+                    iop_dialect::FinishReason::Stop
+                } else {
+                    iop_dialect::FinishReason::ToolCalls
+                }));
+                return true;
+            }
+            RunEventKind::Error | RunEventKind::Cancelled => {
+                out.push(Event::Error(PROVIDER_FAILED.to_owned()));
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// A native run rendered for `client`: streamed as it runs, or folded into one JSON body.
+pub(super) async fn native(
+    mut s: RunStream,
+    mut events: NativeEvents,
+    client: ClientSide,
+) -> Response {
+    if client.stream {
+        let state = (s, events, client.encoder);
+        let stream =
+            futures_util::stream::unfold(state, |(mut s, mut events, mut enc)| async move {
+                let mut batch = Vec::new();
+                loop {
+                    if enc.is_done() {
+                        return None;
+                    }
+                    let mut out = Vec::new();
+                    match s.next().await {
+                        Some(ev) => {
+                            let ended = events.on(&ev, &mut batch);
+                            for e in batch.drain(..) {
+                                enc.event(&e, &mut out);
+                            }
+                            if ended {
+                                enc.finish(&mut out);
+                            }
+                        }
+                        None => enc.event(&Event::Error(PROVIDER_FAILED.to_owned()), &mut out),
+                    }
+                    if !out.is_empty() {
+                        return Some((Ok::<_, std::io::Error>(Bytes::from(out)), (s, events, enc)));
+                    }
+                }
+            });
+        return sse(Body::from_stream(stream));
+    }
+    let mut message = Message::default();
+    let mut batch = Vec::new();
+    let mut ended = false;
+    while let Some(ev) = s.next().await {
+        ended = events.on(&ev, &mut batch);
+        for e in batch.drain(..) {
+            message.apply(&e);
+        }
+        if ended {
+            break;
+        }
+    }
+    if !ended || message.error.is_some() {
+        return error(client.dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
+    }
+    json_response(StatusCode::OK, &(client.json)(&message))
+}
