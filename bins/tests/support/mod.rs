@@ -1,0 +1,314 @@
+//! Shared by the binary tests: temporary directories, free ports, the `iop-ca` CLI, binaries run
+//! as processes with their logs in files, and waiting on an observable event (never on time).
+#![allow(dead_code, reason = "each test binary uses part of it")]
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A directory of its own under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("iop-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        Self(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A free loopback port (bound then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// The directory of the built binaries (`iop-ca`, `iop-edge`, …).
+pub fn bin_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_iop-ca"))
+        .parent()
+        .expect("bin dir")
+        .to_owned()
+}
+
+/// Runs `iop-ca` with `args`; panics with its output on failure.
+pub fn iop_ca(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_iop-ca"))
+        .args(args)
+        .output()
+        .expect("run iop-ca");
+    assert!(
+        out.status.success(),
+        "iop-ca {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A binary running as a child process, stdout and stderr in `<dir>/<name>.log`; killed on
+/// drop.
+pub struct Proc {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(bin: &str, args: &[&str], envs: &[(&str, &str)], dir: &Path, name: &str) -> Self {
+        let log = dir.join(format!("{name}.log"));
+        let out = File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = Command::new(bin)
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        Self { child, log }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop(&mut self) -> Option<i32> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        self.child.wait().ok().and_then(|s| s.code())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds; panics with `what` after `limit`. For events a
+/// test can only observe from outside (a port answering, a log line appearing).
+pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether `GET url` answers 200.
+pub fn http_ok(url: &str) -> bool {
+    let Some(rest) = url.strip_prefix("http://") else {
+        return false;
+    };
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let Ok(mut s) = std::net::TcpStream::connect(host) else {
+        return false;
+    };
+    use std::io::{Read as _, Write as _};
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if write!(s, "GET /{path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut buf = String::new();
+    let _ = s.read_to_string(&mut buf);
+    buf.starts_with("HTTP/1.1 200")
+}
+
+/// Runs `python3 script args…`; returns stdout, panicking with both streams on failure.
+pub fn python(script: &str, args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3 is required (scripts/test-all.sh checks for it)");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The official SDKs are installed (scripts/test-all.sh installs them).
+pub fn require_sdks() {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai, anthropic"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "the official SDKs are required: python3 -m pip install openai anthropic (scripts/test-all.sh does this)"
+    );
+}
+
+/// A CA in `<dir>/ca` for trust domain `iop.test`, with certificates for the Edge (`edge-1`,
+/// DNS localhost) and the Nodes named, via the `iop-ca` binary.
+pub fn pki(dir: &Path, nodes: &[&str]) {
+    let ca = dir.join("ca");
+    let ca = ca.to_str().expect("utf-8 path");
+    iop_ca(&["init", "--dir", ca, "--trust-domain", "iop.test"]);
+    let edge = dir.join("edge");
+    iop_ca(&[
+        "issue", "--dir", ca, "--role", "edge", "--name", "edge-1", "--dns", "localhost",
+        "--ip", "127.0.0.1", "--out", edge.to_str().expect("utf-8"),
+    ]);
+    for n in nodes {
+        let out = dir.join(n);
+        iop_ca(&[
+            "issue", "--dir", ca, "--role", "node", "--name", n, "--out",
+            out.to_str().expect("utf-8"),
+        ]);
+    }
+}
+
+/// Ports and paths of an Edge process started by [`edge_config`].
+pub struct EdgePorts {
+    pub nodes: u16,
+    pub http: u16,
+}
+
+/// Writes `<dir>/edge.toml`: one Node (`node-1`) with one `openai_compat` adapter `upstream`
+/// (`profile`, `base_url`, target `fake-model`), the model `mesh-model`, gateway keys from
+/// `<dir>/api-keys`.
+pub fn edge_config(dir: &Path, base_url: &str, profile: &str, gateway_key: &str) -> EdgePorts {
+    let ports = EdgePorts {
+        nodes: free_port(),
+        http: free_port(),
+    };
+    let keys = dir.join("api-keys");
+    std::fs::write(&keys, format!("# gateway keys\n{gateway_key}\n")).expect("write keys");
+    set_mode(&keys, 0o600);
+    let d = dir.display();
+    let text = format!(
+        r#"edge_id = "edge-1"
+[listen]
+nodes = "127.0.0.1:{np}"
+http = "127.0.0.1:{hp}"
+[tls]
+trust_domain = "iop.test"
+ca = "{d}/ca/ca.pem"
+cert = "{d}/edge.pem"
+key = "{d}/edge.key"
+reload_sec = 1
+[auth]
+keys_file = "{d}/api-keys"
+[pool]
+queue_wait_sec = 10
+[[nodes]]
+node_id = "node-1"
+[[nodes.adapters]]
+name = "upstream"
+type = "openai_compat"
+base_url = "{base_url}"
+profile = "{profile}"
+capacity = 8
+targets = ["fake-model"]
+[[models]]
+name = "mesh-model"
+[[models.providers]]
+node_id = "node-1"
+provider_id = "upstream-1"
+adapter = "upstream"
+target = "fake-model"
+capacity = 8
+"#,
+        np = ports.nodes,
+        hp = ports.http,
+    );
+    std::fs::write(dir.join("edge.toml"), text).expect("write edge.toml");
+    ports
+}
+
+/// Writes `<dir>/<node>.toml` for a Node dialling `edge_port`, holding the upstream key of
+/// adapter `upstream` in the environment variable `UPSTREAM_KEY`.
+pub fn node_config(dir: &Path, node: &str, edge_port: u16) -> PathBuf {
+    let d = dir.display();
+    let text = format!(
+        r#"node_id = "{node}"
+[edge]
+address = "127.0.0.1:{edge_port}"
+server_name = "localhost"
+name = "edge-1"
+[tls]
+trust_domain = "iop.test"
+ca = "{d}/ca/ca.pem"
+cert = "{d}/{node}.pem"
+key = "{d}/{node}.key"
+reload_sec = 1
+[reconnect]
+interval_sec = 1
+max_attempts = 0
+[[credentials]]
+adapter = "upstream"
+api_key_env = "UPSTREAM_KEY"
+"#
+    );
+    let path = dir.join(format!("{node}.toml"));
+    std::fs::write(&path, text).expect("write node config");
+    path
+}
+
+pub fn set_mode(path: &Path, mode: u32) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+}
+
+/// `GET url` with headers; `(status, body)`.
+pub fn http_get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    request("GET", url, headers, "")
+}
+
+/// `POST url` with a JSON body and headers; `(status, body)`.
+pub fn http_post(url: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    request("POST", url, headers, body)
+}
+
+fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let rest = url.strip_prefix("http://").expect("http url");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = std::net::TcpStream::connect(host).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    let mut req = format!(
+        "{method} /{path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).expect("write");
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}

@@ -1,0 +1,490 @@
+//! Fake provider upstreams that need a key, for end-to-end tests with real clients: an
+//! OpenAI-compatible server that serves **only** models and chat completions, and an
+//! Anthropic-native server (messages, count_tokens, models). Each answers 401 in its own
+//! dialect unless the request carries exactly the configured key in its own header
+//! (`Authorization: Bearer` / `x-api-key` with `anthropic-version`), and records every request
+//! it saw, so a test can check what reached the provider.
+//!
+//! Behaviour (deterministic): the answer to a user message `m` is `echo: m`; when the request
+//! declares tools and the user asks about the weather (and no tool result came back yet), the
+//! model calls `get_weather` with `{"city":"Paris"}`; after a tool result `r` it answers
+//! `It is r in Paris.`. Streams split the answer into words, as real providers send tokens.
+//! The model `slow` streams one word every 50 ms without end, and reports when its client
+//! went away ([`Upstream::dropped`]).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+/// One request the upstream saw.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    /// The path.
+    pub path: String,
+    /// Every header, `name: value`, lower-case names.
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: Bytes,
+}
+
+impl Seen {
+    /// The value of header `name`, if present.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON (`Null` if it is not JSON).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+/// Which dialect the fake speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// OpenAI-compatible, `/v1/models` and `/v1/chat/completions` only.
+    ChatOnly,
+    /// Anthropic-native: `/v1/messages`, `/v1/messages/count_tokens`, `/v1/models`.
+    Anthropic,
+}
+
+#[derive(Debug)]
+struct Shared {
+    kind: Kind,
+    key: String,
+    model: String,
+    seen: Mutex<Vec<Seen>>,
+    dropped: Notify,
+}
+
+/// A running fake upstream.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+}
+
+impl Upstream {
+    /// Starts a fake of `kind` on a free loopback port, accepting `key` and serving `model`.
+    pub async fn start(kind: Kind, key: &str, model: &str) -> Self {
+        let shared = Arc::new(Shared {
+            kind,
+            key: key.to_owned(),
+            model: model.to_owned(),
+            seen: Mutex::new(Vec::new()),
+            dropped: Notify::new(),
+        });
+        let app = match kind {
+            Kind::ChatOnly => Router::new()
+                .route("/v1/models", get(models))
+                .route("/v1/chat/completions", post(chat)),
+            Kind::Anthropic => Router::new()
+                .route("/v1/models", get(models))
+                .route("/v1/messages", post(messages))
+                .route("/v1/messages/count_tokens", post(count_tokens)),
+        };
+        let app = app
+            .fallback(|| async { (StatusCode::NOT_FOUND, "no such route on this provider") })
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port");
+        let addr = listener.local_addr().expect("local address");
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { shared, addr }
+    }
+
+    /// The base URL a Node points at (`http://127.0.0.1:<port>/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Every request seen so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.shared
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Resolves when a `slow` stream's client goes away.
+    pub async fn dropped(&self) {
+        self.shared.dropped.notified().await;
+    }
+}
+
+fn record(s: &Shared, path: &str, headers: &HeaderMap, body: &Bytes) {
+    let mut seen = s.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if seen.len() < 10_000 {
+        seen.push(Seen {
+            path: path.to_owned(),
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                .collect(),
+            body: body.clone(),
+        });
+    }
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+fn openai_error(status: StatusCode, message: &str, code: &str) -> Response {
+    json_response(
+        status,
+        &json!({ "error": { "message": message, "type": "invalid_request_error", "param": null, "code": code } }),
+    )
+}
+
+fn anthropic_error(status: StatusCode, kind: &str, message: &str) -> Response {
+    json_response(
+        status,
+        &json!({ "type": "error", "error": { "type": kind, "message": message } }),
+    )
+}
+
+/// Checks the key in this dialect's header; the refusal in this dialect otherwise.
+fn authorized(s: &Shared, headers: &HeaderMap) -> Result<(), Response> {
+    let get = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+    match s.kind {
+        Kind::ChatOnly => {
+            if get("authorization") == Some(&format!("Bearer {}", s.key)) {
+                return Ok(());
+            }
+            Err(openai_error(
+                StatusCode::UNAUTHORIZED,
+                "Incorrect API key provided.",
+                "invalid_api_key",
+            ))
+        }
+        Kind::Anthropic => {
+            if get("x-api-key") != Some(s.key.as_str()) {
+                return Err(anthropic_error(
+                    StatusCode::UNAUTHORIZED,
+                    "authentication_error",
+                    "invalid x-api-key",
+                ));
+            }
+            if get("anthropic-version").is_none() {
+                return Err(anthropic_error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "anthropic-version header is required",
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    record(&s, "/v1/models", &headers, &Bytes::new());
+    if let Err(r) = authorized(&s, &headers) {
+        return r;
+    }
+    match s.kind {
+        Kind::ChatOnly => json_response(
+            StatusCode::OK,
+            &json!({ "object": "list", "data": [{ "id": s.model, "object": "model", "created": 0, "owned_by": "fake" }] }),
+        ),
+        Kind::Anthropic => json_response(
+            StatusCode::OK,
+            &json!({ "data": [{ "type": "model", "id": s.model, "display_name": s.model, "created_at": "2025-01-01T00:00:00Z" }],
+                     "has_more": false, "first_id": s.model, "last_id": s.model }),
+        ),
+    }
+}
+
+/// What the fake model answers.
+enum Answer {
+    Text(String),
+    Call,
+}
+
+/// The text of a message's content in either dialect.
+fn text_of(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str().or_else(|| p["content"].as_str()))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    }
+}
+
+fn answer(messages: &[Value], has_tools: bool) -> Answer {
+    // A tool result, in either dialect, ends the tool round.
+    for m in messages.iter().rev() {
+        if m["role"] == "tool" {
+            return Answer::Text(format!("It is {} in Paris.", text_of(&m["content"])));
+        }
+        if let Some(blocks) = m["content"].as_array()
+            && let Some(r) = blocks.iter().find(|b| b["type"] == "tool_result")
+        {
+            return Answer::Text(format!("It is {} in Paris.", text_of(&r["content"])));
+        }
+        if m["role"] == "user" {
+            break;
+        }
+    }
+    let last = messages
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "user")
+        .map(|m| text_of(&m["content"]))
+        .unwrap_or_default();
+    if has_tools && last.to_lowercase().contains("weather") {
+        return Answer::Call;
+    }
+    Answer::Text(format!("echo: {last}"))
+}
+
+fn words(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, w) in text.split(' ').enumerate() {
+        out.push(if i == 0 { w.to_owned() } else { format!(" {w}") });
+    }
+    out
+}
+
+fn prompt_tokens(body: &Value) -> u64 {
+    (body["messages"].to_string().len() as u64).div_ceil(4)
+}
+
+fn sse(chunks: Vec<String>) -> Response {
+    let stream = futures_util::stream::iter(
+        chunks
+            .into_iter()
+            .map(|c| Ok::<_, Infallible>(Bytes::from(c))),
+    );
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, "text/event-stream".parse().expect("valid"));
+    r
+}
+
+/// Streams ` w` every 50 ms until the client goes away, then notifies.
+fn slow(s: Arc<Shared>, frame: fn(&str) -> String) -> Response {
+    struct OnDrop(Arc<Shared>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.dropped.notify_waiters();
+        }
+    }
+    let guard = OnDrop(s);
+    let stream = futures_util::stream::unfold(guard, move |g| async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        Some((Ok::<_, Infallible>(Bytes::from(frame(" w"))), g))
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, "text/event-stream".parse().expect("valid"));
+    r
+}
+
+async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    record(&s, "/v1/chat/completions", &headers, &body);
+    if let Err(r) = authorized(&s, &headers) {
+        return r;
+    }
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return openai_error(StatusCode::BAD_REQUEST, "invalid JSON body", "invalid_json");
+    };
+    let model = req["model"].as_str().unwrap_or_default();
+    let stream = req["stream"] == true;
+    if model == "slow" && stream {
+        return slow(s, |w| {
+            format!("data: {}\n\n", json!({ "choices": [{ "index": 0, "delta": { "content": w } }] }))
+        });
+    }
+    if model != s.model {
+        return openai_error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{model}` does not exist."),
+            "model_not_found",
+        );
+    }
+    let Some(messages) = req["messages"].as_array() else {
+        return openai_error(StatusCode::BAD_REQUEST, "messages is required", "invalid_value");
+    };
+    let has_tools = req["tools"].as_array().is_some_and(|t| !t.is_empty());
+    let answer = answer(messages, has_tools);
+    let prompt = prompt_tokens(&req);
+    let id = "chatcmpl-fake";
+    let chunk = |delta: Value, finish: Value| {
+        format!(
+            "data: {}\n\n",
+            json!({ "id": id, "object": "chat.completion.chunk", "created": 1, "model": model,
+                    "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] })
+        )
+    };
+    let (message, finish, completion) = match &answer {
+        Answer::Text(t) => (
+            json!({ "role": "assistant", "content": t }),
+            "stop",
+            words(t).len() as u64,
+        ),
+        Answer::Call => (
+            json!({ "role": "assistant", "content": null, "tool_calls": [{
+                "id": "call_fake_1", "type": "function",
+                "function": { "name": "get_weather", "arguments": "{\"city\":\"Paris\"}" } }] }),
+            "tool_calls",
+            7,
+        ),
+    };
+    let usage = json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion });
+    if !stream {
+        return json_response(
+            StatusCode::OK,
+            &json!({ "id": id, "object": "chat.completion", "created": 1, "model": model,
+                     "choices": [{ "index": 0, "message": message, "finish_reason": finish }],
+                     "usage": usage }),
+        );
+    }
+    let mut out = vec![chunk(json!({ "role": "assistant", "content": "" }), Value::Null)];
+    match &answer {
+        Answer::Text(t) => {
+            for w in words(t) {
+                out.push(chunk(json!({ "content": w }), Value::Null));
+            }
+        }
+        Answer::Call => {
+            out.push(chunk(
+                json!({ "tool_calls": [{ "index": 0, "id": "call_fake_1", "type": "function", "function": { "name": "get_weather", "arguments": "" } }] }),
+                Value::Null,
+            ));
+            for part in ["{\"city\":", "\"Paris\"}"] {
+                out.push(chunk(
+                    json!({ "tool_calls": [{ "index": 0, "function": { "arguments": part } }] }),
+                    Value::Null,
+                ));
+            }
+        }
+    }
+    out.push(chunk(json!({}), json!(finish)));
+    if req["stream_options"]["include_usage"] == true {
+        out.push(format!(
+            "data: {}\n\n",
+            json!({ "id": id, "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [], "usage": usage })
+        ));
+    }
+    out.push("data: [DONE]\n\n".to_owned());
+    sse(out)
+}
+
+async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    record(&s, "/v1/messages", &headers, &body);
+    if let Err(r) = authorized(&s, &headers) {
+        return r;
+    }
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid JSON body");
+    };
+    let model = req["model"].as_str().unwrap_or_default();
+    let stream = req["stream"] == true;
+    let event = |kind: &str, data: Value| format!("event: {kind}\ndata: {data}\n\n");
+    if model == "slow" && stream {
+        return slow(s, |w| {
+            format!(
+                "event: content_block_delta\ndata: {}\n\n",
+                json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": w } })
+            )
+        });
+    }
+    if model != s.model {
+        return anthropic_error(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            &format!("model: {model}"),
+        );
+    }
+    if req["max_tokens"].as_u64().is_none() {
+        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "max_tokens: Field required");
+    }
+    let Some(list) = req["messages"].as_array() else {
+        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "messages: Field required");
+    };
+    let has_tools = req["tools"].as_array().is_some_and(|t| !t.is_empty());
+    let answer = answer(list, has_tools);
+    let input = prompt_tokens(&req);
+    let id = "msg_fake";
+    let (content, stop, output) = match &answer {
+        Answer::Text(t) => (
+            json!([{ "type": "text", "text": t }]),
+            "end_turn",
+            words(t).len() as u64,
+        ),
+        Answer::Call => (
+            json!([{ "type": "tool_use", "id": "toolu_fake_1", "name": "get_weather", "input": { "city": "Paris" } }]),
+            "tool_use",
+            7,
+        ),
+    };
+    if !stream {
+        return json_response(
+            StatusCode::OK,
+            &json!({ "id": id, "type": "message", "role": "assistant", "model": model,
+                     "content": content, "stop_reason": stop, "stop_sequence": null,
+                     "usage": { "input_tokens": input, "output_tokens": output } }),
+        );
+    }
+    let mut out = vec![
+        event("message_start", json!({ "type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": { "input_tokens": input, "output_tokens": 1 } } })),
+    ];
+    match &answer {
+        Answer::Text(t) => {
+            out.push(event("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
+            out.push(event("ping", json!({ "type": "ping" })));
+            for w in words(t) {
+                out.push(event("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": w } })));
+            }
+        }
+        Answer::Call => {
+            out.push(event("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "tool_use", "id": "toolu_fake_1", "name": "get_weather", "input": {} } })));
+            for part in ["{\"city\":", " \"Paris\"}"] {
+                out.push(event("content_block_delta", json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "input_json_delta", "partial_json": part } })));
+            }
+        }
+    }
+    out.push(event("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+    out.push(event("message_delta", json!({ "type": "message_delta", "delta": { "stop_reason": stop, "stop_sequence": null }, "usage": { "output_tokens": output } })));
+    out.push(event("message_stop", json!({ "type": "message_stop" })));
+    sse(out)
+}
+
+async fn count_tokens(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    record(&s, "/v1/messages/count_tokens", &headers, &body);
+    if let Err(r) = authorized(&s, &headers) {
+        return r;
+    }
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid JSON body");
+    };
+    if req["model"].as_str() != Some(s.model.as_str()) {
+        return anthropic_error(StatusCode::NOT_FOUND, "not_found_error", "model not found");
+    }
+    json_response(StatusCode::OK, &json!({ "input_tokens": prompt_tokens(&req) }))
+}
