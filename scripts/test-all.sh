@@ -25,10 +25,10 @@ need() {
 need cargo "install Rust with rustup (https://rustup.rs), stable >= 1.88"
 need python3 "install Python 3 (Debian: apt-get install python3 python3-pip)"
 
-# The end-to-end test with the official OpenAI Python SDK needs the `openai` package.
-if ! python3 -c "import openai" >/dev/null 2>&1; then
-    echo "installing the OpenAI Python SDK for the end-to-end test (python3 -m pip install openai)"
-    python3 -m pip install --quiet openai
+# The end-to-end tests with the official OpenAI and Anthropic Python SDKs need both packages.
+if ! python3 -c "import openai, anthropic" >/dev/null 2>&1; then
+    echo "installing the official SDKs for the end-to-end tests (python3 -m pip install openai anthropic)"
+    python3 -m pip install --quiet openai anthropic
 fi
 
 step "rustfmt"

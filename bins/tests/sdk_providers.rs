@@ -43,9 +43,18 @@ fn check_upstream_and_secrets(upstream: &Upstream, kind: Kind, root: &str, logs:
             Kind::ChatOnly => ("authorization", format!("Bearer {UPSTREAM_KEY}")),
             Kind::Anthropic => ("x-api-key", UPSTREAM_KEY.to_owned()),
         };
-        assert_eq!(s.header(header), Some(value.as_str()), "{} {:?}", s.path, s.headers);
+        assert_eq!(
+            s.header(header),
+            Some(value.as_str()),
+            "{} {:?}",
+            s.path,
+            s.headers
+        );
         for (name, v) in &s.headers {
-            assert!(!v.contains(GATEWAY_KEY), "gateway key sent upstream in {name}");
+            assert!(
+                !v.contains(GATEWAY_KEY),
+                "gateway key sent upstream in {name}"
+            );
         }
         if kind == Kind::Anthropic {
             assert_eq!(s.header("anthropic-version"), Some("2023-06-01"));
@@ -122,10 +131,21 @@ fn edge_and_node(kind: Kind, profile: &str) {
     // Messages request, the Anthropic one never saw a chat request.
     let paths: Vec<String> = upstream.seen().into_iter().map(|s| s.path).collect();
     match kind {
-        Kind::ChatOnly => assert!(paths.iter().all(|p| p == "/v1/chat/completions" || p == "/v1/models")),
+        Kind::ChatOnly => assert!(
+            paths
+                .iter()
+                .all(|p| p == "/v1/chat/completions" || p == "/v1/models")
+        ),
         Kind::Anthropic => {
-            assert!(paths.iter().any(|p| p == "/v1/messages/count_tokens"), "count_tokens passes through");
-            assert!(paths.iter().all(|p| p.starts_with("/v1/messages") || p == "/v1/models"));
+            assert!(
+                paths.iter().any(|p| p == "/v1/messages/count_tokens"),
+                "count_tokens passes through"
+            );
+            assert!(
+                paths
+                    .iter()
+                    .all(|p| p.starts_with("/v1/messages") || p == "/v1/models")
+            );
         }
     }
 }
@@ -152,16 +172,27 @@ fn official_sdks_through_iop_mesh_openai_url_with_its_defaults() {
     let mesh = Proc::spawn(
         env!("CARGO_BIN_EXE_iop-mesh"),
         &[
-            "--listen", &listen, "--openai-url", &url, "--model", "mesh-model",
-            "--upstream-model", "fake-model", "--upstream-api-key-env", "UPSTREAM_KEY",
-            "--api-key", GATEWAY_KEY,
+            "--listen",
+            &listen,
+            "--openai-url",
+            &url,
+            "--model",
+            "mesh-model",
+            "--upstream-model",
+            "fake-model",
+            "--upstream-api-key-env",
+            "UPSTREAM_KEY",
+            "--api-key",
+            GATEWAY_KEY,
         ],
         &[("RUST_LOG", "debug"), ("UPSTREAM_KEY", UPSTREAM_KEY)],
         dir.path(),
         "mesh",
     );
     let root = format!("http://{listen}");
-    wait_until("iop-mesh to serve", LIMIT, || mesh.log_text().contains("base URL"));
+    wait_until("iop-mesh to serve", LIMIT, || {
+        mesh.log_text().contains("base URL")
+    });
     let out = support::python(SCRIPT, &[&root, GATEWAY_KEY, "mesh-model"]);
     println!("{}", out.trim());
     check_upstream_and_secrets(&upstream, Kind::ChatOnly, &root, &[mesh.log_text()]);
@@ -175,5 +206,8 @@ fn iop_mesh_refuses_a_public_listener_without_a_key() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("refusing to listen on 0.0.0.0:0 without a key"), "{err}");
+    assert!(
+        err.contains("refusing to listen on 0.0.0.0:0 without a key"),
+        "{err}"
+    );
 }

@@ -130,13 +130,21 @@ impl Upstream {
 }
 
 fn record(s: &Shared, path: &str, headers: &HeaderMap, body: &Bytes) {
-    let mut seen = s.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut seen = s
+        .seen
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if seen.len() < 10_000 {
         seen.push(Seen {
             path: path.to_owned(),
             headers: headers
                 .iter()
-                .map(|(n, v)| (n.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                .map(|(n, v)| {
+                    (
+                        n.as_str().to_owned(),
+                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                    )
+                })
                 .collect(),
             body: body.clone(),
         });
@@ -144,7 +152,12 @@ fn record(s: &Shared, path: &str, headers: &HeaderMap, body: &Bytes) {
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response {
-    (status, [(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
 }
 
 fn openai_error(status: StatusCode, message: &str, code: &str) -> Response {
@@ -262,7 +275,11 @@ fn answer(messages: &[Value], has_tools: bool) -> Answer {
 fn words(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     for (i, w) in text.split(' ').enumerate() {
-        out.push(if i == 0 { w.to_owned() } else { format!(" {w}") });
+        out.push(if i == 0 {
+            w.to_owned()
+        } else {
+            format!(" {w}")
+        });
     }
     out
 }
@@ -278,8 +295,10 @@ fn sse(chunks: Vec<String>) -> Response {
             .map(|c| Ok::<_, Infallible>(Bytes::from(c))),
     );
     let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, "text/event-stream".parse().expect("valid"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("valid"),
+    );
     r
 }
 
@@ -297,8 +316,10 @@ fn slow(s: Arc<Shared>, frame: fn(&str) -> String) -> Response {
         Some((Ok::<_, Infallible>(Bytes::from(frame(" w"))), g))
     });
     let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, "text/event-stream".parse().expect("valid"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("valid"),
+    );
     r
 }
 
@@ -314,7 +335,10 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
     let stream = req["stream"] == true;
     if model == "slow" && stream {
         return slow(s, |w| {
-            format!("data: {}\n\n", json!({ "choices": [{ "index": 0, "delta": { "content": w } }] }))
+            format!(
+                "data: {}\n\n",
+                json!({ "choices": [{ "index": 0, "delta": { "content": w } }] })
+            )
         });
     }
     if model != s.model {
@@ -325,7 +349,11 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
         );
     }
     let Some(messages) = req["messages"].as_array() else {
-        return openai_error(StatusCode::BAD_REQUEST, "messages is required", "invalid_value");
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "messages is required",
+            "invalid_value",
+        );
     };
     let has_tools = req["tools"].as_array().is_some_and(|t| !t.is_empty());
     let answer = answer(messages, has_tools);
@@ -361,7 +389,10 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
                      "usage": usage }),
         );
     }
-    let mut out = vec![chunk(json!({ "role": "assistant", "content": "" }), Value::Null)];
+    let mut out = vec![chunk(
+        json!({ "role": "assistant", "content": "" }),
+        Value::Null,
+    )];
     match &answer {
         Answer::Text(t) => {
             for w in words(t) {
@@ -398,7 +429,11 @@ async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes)
         return r;
     }
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
-        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid JSON body");
+        return anthropic_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid JSON body",
+        );
     };
     let model = req["model"].as_str().unwrap_or_default();
     let stream = req["stream"] == true;
@@ -419,10 +454,18 @@ async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes)
         );
     }
     if req["max_tokens"].as_u64().is_none() {
-        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "max_tokens: Field required");
+        return anthropic_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "max_tokens: Field required",
+        );
     }
     let Some(list) = req["messages"].as_array() else {
-        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "messages: Field required");
+        return anthropic_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "messages: Field required",
+        );
     };
     let has_tools = req["tools"].as_array().is_some_and(|t| !t.is_empty());
     let answer = answer(list, has_tools);
@@ -448,12 +491,13 @@ async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes)
                      "usage": { "input_tokens": input, "output_tokens": output } }),
         );
     }
-    let mut out = vec![
-        event("message_start", json!({ "type": "message_start", "message": {
+    let mut out = vec![event(
+        "message_start",
+        json!({ "type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": null, "stop_sequence": null,
-            "usage": { "input_tokens": input, "output_tokens": 1 } } })),
-    ];
+            "usage": { "input_tokens": input, "output_tokens": 1 } } }),
+    )];
     match &answer {
         Answer::Text(t) => {
             out.push(event("content_block_start", json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } })));
@@ -469,7 +513,10 @@ async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes)
             }
         }
     }
-    out.push(event("content_block_stop", json!({ "type": "content_block_stop", "index": 0 })));
+    out.push(event(
+        "content_block_stop",
+        json!({ "type": "content_block_stop", "index": 0 }),
+    ));
     out.push(event("message_delta", json!({ "type": "message_delta", "delta": { "stop_reason": stop, "stop_sequence": null }, "usage": { "output_tokens": output } })));
     out.push(event("message_stop", json!({ "type": "message_stop" })));
     sse(out)
@@ -481,10 +528,17 @@ async fn count_tokens(State(s): State<Arc<Shared>>, headers: HeaderMap, body: By
         return r;
     }
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
-        return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid JSON body");
+        return anthropic_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid JSON body",
+        );
     };
     if req["model"].as_str() != Some(s.model.as_str()) {
         return anthropic_error(StatusCode::NOT_FOUND, "not_found_error", "model not found");
     }
-    json_response(StatusCode::OK, &json!({ "input_tokens": prompt_tokens(&req) }))
+    json_response(
+        StatusCode::OK,
+        &json!({ "input_tokens": prompt_tokens(&req) }),
+    )
 }

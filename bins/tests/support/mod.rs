@@ -124,7 +124,12 @@ pub fn http_ok(url: &str) -> bool {
     };
     use std::io::{Read as _, Write as _};
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if write!(s, "GET /{path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n").is_err() {
+    if write!(
+        s,
+        "GET /{path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+    )
+    .is_err()
+    {
         return false;
     }
     let mut buf = String::new();
@@ -168,13 +173,31 @@ pub fn pki(dir: &Path, nodes: &[&str]) {
     iop_ca(&["init", "--dir", ca, "--trust-domain", "iop.test"]);
     let edge = dir.join("edge");
     iop_ca(&[
-        "issue", "--dir", ca, "--role", "edge", "--name", "edge-1", "--dns", "localhost",
-        "--ip", "127.0.0.1", "--out", edge.to_str().expect("utf-8"),
+        "issue",
+        "--dir",
+        ca,
+        "--role",
+        "edge",
+        "--name",
+        "edge-1",
+        "--dns",
+        "localhost",
+        "--ip",
+        "127.0.0.1",
+        "--out",
+        edge.to_str().expect("utf-8"),
     ]);
     for n in nodes {
         let out = dir.join(n);
         iop_ca(&[
-            "issue", "--dir", ca, "--role", "node", "--name", n, "--out",
+            "issue",
+            "--dir",
+            ca,
+            "--role",
+            "node",
+            "--name",
+            n,
+            "--out",
             out.to_str().expect("utf-8"),
         ]);
     }
@@ -290,7 +313,8 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
     let rest = url.strip_prefix("http://").expect("http url");
     let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
     let mut s = std::net::TcpStream::connect(host).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
     let mut req = format!(
         "{method} /{path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
         body.len()
@@ -309,6 +333,9 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     (status, body)
 }

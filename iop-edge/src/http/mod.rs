@@ -14,8 +14,9 @@
 //! Every route takes one path: parse the body (a JSON object with a `model`; errors in the
 //! route's dialect, a body over [`MAX_REQUEST_BODY`] is 413) → authenticate (legacy mode: the
 //! gateway [`ApiKeys`] when configured; managed mode: the Control Plane's projection) → resolve
-//! the model group (404 naming the model; 501 naming the model and the operation when no
-//! provider of the group can serve the route, even translated) → admission through the
+//! the model group (404 naming the model; 400 `unsupported_operation` naming the model and the
+//! operation when no provider of the group can serve the route, even translated — a 4xx, as
+//! retrying cannot help) → admission through the
 //! provider pool (`EdgeHandle::admit`) → build the request **in this task** for the selected
 //! provider → (managed: bind and acquire a credential lease for exactly that Node) →
 //! `EdgeHandle::send_admitted` → render.
@@ -43,8 +44,8 @@
 //! In the route's dialect (see `iop_dialect::error`): OpenAI's `{"error": {…}}` on
 //! `/v1/chat/completions`, `/v1/responses` and `/v1/models`; Anthropic's `{"type": "error",
 //! "error": {…}}` on `/v1/messages*` (and on `/v1/models` for Anthropic clients). 400 invalid
-//! body, 401 bad or missing key, 403 managed scope refused, 404 unknown model or path, 405
-//! method, 413 body too large, 429 queue full, 501 operation not served, 502 provider failure,
+//! body or an operation no provider of the model serves, 401 bad or missing key, 403 managed scope refused, 404 unknown model or path, 405
+//! method, 413 body too large, 429 queue full, 502 provider failure,
 //! 503 (Anthropic: 529 `overloaded_error`) no provider within the wait.
 
 mod anthropic;
@@ -296,15 +297,17 @@ fn plan(op: Operation, kind: ProviderKind, profile: Option<&ConcreteProtocolProf
     }
 }
 
+/// 400 (not a 5xx: retrying cannot help, and SDKs retry 5xx), naming the model and operation.
 fn unservable(dialect: Dialect, model: &str, op: Operation) -> Response {
     let shown: String = model.chars().take(128).collect();
-    render::error(
+    render::error_with_code(
         dialect,
-        StatusCode::NOT_IMPLEMENTED,
+        StatusCode::BAD_REQUEST,
         &format!(
             "model `{shown}` cannot serve `{}`: its provider declares neither that operation nor one it can be translated from",
             op.as_str()
         ),
+        Some("unsupported_operation"),
     )
 }
 
