@@ -261,7 +261,7 @@ async fn unservable_operations_unknown_paths_and_limits_answer_in_the_routes_dia
         assert_eq!(r.status(), 405);
         anthropic_error(&r.json().await.unwrap(), "invalid_request_error");
         // Limits: a body over 8 MiB.
-        let big = vec![b'x'; iop_edge::http::MAX_REQUEST_BODY + 1];
+        let big = vec![b'x'; http::MAX_REQUEST_BODY + 1];
         let r = client()
             .post(format!("{}/v1/messages", m.base))
             .header("x-api-key", KEY)
