@@ -1,6 +1,10 @@
 //! Shared by the binary tests: temporary directories, free ports, the `iop-ca` CLI, binaries run
 //! as processes with their logs in files, and waiting on an observable event (never on time).
-#![allow(dead_code, reason = "each test binary uses part of it")]
+#![allow(
+    dead_code,
+    unreachable_pub,
+    reason = "each test binary uses part of it; items are public to the tests that include it"
+)]
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
