@@ -11,6 +11,10 @@
 //! certificate, or a certificate whose SPIFFE ID is not the workload's own identity is refused
 //! and the old material stays in use.
 //!
+//! TLS session resumption is off in both directions: a resumed session carries the identity
+//! its first handshake verified, which would outlive a rotation, a CA change or an expiry. The
+//! links are long-lived, so a full handshake per connection costs little.
+//!
 //! Pure: PEM bytes in, nothing read from disk here. The binaries poll the files.
 
 use std::sync::{Arc, RwLock};
@@ -169,12 +173,16 @@ impl WorkloadTls {
             expected,
         });
         verifier.current()?;
-        let config =
+        let mut config =
             ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_protocol_versions(&[&rustls::version::TLS13])
                 .map_err(IdentityError::Config)?
                 .with_client_cert_verifier(verifier)
                 .with_cert_resolver(Arc::new(Resolver(self.clone())));
+        // No resumption: a resumed session would carry the identity it began with past a
+        // rotation, a CA change or an expiry. Every handshake verifies the current material.
+        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
         Ok(config)
     }
 
@@ -190,14 +198,16 @@ impl WorkloadTls {
             expected,
         });
         verifier.current()?;
-        Ok(
+        let mut config =
             ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_protocol_versions(&[&rustls::version::TLS13])
                 .map_err(IdentityError::Config)?
                 .dangerous()
                 .with_custom_certificate_verifier(verifier)
-                .with_client_cert_resolver(Arc::new(Resolver(self.clone()))),
-        )
+                .with_client_cert_resolver(Arc::new(Resolver(self.clone())));
+        // As for the server: every connection a full handshake with the current material.
+        config.resumption = rustls::client::Resumption::disabled();
+        Ok(config)
     }
 }
 
@@ -478,12 +488,11 @@ mod tests {
             edge.server_config(ExpectedPeer::any_name("t", role::NODE).unwrap())
                 .unwrap(),
         );
-        let mut client = node
-            .client_config(ExpectedPeer::exact("t", role::EDGE, "e").unwrap())
-            .unwrap();
-        // Every handshake a full one (a resumed session shows the certificate it began with).
-        client.resumption = rustls::client::Resumption::disabled();
-        let client = Arc::new(client);
+        // Resumption is off in these configurations: every handshake below is a full one.
+        let client = Arc::new(
+            node.client_config(ExpectedPeer::exact("t", role::EDGE, "e").unwrap())
+                .unwrap(),
+        );
         let first = handshake(&client, &server).unwrap();
         assert_eq!(first, edge.leaf());
 

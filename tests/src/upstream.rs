@@ -175,7 +175,10 @@ fn anthropic_error(status: StatusCode, kind: &str, message: &str) -> Response {
 }
 
 /// Checks the key in this dialect's header; the refusal in this dialect otherwise.
-#[expect(clippy::result_large_err, reason = "the error is the response, returned at once")]
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response, returned at once"
+)]
 fn authorized(s: &Shared, headers: &HeaderMap) -> Result<(), Response> {
     let get = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
     match s.kind {

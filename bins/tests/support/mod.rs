@@ -316,7 +316,9 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
     use std::io::{Read as _, Write as _};
     let rest = url.strip_prefix("http://").expect("http url");
     let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let mut s = std::net::TcpStream::connect(host).expect("connect");
+    let Ok(mut s) = std::net::TcpStream::connect(host) else {
+        return (0, String::new());
+    };
     s.set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
     let mut req = format!(
