@@ -39,6 +39,30 @@ fn main() {
     registry_seeds(&root.join("registry_ops"));
     lease_seeds(&root.join("lease_open"));
     signed_request_seeds(&root.join("signed_request"));
+    stream_translate_seeds(&root.join("stream_translate"));
+}
+
+// === stream_translate ===
+
+/// The dialect crate's golden upstream streams (the API references' examples), each under
+/// every client encoder, split in the middle.
+fn stream_translate_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../iop-edge/dialect/tests/golden");
+    for (name, upstream) in [
+        ("chat_stream", 0u8),
+        ("chat_tools_stream", 0),
+        ("messages_stream", 1),
+        ("messages_tools_stream", 1),
+    ] {
+        let body = fs::read(golden.join(format!("{name}.sse"))).expect("golden stream");
+        for (encoder, label) in [(0u8, "chat"), (1, "responses"), (2, "messages")] {
+            let mut seed = vec![upstream | (encoder << 1), 128];
+            seed.extend_from_slice(&body);
+            iop_fuzz::stream_translate::run(&seed);
+            fs::write(dir.join(format!("{name}-to-{label}")), &seed).expect("write seed");
+        }
+    }
 }
 
 // === signed_request ===

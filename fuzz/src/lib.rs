@@ -1,4 +1,4 @@
-//! Fuzz entry points for `iop-wire`, `iop-lease` and `orbit-runtime`. Each target in `fuzz_targets/` is a few lines that call
+//! Fuzz entry points for `iop-wire`, `iop-lease`, `iop-dialect` and `orbit-runtime`. Each target in `fuzz_targets/` is a few lines that call
 //! one `run` function here; keeping the logic in a library lets `examples/gen_corpus.rs` build
 //! seed inputs from the same operation types (see `README.md`).
 #![forbid(unsafe_code)]
@@ -8,4 +8,5 @@ pub mod lease_open;
 pub mod registry_ops;
 pub mod seed;
 pub mod signed_request;
+pub mod stream_translate;
 pub mod tunnel_sequencer;

@@ -70,8 +70,9 @@ impl ChatStreamDecoder {
         let parsed = self.sse.feed(bytes, &mut events);
         let decoded = self.decode(&mut events, out);
         self.pending = events;
-        parsed?;
-        decoded
+        // The events were dispatched before any framing failure: their error came first.
+        decoded?;
+        Ok(parsed?)
     }
 
     /// The body ended.
@@ -237,8 +238,9 @@ impl MessagesStreamDecoder {
         let parsed = self.sse.feed(bytes, &mut events);
         let decoded = self.decode(&mut events, out);
         self.pending = events;
-        parsed?;
-        decoded
+        // The events were dispatched before any framing failure: their error came first.
+        decoded?;
+        Ok(parsed?)
     }
 
     /// The body ended.

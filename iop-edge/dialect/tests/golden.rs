@@ -649,3 +649,20 @@ fn anthropic_message_response_example_in_each_dialect() {
         "max_tokens"
     );
 }
+
+#[test]
+fn the_first_error_in_the_stream_is_the_one_reported_however_it_is_split() {
+    // Found by the stream_translate fuzz target: an event that is not JSON, then a line that is
+    // not UTF-8. Whether both arrive in one read or two, the client hears about the first.
+    let input = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {not json\n\ndata: \xed\xed\n\n";
+    let whole = translate(Upstream::Chat, Dialect::Chat, &[input]);
+    assert!(String::from_utf8_lossy(&whole).contains("not valid chat chunk JSON"));
+    for cut in 0..=input.len() {
+        let split = translate(
+            Upstream::Chat,
+            Dialect::Chat,
+            &[&input[..cut], &input[cut..]],
+        );
+        assert!(split == whole, "split at {cut}");
+    }
+}
