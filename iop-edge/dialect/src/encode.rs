@@ -13,8 +13,16 @@ use crate::{Event, FinishReason, Message, Meta, Usage};
 
 fn data(out: &mut Vec<u8>, v: &Value) {
     out.extend_from_slice(b"data: ");
-    out.extend_from_slice(v.to_string().as_bytes());
+    // Writing a `Value` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *out, v);
     out.extend_from_slice(b"\n\n");
+}
+
+/// `{key: value}` plus `rest`, moving `value` in (the `json!` macro would serialize a `Value`
+/// argument into a copy).
+fn with(mut rest: Value, key: &str, value: Value) -> Value {
+    rest[key] = value;
+    rest
 }
 
 fn named(out: &mut Vec<u8>, event: &str, v: &Value) {
@@ -72,13 +80,21 @@ impl ChatStreamEncoder {
     }
 
     fn chunk(&self, delta: Value, finish: Value) -> Value {
-        json!({
-            "id": self.meta.id,
-            "object": "chat.completion.chunk",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }],
-        })
+        let choice = with(
+            json!({ "index": 0, "logprobs": null, "finish_reason": finish }),
+            "delta",
+            delta,
+        );
+        with(
+            json!({
+                "id": self.meta.id,
+                "object": "chat.completion.chunk",
+                "created": self.meta.created,
+                "model": self.meta.model,
+            }),
+            "choices",
+            Value::Array(vec![choice]),
+        )
     }
 
     fn start(&mut self, out: &mut Vec<u8>) {
@@ -234,31 +250,41 @@ fn response_base(
     usage: Option<Usage>,
 ) -> Value {
     let pick = |key: &str, default: Value| echo.get(key).cloned().unwrap_or(default);
-    json!({
-        "id": meta.id,
-        "object": "response",
-        "created_at": meta.created,
-        "status": status,
-        "error": null,
-        "incomplete_details": null,
-        "instructions": pick("instructions", Value::Null),
-        "max_output_tokens": pick("max_output_tokens", Value::Null),
-        "metadata": pick("metadata", json!({})),
-        "model": meta.model,
-        "output": output,
-        "parallel_tool_calls": pick("parallel_tool_calls", Value::Bool(true)),
-        "previous_response_id": null,
-        "reasoning": { "effort": null, "summary": null },
-        "store": false,
-        "temperature": pick("temperature", json!(1.0)),
-        "text": pick("text", json!({ "format": { "type": "text" } })),
-        "tool_choice": pick("tool_choice", json!("auto")),
-        "tools": pick("tools", json!([])),
-        "top_p": pick("top_p", json!(1.0)),
-        "truncation": "disabled",
-        "usage": usage.map_or(Value::Null, responses_usage),
-        "user": pick("user", Value::Null),
-    })
+    // Built field by field: `json!` would serialize every `Value` argument into a copy.
+    let mut r = Map::new();
+    let mut put = |k: &str, v: Value| {
+        r.insert(k.to_owned(), v);
+    };
+    put("id", Value::String(meta.id.clone()));
+    put("object", Value::String("response".into()));
+    put("created_at", json!(meta.created));
+    put("status", Value::String(status.to_owned()));
+    put("error", Value::Null);
+    put("incomplete_details", Value::Null);
+    put("instructions", pick("instructions", Value::Null));
+    put("max_output_tokens", pick("max_output_tokens", Value::Null));
+    put("metadata", pick("metadata", json!({})));
+    put("model", Value::String(meta.model.clone()));
+    put("output", Value::Array(output));
+    put(
+        "parallel_tool_calls",
+        pick("parallel_tool_calls", Value::Bool(true)),
+    );
+    put("previous_response_id", Value::Null);
+    put("reasoning", json!({ "effort": null, "summary": null }));
+    put("store", Value::Bool(false));
+    put("temperature", pick("temperature", json!(1.0)));
+    put(
+        "text",
+        pick("text", json!({ "format": { "type": "text" } })),
+    );
+    put("tool_choice", pick("tool_choice", json!("auto")));
+    put("tools", pick("tools", json!([])));
+    put("top_p", pick("top_p", json!(1.0)));
+    put("truncation", Value::String("disabled".into()));
+    put("usage", usage.map_or(Value::Null, responses_usage));
+    put("user", pick("user", Value::Null));
+    Value::Object(r)
 }
 
 fn item_suffix(meta: &Meta) -> &str {
@@ -384,9 +410,11 @@ impl ResponsesStreamEncoder {
         named(out, kind, &body);
     }
 
-    fn base(&self, status: &str) -> Value {
+    fn base(&mut self, status: &str) -> Value {
         let usage = self.usage.is_known().then_some(self.usage);
-        response_base(&self.meta, &self.echo, status, self.items.clone(), usage)
+        // Called once, at the end: the items move into the final object.
+        let items = std::mem::take(&mut self.items);
+        response_base(&self.meta, &self.echo, status, items, usage)
     }
 
     fn start(&mut self, out: &mut Vec<u8>) {
@@ -395,8 +423,12 @@ impl ResponsesStreamEncoder {
         }
         self.started = true;
         let r = response_base(&self.meta, &self.echo, "in_progress", Vec::new(), None);
-        self.emit(out, "response.created", json!({ "response": r }));
-        self.emit(out, "response.in_progress", json!({ "response": r }));
+        self.emit(
+            out,
+            "response.created",
+            with(json!({}), "response", r.clone()),
+        );
+        self.emit(out, "response.in_progress", with(json!({}), "response", r));
     }
 
     fn open_message(&mut self, out: &mut Vec<u8>) {
@@ -410,7 +442,7 @@ impl ResponsesStreamEncoder {
         self.emit(
             out,
             "response.output_item.added",
-            json!({ "output_index": output_index, "item": item }),
+            with(json!({ "output_index": output_index }), "item", item),
         );
         self.emit(
             out,
@@ -441,7 +473,7 @@ impl ResponsesStreamEncoder {
         self.emit(
             out,
             "response.output_item.done",
-            json!({ "output_index": m.output_index, "item": item }),
+            with(json!({ "output_index": m.output_index }), "item", item),
         );
     }
 
@@ -458,7 +490,7 @@ impl ResponsesStreamEncoder {
             self.emit(
                 out,
                 "response.output_item.done",
-                json!({ "output_index": c.output_index, "item": item }),
+                with(json!({ "output_index": c.output_index }), "item", item),
             );
         }
     }
@@ -495,7 +527,7 @@ impl ResponsesStreamEncoder {
                 self.emit(
                     out,
                     "response.output_item.added",
-                    json!({ "output_index": output_index, "item": item }),
+                    with(json!({ "output_index": output_index }), "item", item),
                 );
                 if self.calls.len() <= i {
                     self.calls.resize_with(i + 1, || None);
@@ -520,7 +552,7 @@ impl ResponsesStreamEncoder {
             Event::Error(message) => {
                 let mut r = self.base("failed");
                 r["error"] = json!({ "code": "server_error", "message": message });
-                self.emit(out, "response.failed", json!({ "response": r }));
+                self.emit(out, "response.failed", with(json!({}), "response", r));
                 self.done = true;
             }
         }
@@ -541,7 +573,7 @@ impl ResponsesStreamEncoder {
             r["usage"] = responses_usage(self.usage);
         }
         let kind = finished(&mut r, &reason);
-        self.emit(out, kind, json!({ "response": r }));
+        self.emit(out, kind, with(json!({}), "response", r));
         self.done = true;
     }
 
@@ -646,7 +678,7 @@ impl MessagesStreamEncoder {
         named(
             out,
             "message_start",
-            &json!({ "type": "message_start", "message": message }),
+            &with(json!({ "type": "message_start" }), "message", message),
         );
         named(out, "ping", &json!({ "type": "ping" }));
     }
@@ -672,7 +704,11 @@ impl MessagesStreamEncoder {
         named(
             out,
             "content_block_start",
-            &json!({ "type": "content_block_start", "index": index, "content_block": block }),
+            &with(
+                json!({ "type": "content_block_start", "index": index }),
+                "content_block",
+                block,
+            ),
         );
         index
     }
