@@ -21,10 +21,35 @@
 //! run and tunnel stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs
 //! the CAPABILITIES recovery probe that may clear it.
 //!
-//! [`http`] is the OpenAI-compatible surface (`/v1/models`, `/v1/chat/completions`,
-//! `/v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`, `/metrics`, `/healthz`,
-//! `/readyz`), with tool calls from native metadata or, under the seed's fallback mark, from
+//! [`http`] is the HTTP surface: OpenAI chat completions, the OpenAI Responses API and the
+//! Anthropic Messages API (`/v1/models`, `/v1/chat/completions`, `/v1/responses`,
+//! `/v1/messages`, `/v1/messages/count_tokens`, plus `/metrics`, `/healthz`, `/readyz`) on every
+//! model, whatever its provider speaks: each OpenAI-compatible adapter declares the operations
+//! its upstream serves ([`profile`]: presets `chat_only`, `openai`, `anthropic`), and a route
+//! the selected provider lacks is translated with `iop_dialect` where the response is rendered
+//! anyway. Errors come in the route's dialect; gateway API keys ([`http::ApiKeys`]) guard it in
+//! legacy mode. Tool calls come from native metadata or, under the seed's fallback mark, from
 //! `<tool_call>` text (module `tools`). Serve it with [`http::serve`] (it sets `TCP_NODELAY`).
+//!
+//! [`config`] reads the Edge's TOML file (the `iop-edge` binary's format) into a
+//! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
+//! hot-reloadable TLS material (`iop_wire::identity::WorkloadTls`).
+//!
+//! # Example
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use iop_edge::config::EdgeConfigFile;
+//! use iop_edge::{bind, http};
+//!
+//! let config = EdgeConfigFile::load("edge.toml".as_ref())?.build()?;
+//! let (edge, _accept) = bind(config.transport).await?;
+//! let app = http::router(edge, config.http);
+//! let listener = tokio::net::TcpListener::bind(config.http_listen).await?;
+//! http::serve(listener, app, std::future::pending()).await?;
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! [`control`] is the Control Plane connector (seed `001`): it dials out, says hello, answers
 //! status and commands, relays Node lifecycle events and reconnects; in managed mode

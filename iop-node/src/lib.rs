@@ -21,9 +21,11 @@
 //!   `CANCELLED`); a hard deadline, a `CancelRequest` and a disconnect each end the run with
 //!   their own outcome, and the adapter's future is dropped (aborting its upstream I/O).
 //!
-//! - The built-in `openai_compat` adapter serves provider raw tunnels: status, headers and body
-//!   bytes (SSE byte for byte) as numbered `ProviderTunnelFrame`s, usage as a separate
-//!   observation; the driver sends the single END/ERROR terminal.
+//! - The built-in `openai_compat` adapter serves provider raw tunnels to whatever upstream its
+//!   protocol profile describes (an OpenAI-compatible server, or Anthropic with its fixed
+//!   headers): status, headers and body bytes (SSE byte for byte) as numbered
+//!   `ProviderTunnelFrame`s, usage as a separate observation; the driver sends the single
+//!   END/ERROR terminal. Which dialect to speak is the Edge's decision, not the Node's.
 //!
 //! - Every execution runs under a response-stall watchdog (see the `exec` module docs for the
 //!   outcome precedence): on a stall the work is aborted, the close grace and an exact-target
@@ -35,7 +37,13 @@
 //!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).
 //! - [`config`] reads the `iop-node` binary's TOML file with strict, key-naming validation.
 //!
-//! **Not yet here**: credential lease opening (managed mode, issue #6 wires `iop-lease` in).
+//! - Upstream credentials ([`credential`]): in managed mode every provider tunnel carries a
+//!   lease sealed to this Node, opened after capacity admission; in legacy mode the Node may
+//!   hold its own key per adapter instance ([`NodeOptions::with_local_key`], `[[credentials]]`
+//!   in the config file), written in the header the instance's protocol profile declares
+//!   (`Authorization: Bearer`, `x-api-key` for Anthropic) on every request and health probe.
+//!   Both go through `iop_lease::HeaderSpec::inject`; neither ever reaches the Edge, a log line
+//!   or a metric, and a Node refuses to hold both.
 //!
 //! # Example
 //!

@@ -4,9 +4,9 @@
 //! | route | dialect | module |
 //! |---|---|---|
 //! | `GET /v1/models` | OpenAI list, or Anthropic's when the request has `anthropic-version` | here |
-//! | `POST /v1/chat/completions` | OpenAI chat | [`chat`] |
-//! | `POST /v1/responses` | OpenAI Responses | [`responses`] |
-//! | `POST /v1/messages`, `POST /v1/messages/count_tokens` | Anthropic | [`anthropic`] |
+//! | `POST /v1/chat/completions` | OpenAI chat | `chat.rs` |
+//! | `POST /v1/responses` | OpenAI Responses | `responses.rs` |
+//! | `POST /v1/messages`, `POST /v1/messages/count_tokens` | Anthropic | `anthropic.rs` |
 //! | `/healthz`, `/readyz`, `/metrics` | — | here |
 //!
 //! # How a request is served
@@ -21,7 +21,7 @@
 //! provider → (managed: bind and acquire a credential lease for exactly that Node) →
 //! `EdgeHandle::send_admitted` → render.
 //!
-//! What is built depends on the selected provider ([`Plan`]): each OpenAI-compatible adapter
+//! What is built depends on the selected provider (`Plan`): each OpenAI-compatible adapter
 //! instance declares the operations its upstream serves (its protocol profile, pushed to the
 //! Node in its config; presets in [`crate::profile`]), so the Edge knows without guessing:
 //!
