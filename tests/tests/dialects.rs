@@ -179,6 +179,21 @@ async fn upstream_errors_keep_their_status_in_the_routes_dialect() {
         assert_eq!(status, 400);
         anthropic_error(&v, "invalid_request_error");
         assert_eq!(v["error"]["message"], "max_tokens: Field required");
+        // A passthrough carries the client's anthropic-beta header, and no other of its headers.
+        let r = client()
+            .post(format!("{}/v1/messages", m.base))
+            .header("x-api-key", KEY)
+            .header("anthropic-beta", "interleaved-thinking-2025-05-14")
+            .header("x-client-secret", "not-for-upstream")
+            .json(&json!({"model": "via-anth", "max_tokens": 8, "messages": [{"role": "user", "content": "beta"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let sent = m.anthropic.seen().into_iter().rev().find(|s| s.path == "/v1/messages").unwrap();
+        assert_eq!(sent.header("anthropic-beta"), Some("interleaved-thinking-2025-05-14"));
+        assert_eq!(sent.header("x-client-secret"), None);
+        assert_eq!(sent.header("x-api-key"), Some(UPSTREAM_KEY), "the Node's key, not the client's");
         // Translated chat → Anthropic: the default max_tokens is supplied, so it succeeds.
         let (status, v) = post(&m.base, "/v1/chat/completions", &json!({"model": "via-anth", "messages": [{"role": "user", "content": "hi"}]})).await;
         assert_eq!(status, 200, "{v}");

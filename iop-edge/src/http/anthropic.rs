@@ -115,7 +115,8 @@ pub(super) async fn count_tokens(
             if planned == Plan::Passthrough(Operation::CountTokens) {
                 let body = super::with_model(parsed.json.clone(), &lease.target);
                 let run_id = format!("count-{}", super::next_request());
-                let request = super::tunnel(run_id, Operation::CountTokens, &body, false);
+                let mut request = super::tunnel(run_id, Operation::CountTokens, &body, false);
+                super::forward_anthropic_beta(&headers, &mut request);
                 return match super::send(
                     &state,
                     dialect,

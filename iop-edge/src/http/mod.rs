@@ -26,8 +26,9 @@
 //! Node in its config; presets in [`crate::profile`]), so the Edge knows without guessing:
 //!
 //! - the route's own operation → **passthrough**: the client's body with `model` set to the
-//!   provider's target; status, headers and body bytes come back untouched (an upstream error
-//!   included);
+//!   provider's target (and, to an Anthropic upstream, the client's `anthropic-beta` header;
+//!   no other client header is forwarded); status, headers and body bytes come back untouched
+//!   (an upstream error included);
 //! - otherwise, over `chat_completions` (a Responses or Messages request) or `messages` (a chat
 //!   or Responses request to an Anthropic-native upstream) → **translated** with `iop_dialect`:
 //!   the request through chat form, the response (SSE incrementally, or JSON whole) back into
@@ -593,6 +594,20 @@ fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> P
     })
 }
 
+/// On a passthrough to an Anthropic upstream, the client's `anthropic-beta` header (the
+/// features it opts into, e.g. Claude Code's) goes along; nothing else of the client's does.
+fn forward_anthropic_beta(headers: &HeaderMap, request: &mut PoolRequest) {
+    if let PoolRequest::Tunnel(t) = request
+        && let Some(v) = headers.get("anthropic-beta")
+        && v.len() <= 4096
+    {
+        t.headers.push(Header {
+            name: "anthropic-beta".into(),
+            value: Bytes::copy_from_slice(v.as_bytes()),
+        });
+    }
+}
+
 fn native_run(run_id: String, input: &Value) -> PoolRequest {
     PoolRequest::Run(RunRequest {
         run_id,
@@ -638,7 +653,7 @@ async fn serve_route(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let dialect = route.dialect;
-    let parsed = match parse(dialect, body) {
+    let mut parsed = match parse(dialect, body) {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -676,12 +691,15 @@ async fn serve_route(
     let run_id = format!("{}-{n}", route.run_prefix);
     let request = match plan {
         Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
-        Plan::Passthrough(op) => tunnel(
-            run_id,
-            op,
-            &with_model(parsed.json.clone(), &target),
-            parsed.stream,
-        ),
+        Plan::Passthrough(op) => {
+            // The body is not needed again on a passthrough: move it rather than copy it.
+            let body = with_model(std::mem::take(&mut parsed.json), &target);
+            let mut request = tunnel(run_id, op, &body, parsed.stream);
+            if dialect == Dialect::Messages {
+                forward_anthropic_beta(headers, &mut request);
+            }
+            request
+        }
         Plan::ViaChat | Plan::ViaMessages | Plan::Native => {
             let chat = match (route.to_chat)(&parsed.json) {
                 Ok(c) => c,
