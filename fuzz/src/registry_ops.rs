@@ -161,6 +161,8 @@ pub fn run(ops: &[Op]) {
     let mut elapsed_ms: u64 = 0;
     let mut registry = Registry::new(RegistryConfig {
         default_node_config: Some(NodeConfigPayload::default()),
+        // The model covers ownership and fencing; the handshake timeout has its own test.
+        handshake_timeout: Duration::MAX,
         ..Default::default()
     });
     let mut model = Model::default();

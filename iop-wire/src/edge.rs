@@ -15,6 +15,9 @@
 //!   reason, and that connection is closed.
 //! - A new connection registering an already-owned Node id supersedes the old one with a new
 //!   generation; the old connection is closed.
+//! - A connection must register and report ready within
+//!   [`RegistryConfig::handshake_timeout`] of being accepted, or it is closed
+//!   ([`FenceCause::HandshakeTimeout`]); answering pings does not keep it open.
 //! - The end of the current **ready** owner's generation — its close, its heartbeat timeout,
 //!   or its supersession — emits [`RegistryEvent::NodeFenced`] exactly once (release provider
 //!   leases, mark resources offline, re-evaluate the queue). Callbacks from stale connections
@@ -34,7 +37,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::liveness::{HeartbeatConfig, Liveness};
 use crate::runtime::{
@@ -83,6 +86,26 @@ pub enum FenceCause {
     Rejected,
     /// The caller asked ([`Registry::close`]).
     Local,
+    /// The connection did not register and report ready within the handshake timeout.
+    HandshakeTimeout,
+    /// The peer did not read what was sent to it (its outbound queue filled up).
+    NotReading,
+}
+
+impl FenceCause {
+    /// A stable lower-case name, for logs and bounded metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::HeartbeatTimeout => "heartbeat_timeout",
+            Self::Superseded => "superseded",
+            Self::ProtocolViolation => "protocol_violation",
+            Self::Rejected => "rejected",
+            Self::Local => "local",
+            Self::HandshakeTimeout => "handshake_timeout",
+            Self::NotReading => "not_reading",
+        }
+    }
 }
 
 /// What the registry tells its driver.
@@ -164,13 +187,30 @@ pub enum SendError {
     Invalid(crate::error::InvalidMessage),
 }
 
+/// How long an accepted connection has to register and report ready by default.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Registry settings.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct RegistryConfig {
     /// Heartbeat for every connection; its interval is announced to Nodes.
     pub heartbeat: HeartbeatConfig,
     /// Config for Node ids not configured explicitly. `None` rejects unknown Node ids.
     pub default_node_config: Option<NodeConfigPayload>,
+    /// A connection that is not the dispatch-ready owner of a Node id this long after it was
+    /// accepted is closed ([`FenceCause::HandshakeTimeout`]): pings alone do not keep an
+    /// unregistered connection open. `Duration::MAX` disables it.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat: HeartbeatConfig::default(),
+            default_node_config: None,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,6 +248,7 @@ struct Conn {
 enum TimerKind {
     Ping,
     Idle,
+    Handshake,
 }
 
 /// The Edge's connections and Node ownership. See the module docs.
@@ -308,6 +349,9 @@ impl Registry {
             .push(Reverse((liveness.ping_at(), id, TimerKind::Ping)));
         self.timers
             .push(Reverse((liveness.idle_deadline(), id, TimerKind::Idle)));
+        if let Some(at) = now.checked_add(self.config.handshake_timeout) {
+            self.timers.push(Reverse((at, id, TimerKind::Handshake)));
+        }
         self.conns.insert(
             id,
             Conn {
@@ -373,6 +417,13 @@ impl Registry {
                 continue; // closed connection: its timer entries just fall away
             };
             match kind {
+                TimerKind::Handshake => {
+                    let ready =
+                        matches!(self.current_owner_of(conn), Some((_, _, Phase::Ready)));
+                    if !ready {
+                        self.close(conn, FenceCause::HandshakeTimeout);
+                    }
+                }
                 TimerKind::Idle if c.liveness.idle_expired(now) => {
                     self.close(conn, FenceCause::HeartbeatTimeout);
                 }

@@ -51,6 +51,7 @@ impl Harness {
         let mut edge = Registry::new(RegistryConfig {
             heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
             default_node_config: None,
+            handshake_timeout: Duration::from_secs(10),
         });
         for n in ["node-1", "node-2"] {
             edge.set_node_config(
@@ -74,6 +75,16 @@ impl Harness {
     /// A Node dials: the Edge accepts (with `peer` as the authenticated name) and the Node
     /// session starts. Returns the link index.
     fn connect(&mut self, node_id: &str, peer: Option<&str>, auto_apply: bool) -> usize {
+        self.connect_with(node_id, peer, auto_apply, false)
+    }
+
+    fn connect_with(
+        &mut self,
+        node_id: &str,
+        peer: Option<&str>,
+        auto_apply: bool,
+        blocked: bool,
+    ) -> usize {
         let conn = self.edge.accept(self.now, peer.map(str::to_owned));
         let register = RegisterRequest {
             node_id: node_id.to_owned(),
@@ -83,7 +94,7 @@ impl Harness {
         self.links.push(Link {
             conn,
             node,
-            node_to_edge_blocked: false,
+            node_to_edge_blocked: blocked,
             auto_apply,
             node_events: Vec::new(),
             received_by_node: Vec::new(),
@@ -94,6 +105,14 @@ impl Harness {
         self.by_conn.insert(conn, idx);
         self.settle();
         idx
+    }
+
+    /// A peer that is accepted but never registers: the test plays it (nothing its session
+    /// would send reaches the Edge).
+    fn connect_silent(&mut self, node_id: &str) -> usize {
+        let i = self.connect_with(node_id, None, false, true);
+        self.links[i].raw = true;
+        i
     }
 
     /// Through real bytes, both ways.
@@ -618,6 +637,39 @@ fn heartbeat_timeout_fences_after_the_idle_timeout_in_virtual_time() {
         RegistryEvent::NodeFenced { generation, cause: FenceCause::HeartbeatTimeout, .. } if *generation == g
     )));
     assert!(h.links[i].down);
+}
+
+#[test]
+fn a_connection_that_does_not_get_ready_in_time_is_closed_even_while_it_pings() {
+    let mut h = Harness::new();
+    // Registers, but never applies its config (so never reports ready); keeps pinging.
+    let slow = h.connect("node-1", None, false);
+    // Sends only pings, never registers.
+    let pinger = h.connect_silent("node-2");
+    let accepted = h.now;
+    let mut closed = HashMap::new();
+    while closed.len() < 2 {
+        h.advance_by(Duration::from_secs(1));
+        h.inject(pinger, RuntimeMessage::Ping);
+        for e in h.take_edge_events() {
+            if let RegistryEvent::CloseConnection { conn, cause } = e {
+                closed.insert(conn, (cause, h.now - accepted));
+            }
+        }
+        assert!(h.now - accepted <= Duration::from_secs(11), "{closed:?}");
+    }
+    for link in [slow, pinger] {
+        let (cause, after) = closed[&h.links[link].conn];
+        assert_eq!(cause, FenceCause::HandshakeTimeout);
+        assert_eq!(after, Duration::from_secs(10));
+        assert!(h.links[link].down);
+    }
+    assert!(h.edge.pending_generation("node-1").is_none(), "the pending claim is gone");
+    // A Node that gets ready in time is never closed by it.
+    let ok = h.connect("node-1", None, true);
+    h.advance_by(Duration::from_secs(60));
+    assert!(!h.links[ok].down);
+    assert!(h.edge.ready_generation("node-1").is_some());
 }
 
 #[test]

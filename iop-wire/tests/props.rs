@@ -3,7 +3,7 @@
 //! from the implementation.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::FrameCodec;
@@ -269,6 +269,8 @@ proptest! {
         let now = Instant::now();
         let mut reg = Registry::new(RegistryConfig {
             default_node_config: Some(NodeConfigPayload::default()),
+            // The model covers ownership and fencing; the handshake timeout has its own test.
+            handshake_timeout: Duration::MAX,
             ..Default::default()
         });
         let mut model = Model::default();
