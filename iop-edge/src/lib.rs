@@ -66,6 +66,8 @@ pub mod http;
 pub mod metrics;
 pub mod pool;
 pub mod profile;
+mod ratelog;
+mod stream_buf;
 mod tools;
 pub mod transport;
 

@@ -10,6 +10,10 @@
 //! | `iop_edge_requests_total` | `endpoint` = models, chat_completions, responses, messages, count_tokens; `outcome` = ok, error |
 //! | `iop_edge_request_duration_seconds` (histogram) | `endpoint` |
 //! | `iop_edge_pool_queue_depth`, `iop_edge_pool_in_flight` (gauges, at scrape) | — |
+//! | `iop_edge_node_connections_refused_total` | `reason` = capacity, per_ip, handshake_timeout, handshake_failed |
+//! | `iop_edge_accept_errors_total` | `listener` = nodes, http |
+//! | `iop_edge_slow_consumers_total` | — (streams ended because their reader fell behind) |
+//! | `iop_edge_http_connections_refused_total` | — (over the HTTP connection cap) |
 //!
 //! The matching structured log events are `edge_provider_health_observation` and
 //! `edge_liveness_recovery_observation` (tracing, target `iop_edge`), emitted after the overlay
@@ -103,6 +107,38 @@ impl Endpoint {
 
 const ENDPOINTS: usize = 5;
 
+/// Why a Node connection was refused before registration (a bounded label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Too many connections in their TLS handshake.
+    Capacity,
+    /// Too many from one source address.
+    PerIp,
+    /// The TLS handshake did not finish in time.
+    HandshakeTimeout,
+    /// The TLS handshake failed (wrong CA, role, name, protocol, or an aborted attempt).
+    HandshakeFailed,
+}
+
+impl Refusal {
+    const ALL: [Self; 4] = [
+        Self::Capacity,
+        Self::PerIp,
+        Self::HandshakeTimeout,
+        Self::HandshakeFailed,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Capacity => "capacity",
+            Self::PerIp => "per_ip",
+            Self::HandshakeTimeout => "handshake_timeout",
+            Self::HandshakeFailed => "handshake_failed",
+        }
+    }
+}
+
 /// The Edge's counters. Cheap to share (`Arc`).
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -112,6 +148,10 @@ pub struct Metrics {
     recovery: [AtomicU64; 2],
     requests: [[AtomicU64; 2]; ENDPOINTS],
     durations: [Histogram; ENDPOINTS],
+    refused: [AtomicU64; 4],
+    accept_errors: [AtomicU64; 2],
+    slow_consumers: AtomicU64,
+    http_refused: AtomicU64,
 }
 
 impl Metrics {
@@ -138,6 +178,31 @@ impl Metrics {
     /// A CAPABILITIES recovery answer's effect on one overlay.
     pub(crate) fn recovery_result(&self, cleared: bool) {
         self.recovery[usize::from(!cleared)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A Node connection refused before registration.
+    pub fn node_connection_refused(&self, reason: Refusal) {
+        self.refused[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A failed `accept` on the Node listener.
+    pub(crate) fn accept_error(&self) {
+        self.accept_errors[0].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A failed `accept` on the HTTP listener.
+    pub fn http_accept_error(&self) {
+        self.accept_errors[1].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A stream ended because its reader fell behind.
+    pub(crate) fn slow_consumer(&self) {
+        self.slow_consumers.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An HTTP connection closed at once over the connection cap.
+    pub fn http_connection_refused(&self) {
+        self.http_refused.fetch_add(1, Ordering::Relaxed);
     }
 
     /// One HTTP request's outcome and duration.
@@ -229,6 +294,33 @@ impl Metrics {
                 &format!("endpoint=\"{}\"", e.label()),
             );
         }
+        counter(
+            &mut out,
+            "iop_edge_node_connections_refused_total",
+            "Node connections refused or failed before registration.",
+            "reason",
+            &Refusal::ALL.map(|r| (r.as_str(), &self.refused[r as usize])),
+        );
+        counter(
+            &mut out,
+            "iop_edge_accept_errors_total",
+            "Failed accepts (e.g. out of file descriptors).",
+            "listener",
+            &[
+                ("nodes", &self.accept_errors[0]),
+                ("http", &self.accept_errors[1]),
+            ],
+        );
+        let _ = writeln!(
+            out,
+            "# HELP iop_edge_slow_consumers_total Streams ended because their reader fell behind.\n# TYPE iop_edge_slow_consumers_total counter\niop_edge_slow_consumers_total {}",
+            self.slow_consumers.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP iop_edge_http_connections_refused_total HTTP connections closed over the connection cap.\n# TYPE iop_edge_http_connections_refused_total counter\niop_edge_http_connections_refused_total {}",
+            self.http_refused.load(Ordering::Relaxed)
+        );
         let _ = writeln!(
             out,
             "# HELP iop_edge_pool_queue_depth Requests waiting for a provider.\n# TYPE iop_edge_pool_queue_depth gauge\niop_edge_pool_queue_depth {queue_depth}"

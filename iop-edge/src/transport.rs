@@ -21,9 +21,32 @@
 //! reception identity `(node_id, generation)` of the frame, never against anything the frame
 //! claims.
 //!
-//! Backpressure: run events are forwarded through an unbounded channel per stream, so a caller
-//! that stops reading makes the Edge buffer that run's events. Bounded per-stream windows are
-//! future work.
+//! # Bounds (what a slow or hostile peer can cost)
+//!
+//! Every queue a peer can fill is bounded, and every phase it can stall has a timeout:
+//!
+//! - **Per stream** (a slow HTTP client): the events of a run or tunnel wait for their reader
+//!   in a buffer whose unread bytes are counted ([`crate::stream_buf`]). Past
+//!   [`TransportConfig::max_stream_buffer`] bytes, or after
+//!   [`TransportConfig::slow_consumer_timeout`] with bytes unread and no read, the stream is
+//!   ended for its reader (the backlog is freed and replaced by one terminal:
+//!   [`TunnelEvent::SlowConsumer`], or a run `ERROR` "slow consumer") and `CancelRequest` goes
+//!   to the Node, as for a disconnect. The registry task never waits for a reader, so the
+//!   other streams of the same Node connection keep flowing. The wire has no window frames:
+//!   none are needed for this.
+//! - **Per connection**: frames to a Node wait in a queue of
+//!   [`TransportConfig::outbound_frames`]; a Node that stops reading them (even only its
+//!   pongs) fills it and is disconnected ([`FenceCause::NotReading`]).
+//! - **Registry inputs**: a bounded queue; a connection task that cannot hand over a frame
+//!   stops reading its socket (TCP pushes back on that Node alone). Stream-drop and
+//!   admission-release notices travel apart, on a queue bounded by construction (at most one
+//!   notice per stream or admission, and those are bounded by the pool).
+//! - **Handshakes**: TLS within [`TransportConfig::handshake_timeout`]; register and ready
+//!   within [`RegistryConfig::handshake_timeout`] (the registry closes the connection).
+//! - **Connections**: at most [`TransportConfig::max_unauthenticated`] connections in their
+//!   TLS handshake, and [`TransportConfig::max_unauthenticated_per_ip`] per source address;
+//!   more are closed at once. Accept errors (e.g. out of file descriptors) back off and are
+//!   logged at most once per 10 s with a count.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -32,7 +55,9 @@ use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
-use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig, RegistryEvent, SendError};
+use iop_wire::edge::{
+    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, SendError,
+};
 use iop_wire::identity::peer_identity;
 use iop_wire::runtime::{
     CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
@@ -47,11 +72,13 @@ use crate::metrics::Metrics;
 use crate::pool::{
     Lease, LeaseId, Pool, PoolConfig, PoolError, PoolEvent, ProviderKey, RequestId, Submitted,
 };
+use crate::stream_buf::{self, StreamRx, StreamTx};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::codec::Framed;
+use tokio_util::sync::CancellationToken;
 
 /// Reason text of the synthetic terminal sent when a run's Node generation is fenced.
 pub const NODE_DISCONNECTED: &str = "node disconnected";
@@ -74,7 +101,37 @@ pub struct TransportConfig {
     pub pool: Option<PoolConfig>,
     /// Counters shared with the HTTP surface.
     pub metrics: Arc<Metrics>,
+    /// Limit on a Node connection's TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Connections in their TLS handshake at once; more are closed at once.
+    pub max_unauthenticated: usize,
+    /// Of which from one source address.
+    pub max_unauthenticated_per_ip: usize,
+    /// Unread bytes one stream may hold before it is ended as a slow consumer.
+    pub max_stream_buffer: usize,
+    /// How long a stream may hold unread bytes without its reader reading before it is ended
+    /// as a slow consumer.
+    pub slow_consumer_timeout: Duration,
+    /// Frames queued to one Node connection before it counts as not reading.
+    pub outbound_frames: usize,
 }
+
+/// Default [`TransportConfig::handshake_timeout`].
+pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`TransportConfig::max_unauthenticated`].
+pub const DEFAULT_MAX_UNAUTHENTICATED: usize = 256;
+/// Default [`TransportConfig::max_unauthenticated_per_ip`].
+pub const DEFAULT_MAX_UNAUTHENTICATED_PER_IP: usize = 32;
+/// Default [`TransportConfig::max_stream_buffer`]: 4 MiB.
+pub const DEFAULT_MAX_STREAM_BUFFER: usize = 4 * 1024 * 1024;
+/// Default [`TransportConfig::slow_consumer_timeout`].
+pub const DEFAULT_SLOW_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default [`TransportConfig::outbound_frames`].
+pub const DEFAULT_OUTBOUND_FRAMES: usize = 1024;
+/// Capacity of the registry task's input queue.
+const INPUT_QUEUE: usize = 4096;
+/// Reason of the terminal and the `CancelRequest` of a stream ended as a slow consumer.
+pub const SLOW_CONSUMER: &str = "slow consumer";
 
 impl std::fmt::Debug for TransportConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -99,6 +156,12 @@ impl TransportConfig {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             pool: None,
             metrics: Arc::default(),
+            handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+            max_unauthenticated: DEFAULT_MAX_UNAUTHENTICATED,
+            max_unauthenticated_per_ip: DEFAULT_MAX_UNAUTHENTICATED_PER_IP,
+            max_stream_buffer: DEFAULT_MAX_STREAM_BUFFER,
+            slow_consumer_timeout: DEFAULT_SLOW_CONSUMER_TIMEOUT,
+            outbound_frames: DEFAULT_OUTBOUND_FRAMES,
         }
     }
 }
@@ -227,7 +290,7 @@ impl WaitingDispatch {
 pub struct Admission {
     lease: Lease,
     recipient: Option<RecipientKey>,
-    inputs: mpsc::WeakUnboundedSender<Input>,
+    notices: mpsc::WeakUnboundedSender<Notice>,
     armed: bool,
 }
 
@@ -246,9 +309,9 @@ impl Admission {
 impl Drop for Admission {
     fn drop(&mut self) {
         if self.armed
-            && let Some(inputs) = self.inputs.upgrade()
+            && let Some(notices) = self.notices.upgrade()
         {
-            let _ = inputs.send(Input::ReleaseAdmission(self.lease.id));
+            let _ = notices.send(Notice::ReleaseAdmission(self.lease.id));
         }
     }
 }
@@ -263,7 +326,7 @@ fn stall(timeout: Duration) -> ResponseStallTimeout {
 pub struct RunStream {
     /// The generation the run was dispatched to.
     pub generation: Generation,
-    events: mpsc::UnboundedReceiver<RunEvent>,
+    events: StreamRx<RunEvent>,
     done: bool,
     on_drop: DropNotice,
 }
@@ -273,13 +336,13 @@ pub struct RunStream {
 #[derive(Debug)]
 struct DropNotice {
     stream_id: u64,
-    inputs: mpsc::WeakUnboundedSender<Input>,
+    notices: mpsc::WeakUnboundedSender<Notice>,
 }
 
 impl DropNotice {
     fn notify(&self) {
-        if let Some(inputs) = self.inputs.upgrade() {
-            let _ = inputs.send(Input::StreamDropped(self.stream_id));
+        if let Some(notices) = self.notices.upgrade() {
+            let _ = notices.send(Notice::StreamDropped(self.stream_id));
         }
     }
 }
@@ -325,6 +388,9 @@ pub enum TunnelEvent {
     /// No response started within the caller's wait timeout; the Edge sent `CancelRequest`.
     /// Terminal.
     WaitTimeout,
+    /// The reader fell behind past the stream's byte bound or slow-consumer timeout; its
+    /// backlog was dropped and the Edge sent `CancelRequest`. Terminal.
+    SlowConsumer,
 }
 
 impl TunnelEvent {
@@ -332,7 +398,10 @@ impl TunnelEvent {
     pub fn is_terminal(&self) -> bool {
         match self {
             Self::Frame(d) => d.is_terminal(),
-            Self::Violation(_) | Self::NodeDisconnected | Self::WaitTimeout => true,
+            Self::Violation(_)
+            | Self::NodeDisconnected
+            | Self::WaitTimeout
+            | Self::SlowConsumer => true,
         }
     }
 }
@@ -343,7 +412,7 @@ impl TunnelEvent {
 pub struct TunnelStream {
     /// The generation the tunnel was opened on.
     pub generation: Generation,
-    events: mpsc::UnboundedReceiver<TunnelEvent>,
+    events: StreamRx<TunnelEvent>,
     done: bool,
     on_drop: DropNotice,
 }
@@ -360,10 +429,31 @@ impl TunnelStream {
     }
 }
 
+/// What the Edge tells a connection task: write this frame, or close after what is queued.
+type Outbound = Option<RuntimeFrame>;
+
+/// A connection's writing end, held by the registry task.
+struct ConnOut {
+    frames: mpsc::Sender<Outbound>,
+    /// Ends the connection task at once (it may be stuck writing to a peer that does not read).
+    kill: CancellationToken,
+}
+
+/// Notices from dropped streams and admissions. Apart from [`Input`] because they are sent
+/// from `Drop` (no waiting possible) and bounded by construction: at most one per stream or
+/// admission.
+#[derive(Debug)]
+enum Notice {
+    /// A stream's reader was dropped before its terminal.
+    StreamDropped(u64),
+    /// An admission was dropped unsent.
+    ReleaseAdmission(LeaseId),
+}
+
 enum Input {
     Accepted {
         peer: String,
-        out: mpsc::UnboundedSender<Option<RuntimeFrame>>,
+        out: ConnOut,
         reply: oneshot::Sender<ConnId>,
     },
     Frame(ConnId, RuntimeFrame),
@@ -414,8 +504,6 @@ enum Input {
     ReadyNodes {
         reply: oneshot::Sender<Vec<(String, Generation)>>,
     },
-    /// A run stream's receiver was dropped.
-    StreamDropped(u64),
     Admit {
         model: String,
         long_context: bool,
@@ -427,7 +515,6 @@ enum Input {
         request: PoolRequest,
         reply: oneshot::Sender<Result<Dispatched, DispatchError>>,
     },
-    ReleaseAdmission(LeaseId),
 }
 
 /// The embeddable API of a running transport. Cheap to clone.
@@ -436,7 +523,9 @@ pub struct EdgeHandle {
     metrics: Arc<Metrics>,
     configured: Arc<Vec<(String, NodeConfigPayload)>>,
     pool_config: Option<Arc<PoolConfig>>,
-    inputs: mpsc::UnboundedSender<Input>,
+    inputs: mpsc::Sender<Input>,
+    /// Held only so that streams' weak handles stay valid while the Edge runs.
+    _notices: mpsc::UnboundedSender<Notice>,
     lifecycle: broadcast::Sender<Lifecycle>,
     local_addr: SocketAddr,
 }
@@ -595,12 +684,18 @@ impl EdgeHandle {
     }
 
     /// Asks `node_id` to cancel `run_id` (its terminal then arrives on the run's stream).
-    pub fn cancel(&self, node_id: &str, run_id: &str, reason: &str) -> Result<(), DispatchError> {
+    pub async fn cancel(
+        &self,
+        node_id: &str,
+        run_id: &str,
+        reason: &str,
+    ) -> Result<(), DispatchError> {
         self.send(Input::Cancel {
             node_id: node_id.to_owned(),
             run_id: run_id.to_owned(),
             reason: reason.to_owned(),
         })
+        .await
     }
 
     /// Sends a command to a ready Node and waits for its answer.
@@ -642,12 +737,16 @@ impl EdgeHandle {
         input: impl FnOnce(oneshot::Sender<T>) -> Input,
     ) -> Result<T, DispatchError> {
         let (reply, rx) = oneshot::channel();
-        self.send(input(reply))?;
+        self.send(input(reply)).await?;
         rx.await.map_err(|_| DispatchError::Stopped)
     }
 
-    fn send(&self, input: Input) -> Result<(), DispatchError> {
-        self.inputs.send(input).map_err(|_| DispatchError::Stopped)
+    /// Hands `input` to the registry task, waiting while its queue is full.
+    async fn send(&self, input: Input) -> Result<(), DispatchError> {
+        self.inputs
+            .send(input)
+            .await
+            .map_err(|_| DispatchError::Stopped)
     }
 }
 
@@ -659,13 +758,15 @@ pub async fn bind(
 ) -> std::io::Result<(EdgeHandle, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(config.listen).await?;
     let local_addr = listener.local_addr()?;
-    let (inputs, input_rx) = mpsc::unbounded_channel();
+    let (inputs, input_rx) = mpsc::channel(INPUT_QUEUE);
+    let (notices, notice_rx) = mpsc::unbounded_channel();
     let (lifecycle, _) = broadcast::channel(1024);
     let handle = EdgeHandle {
         metrics: config.metrics.clone(),
         configured: Arc::new(config.node_configs.clone()),
         pool_config: config.pool.clone().map(Arc::new),
         inputs: inputs.clone(),
+        _notices: notices.clone(),
         lifecycle: lifecycle.clone(),
         local_addr,
     };
@@ -673,114 +774,284 @@ pub async fn bind(
     for (node_id, payload) in &config.node_configs {
         registry.set_node_config(node_id, Some(payload.clone()));
     }
-    let acceptor = TlsAcceptor::from(config.tls.clone());
-    let codec = FrameCodec::with_max_frame_len(config.max_frame_len);
+    let limits = Arc::new(Handshakes::new(&config));
     let accept_inputs = inputs.downgrade();
-    let accept = tokio::spawn(async move {
-        loop {
-            let (tcp, peer_addr) = match listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // E.g. out of file descriptors: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Some(inputs) = accept_inputs.upgrade() else {
-                return;
-            };
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                if tcp.set_nodelay(true).is_err() {
-                    return;
-                }
-                let tls = match acceptor.accept(tcp).await {
-                    Ok(tls) => tls,
-                    Err(e) => {
-                        tracing::info!(%peer_addr, error = %e, "node TLS handshake refused");
-                        return;
-                    }
-                };
-                let Ok(peer) = peer_identity(tls.get_ref().1) else {
-                    return;
-                };
-                connection(tls, peer.name().to_owned(), codec, inputs).await;
-            });
-        }
-    });
+    let accept = tokio::spawn(accept_loop(listener, limits, accept_inputs));
     tokio::spawn(registry_task(
-        registry,
-        config.pool.clone().map(Pool::new),
-        config.metrics.clone(),
+        Setup {
+            registry,
+            pool: config.pool.clone().map(Pool::new),
+            metrics: config.metrics.clone(),
+            lifecycle,
+            notices: notices.downgrade(),
+            max_stream_buffer: config.max_stream_buffer,
+            slow_consumer_timeout: config.slow_consumer_timeout,
+        },
         input_rx,
-        lifecycle,
-        inputs.downgrade(),
+        notice_rx,
     ));
     Ok((handle, accept))
 }
 
-/// One connection's I/O: frames in to the registry task, frames out from it.
-async fn connection<S>(
-    stream: S,
-    peer: String,
+/// The TLS handshake phase of Node connections: its acceptor, timeout and connection caps.
+struct Handshakes {
+    acceptor: TlsAcceptor,
     codec: FrameCodec,
-    inputs: mpsc::UnboundedSender<Input>,
-) where
+    timeout: Duration,
+    permits: Arc<tokio::sync::Semaphore>,
+    per_ip_max: usize,
+    per_ip: std::sync::Mutex<HashMap<std::net::IpAddr, usize>>,
+    outbound_frames: usize,
+    metrics: Arc<Metrics>,
+    refusals: std::sync::Mutex<crate::ratelog::RateLimited>,
+}
+
+impl Handshakes {
+    fn new(config: &TransportConfig) -> Self {
+        Self {
+            acceptor: TlsAcceptor::from(config.tls.clone()),
+            codec: FrameCodec::with_max_frame_len(config.max_frame_len),
+            timeout: config.handshake_timeout,
+            permits: Arc::new(tokio::sync::Semaphore::new(config.max_unauthenticated)),
+            per_ip_max: config.max_unauthenticated_per_ip,
+            per_ip: std::sync::Mutex::new(HashMap::new()),
+            outbound_frames: config.outbound_frames.max(1),
+            metrics: config.metrics.clone(),
+            refusals: std::sync::Mutex::new(crate::ratelog::RateLimited::new(Duration::from_secs(
+                10,
+            ))),
+        }
+    }
+
+    /// Counts a refused or failed handshake; logs one line per 10 s at most.
+    fn refused(&self, reason: crate::metrics::Refusal, peer: SocketAddr, detail: &str) {
+        self.metrics.node_connection_refused(reason);
+        let mut log = self
+            .refusals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(suppressed) = log.hit() {
+            tracing::info!(
+                %peer,
+                reason = reason.as_str(),
+                detail,
+                suppressed,
+                "node connection refused (counted in iop_edge_node_connections_refused_total)"
+            );
+        }
+    }
+
+    /// Takes a slot for a connection from `ip`, or `None` (cap reached).
+    fn admit(
+        self: &Arc<Self>,
+        ip: std::net::IpAddr,
+    ) -> Result<HandshakeSlot, crate::metrics::Refusal> {
+        let permit = self
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| crate::metrics::Refusal::Capacity)?;
+        let mut per_ip = self
+            .per_ip
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = per_ip.entry(ip).or_insert(0);
+        if *n >= self.per_ip_max {
+            return Err(crate::metrics::Refusal::PerIp);
+        }
+        *n += 1;
+        Ok(HandshakeSlot {
+            limits: self.clone(),
+            ip,
+            _permit: permit,
+        })
+    }
+}
+
+/// A connection's place among the handshakes in progress; freed on drop.
+struct HandshakeSlot {
+    limits: Arc<Handshakes>,
+    ip: std::net::IpAddr,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut per_ip = self
+            .limits
+            .per_ip
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = per_ip.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                per_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    limits: Arc<Handshakes>,
+    inputs: mpsc::WeakSender<Input>,
+) {
+    let mut errors = crate::ratelog::RateLimited::new(Duration::from_secs(10));
+    loop {
+        let (tcp, peer_addr) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning, log rarely.
+                limits.metrics.accept_error();
+                if let Some(suppressed) = errors.hit() {
+                    tracing::warn!(error = %e, suppressed, "node listener: accept failed; backing off");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Some(inputs) = inputs.upgrade() else {
+            return;
+        };
+        let slot = match limits.admit(peer_addr.ip()) {
+            Ok(slot) => slot,
+            Err(reason) => {
+                // Closed at once: a flood of silent connections costs no handshake state and
+                // cannot take the file descriptors the HTTP API needs.
+                drop(tcp);
+                limits.refused(reason, peer_addr, "connection cap reached");
+                continue;
+            }
+        };
+        let limits = limits.clone();
+        tokio::spawn(async move {
+            if tcp.set_nodelay(true).is_err() {
+                return;
+            }
+            let tls = match tokio::time::timeout(limits.timeout, limits.acceptor.accept(tcp)).await
+            {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    let detail = e.to_string();
+                    limits.refused(crate::metrics::Refusal::HandshakeFailed, peer_addr, &detail);
+                    return;
+                }
+                Err(_) => {
+                    limits.refused(
+                        crate::metrics::Refusal::HandshakeTimeout,
+                        peer_addr,
+                        "tls handshake timed out",
+                    );
+                    return;
+                }
+            };
+            // Authenticated: registration has its own deadline (the registry's).
+            drop(slot);
+            let Ok(peer) = peer_identity(tls.get_ref().1) else {
+                return;
+            };
+            connection(tls, peer.name().to_owned(), &limits, inputs).await;
+        });
+    }
+}
+
+/// One connection's I/O: frames in to the registry task, frames out from it.
+async fn connection<S>(stream: S, peer: String, limits: &Handshakes, inputs: mpsc::Sender<Input>)
+where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let (out, mut out_rx) = mpsc::unbounded_channel::<Option<RuntimeFrame>>();
+    let (frames, mut out_rx) = mpsc::channel::<Outbound>(limits.outbound_frames);
+    let kill = CancellationToken::new();
+    let out = ConnOut {
+        frames,
+        kill: kill.clone(),
+    };
     let (reply, conn) = oneshot::channel();
-    if inputs.send(Input::Accepted { peer, out, reply }).is_err() {
+    if inputs
+        .send(Input::Accepted {
+            peer: peer.clone(),
+            out,
+            reply,
+        })
+        .await
+        .is_err()
+    {
         return;
     }
     let Ok(conn) = conn.await else { return };
-    let mut framed = Framed::new(stream, TokioCodec::<RuntimeFrame>::new(codec));
-    loop {
-        tokio::select! {
-            out = out_rx.recv() => match out {
-                Some(Some(frame)) => {
-                    if framed.feed(frame).await.is_err() {
-                        break;
-                    }
-                    // Write everything already queued before flushing once.
-                    let mut closed = false;
-                    while let Ok(more) = out_rx.try_recv() {
-                        match more {
-                            Some(frame) => {
-                                if framed.feed(frame).await.is_err() {
+    let mut framed = Framed::new(stream, TokioCodec::<RuntimeFrame>::new(limits.codec));
+    let io = async {
+        loop {
+            tokio::select! {
+                out = out_rx.recv() => match out {
+                    Some(Some(frame)) => {
+                        if framed.feed(frame).await.is_err() {
+                            break;
+                        }
+                        // Write everything already queued before flushing once.
+                        let mut closed = false;
+                        while let Ok(more) = out_rx.try_recv() {
+                            match more {
+                                Some(frame) => {
+                                    if framed.feed(frame).await.is_err() {
+                                        closed = true;
+                                        break;
+                                    }
+                                }
+                                None => {
                                     closed = true;
                                     break;
                                 }
                             }
-                            None => {
-                                closed = true;
-                                break;
-                            }
+                        }
+                        if framed.flush().await.is_err() || closed {
+                            break;
                         }
                     }
-                    if framed.flush().await.is_err() || closed {
+                    _ => break,
+                },
+                frame = framed.next() => match frame {
+                    Some(Ok(frame)) => {
+                        // Waits while the registry's queue is full: this Node's socket is not
+                        // read meanwhile, and TCP pushes back on it alone.
+                        if inputs.send(Input::Frame(conn, frame)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Some(Err(e)) if is_eof(&e) => {
+                        tracing::debug!(node = %peer, "node closed the connection without close_notify");
                         break;
                     }
-                }
-                _ => break,
-            },
-            frame = framed.next() => match frame {
-                Some(Ok(frame)) => {
-                    if inputs.send(Input::Frame(conn, frame)).is_err() {
+                    Some(Err(e)) => {
+                        tracing::info!(node = %peer, error = %e, "invalid frame from node; closing");
                         break;
                     }
-                }
-                Some(Err(e)) => {
-                    tracing::info!(error = %e, "invalid frame from node; closing");
-                    break;
-                }
-                None => break,
-            },
+                    None => break,
+                },
+            }
         }
+        let _ = framed.close().await;
+    };
+    tokio::select! {
+        () = io => {}
+        // The registry gave up on this peer (e.g. it does not read): drop the socket now,
+        // even mid-write.
+        () = kill.cancelled() => {}
     }
-    let _ = framed.close().await;
-    let _ = inputs.send(Input::Closed(conn));
+    let _ = inputs.send(Input::Closed(conn)).await;
+}
+
+/// A peer that closed its socket without TLS `close_notify` (a killed process, a reset):
+/// an ordinary disconnect, not an invalid frame.
+fn is_eof(e: &iop_wire::codec::CodecError) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e,
+        iop_wire::codec::CodecError::Io(io) if matches!(
+            io.kind(),
+            ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe
+        )
+    )
 }
 
 struct Route {
@@ -794,8 +1065,8 @@ struct Route {
 
 /// Where a stream's events go.
 enum Sink {
-    Run(mpsc::UnboundedSender<RunEvent>),
-    Tunnel(mpsc::UnboundedSender<TunnelEvent>),
+    Run(StreamTx<RunEvent>),
+    Tunnel(StreamTx<TunnelEvent>),
 }
 
 impl Sink {
@@ -805,12 +1076,53 @@ impl Sink {
             Self::Run(tx) => {
                 let mut ev = RunEvent::new(RunEventKind::Error);
                 ev.error = NODE_DISCONNECTED.into();
-                let _ = tx.send(ev);
+                let _ = tx.push(ev, 0);
             }
             Self::Tunnel(tx) => {
-                let _ = tx.send(TunnelEvent::NodeDisconnected);
+                let _ = tx.push(TunnelEvent::NodeDisconnected, 0);
             }
         }
+    }
+
+    /// Ends the stream for a reader that fell behind: its backlog is dropped and one terminal
+    /// takes its place.
+    fn slow_consumer(&self) {
+        match self {
+            Self::Run(tx) => {
+                let mut ev = RunEvent::new(RunEventKind::Error);
+                ev.error = SLOW_CONSUMER.into();
+                tx.replace_with(ev);
+            }
+            Self::Tunnel(tx) => tx.replace_with(TunnelEvent::SlowConsumer),
+        }
+    }
+
+    fn level(&self) -> stream_buf::Level {
+        match self {
+            Self::Run(tx) => tx.level(),
+            Self::Tunnel(tx) => tx.level(),
+        }
+    }
+}
+
+/// Approximate memory of a run event in a stream buffer.
+fn run_event_size(ev: &RunEvent) -> usize {
+    64 + ev.delta.len()
+        + ev.error.len()
+        + ev.metadata
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>()
+}
+
+/// Approximate memory of a tunnel event in a stream buffer.
+fn tunnel_event_size(ev: &TunnelEvent) -> usize {
+    64 + match ev {
+        TunnelEvent::Frame(Delivery::Body(b)) => b.len(),
+        TunnelEvent::Frame(Delivery::Start { headers, .. }) => {
+            headers.iter().map(|h| h.name.len() + h.value.len()).sum()
+        }
+        _ => 0,
     }
 }
 
@@ -839,7 +1151,7 @@ impl Pending {
 
 struct State {
     registry: Registry,
-    outs: HashMap<ConnId, mpsc::UnboundedSender<Option<RuntimeFrame>>>,
+    outs: HashMap<ConnId, ConnOut>,
     routes: HashMap<u64, Route>,
     /// Ordering state of every open tunnel stream (stream ids are unique across connections).
     tunnels: TunnelSequencer,
@@ -856,10 +1168,27 @@ struct State {
     next_stream: u64,
     next_correlation: u64,
     lifecycle: broadcast::Sender<Lifecycle>,
-    /// This task's own input, weakly: streams report their drop through it.
-    me: mpsc::WeakUnboundedSender<Input>,
+    /// Where streams and admissions report their drop, weakly.
+    notices: mpsc::WeakUnboundedSender<Notice>,
     /// The lease recipient key of each Node's current registration (managed mode).
     recipients: HashMap<String, (Generation, Option<RecipientKey>)>,
+    max_stream_buffer: usize,
+    slow_consumer_timeout: Duration,
+    /// Streams holding unread bytes, by the time to look again, and the read count seen when
+    /// the timer was armed.
+    slow_timers: BTreeSet<(Instant, u64)>,
+    slow: HashMap<u64, (Instant, u64)>,
+}
+
+/// What the registry task starts with.
+struct Setup {
+    registry: Registry,
+    pool: Option<Pool>,
+    metrics: Arc<Metrics>,
+    lifecycle: broadcast::Sender<Lifecycle>,
+    notices: mpsc::WeakUnboundedSender<Notice>,
+    max_stream_buffer: usize,
+    slow_consumer_timeout: Duration,
 }
 
 fn now() -> std::time::Instant {
@@ -867,16 +1196,26 @@ fn now() -> std::time::Instant {
 }
 
 async fn registry_task(
-    registry: Registry,
-    pool: Option<Pool>,
-    metrics: Arc<Metrics>,
-    mut input_rx: mpsc::UnboundedReceiver<Input>,
-    lifecycle: broadcast::Sender<Lifecycle>,
-    me: mpsc::WeakUnboundedSender<Input>,
+    setup: Setup,
+    mut input_rx: mpsc::Receiver<Input>,
+    mut notice_rx: mpsc::UnboundedReceiver<Notice>,
 ) {
+    let Setup {
+        registry,
+        pool,
+        metrics,
+        lifecycle,
+        notices,
+        max_stream_buffer,
+        slow_consumer_timeout,
+    } = setup;
     let mut st = State {
-        me,
+        notices,
         recipients: HashMap::new(),
+        max_stream_buffer,
+        slow_consumer_timeout,
+        slow_timers: BTreeSet::new(),
+        slow: HashMap::new(),
         registry,
         outs: HashMap::new(),
         routes: HashMap::new(),
@@ -900,27 +1239,31 @@ async fn registry_task(
             .as_ref()
             .and_then(Pool::poll_timeout)
             .map(Instant::from_std);
-        let deadline = [registry_deadline, wait_deadline, pool_deadline]
-            .into_iter()
-            .flatten()
-            .min();
-        let input = tokio::select! {
+        let slow_deadline = st.slow_timers.first().map(|(at, _)| *at);
+        let deadline = [
+            registry_deadline,
+            wait_deadline,
+            pool_deadline,
+            slow_deadline,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        tokio::select! {
             input = input_rx.recv() => match input {
-                Some(i) => Some(i),
+                Some(input) => st.handle(input),
                 None => return,
             },
+            Some(notice) = notice_rx.recv() => st.notice(notice),
             () = async {
                 match deadline {
                     Some(d) => tokio::time::sleep_until(d).await,
                     None => std::future::pending().await,
                 }
-            } => None,
-        };
-        match input {
-            Some(input) => st.handle(input),
-            None => {
+            } => {
                 st.registry.handle_timeout(now());
                 st.expire_waits();
+                st.expire_slow();
                 if let Some(pool) = st.pool.as_mut() {
                     pool.handle_timeout(now());
                 }
@@ -934,7 +1277,89 @@ impl State {
     fn drop_notice(&self, stream_id: u64) -> DropNotice {
         DropNotice {
             stream_id,
-            inputs: self.me.clone(),
+            notices: self.notices.clone(),
+        }
+    }
+
+    fn notice(&mut self, notice: Notice) {
+        match notice {
+            Notice::StreamDropped(stream_id) => {
+                self.end_stream(stream_id, "caller_disconnected");
+            }
+            Notice::ReleaseAdmission(id) => {
+                if let Some(pool) = self.pool.as_mut() {
+                    pool.release(id);
+                }
+            }
+        }
+    }
+
+    /// Ends a stream for its caller and asks the Node to stop the provider work.
+    fn end_stream(&mut self, stream_id: u64, reason: &str) {
+        if let Some(route) = self.take_route(stream_id) {
+            let cancel = RuntimeMessage::CancelRequest(CancelRequest {
+                run_id: route.run_id,
+                reason: reason.into(),
+            });
+            let _ = self.registry.send(
+                now(),
+                &route.node_id,
+                route.generation,
+                RuntimeFrame::new(cancel),
+            );
+        }
+    }
+
+    /// After an event was queued on `stream_id` leaving `level`: over the byte bound the stream
+    /// ends now; with bytes unread, the slow-consumer timer runs.
+    fn watch_level(&mut self, stream_id: u64, level: stream_buf::Level) {
+        if level.bytes > self.max_stream_buffer {
+            self.slow_consumer(stream_id);
+        } else if level.bytes > 0 && !self.slow.contains_key(&stream_id) {
+            let at = Instant::now() + self.slow_consumer_timeout;
+            self.slow.insert(stream_id, (at, level.reads));
+            self.slow_timers.insert((at, stream_id));
+        }
+    }
+
+    fn slow_consumer(&mut self, stream_id: u64) {
+        if let Some(route) = self.routes.get(&stream_id) {
+            route.sink.slow_consumer();
+            self.metrics.slow_consumer();
+            tracing::info!(
+                node_id = %route.node_id,
+                run_id = %route.run_id,
+                "stream ended: its reader fell behind (slow consumer); cancelling upstream"
+            );
+            self.end_stream(stream_id, "slow_consumer");
+        }
+    }
+
+    /// Looks again at streams that held unread bytes: caught up (timer off), progressing (timer
+    /// re-armed) or stuck past the timeout (ended).
+    fn expire_slow(&mut self) {
+        let now = Instant::now();
+        while let Some(&(at, stream_id)) = self.slow_timers.first() {
+            if at > now {
+                break;
+            }
+            self.slow_timers.pop_first();
+            let Some((_, reads_then)) = self.slow.remove(&stream_id) else {
+                continue;
+            };
+            let Some(level) = self.routes.get(&stream_id).map(|r| r.sink.level()) else {
+                continue;
+            };
+            if level.bytes == 0 {
+                continue;
+            }
+            if level.reads > reads_then {
+                let at = now + self.slow_consumer_timeout;
+                self.slow.insert(stream_id, (at, level.reads));
+                self.slow_timers.insert((at, stream_id));
+            } else {
+                self.slow_consumer(stream_id);
+            }
         }
     }
 
@@ -956,7 +1381,7 @@ impl State {
                 reply,
             } => {
                 let run_id = request.run_id.clone();
-                let (tx, rx) = mpsc::unbounded_channel();
+                let (tx, rx) = stream_buf::channel();
                 let opened = self.open_stream(node_id, run_id, Sink::Run(tx), |stream_id| {
                     RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunRequest(request))
                 });
@@ -969,7 +1394,7 @@ impl State {
                             on_drop: self.drop_notice(stream_id),
                         };
                         if reply.send(Ok(stream)).is_err() {
-                            self.handle(Input::StreamDropped(stream_id));
+                            self.end_stream(stream_id, "caller_disconnected");
                         }
                     }
                     Err(e) => {
@@ -984,7 +1409,7 @@ impl State {
                 reply,
             } => {
                 let run_id = request.run_id.clone();
-                let (tx, rx) = mpsc::unbounded_channel();
+                let (tx, rx) = stream_buf::channel();
                 let opened = self.open_stream(node_id, run_id, Sink::Tunnel(tx), |stream_id| {
                     RuntimeFrame::on_stream(
                         stream_id,
@@ -1005,7 +1430,7 @@ impl State {
                             on_drop: self.drop_notice(stream_id),
                         };
                         if reply.send(Ok(stream)).is_err() {
-                            self.handle(Input::StreamDropped(stream_id));
+                            self.end_stream(stream_id, "caller_disconnected");
                         }
                     }
                     Err(e) => {
@@ -1082,11 +1507,6 @@ impl State {
                     let _ = reply.send(Err(DispatchError::Disconnected));
                 }
             }
-            Input::ReleaseAdmission(id) => {
-                if let Some(pool) = self.pool.as_mut() {
-                    pool.release(id);
-                }
-            }
             Input::PoolStats { reply } => {
                 let stats = self
                     .pool
@@ -1111,21 +1531,6 @@ impl State {
             }
             Input::ReadyNodes { reply } => {
                 let _ = reply.send(self.registry.ready_nodes());
-            }
-            Input::StreamDropped(stream_id) => {
-                if let Some(route) = self.take_route(stream_id) {
-                    // The caller went away: ask the Node to stop the provider work.
-                    let cancel = RuntimeMessage::CancelRequest(CancelRequest {
-                        run_id: route.run_id,
-                        reason: "caller_disconnected".into(),
-                    });
-                    let _ = self.registry.send(
-                        now(),
-                        &route.node_id,
-                        route.generation,
-                        RuntimeFrame::new(cancel),
-                    );
-                }
             }
         }
     }
@@ -1237,6 +1642,9 @@ impl State {
     /// lease (a no-op if a fence already released it).
     fn take_route(&mut self, stream_id: u64) -> Option<Route> {
         let route = self.routes.remove(&stream_id)?;
+        if let Some((at, _)) = self.slow.remove(&stream_id) {
+            self.slow_timers.remove(&(at, stream_id));
+        }
         self.tunnels.close(stream_id);
         if let (Some(lease), Some(pool)) = (route.lease, self.pool.as_mut()) {
             pool.release(lease);
@@ -1315,7 +1723,7 @@ impl State {
                 let admission = Admission {
                     lease,
                     recipient,
-                    inputs: self.me.clone(),
+                    notices: self.notices.clone(),
                     armed: true,
                 };
                 if let Err(Ok(mut admission)) = reply.send(Ok(admission)) {
@@ -1348,7 +1756,7 @@ impl State {
                 req.adapter.clone_from(&lease.adapter);
                 req.target.clone_from(&lease.target);
                 req.response_stall_timeout = stall(lease.response_stall_timeout);
-                let (tx, rx) = mpsc::unbounded_channel();
+                let (tx, rx) = stream_buf::channel();
                 match self.open_stream(node_id, run_id, Sink::Run(tx), |id| {
                     RuntimeFrame::on_stream(id, RuntimeMessage::RunRequest(req))
                 }) {
@@ -1368,7 +1776,7 @@ impl State {
                 req.adapter.clone_from(&lease.adapter);
                 req.target.clone_from(&lease.target);
                 req.response_stall_timeout = stall(lease.response_stall_timeout);
-                let (tx, rx) = mpsc::unbounded_channel();
+                let (tx, rx) = stream_buf::channel();
                 match self.open_stream(node_id, run_id, Sink::Tunnel(tx), |id| {
                     RuntimeFrame::on_stream(id, RuntimeMessage::ProviderTunnelRequest(req))
                 }) {
@@ -1391,7 +1799,7 @@ impl State {
                     route.lease = Some(lease.id);
                 }
                 if reply.send(result).is_err() {
-                    self.handle(Input::StreamDropped(id));
+                    self.end_stream(id, "caller_disconnected");
                 }
             }
             None => {
@@ -1415,8 +1823,8 @@ impl State {
                 ..
             }) = self.routes.get(&stream_id)
             {
-                let _ = tx.send(TunnelEvent::WaitTimeout);
-                self.handle(Input::StreamDropped(stream_id));
+                let _ = tx.push(TunnelEvent::WaitTimeout, 0);
+                self.end_stream(stream_id, "caller_disconnected");
             }
         }
     }
@@ -1489,8 +1897,14 @@ impl State {
             let mut progressed = false;
             while let Some((conn, frame)) = self.registry.poll_transmit() {
                 progressed = true;
-                if let Some(out) = self.outs.get(&conn) {
-                    let _ = out.send(Some(frame));
+                let Some(out) = self.outs.get(&conn) else {
+                    continue;
+                };
+                if let Err(mpsc::error::TrySendError::Full(_)) = out.frames.try_send(Some(frame)) {
+                    // The peer does not read what we send it (even pongs): let it go.
+                    tracing::info!(?conn, "node connection not reading its frames; closing");
+                    out.kill.cancel();
+                    self.registry.close(conn, FenceCause::NotReading);
                 }
             }
             while let Some(event) = self.registry.poll_event() {
@@ -1561,9 +1975,14 @@ impl State {
             } => {
                 self.route(&node_id, generation, frame);
             }
-            RegistryEvent::CloseConnection { conn, .. } => {
+            RegistryEvent::CloseConnection { conn, cause } => {
                 if let Some(out) = self.outs.remove(&conn) {
-                    let _ = out.send(None);
+                    tracing::info!(?conn, cause = cause.as_str(), "closing node connection");
+                    // After the frames already queued (a refusal's reason), unless the queue is
+                    // full: then at once.
+                    if out.frames.try_send(None).is_err() {
+                        out.kill.cancel();
+                    }
                 }
             }
             _ => {}
@@ -1622,11 +2041,15 @@ impl State {
                     return;
                 };
                 let terminal = ev.kind.is_terminal();
-                let delivered = tx.send(ev).is_ok();
+                let size = run_event_size(&ev);
+                let delivered = tx.push(ev, size);
                 if terminal {
                     self.take_route(frame.stream_id);
-                } else if !delivered {
-                    self.handle(Input::StreamDropped(frame.stream_id));
+                } else {
+                    match delivered {
+                        Some(level) => self.watch_level(frame.stream_id, level),
+                        None => self.end_stream(frame.stream_id, "caller_disconnected"),
+                    }
                 }
             }
             RuntimeMessage::ProviderTunnelFrame(tf) => {
@@ -1668,12 +2091,16 @@ impl State {
                 };
                 let terminal = event.is_terminal();
                 let violation = matches!(event, TunnelEvent::Violation(_));
-                let delivered = tx.send(event).is_ok();
-                if violation || !delivered {
+                let size = tunnel_event_size(&event);
+                let delivered = tx.push(event, size);
+                match delivered {
                     // Stop the provider work: the stream is over for the caller.
-                    self.handle(Input::StreamDropped(stream_id));
-                } else if terminal {
-                    self.take_route(stream_id);
+                    None => self.end_stream(stream_id, "caller_disconnected"),
+                    Some(_) if violation => self.end_stream(stream_id, "protocol_violation"),
+                    Some(_) if terminal => {
+                        self.take_route(stream_id);
+                    }
+                    Some(level) => self.watch_level(stream_id, level),
                 }
             }
             RuntimeMessage::NodeCommandResponse(resp) => {

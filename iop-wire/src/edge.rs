@@ -418,8 +418,7 @@ impl Registry {
             };
             match kind {
                 TimerKind::Handshake => {
-                    let ready =
-                        matches!(self.current_owner_of(conn), Some((_, _, Phase::Ready)));
+                    let ready = matches!(self.current_owner_of(conn), Some((_, _, Phase::Ready)));
                     if !ready {
                         self.close(conn, FenceCause::HandshakeTimeout);
                     }

@@ -664,7 +664,10 @@ fn a_connection_that_does_not_get_ready_in_time_is_closed_even_while_it_pings() 
         assert_eq!(after, Duration::from_secs(10));
         assert!(h.links[link].down);
     }
-    assert!(h.edge.pending_generation("node-1").is_none(), "the pending claim is gone");
+    assert!(
+        h.edge.pending_generation("node-1").is_none(),
+        "the pending claim is gone"
+    );
     // A Node that gets ready in time is never closed by it.
     let ok = h.connect("node-1", None, true);
     h.advance_by(Duration::from_secs(60));

@@ -225,7 +225,9 @@ async fn caller_cancel_ends_the_run_with_cancelled() {
         let mut stream = edge.run("node-1", run("long-1", "a b c")).await.unwrap();
         assert_eq!(stream.next().await.unwrap().kind, RunEventKind::Start);
         assert_eq!(stream.next().await.unwrap().kind, RunEventKind::Delta);
-        edge.cancel("node-1", "long-1", "caller_cancelled").unwrap();
+        edge.cancel("node-1", "long-1", "caller_cancelled")
+            .await
+            .unwrap();
         let rest = collect(&mut stream).await;
         assert_eq!(rest.last().unwrap().kind, RunEventKind::Cancelled);
         assert_eq!(rest.iter().filter(|e| e.kind.is_terminal()).count(), 1);
