@@ -40,3 +40,16 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+/// Raises this process's open-file soft limit to its hard limit (a gateway holds a socket per
+/// client and per Node; distributions often start services at 1024). Returns the new soft
+/// limit; on failure the limit stays and a warning is logged.
+pub fn raise_fd_limit() -> Option<u64> {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not raise the open-file limit");
+            None
+        }
+    }
+}

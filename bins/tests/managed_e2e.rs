@@ -396,6 +396,7 @@ async fn managed_credentials_end_to_end() {
                 queue_wait: Duration::from_secs(5),
                 api_keys: None,
                 control: Some(control.clone()),
+                body_timeout: http::DEFAULT_BODY_TIMEOUT,
             },
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -23,6 +23,17 @@
 //! queue_wait_sec = 30                # how long a request may wait for a provider (then 503)
 //! max_queue = 256                    # waiting requests (then 429)
 //!
+//! [limits]                           # what slow or hostile peers may cost (defaults shown)
+//! tls_handshake_timeout_sec = 10     # Node listener: the TLS handshake
+//! register_timeout_sec = 10          # Node listener: register and report ready, after accept
+//! max_unauthenticated = 256          # Node connections in their TLS handshake at once
+//! max_unauthenticated_per_ip = 32    #   of which from one address (more: closed at once)
+//! stream_buffer_bytes = 4194304      # unread bytes one response may hold for a slow client
+//! slow_consumer_timeout_sec = 30     # unread bytes and no read this long: stream ended
+//! http_max_connections = 4096        # HTTP connections (more: closed at once)
+//! http_header_timeout_sec = 30       # to send request headers; also the keep-alive idle limit
+//! http_body_timeout_sec = 60         # to send the whole request body (then 408)
+//!
 //! [[nodes]]
 //! node_id = "node-1"
 //! [[nodes.adapters]]
@@ -73,7 +84,7 @@ use iop_wire::runtime::{
 use serde::Deserialize;
 
 use crate::control::ControlConfig;
-use crate::http::{ApiKeys, HttpConfig};
+use crate::http::{ApiKeys, HttpConfig, ServeLimits};
 use crate::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use crate::profile::{DEFAULT_PRESET, Profile};
 use crate::transport::TransportConfig;
@@ -125,6 +136,9 @@ pub struct EdgeConfigFile {
     /// `[pool]`.
     #[serde(default)]
     pub pool: Pool,
+    /// `[limits]`.
+    #[serde(default)]
+    pub limits: Limits,
     /// `[[nodes]]`.
     #[serde(default)]
     pub nodes: Vec<Node>,
@@ -203,6 +217,88 @@ fn default_wait() -> u64 {
 
 fn default_queue() -> usize {
     256
+}
+
+/// `[limits]` (see the module docs for the defaults).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// `limits.tls_handshake_timeout_sec`.
+    pub tls_handshake_timeout_sec: u64,
+    /// `limits.register_timeout_sec`.
+    pub register_timeout_sec: u64,
+    /// `limits.max_unauthenticated`.
+    pub max_unauthenticated: usize,
+    /// `limits.max_unauthenticated_per_ip`.
+    pub max_unauthenticated_per_ip: usize,
+    /// `limits.stream_buffer_bytes`.
+    pub stream_buffer_bytes: usize,
+    /// `limits.slow_consumer_timeout_sec`.
+    pub slow_consumer_timeout_sec: u64,
+    /// `limits.http_max_connections`.
+    pub http_max_connections: usize,
+    /// `limits.http_header_timeout_sec`.
+    pub http_header_timeout_sec: u64,
+    /// `limits.http_body_timeout_sec`.
+    pub http_body_timeout_sec: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let serve = ServeLimits::default();
+        Self {
+            tls_handshake_timeout_sec: crate::transport::DEFAULT_TLS_HANDSHAKE_TIMEOUT.as_secs(),
+            register_timeout_sec: iop_wire::edge::DEFAULT_HANDSHAKE_TIMEOUT.as_secs(),
+            max_unauthenticated: crate::transport::DEFAULT_MAX_UNAUTHENTICATED,
+            max_unauthenticated_per_ip: crate::transport::DEFAULT_MAX_UNAUTHENTICATED_PER_IP,
+            stream_buffer_bytes: crate::transport::DEFAULT_MAX_STREAM_BUFFER,
+            slow_consumer_timeout_sec: crate::transport::DEFAULT_SLOW_CONSUMER_TIMEOUT.as_secs(),
+            http_max_connections: serve.max_connections,
+            http_header_timeout_sec: serve.header_timeout.as_secs(),
+            http_body_timeout_sec: crate::http::DEFAULT_BODY_TIMEOUT.as_secs(),
+        }
+    }
+}
+
+impl Limits {
+    /// Every value must be positive.
+    fn check(&self) -> Result<(), ConfigError> {
+        let positive = [
+            (
+                "limits.tls_handshake_timeout_sec",
+                self.tls_handshake_timeout_sec as usize,
+            ),
+            (
+                "limits.register_timeout_sec",
+                self.register_timeout_sec as usize,
+            ),
+            ("limits.max_unauthenticated", self.max_unauthenticated),
+            (
+                "limits.max_unauthenticated_per_ip",
+                self.max_unauthenticated_per_ip,
+            ),
+            ("limits.stream_buffer_bytes", self.stream_buffer_bytes),
+            (
+                "limits.slow_consumer_timeout_sec",
+                self.slow_consumer_timeout_sec as usize,
+            ),
+            ("limits.http_max_connections", self.http_max_connections),
+            (
+                "limits.http_header_timeout_sec",
+                self.http_header_timeout_sec as usize,
+            ),
+            (
+                "limits.http_body_timeout_sec",
+                self.http_body_timeout_sec as usize,
+            ),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `[[nodes]]`.
@@ -329,6 +425,8 @@ pub struct EdgeConfig {
     pub http_listen: SocketAddr,
     /// The HTTP surface.
     pub http: HttpConfig,
+    /// Connection limits of the HTTP listener (for [`crate::http::serve_with`]).
+    pub serve: ServeLimits,
     /// The Control Plane connector, when configured.
     pub control: Option<ControlConfig>,
     /// The TLS material every listener and dialer reads at each handshake; reload it with
@@ -355,6 +453,7 @@ impl EdgeConfigFile {
 
     /// Validates every key, reads the TLS files and key files, and builds the Edge's parts.
     pub fn build(self) -> Result<EdgeConfig, ConfigError> {
+        self.limits.check()?;
         let read = |key: &'static str, p: &Path| {
             std::fs::read(p).map_err(|e| invalid(key, format!("cannot read {}: {e}", p.display())))
         };
@@ -477,6 +576,13 @@ impl EdgeConfigFile {
             models.push((m.name.clone(), keys));
         }
         let mut transport = TransportConfig::new(self.listen.nodes, Arc::new(server_tls));
+        let l = &self.limits;
+        transport.handshake_timeout = Duration::from_secs(l.tls_handshake_timeout_sec);
+        transport.registry.handshake_timeout = Duration::from_secs(l.register_timeout_sec);
+        transport.max_unauthenticated = l.max_unauthenticated;
+        transport.max_unauthenticated_per_ip = l.max_unauthenticated_per_ip;
+        transport.max_stream_buffer = l.stream_buffer_bytes;
+        transport.slow_consumer_timeout = Duration::from_secs(l.slow_consumer_timeout_sec);
         transport.node_configs = node_configs;
         transport.pool = Some(PoolConfig {
             models: models.clone(),
@@ -510,10 +616,17 @@ impl EdgeConfigFile {
             transport,
             http_listen: self.listen.http,
             http: HttpConfig {
-                models: models.into_iter().map(|(m, _)| m).collect(),
-                queue_wait: Duration::from_secs(self.pool.queue_wait_sec),
                 api_keys,
-                control: None,
+                body_timeout: Duration::from_secs(self.limits.http_body_timeout_sec),
+                ..HttpConfig::new(
+                    models.into_iter().map(|(m, _)| m).collect(),
+                    Duration::from_secs(self.pool.queue_wait_sec),
+                )
+            },
+            serve: ServeLimits {
+                max_connections: self.limits.http_max_connections,
+                header_timeout: Duration::from_secs(self.limits.http_header_timeout_sec),
+                ..ServeLimits::default()
             },
             control,
             tls,

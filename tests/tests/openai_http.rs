@@ -207,6 +207,7 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             queue_wait: Duration::from_secs(5),
             api_keys: None,
             control: None,
+            body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -192,6 +192,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
             queue_wait: Duration::from_secs(10),
             api_keys: None,
             control: None,
+            body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

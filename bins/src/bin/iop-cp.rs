@@ -254,6 +254,7 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     if let Err(Failure(code, msg)) = run(cli).await {
         eprintln!("iop-cp: {msg}");
         std::process::exit(code);

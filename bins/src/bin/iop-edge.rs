@@ -38,7 +38,10 @@ translated, per each adapter's protocol profile), and an optional Control Plane 
 The configuration file is TOML; its keys are documented in the iop_edge::config crate docs \
 (edge_id, [listen], [tls] with reload_sec, [auth] gateway keys, [pool], [[nodes]] with \
 [[nodes.adapters]] and their profile = chat_only | openai | anthropic, [[models]], \
-[control_plane])."
+[control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
+max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
+slow_consumer_timeout_sec (30), http_max_connections (4096), http_header_timeout_sec (30, also \
+the keep-alive idle limit), http_body_timeout_sec (60))."
 )]
 struct Cli {
     /// Configuration file (TOML; keys in the iop_edge::config docs).
@@ -58,6 +61,7 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let shutdown = iop_bins::shutdown_signal();
     let built = EdgeConfigFile::load(&cli.config).and_then(EdgeConfigFile::build);
@@ -73,6 +77,7 @@ async fn main() {
         transport,
         http_listen,
         mut http,
+        serve,
         control,
         tls,
         tls_files,
@@ -114,8 +119,9 @@ async fn main() {
     if http.api_keys.is_none() && http.control.is_none() {
         eprintln!("iop-edge: no [auth] section: every request is accepted without a key");
     }
+    let metrics = edge.metrics().clone();
     let app = http::router(edge, http);
-    if let Err(e) = http::serve(listener, app, shutdown).await {
+    if let Err(e) = http::serve_with(listener, app, serve, Some(metrics), shutdown).await {
         eprintln!("iop-edge: http: {e}");
         std::process::exit(1);
     }

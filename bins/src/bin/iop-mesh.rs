@@ -83,6 +83,24 @@ struct Args {
     /// How long a request may wait for a free provider before a 503.
     #[arg(long, default_value_t = 30)]
     queue_wait_sec: u64,
+    /// Unread bytes one response may hold for a slow client; past it the stream is ended and
+    /// cancelled upstream.
+    #[arg(long, default_value_t = iop_edge::transport::DEFAULT_MAX_STREAM_BUFFER)]
+    stream_buffer_bytes: usize,
+    /// A response with unread bytes whose client reads nothing for this long is ended and
+    /// cancelled upstream.
+    #[arg(long, default_value_t = iop_edge::transport::DEFAULT_SLOW_CONSUMER_TIMEOUT.as_secs())]
+    slow_consumer_timeout_sec: u64,
+    /// HTTP connections at most; more are closed at once.
+    #[arg(long, default_value_t = 4096)]
+    http_max_connections: usize,
+    /// Time to send request headers (slowloris); also the idle limit between requests on a
+    /// keep-alive connection.
+    #[arg(long, default_value_t = 30)]
+    http_header_timeout_sec: u64,
+    /// Time to send the whole request body (then 408).
+    #[arg(long, default_value_t = iop_edge::http::DEFAULT_BODY_TIMEOUT.as_secs())]
+    http_body_timeout_sec: u64,
 }
 
 fn adapter(args: &Args, target: &str) -> Result<(AdapterConfig, ProviderKind), String> {
@@ -189,6 +207,8 @@ async fn run(args: Args) -> Result<(), String> {
         "127.0.0.1:0".parse().map_err(|_| "address")?,
         ca.edge_tls("edge-1").map_err(|e| e.to_string())?,
     );
+    transport.max_stream_buffer = args.stream_buffer_bytes.max(1);
+    transport.slow_consumer_timeout = Duration::from_secs(args.slow_consumer_timeout_sec.max(1));
     transport.node_configs = names
         .iter()
         .map(|n| {
@@ -242,13 +262,16 @@ async fn run(args: Args) -> Result<(), String> {
         ));
     }
 
+    let metrics = edge.metrics().clone();
     let app = http::router(
         edge.clone(),
         HttpConfig {
-            models: vec![args.model.clone()],
-            queue_wait: Duration::from_secs(args.queue_wait_sec),
             api_keys,
-            control: None,
+            body_timeout: Duration::from_secs(args.http_body_timeout_sec.max(1)),
+            ..HttpConfig::new(
+                vec![args.model.clone()],
+                Duration::from_secs(args.queue_wait_sec),
+            )
         },
     );
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -279,7 +302,12 @@ async fn run(args: Args) -> Result<(), String> {
     println!("iop-mesh: Ctrl-C to stop");
     let stop = shutdown.clone();
     let signal = iop_bins::shutdown_signal();
-    http::serve(listener, app, async move {
+    let limits = http::ServeLimits {
+        max_connections: args.http_max_connections.max(1),
+        header_timeout: Duration::from_secs(args.http_header_timeout_sec.max(1)),
+        ..http::ServeLimits::default()
+    };
+    http::serve_with(listener, app, limits, Some(metrics), async move {
         signal.await;
         stop.cancel();
     })
@@ -302,6 +330,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -43,6 +43,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     let built = match NodeConfigFile::load(&args.config)
         .and_then(|file| file.build(AdapterRegistry::with_builtins()))
     {

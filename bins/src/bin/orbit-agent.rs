@@ -88,6 +88,7 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let token = match std::fs::read_to_string(&cli.deployment_token_file) {
         Ok(t) => t.trim().to_owned(),

@@ -130,6 +130,7 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     let _ = rustls::crypto::ring::default_provider().install_default();
     if !cli.admin_listen.ip().is_loopback() && !cli.admin_allow_remote {
         usage("--admin-listen must be a loopback address (or pass --admin-allow-remote)");

@@ -49,6 +49,7 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    iop_bins::raise_fd_limit();
     let text = match std::fs::read_to_string(&cli.config) {
         Ok(t) => t,
         Err(e) => {

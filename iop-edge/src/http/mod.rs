@@ -82,6 +82,9 @@ use crate::transport::{Admission, Dispatched, EdgeHandle, PoolRequest};
 /// Largest request body accepted (413 past it, in the route's dialect).
 pub const MAX_REQUEST_BODY: usize = 8 * 1024 * 1024;
 
+/// Default [`HttpConfig::body_timeout`].
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// HTTP surface settings.
 #[derive(Clone)]
 pub struct HttpConfig {
@@ -95,6 +98,22 @@ pub struct HttpConfig {
     /// Managed mode: the Control Plane connector whose projection authenticates requests and
     /// resolves routes, and whose session delivers credential leases ([`crate::control`]).
     pub control: Option<crate::control::ControlConnector>,
+    /// The whole request body must arrive within this (408 otherwise, in the route's dialect):
+    /// a client that drips its body cannot hold a connection for long.
+    pub body_timeout: Duration,
+}
+
+impl HttpConfig {
+    /// Settings with the defaults: no API keys, no Control Plane, [`DEFAULT_BODY_TIMEOUT`].
+    pub fn new(models: Vec<String>, queue_wait: Duration) -> Self {
+        Self {
+            models,
+            queue_wait,
+            api_keys: None,
+            control: None,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+        }
+    }
 }
 
 impl std::fmt::Debug for HttpConfig {
@@ -117,6 +136,7 @@ struct AppState {
 /// The axum router of the HTTP surface.
 pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
     let catalog = Arc::new(Catalog::new(&edge));
+    let body_timeout = config.body_timeout;
     let state = AppState {
         edge,
         config: Arc::new(config),
@@ -133,8 +153,83 @@ pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
         .route("/readyz", get(readyz))
         .fallback(unknown_path)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(move |req, next| {
+            read_body(body_timeout, req, next)
+        }))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .with_state(state)
+}
+
+/// Reads the whole request body before routing, within `timeout` and [`MAX_REQUEST_BODY`]:
+/// 408 or 413 in the path's dialect otherwise.
+async fn read_body(
+    timeout: Duration,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use http_body_util::BodyExt as _;
+    let (parts, body) = req.into_parts();
+    let dialect = dialect_of_path(parts.uri.path());
+    let read = async {
+        let mut body = body;
+        let mut bytes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else {
+                return Err(StatusCode::BAD_REQUEST);
+            };
+            if let Ok(data) = frame.into_data() {
+                if bytes.len() + data.len() > MAX_REQUEST_BODY {
+                    return Err(StatusCode::PAYLOAD_TOO_LARGE);
+                }
+                bytes.extend_from_slice(&data);
+            }
+        }
+        Ok(bytes)
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(bytes)) => {
+            let req = axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes));
+            next.run(req).await
+        }
+        Ok(Err(StatusCode::PAYLOAD_TOO_LARGE)) => render::error(
+            dialect,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("request body exceeds {MAX_REQUEST_BODY} bytes"),
+        ),
+        Ok(Err(status)) => render::error(dialect, status, "request body could not be read"),
+        Err(_) => render::error(
+            dialect,
+            StatusCode::REQUEST_TIMEOUT,
+            &format!("request body not received within {} s", timeout.as_secs()),
+        ),
+    }
+}
+
+/// Connection-level limits of [`serve_with`].
+#[derive(Clone, Copy, Debug)]
+pub struct ServeLimits {
+    /// Open connections at most; more are closed at once (and counted in
+    /// `iop_edge_http_connections_refused_total`).
+    pub max_connections: usize,
+    /// Time to receive a request's headers, counted from when the connection starts waiting
+    /// for them: a slowloris client is cut off, and it is also the idle keep-alive timeout of an
+    /// HTTP/1.1 connection between requests.
+    pub header_timeout: Duration,
+    /// HTTP/2: a connection whose peer does not answer a ping within this is closed.
+    pub h2_keep_alive: Duration,
+    /// HTTP/2: concurrent streams per connection.
+    pub h2_max_streams: u32,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 4096,
+            header_timeout: Duration::from_secs(30),
+            h2_keep_alive: Duration::from_secs(30),
+            h2_max_streams: 256,
+        }
+    }
 }
 
 /// Serves `router` on `listener` until `shutdown` completes (then finishes in-flight
@@ -149,15 +244,84 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt as _;
-    let listener = listener.tap_io(|tcp| {
+    serve_with(listener, router, ServeLimits::default(), None, shutdown).await
+}
+
+/// [`serve`] with explicit connection limits; `metrics` counts refusals and accept errors.
+///
+/// HTTP/1.1 and HTTP/2 (prior knowledge) on one listener (hyper-util's auto server): every
+/// connection is counted against [`ServeLimits::max_connections`] (over it: closed at once),
+/// has [`ServeLimits::header_timeout`] to send each request's headers, and gets
+/// `TCP_NODELAY`. An `accept` error (e.g. out of file descriptors) backs off 50 ms and is
+/// logged at most once per 10 s. On `shutdown` no new connection is accepted and the ones
+/// open finish their requests.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: ServeLimits,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto;
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(limits.h2_keep_alive)
+        .keep_alive_timeout(limits.h2_keep_alive)
+        .max_concurrent_streams(limits.h2_max_streams);
+    let mut errors = crate::ratelog::RateLimited::new(Duration::from_secs(10));
+    let mut refusals = crate::ratelog::RateLimited::new(Duration::from_secs(10));
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    if let Some(m) = &metrics {
+                        m.http_accept_error();
+                    }
+                    if let Some(suppressed) = errors.hit() {
+                        tracing::warn!(error = %e, suppressed, "http listener: accept failed; backing off");
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            drop(tcp);
+            if let Some(m) = &metrics {
+                m.http_connection_refused();
+            }
+            if let Some(suppressed) = refusals.hit() {
+                tracing::warn!(%peer, suppressed, max = limits.max_connections, "http connection cap reached; closing new connections");
+            }
+            continue;
+        };
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection failed");
         }
-    });
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(tcp), service)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
 }
 
 fn dialect_of_path(path: &str) -> Dialect {
