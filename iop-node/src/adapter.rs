@@ -50,6 +50,27 @@ pub struct RunCompletion {
     pub usage: Option<Usage>,
 }
 
+/// Bytes one run or tunnel may hold between its adapter and the connection writer. An adapter
+/// that produces faster than the connection drains waits (and with it the provider read), so a
+/// stream never buffers more than this at the Node.
+pub const STREAM_BUFFER: usize = 1024 * 1024;
+
+/// A payload in a stream's buffer with its share of the stream's byte budget (released when
+/// the payload moves on to the connection writer).
+pub(crate) type Budgeted<T> = (T, Option<OwnedSemaphorePermit>);
+
+/// The byte budget of one stream.
+pub(crate) fn stream_budget() -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(STREAM_BUFFER))
+}
+
+/// Waits for `len` bytes of `budget` (at most the whole budget, so an oversized item passes
+/// alone). `None` if the budget is closed.
+async fn reserve(budget: &Arc<Semaphore>, len: usize) -> Option<OwnedSemaphorePermit> {
+    let n = u32::try_from(len.min(STREAM_BUFFER)).unwrap_or(u32::MAX);
+    budget.clone().acquire_many_owned(n).await.ok()
+}
+
 /// Where an adapter sends the text deltas of a run. Sending after the run ended (or after the
 /// session closed) is a no-op that returns `false`.
 ///
@@ -58,13 +79,18 @@ pub struct RunCompletion {
 /// drop the adapter's future instead.)
 #[derive(Clone, Debug)]
 pub struct RunEvents {
-    tx: mpsc::Sender<String>,
+    tx: mpsc::Sender<Budgeted<String>>,
+    budget: Arc<Semaphore>,
     fence: CancellationToken,
 }
 
 impl RunEvents {
-    pub(crate) fn new(tx: mpsc::Sender<String>, fence: CancellationToken) -> Self {
-        Self { tx, fence }
+    pub(crate) fn new(
+        tx: mpsc::Sender<Budgeted<String>>,
+        budget: Arc<Semaphore>,
+        fence: CancellationToken,
+    ) -> Self {
+        Self { tx, budget, fence }
     }
 
     /// Resolves once the attempt is fenced.
@@ -77,9 +103,12 @@ impl RunEvents {
         self.fence.is_cancelled()
     }
 
-    /// Sends one text delta; waits when the connection is congested (backpressure).
+    /// Sends one text delta; waits when the connection is congested or this run already holds
+    /// [`STREAM_BUFFER`] bytes (backpressure).
     pub async fn delta(&self, text: impl Into<String>) -> bool {
-        self.tx.send(text.into()).await.is_ok()
+        let text = text.into();
+        let permit = reserve(&self.budget, text.len()).await;
+        self.tx.send((text, permit)).await.is_ok()
     }
 }
 
@@ -92,7 +121,8 @@ impl RunEvents {
 /// stall, as for [`RunEvents::cancelled`].
 #[derive(Clone)]
 pub struct TunnelSink {
-    tx: mpsc::Sender<TunnelPayload>,
+    tx: mpsc::Sender<Budgeted<TunnelPayload>>,
+    budget: Arc<Semaphore>,
     fence: CancellationToken,
     credential: Arc<std::sync::Mutex<Option<Injection>>>,
 }
@@ -115,12 +145,14 @@ impl std::fmt::Debug for TunnelSink {
 
 impl TunnelSink {
     pub(crate) fn new(
-        tx: mpsc::Sender<TunnelPayload>,
+        tx: mpsc::Sender<Budgeted<TunnelPayload>>,
+        budget: Arc<Semaphore>,
         fence: CancellationToken,
         credential: Option<Injection>,
     ) -> Self {
         Self {
             tx,
+            budget,
             fence,
             credential: Arc::new(std::sync::Mutex::new(credential)),
         }
@@ -157,19 +189,27 @@ impl TunnelSink {
     /// The provider's status and headers (send it first, once).
     pub async fn start(&self, status: u16, headers: Vec<Header>) -> bool {
         self.tx
-            .send(TunnelPayload::ResponseStart { status, headers })
+            .send((TunnelPayload::ResponseStart { status, headers }, None))
             .await
             .is_ok()
     }
 
-    /// Body bytes exactly as the provider sent them.
+    /// Body bytes exactly as the provider sent them; waits while this tunnel already holds
+    /// [`STREAM_BUFFER`] bytes on their way to the Edge.
     pub async fn body(&self, bytes: Bytes) -> bool {
-        self.tx.send(TunnelPayload::Body(bytes)).await.is_ok()
+        let permit = reserve(&self.budget, bytes.len()).await;
+        self.tx
+            .send((TunnelPayload::Body(bytes), permit))
+            .await
+            .is_ok()
     }
 
     /// A usage observation (never merged into the body).
     pub async fn usage(&self, usage: Usage) -> bool {
-        self.tx.send(TunnelPayload::Usage(usage)).await.is_ok()
+        self.tx
+            .send((TunnelPayload::Usage(usage), None))
+            .await
+            .is_ok()
     }
 }
 

@@ -77,7 +77,7 @@ use std::time::Duration;
 
 pub use adapter::{
     Adapter, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate, RunCompletion, RunEvents,
-    TunnelSink,
+    STREAM_BUFFER, TunnelSink,
 };
 pub use demo::DemoAdapter;
 pub use exec::{DEFAULT_CLOSE_GRACE, RESPONSE_STALLED};

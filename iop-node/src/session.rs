@@ -25,7 +25,9 @@ use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 
 use crate::NodeOptions;
-use crate::adapter::{Injection, Instance, Instances, RunEvents, TunnelSink};
+use crate::adapter::{
+    Budgeted, Injection, Instance, Instances, RunEvents, TunnelSink, stream_budget,
+};
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel::TunnelWriter;
 
@@ -478,10 +480,16 @@ async fn run_task(
     let _ = out
         .send(Outbound::Frame(event(RunEvent::new(RunEventKind::Start))))
         .await;
-    let (dtx, drx) = mpsc::channel::<String>(64);
+    let (dtx, drx) = mpsc::channel::<Budgeted<String>>(64);
+    let budget = stream_budget();
     let work = {
         let instance = instance.clone();
-        tokio::spawn(async move { instance.adapter.run(req, RunEvents::new(dtx, fence)).await })
+        tokio::spawn(async move {
+            instance
+                .adapter
+                .run(req, RunEvents::new(dtx, budget, fence))
+                .await
+        })
     };
     let target = ident.target.clone();
     let probe = || async move {
@@ -490,7 +498,8 @@ async fn run_task(
             .probe(&target, instance.credential.as_ref())
             .await
     };
-    let forward = |text: String| {
+    // The byte budget is given back as the delta moves on to the connection writer.
+    let forward = |(text, _budget): Budgeted<String>| {
         let mut ev = RunEvent::new(RunEventKind::Delta);
         ev.delta = text;
         Some(Outbound::Frame(event(ev)))
@@ -598,13 +607,14 @@ async fn tunnel_task(
     };
     // The envelope has served its purpose; the adapter never sees it.
     req.credential = None;
-    let (ftx, frx) = mpsc::channel::<TunnelPayload>(64);
+    let (ftx, frx) = mpsc::channel::<Budgeted<TunnelPayload>>(64);
+    let budget = stream_budget();
     let work = {
         let instance = instance.clone();
         tokio::spawn(async move {
             instance
                 .adapter
-                .tunnel(req, TunnelSink::new(ftx, fence, credential))
+                .tunnel(req, TunnelSink::new(ftx, budget, fence, credential))
                 .await
         })
     };
@@ -616,7 +626,10 @@ async fn tunnel_task(
             .await
     };
     // The writer refuses out-of-order payloads from a misbehaving adapter.
-    let forward = |payload: TunnelPayload| numbered(payload).map(|f| Outbound::Frame(frame(f)));
+    // The byte budget is given back as the payload moves on to the connection writer.
+    let forward = |(payload, _budget): Budgeted<TunnelPayload>| {
+        numbered(payload).map(|f| Outbound::Frame(frame(f)))
+    };
     let ended = exec::supervise(work, frx, forward, &out, watch, permit, probe, ident).await;
     let error = |text: &str, execution_failure| TunnelPayload::Error {
         error: text.to_owned(),
