@@ -48,6 +48,13 @@ pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
 pub const DEFAULT_STORE_POLL: Duration = Duration::from_millis(500);
 /// How long a status or command request waits for the Edge's answer.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Frames queued to one Edge at most; an Edge that lets it fill (it does not read its
+/// answers) is disconnected.
+const OUTBOUND_FRAMES: usize = 1024;
+/// Lease requests of one Edge served at once; more wait (its socket is not read meanwhile).
+const CONCURRENT_LEASES: usize = 64;
+/// Connections in their TLS handshake and hello at once; more are closed at once.
+const MAX_HANDSHAKES: usize = 256;
 
 /// Server settings.
 #[derive(Clone)]
@@ -126,7 +133,7 @@ enum Pending {
 struct Conn {
     /// Distinguishes a replaced connection from its successor.
     serial: u64,
-    out: mpsc::UnboundedSender<ControlFrame>,
+    out: mpsc::Sender<ControlFrame>,
     pending: Arc<Mutex<HashMap<u64, Pending>>>,
     acked_generation: Arc<Mutex<u64>>,
 }
@@ -204,7 +211,10 @@ impl ControlPlane {
             .ok_or(RequestError::NotConnected)?;
         let (frame, pending) = make(id);
         lock(&conn.pending).insert(id, pending);
-        conn.out.send(frame).map_err(|_| RequestError::Disconnected)
+        // Never waits: a full queue means the Edge is not reading (its session ends soon).
+        conn.out
+            .try_send(frame)
+            .map_err(|_| RequestError::Disconnected)
     }
 
     /// Asks an Edge for its Node snapshot view.
@@ -287,6 +297,9 @@ pub async fn serve(
     });
     let task = tokio::spawn(async move {
         let _poller = AbortOnDrop(poller);
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let mut log = RateLimited::default();
+        let refusals = Arc::new(Mutex::new(RateLimited::default()));
         loop {
             let accepted = tokio::select! {
                 () = task_cp.stop.cancelled() => return,
@@ -295,34 +308,63 @@ pub async fn serve(
             let (tcp, peer) = match accepted {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::warn!(error = %e, "control plane accept failed");
+                    if log.hit() {
+                        tracing::warn!(error = %e, "control plane accept failed; backing off");
+                    }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
+            let Ok(slot) = handshakes.clone().try_acquire_owned() else {
+                drop(tcp);
+                if log.hit() {
+                    tracing::warn!(%peer, "too many edge handshakes in progress; closing new connections");
+                }
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
-            let (acceptor, cp, admin, leases, config) = (
+            let (acceptor, cp, admin, leases, config, refusals) = (
                 acceptor.clone(),
                 task_cp.clone(),
                 admin.clone(),
                 leases.clone(),
                 config.clone(),
+                refusals.clone(),
             );
             tokio::spawn(async move {
                 let tls = match tokio::time::timeout(HELLO_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => tls,
                     Ok(Err(e)) => {
-                        tracing::info!(%peer, error = %e, "edge TLS handshake refused");
+                        if lock(&refusals).hit() {
+                            tracing::info!(%peer, error = %e, "edge TLS handshake refused (logged at most once per 10 s)");
+                        }
                         return;
                     }
                     Err(_) => return,
                 };
                 let identity = peer_identity(tls.get_ref().1).ok();
-                connection(tls, identity, cp, admin, leases, config).await;
+                connection(tls, identity, cp, admin, leases, config, slot).await;
             });
         }
     });
     Ok((cp, task))
+}
+
+/// At most one log line per 10 s for a repeated failure.
+#[derive(Default)]
+struct RateLimited(Option<std::time::Instant>);
+
+impl RateLimited {
+    fn hit(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        let due = self
+            .0
+            .is_none_or(|last| now.duration_since(last) >= Duration::from_secs(10));
+        if due {
+            self.0 = Some(now);
+        }
+        due
+    }
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -368,6 +410,7 @@ async fn connection<S>(
     admin: Admin,
     leases: Option<Arc<LeaseService>>,
     config: ServerConfig,
+    handshake_slot: tokio::sync::OwnedSemaphorePermit,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -431,8 +474,11 @@ async fn connection<S>(
         return;
     }
 
+    // Hello accepted: no longer a handshake in progress.
+    drop(handshake_slot);
     let edge_id = hello.edge_id.clone();
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<ControlFrame>();
+    let (out_tx, mut out_rx) = mpsc::channel::<ControlFrame>(OUTBOUND_FRAMES);
+    let lease_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LEASES));
     let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::default();
     let acked = Arc::new(Mutex::new(0u64));
     let serial = {
@@ -460,6 +506,11 @@ async fn connection<S>(
             frame = tokio::time::timeout(idle, framed.next()) => {
                 let frame = match frame {
                     Ok(Some(Ok(f))) => f,
+                    Ok(Some(Err(iop_wire::codec::CodecError::Io(e)))) => {
+                        // A killed process or a socket closed without TLS close_notify.
+                        tracing::info!(edge_id = %edge_id, error = %e, "edge connection closed");
+                        break;
+                    }
                     Ok(Some(Err(e))) => {
                         tracing::info!(edge_id = %edge_id, error = %e, "edge sent an invalid frame");
                         break;
@@ -470,12 +521,22 @@ async fn connection<S>(
                         break;
                     }
                 };
-                if !inbound(frame, &edge_id, &cp, &pending, &acked, leases.as_ref(), &out_tx) {
+                // A lease request waits for a slot first: an Edge's flood of them is read no
+                // faster than the store serves it.
+                let permit = match &frame.message {
+                    ControlMessage::AcquireLeaseRequest(_) => {
+                        lease_slots.clone().acquire_owned().await.ok()
+                    }
+                    _ => None,
+                };
+                if !inbound(frame, &edge_id, &cp, &pending, &acked, leases.as_ref(), &out_tx, permit) {
+                    tracing::info!(edge_id = %edge_id, "closing the edge connection (protocol violation, or it does not read its answers)");
                     break;
                 }
             }
             Some(frame) = out_rx.recv() => {
-                if framed.send(frame).await.is_err() {
+                if !matches!(tokio::time::timeout(idle, framed.send(frame)).await, Ok(Ok(()))) {
+                    tracing::info!(edge_id = %edge_id, "edge not reading; closing");
                     break;
                 }
             }
@@ -493,7 +554,7 @@ async fn connection<S>(
                         let p = projection::build(&s);
                         sent_generation = p.generation;
                         let frame = ControlFrame::new(ControlMessage::PrincipalProjectionApplyRequest(p));
-                        if framed.send(frame).await.is_err() {
+                        if !matches!(tokio::time::timeout(idle, framed.send(frame)).await, Ok(Ok(()))) {
                             break;
                         }
                     }
@@ -513,7 +574,12 @@ async fn connection<S>(
     }
 }
 
-/// Handles one frame from an Edge; `false` closes the connection (protocol violation).
+/// Handles one frame from an Edge; `false` closes the connection (protocol violation, or an
+/// Edge that does not read its answers). `permit` is a lease request's slot.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the connection's parts, passed from its one loop"
+)]
 fn inbound(
     frame: ControlFrame,
     edge_id: &str,
@@ -521,7 +587,8 @@ fn inbound(
     pending: &Mutex<HashMap<u64, Pending>>,
     acked: &Mutex<u64>,
     leases: Option<&Arc<LeaseService>>,
-    out: &mpsc::UnboundedSender<ControlFrame>,
+    out: &mpsc::Sender<ControlFrame>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> bool {
     let id = frame.correlation_id;
     match frame.message {
@@ -564,11 +631,12 @@ fn inbound(
                 let refuse = AcquireLeaseResponse::Refused {
                     reason: "credential_plane_disabled".into(),
                 };
-                let _ = out.send(ControlFrame::correlated(
-                    id,
-                    ControlMessage::AcquireLeaseResponse(refuse),
-                ));
-                return true;
+                return out
+                    .try_send(ControlFrame::correlated(
+                        id,
+                        ControlMessage::AcquireLeaseResponse(refuse),
+                    ))
+                    .is_ok();
             };
             let out = out.clone();
             let edge_id = edge_id.to_owned();
@@ -583,14 +651,17 @@ fn inbound(
                         }
                     }
                 };
-                let _ = out.send(ControlFrame::correlated(
+                let _ = out.try_send(ControlFrame::correlated(
                     id,
                     ControlMessage::AcquireLeaseResponse(answer),
                 ));
+                drop(permit);
             });
         }
         ControlMessage::Ping => {
-            let _ = out.send(ControlFrame::correlated(id, ControlMessage::Pong));
+            return out
+                .try_send(ControlFrame::correlated(id, ControlMessage::Pong))
+                .is_ok();
         }
         ControlMessage::Pong => {}
         _ => return false,

@@ -219,8 +219,14 @@ impl ProjectionIndex {
     }
 }
 
+/// Frames queued to the Control Plane at most; a peer that lets it fill (it does not read its
+/// answers) loses the session.
+const OUTBOUND_FRAMES: usize = 1024;
+/// Status and command requests served at once; more wait (the session is not read meanwhile).
+const CONCURRENT_REQUESTS: usize = 16;
+
 struct Link {
-    out: mpsc::UnboundedSender<ControlFrame>,
+    out: mpsc::Sender<ControlFrame>,
     pending: Arc<Mutex<HashMap<u64, Waiter>>>,
 }
 
@@ -325,8 +331,10 @@ impl ControlConnector {
                 binding,
                 recipient_public_key,
             };
+            // Our own request: never waits, the session's queue is far from full unless the
+            // Control Plane stopped reading (then the session ends and this fails closed).
             link.out
-                .send(ControlFrame::correlated(
+                .try_send(ControlFrame::correlated(
                     id,
                     ControlMessage::AcquireLeaseRequest(request),
                 ))
@@ -356,7 +364,7 @@ impl ControlConnector {
             };
             lock(&link.pending).insert(id, Waiter::Pong(tx));
             link.out
-                .send(ControlFrame::correlated(id, ControlMessage::Ping))
+                .try_send(ControlFrame::correlated(id, ControlMessage::Ping))
                 .ok()?;
         }
         tokio::time::timeout(LEASE_TIMEOUT, rx).await.ok()?.ok()?;
@@ -501,7 +509,8 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
             apply_projection(shared, p);
         }
     }
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<ControlFrame>();
+    let (out_tx, mut out_rx) = mpsc::channel::<ControlFrame>(OUTBOUND_FRAMES);
+    let requests = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_REQUESTS));
     let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
     *lock(&shared.link) = Some(Link {
         out: out_tx.clone(),
@@ -518,12 +527,21 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
             frame = io.next() => {
                 let Some(Ok(frame)) = frame else { return Ok(()) };
                 last_heard = tokio::time::Instant::now();
-                if !inbound(shared, frame, &out_tx, &pending) {
+                // Requests that spawn work wait for a slot first: a flood is read no faster
+                // than it is served.
+                let permit = match &frame.message {
+                    ControlMessage::EdgeStatusRequest | ControlMessage::EdgeCommandRequest(_) => {
+                        requests.clone().acquire_owned().await.ok()
+                    }
+                    _ => None,
+                };
+                if !inbound(shared, frame, &out_tx, &pending, permit) {
                     return Ok(());
                 }
             }
             Some(frame) = out_rx.recv() => {
-                if io.send(frame).await.is_err() {
+                if !matches!(write(&mut io, frame, silence).await, Ok(Ok(()))) {
+                    tracing::info!("control plane not reading; ending the session");
                     return Ok(());
                 }
             }
@@ -544,7 +562,8 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
                     occurred_at_unix_ms: unix_ms(),
                     metadata: Default::default(),
                 };
-                if io.send(ControlFrame::new(ControlMessage::EdgeNodeEvent(ev))).await.is_err() {
+                let frame = ControlFrame::new(ControlMessage::EdgeNodeEvent(ev));
+                if !matches!(write(&mut io, frame, silence).await, Ok(Ok(()))) {
                     return Ok(());
                 }
             }
@@ -553,12 +572,21 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
                     tracing::info!("control plane silent for three heartbeats");
                     return Ok(());
                 }
-                if io.send(ControlFrame::new(ControlMessage::Ping)).await.is_err() {
+                if !matches!(write(&mut io, ControlFrame::new(ControlMessage::Ping), silence).await, Ok(Ok(()))) {
                     return Ok(());
                 }
             }
         }
     }
+}
+
+/// Writes one frame, or fails if the peer does not take it within `limit` (it is not reading).
+async fn write(
+    io: &mut Io,
+    frame: ControlFrame,
+    limit: Duration,
+) -> Result<Result<(), iop_wire::codec::CodecError>, tokio::time::error::Elapsed> {
+    tokio::time::timeout(limit, io.send(frame)).await
 }
 
 fn unix_ms() -> i64 {
@@ -567,12 +595,15 @@ fn unix_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// One frame from the Control Plane; `false` ends the session (protocol violation).
+/// One frame from the Control Plane; `false` ends the session (a protocol violation, or a
+/// peer that does not read its answers: the session's queue is full). `permit` is the slot
+/// of a status or command request.
 fn inbound(
     shared: &Arc<Shared>,
     frame: ControlFrame,
-    out: &mpsc::UnboundedSender<ControlFrame>,
+    out: &mpsc::Sender<ControlFrame>,
     pending: &Mutex<HashMap<u64, Waiter>>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> bool {
     let id = frame.correlation_id;
     match frame.message {
@@ -580,22 +611,28 @@ fn inbound(
             let (shared, out) = (shared.clone(), out.clone());
             tokio::spawn(async move {
                 let status = status(&shared).await;
-                let _ = out.send(ControlFrame::correlated(
+                let _ = out.try_send(ControlFrame::correlated(
                     id,
                     ControlMessage::EdgeStatusResponse(status),
                 ));
+                drop(permit);
             });
         }
         ControlMessage::EdgeCommandRequest(req) => {
             let (shared, out) = (shared.clone(), out.clone());
-            tokio::spawn(async move { command(&shared, id, req, &out).await });
+            tokio::spawn(async move {
+                command(&shared, id, req, &out).await;
+                drop(permit);
+            });
         }
         ControlMessage::PrincipalProjectionApplyRequest(p) => {
             let answer = apply_projection(shared, p);
-            let _ = out.send(ControlFrame::correlated(
-                id,
-                ControlMessage::PrincipalProjectionApplyResponse(answer),
-            ));
+            return out
+                .try_send(ControlFrame::correlated(
+                    id,
+                    ControlMessage::PrincipalProjectionApplyResponse(answer),
+                ))
+                .is_ok();
         }
         ControlMessage::AcquireLeaseResponse(r) => {
             if let Some(Waiter::Lease(tx)) = lock(pending).remove(&id) {
@@ -603,7 +640,9 @@ fn inbound(
             }
         }
         ControlMessage::Ping => {
-            let _ = out.send(ControlFrame::correlated(id, ControlMessage::Pong));
+            return out
+                .try_send(ControlFrame::correlated(id, ControlMessage::Pong))
+                .is_ok();
         }
         ControlMessage::Pong => {
             if let Some(Waiter::Pong(tx)) = lock(pending).remove(&id) {
@@ -668,7 +707,7 @@ async fn command(
     shared: &Shared,
     id: u64,
     req: EdgeCommandRequest,
-    out: &mpsc::UnboundedSender<ControlFrame>,
+    out: &mpsc::Sender<ControlFrame>,
 ) {
     let event = |phase: &str, message: &str| {
         let ev = EdgeCommandEvent {
@@ -677,7 +716,7 @@ async fn command(
             message: message.to_owned(),
             metadata: Default::default(),
         };
-        let _ = out.send(ControlFrame::correlated(
+        let _ = out.try_send(ControlFrame::correlated(
             id,
             ControlMessage::EdgeCommandEvent(ev),
         ));
@@ -708,7 +747,7 @@ async fn command(
         _ => response.error = "unknown operation".into(),
     }
     event(if response.ok { "completed" } else { "failed" }, "");
-    let _ = out.send(ControlFrame::correlated(
+    let _ = out.try_send(ControlFrame::correlated(
         id,
         ControlMessage::EdgeCommandResponse(response),
     ));
