@@ -167,11 +167,17 @@ pub fn incoming(
     let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
     tokio::spawn(async move {
+        let mut last_log: Option<std::time::Instant> = None;
         loop {
             let (tcp, remote) = match listener.accept().await {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    // E.g. out of file descriptors: back off, and log once per 10 s at most.
+                    let now = std::time::Instant::now();
+                    if last_log.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(10)) {
+                        last_log = Some(now);
+                        tracing::warn!(error = %e, "accept failed; backing off");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
