@@ -9,8 +9,9 @@
 //! declares tools and the user asks about the weather (and no tool result came back yet), the
 //! model calls `get_weather` with `{"city":"Paris"}`; after a tool result `r` it answers
 //! `It is r in Paris.`. Streams split the answer into words, as real providers send tokens.
-//! The model `slow` streams one word every 50 ms without end, and reports when its client
-//! went away ([`Upstream::dropped`]).
+//! The model `slow` streams one word every 50 ms without end, `firehose` streams 16 KiB chunks
+//! as fast as its reader takes them and `trickle` 64 KiB every 100 ms, without end; they
+//! report when their client went away ([`Upstream::dropped`], [`Upstream::dropped_count`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -68,6 +69,7 @@ struct Shared {
     model: String,
     seen: Mutex<Vec<Seen>>,
     dropped: Notify,
+    drops: std::sync::atomic::AtomicUsize,
 }
 
 /// A running fake upstream.
@@ -86,6 +88,7 @@ impl Upstream {
             model: model.to_owned(),
             seen: Mutex::new(Vec::new()),
             dropped: Notify::new(),
+            drops: std::sync::atomic::AtomicUsize::new(0),
         });
         let app = match kind {
             Kind::ChatOnly => Router::new()
@@ -123,9 +126,14 @@ impl Upstream {
             .clone()
     }
 
-    /// Resolves when a `slow` stream's client goes away.
+    /// Resolves when a `slow` or `firehose` stream's client goes away.
     pub async fn dropped(&self) {
         self.shared.dropped.notified().await;
+    }
+
+    /// How many `slow` or `firehose` streams were dropped by their client so far.
+    pub fn dropped_count(&self) -> usize {
+        self.shared.drops.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -306,18 +314,48 @@ fn sse(chunks: Vec<String>) -> Response {
     r
 }
 
+struct OnDrop(Arc<Shared>);
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0
+            .drops
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.dropped.notify_waiters();
+    }
+}
+
 /// Streams ` w` every 50 ms until the client goes away, then notifies.
 fn slow(s: Arc<Shared>, frame: fn(&str) -> String) -> Response {
-    struct OnDrop(Arc<Shared>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            self.0.dropped.notify_waiters();
-        }
-    }
     let guard = OnDrop(s);
     let stream = futures_util::stream::unfold(guard, move |g| async move {
         tokio::time::sleep(Duration::from_millis(50)).await;
         Some((Ok::<_, Infallible>(Bytes::from(frame(" w"))), g))
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("valid"),
+    );
+    r
+}
+
+/// Chat chunks of `size` bytes of text every `every` (or as fast as the reader takes them),
+/// until it goes away.
+fn firehose(s: Arc<Shared>, size: usize, every: Option<Duration>) -> Response {
+    let chunk = Bytes::from(format!(
+        "data: {}\n\n",
+        json!({ "choices": [{ "index": 0, "delta": { "content": "x".repeat(size) } }] })
+    ));
+    let guard = OnDrop(s);
+    let stream = futures_util::stream::unfold(guard, move |g| {
+        let chunk = chunk.clone();
+        async move {
+            match every {
+                Some(d) => tokio::time::sleep(d).await,
+                None => tokio::task::yield_now().await,
+            }
+            Some((Ok::<_, Infallible>(chunk), g))
+        }
     });
     let mut r = Response::new(Body::from_stream(stream));
     r.headers_mut().insert(
@@ -337,6 +375,12 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
     };
     let model = req["model"].as_str().unwrap_or_default();
     let stream = req["stream"] == true;
+    if model == "firehose" && stream {
+        return firehose(s, 16 * 1024, None);
+    }
+    if model == "trickle" && stream {
+        return firehose(s, 64 * 1024, Some(Duration::from_millis(100)));
+    }
     if model == "slow" && stream {
         return slow(s, |w| {
             format!(

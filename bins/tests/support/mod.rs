@@ -217,6 +217,17 @@ pub struct EdgePorts {
 /// (`profile`, `base_url`, target `fake-model`), the model `mesh-model`, gateway keys from
 /// `<dir>/api-keys`.
 pub fn edge_config(dir: &Path, base_url: &str, profile: &str, gateway_key: &str) -> EdgePorts {
+    edge_config_with(dir, base_url, profile, gateway_key, "")
+}
+
+/// [`edge_config`] with `extra` TOML appended (more models, `[limits]`).
+pub fn edge_config_with(
+    dir: &Path,
+    base_url: &str,
+    profile: &str,
+    gateway_key: &str,
+    extra: &str,
+) -> EdgePorts {
     let ports = EdgePorts {
         nodes: free_port(),
         http: free_port(),
@@ -248,7 +259,6 @@ type = "openai_compat"
 base_url = "{base_url}"
 profile = "{profile}"
 capacity = 8
-targets = ["fake-model"]
 [[models]]
 name = "mesh-model"
 [[models.providers]]
@@ -257,6 +267,7 @@ provider_id = "upstream-1"
 adapter = "upstream"
 target = "fake-model"
 capacity = 8
+{extra}
 "#,
         np = ports.nodes,
         hp = ports.http,
@@ -344,4 +355,19 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Resident memory of process `pid`, in KiB (from `/proc/<pid>/status`).
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Open file descriptors of process `pid`.
+pub fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }

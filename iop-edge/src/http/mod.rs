@@ -251,8 +251,8 @@ pub async fn serve(
 ///
 /// HTTP/1.1 and HTTP/2 (prior knowledge) on one listener (hyper-util's auto server): every
 /// connection is counted against [`ServeLimits::max_connections`] (over it: closed at once),
-/// has [`ServeLimits::header_timeout`] to send each request's headers, and gets
-/// `TCP_NODELAY`. An `accept` error (e.g. out of file descriptors) backs off 50 ms and is
+/// has [`ServeLimits::header_timeout`] to send its first byte and then each request's headers,
+/// and gets `TCP_NODELAY`. An `accept` error (e.g. out of file descriptors) backs off 50 ms and is
 /// logged at most once per 10 s. On `shutdown` no new connection is accepted and the ones
 /// open finish their requests.
 pub async fn serve_with(
@@ -311,12 +311,21 @@ pub async fn serve_with(
             tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection failed");
         }
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        let conn = builder
-            .serve_connection_with_upgrades(TokioIo::new(tcp), service)
-            .into_owned();
-        let conn = graceful.watch(conn);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let header_timeout = limits.header_timeout;
         tokio::spawn(async move {
-            let _ = conn.await;
+            // The first bytes decide HTTP/1 or HTTP/2 before hyper's header timeout runs: a
+            // connection that sends nothing must not wait there forever.
+            let mut first = [0u8; 1];
+            if !matches!(
+                tokio::time::timeout(header_timeout, tcp.peek(&mut first)).await,
+                Ok(Ok(1..))
+            ) {
+                return;
+            }
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
+            let _ = watcher.watch(conn.into_owned()).await;
             drop(permit);
         });
     }
