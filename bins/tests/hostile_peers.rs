@@ -336,6 +336,10 @@ fn node_port_handshake_and_registration_have_deadlines() {
         "unregistered Node connection closed after {:?}",
         t.elapsed()
     );
+    assert!(
+        closed,
+        "the Edge did not drop the connection within {LIMIT:?}"
+    );
     wait_until("the close to be logged", LIMIT, || {
         m.edge.log_text().contains("handshake_timeout")
     });
@@ -392,7 +396,7 @@ fn a_ping_flood_before_registering_is_closed_with_bounded_memory() {
     let pid = m.edge.child.id();
     let before = support::rss_kib(pid);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (sent, peak) = rt.block_on(async {
+    let (sent, peak, closed) = rt.block_on(async {
         use tokio::io::AsyncWriteExt as _;
         let mut tls = node_tls(&m).await;
         let codec = iop_wire::codec::FrameCodec::new();
@@ -405,16 +409,23 @@ fn a_ping_flood_before_registering_is_closed_with_bounded_memory() {
         let batch = batch.freeze();
         let mut sent = 0u64;
         let mut peak = before;
-        // Pings as fast as the Edge takes them, reading nothing, until it hangs up.
+        // Pings as fast as the Edge takes them, reading nothing, until it hangs up: a write
+        // fails only once the Edge has dropped the socket (a blocked write is woken by the
+        // reset), not merely logged that it closes it.
         let start = Instant::now();
+        let mut closed = false;
         while start.elapsed() < LIMIT {
-            match tokio::time::timeout(Duration::from_secs(5), tls.write_all(&batch)).await {
+            match tokio::time::timeout(Duration::from_secs(1), tls.write_all(&batch)).await {
                 Ok(Ok(())) => sent += 1000,
-                _ => break,
+                Ok(Err(_)) => {
+                    closed = true;
+                    break;
+                }
+                Err(_) => {}
             }
             peak = peak.max(support::rss_kib(pid));
         }
-        (sent, peak)
+        (sent, peak, closed)
     });
     println!(
         "{sent} pings sent before the Edge closed the connection; Edge RSS {before} → peak {peak} KiB"
@@ -423,6 +434,10 @@ fn a_ping_flood_before_registering_is_closed_with_bounded_memory() {
         peak.saturating_sub(before) < 32 * 1024,
         "Edge RSS grew by {} KiB",
         peak - before
+    );
+    assert!(
+        closed,
+        "the Edge did not drop the connection within {LIMIT:?}"
     );
     wait_until("the close to be logged", LIMIT, || {
         let log = m.edge.log_text();

@@ -42,7 +42,9 @@
 //!   admission-release notices travel apart, on a queue bounded by construction (at most one
 //!   notice per stream or admission, and those are bounded by the pool).
 //! - **Handshakes**: TLS within [`TransportConfig::handshake_timeout`]; register and ready
-//!   within [`RegistryConfig::handshake_timeout`] (the registry closes the connection).
+//!   within [`RegistryConfig::handshake_timeout`] (the registry closes the connection). A
+//!   connection being closed gets 2 s to write what was queued before the close (a refusal's
+//!   reason); a peer that does not read it is dropped then regardless.
 //! - **Connections**: at most [`TransportConfig::max_unauthenticated`] connections in their
 //!   TLS handshake, and [`TransportConfig::max_unauthenticated_per_ip`] per source address;
 //!   more are closed at once. Accept errors (e.g. out of file descriptors) back off and are
@@ -115,6 +117,10 @@ pub struct TransportConfig {
     /// Frames queued to one Node connection before it counts as not reading.
     pub outbound_frames: usize,
 }
+
+/// How long a connection being closed may take to write the frames queued before the close
+/// (a refusal's reason) before its socket is dropped regardless.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Default [`TransportConfig::handshake_timeout`].
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -950,17 +956,29 @@ async fn accept_loop(
             let Ok(peer) = peer_identity(tls.get_ref().1) else {
                 return;
             };
-            connection(tls, peer.name().to_owned(), &limits, inputs).await;
+            connection(
+                tls,
+                peer.name().to_owned(),
+                limits.codec,
+                limits.outbound_frames,
+                inputs,
+            )
+            .await;
         });
     }
 }
 
 /// One connection's I/O: frames in to the registry task, frames out from it.
-async fn connection<S>(stream: S, peer: String, limits: &Handshakes, inputs: mpsc::Sender<Input>)
-where
+async fn connection<S>(
+    stream: S,
+    peer: String,
+    codec: FrameCodec,
+    outbound_frames: usize,
+    inputs: mpsc::Sender<Input>,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let (frames, mut out_rx) = mpsc::channel::<Outbound>(limits.outbound_frames);
+    let (frames, mut out_rx) = mpsc::channel::<Outbound>(outbound_frames);
     let kill = CancellationToken::new();
     let out = ConnOut {
         frames,
@@ -979,7 +997,7 @@ where
         return;
     }
     let Ok(conn) = conn.await else { return };
-    let mut framed = Framed::new(stream, TokioCodec::<RuntimeFrame>::new(limits.codec));
+    let mut framed = Framed::new(stream, TokioCodec::<RuntimeFrame>::new(codec));
     let io = async {
         loop {
             tokio::select! {
@@ -1979,9 +1997,17 @@ impl State {
                 if let Some(out) = self.outs.remove(&conn) {
                     tracing::info!(?conn, cause = cause.as_str(), "closing node connection");
                     // After the frames already queued (a refusal's reason), unless the queue is
-                    // full: then at once.
+                    // full: then at once. A peer that does not read them cannot hold the
+                    // socket open: the writer would wait on it forever, so the close is forced
+                    // after CLOSE_GRACE.
                     if out.frames.try_send(None).is_err() {
                         out.kill.cancel();
+                    } else {
+                        let kill = out.kill;
+                        tokio::spawn(async move {
+                            tokio::time::sleep(CLOSE_GRACE).await;
+                            kill.cancel();
+                        });
                     }
                 }
             }
@@ -2141,5 +2167,65 @@ impl State {
         } else {
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt as _;
+
+    /// A peer that floods pings and then neither reads nor writes leaves the connection's
+    /// writer blocked on it. The registry's register timeout must still drop the socket (after
+    /// `CLOSE_GRACE`), not wait behind the queued pongs forever. Virtual time.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_reads_nothing_is_dropped_after_the_register_timeout() {
+        let (inputs, input_rx) = mpsc::channel(INPUT_QUEUE);
+        let (notices, notice_rx) = mpsc::unbounded_channel();
+        let (lifecycle, _) = broadcast::channel(16);
+        let registry = Registry::new(RegistryConfig {
+            handshake_timeout: Duration::from_secs(10),
+            ..RegistryConfig::default()
+        });
+        tokio::spawn(registry_task(
+            Setup {
+                registry,
+                pool: None,
+                metrics: Arc::new(Metrics::default()),
+                lifecycle,
+                notices: notices.downgrade(),
+                max_stream_buffer: DEFAULT_MAX_STREAM_BUFFER,
+                slow_consumer_timeout: DEFAULT_SLOW_CONSUMER_TIMEOUT,
+            },
+            input_rx,
+            notice_rx,
+        ));
+        // A small pipe: a few pongs fill it, and the Edge's writer waits on the peer.
+        let (edge_side, mut peer) = tokio::io::duplex(256);
+        let codec = FrameCodec::new();
+        let task = tokio::spawn(connection(edge_side, "node-1".into(), codec, 1024, inputs));
+        let mut ping = bytes::BytesMut::new();
+        codec
+            .encode(&RuntimeFrame::new(RuntimeMessage::Ping), &mut ping)
+            .unwrap();
+        let start = Instant::now();
+        // Pings until the Edge stops taking them (its writer is stuck, so is its reader).
+        while tokio::time::timeout(Duration::from_millis(100), peer.write_all(&ping))
+            .await
+            .is_ok()
+        {}
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "the pipe never filled"
+        );
+        // Then nothing at all: the 10 s register timeout, plus the close grace.
+        tokio::time::timeout(
+            Duration::from_secs(10) + CLOSE_GRACE + Duration::from_secs(1),
+            task,
+        )
+        .await
+        .expect("the connection was not dropped")
+        .unwrap();
+        drop(notices);
     }
 }
