@@ -31,6 +31,12 @@
 //! legacy mode. Tool calls come from native metadata or, under the seed's fallback mark, from
 //! `<tool_call>` text (module `tools`). Serve it with [`http::serve`] (it sets `TCP_NODELAY`).
 //!
+//! Everything a peer drives is bounded ([`transport`] and [`http::serve_with`] say how): handshakes
+//! and registration have deadlines and connection caps, frames to and from a Node wait in
+//! bounded queues, and a client that reads a response slower than the provider writes it holds
+//! at most [`TransportConfig::max_stream_buffer`] bytes for at most
+//! [`TransportConfig::slow_consumer_timeout`] before its stream is ended and the run cancelled.
+//!
 //! [`config`] reads the Edge's TOML file (the `iop-edge` binary's format) into a
 //! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
 //! hot-reloadable TLS material (`iop_wire::identity::WorkloadTls`).

@@ -26,7 +26,7 @@
 //! Every queue a peer can fill is bounded, and every phase it can stall has a timeout:
 //!
 //! - **Per stream** (a slow HTTP client): the events of a run or tunnel wait for their reader
-//!   in a buffer whose unread bytes are counted ([`crate::stream_buf`]). Past
+//!   in a buffer whose unread bytes are counted (module `stream_buf`). Past
 //!   [`TransportConfig::max_stream_buffer`] bytes, or after
 //!   [`TransportConfig::slow_consumer_timeout`] with bytes unread and no read, the stream is
 //!   ended for its reader (the backlog is freed and replaced by one terminal:
