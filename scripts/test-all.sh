@@ -31,6 +31,16 @@ if ! python3 -c "import openai, anthropic" >/dev/null 2>&1; then
     python3 -m pip install --quiet openai anthropic
 fi
 
+# A clean build of every test target takes several GiB; with full debug info it once filled a
+# CI machine's disk (see [profile.dev] in Cargo.toml). Incremental state is of no use to a
+# clean clone and doubles the workspace crates' footprint.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+free_kib="$(df -Pk . | awk 'NR==2 {print $4}')"
+echo "disk: $((free_kib / 1024 / 1024)) GiB free for the build"
+if [ "${free_kib:-0}" -lt $((4 * 1024 * 1024)) ]; then
+    echo "warning: under 4 GiB free; the build may fail with 'No space left on device'" >&2
+fi
+
 step "rustfmt"
 cargo fmt --all --check
 cargo fmt --manifest-path fuzz/Cargo.toml --check
