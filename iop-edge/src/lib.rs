@@ -70,7 +70,7 @@ pub mod config;
 pub mod control;
 pub mod http;
 pub mod metrics;
-pub mod pool;
+pub use iop_edge_core::pool;
 pub mod profile;
 mod ratelog;
 mod stream_buf;
@@ -78,6 +78,6 @@ mod tools;
 pub mod transport;
 
 pub use transport::{
-    Admission, BuildRequest, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest,
-    RunStream, TransportConfig, TunnelEvent, TunnelStream, bind,
+    Admission, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
+    TransportConfig, TunnelEvent, TunnelStream, bind,
 };

@@ -156,7 +156,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// Validated stall evidence by provider health (`available`, `unavailable`, `unknown`).
-    pub(crate) fn health_evidence(&self, provider_health: &str) {
+    pub(crate) fn count_health_evidence(&self, provider_health: &str) {
         let i = match provider_health {
             "available" => 0,
             "unavailable" => 1,
@@ -166,17 +166,17 @@ impl Metrics {
     }
 
     /// An overlay transition.
-    pub(crate) fn health_transition(&self, to_unavailable: bool) {
+    pub(crate) fn count_health_transition(&self, to_unavailable: bool) {
         self.transitions[usize::from(!to_unavailable)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A stall terminal's handoff: confirmed (validated current bound stall) or rejected.
-    pub(crate) fn recovery_eligibility(&self, confirmed: bool) {
+    pub(crate) fn count_recovery_eligibility(&self, confirmed: bool) {
         self.eligibility[usize::from(!confirmed)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A CAPABILITIES recovery answer's effect on one overlay.
-    pub(crate) fn recovery_result(&self, cleared: bool) {
+    pub(crate) fn count_recovery_result(&self, cleared: bool) {
         self.recovery[usize::from(!cleared)].fetch_add(1, Ordering::Relaxed);
     }
 
@@ -196,7 +196,7 @@ impl Metrics {
     }
 
     /// A stream ended because its reader fell behind.
-    pub(crate) fn slow_consumer(&self) {
+    pub(crate) fn count_slow_consumer(&self) {
         self.slow_consumers.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -340,10 +340,10 @@ mod tests {
     #[test]
     fn exposition_has_every_series_with_bounded_labels() {
         let m = Metrics::default();
-        m.health_evidence("unavailable");
-        m.health_transition(true);
-        m.recovery_eligibility(true);
-        m.recovery_result(false);
+        m.count_health_evidence("unavailable");
+        m.count_health_transition(true);
+        m.count_recovery_eligibility(true);
+        m.count_recovery_result(false);
         m.request(Endpoint::ChatCompletions, true, Duration::from_millis(3));
         let text = m.render(2, 5);
         assert!(text.contains(

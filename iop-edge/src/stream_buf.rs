@@ -1,9 +1,9 @@
-//! The per-stream buffer between the registry task and a stream's reader ([`RunStream`],
+//! The per-stream buffer between the Edge's machine and a stream's reader ([`RunStream`],
 //! [`TunnelStream`]): a queue whose unread **bytes** are counted, so that a reader that falls
 //! behind costs at most a bounded amount of memory.
 //!
-//! The writer never waits (the registry task serves every stream of every Node connection, so
-//! waiting for one slow reader would stall all of them); instead it sees how many bytes are
+//! The writer never waits (it is the connection task that read the frame, holding the machine's
+//! lock: waiting for one slow reader would stall every stream of that Node and the machine); instead it sees how many bytes are
 //! unread after each push and how many reads happened, and decides (see `transport`): over the
 //! byte bound, or no read progress for the slow-consumer timeout while bytes are unread, the
 //! stream is ended — the queue is emptied and replaced by one terminal — and cancelled
@@ -72,14 +72,7 @@ pub(crate) fn channel<T>() -> (StreamTx<T>, StreamRx<T>) {
     )
 }
 
-/// What a push left behind.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Level {
-    /// Unread bytes after the push.
-    pub(crate) bytes: usize,
-    /// Reads so far (progress).
-    pub(crate) reads: u64,
-}
+pub(crate) use iop_edge_core::Level;
 
 impl<T> StreamTx<T> {
     /// Queues `item` counted as `size` bytes. `None` when the reader is gone.

@@ -135,8 +135,8 @@ async fn setup(ca: &Ca, healthy: Arc<AtomicBool>) -> EdgeHandle {
     edge
 }
 
-fn tunnel(path: &'static str) -> iop_edge::BuildRequest {
-    Box::new(move |_| {
+fn tunnel(path: &'static str) -> PoolRequest {
+    {
         PoolRequest::Tunnel(ProviderTunnelRequest {
             run_id: format!("ov{}", path.replace('/', "-")),
             adapter: String::new(),
@@ -157,7 +157,7 @@ fn tunnel(path: &'static str) -> iop_edge::BuildRequest {
             response_stall_timeout: ResponseStallTimeout::DEFAULT, // replaced from the lease
             credential: None,
         })
-    })
+    }
 }
 
 async fn last_event(edge: &EdgeHandle, path: &'static str) -> TunnelEvent {
@@ -315,7 +315,7 @@ async fn a_validated_run_stall_gets_handoff_metadata_and_available_evidence_sets
         tokio::spawn(run_node(opts, CancellationToken::new()));
         while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
 
-        let build: iop_edge::BuildRequest = Box::new(|_| {
+        let build = {
             PoolRequest::Run(iop_wire::runtime::RunRequest {
                 run_id: "stall-run".into(),
                 adapter: String::new(),
@@ -327,7 +327,7 @@ async fn a_validated_run_stall_gets_handoff_metadata_and_available_evidence_sets
                 long_context: false,
                 credential: None,
             })
-        });
+        };
         let Dispatched::Run(mut s) = edge
             .dispatch("m", false, Duration::from_secs(5), build)
             .await

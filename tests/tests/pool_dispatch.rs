@@ -71,8 +71,8 @@ fn start_node(ca: &Ca, edge: &EdgeHandle, name: &str) -> CancellationToken {
     stop
 }
 
-fn build(i: usize) -> iop_edge::BuildRequest {
-    Box::new(move |_lease| {
+fn build(i: usize) -> PoolRequest {
+    {
         PoolRequest::Run(RunRequest {
             run_id: format!("p-{i}"),
             adapter: String::new(), // filled from the lease
@@ -84,7 +84,7 @@ fn build(i: usize) -> iop_edge::BuildRequest {
             long_context: false,
             credential: None,
         })
-    })
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -72,6 +72,8 @@ pub(super) fn dispatch_error(dialect: Dialect, e: DispatchError, model: &str) ->
         }
         DispatchError::InvalidRequest => error(dialect, StatusCode::BAD_REQUEST, "invalid request"),
         DispatchError::Stopped => overloaded(dialect, "edge is shutting down"),
+        // A refusal added to the machine later: unavailable until it has its own answer.
+        _ => overloaded(dialect, "no provider available"),
     }
 }
 

@@ -1,0 +1,90 @@
+//! The IOP Edge's protocol machine, sans-io.
+//!
+//! [`EdgeCore`] makes every protocol decision of the Edge side of the runtime wire (seed 000)
+//! and nothing else: no tokio, no clock (every method that can arm or fire a timer takes
+//! `now`), no sockets. It has the shape of quinn-proto's `Endpoint`: `handle_*` methods feed it
+//! what happened, [`EdgeCore::poll_transmit`] hands out the frames to write,
+//! [`EdgeCore::poll_event`] what the driver must act on, and [`EdgeCore::poll_timeout`] /
+//! [`EdgeCore::handle_timeout`] its timers. Cargo enforces the purity: this crate's normal
+//! dependencies are `iop-wire` (without its tokio codec feature), `thiserror` and `tracing`.
+//!
+//! It owns:
+//!
+//! - the `iop_wire::edge::Registry` (the single authority for `node_id → current owner,
+//!   generation, pending/ready`), fed by connection ([`EdgeCore::accept`],
+//!   [`EdgeCore::handle_frame`], [`EdgeCore::handle_close`]);
+//! - the provider [`pool`] and its queue ([`EdgeCore::admit`], [`EdgeCore::send_admitted`],
+//!   [`EdgeCore::release`]): ready activates a generation's providers and pumps the queue, a
+//!   fence releases its leases exactly once and takes its providers offline;
+//! - stream routing: stream ids (never reused), routes checked against the frame's transport
+//!   identity `(node_id, generation)` (never what the frame claims), tunnel ordering
+//!   (`iop_wire::tunnel`), response-wait timers, the slow-consumer rule (a byte bound and a
+//!   no-progress timeout per stream), `CancelRequest` when a caller goes away;
+//! - command / config-refresh correlation ([`EdgeCore::command`], [`EdgeCore::refresh`]) and
+//!   the CAPABILITIES recovery probe ([`EdgeCore::recover`]), answered as [`Event::Answered`];
+//! - the Edge terminal handoff (stall evidence checked against the lease; only a fresh
+//!   `unavailable` sets the runtime-unavailable overlay) and recovery matching.
+//!
+//! Streams deliver into caller-provided buffers ([`StreamSink`], chosen by the driver through
+//! [`Sinks`]): a routed frame reaches its stream's buffer inside
+//! [`EdgeCore::handle_frame`], with no task or channel in between, and the machine never
+//! waits for a reader (it watches each push's [`Level`] instead).
+//!
+//! # Invariants (tested in `tests/pair.rs` against the real `iop_wire::node::NodeSession`)
+//!
+//! - At most one owner per Node id; a frame of a stale generation is never routed.
+//! - Every stream gets exactly one terminal: the Node's, or the Edge's own (fence, wait
+//!   timeout, ordering violation, slow consumer).
+//! - A fence ends that generation's streams and fails its pending commands in the same step.
+//! - Every provider lease is released exactly once (terminal, caller, fence).
+//!
+//! # Driving it
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Instant;
+//! use iop_edge_core::{CoreConfig, EdgeCore, NoObserver, Sinks};
+//! use iop_wire::edge::{Registry, RegistryConfig};
+//! # use iop_edge_core::{Level, StreamSink, TunnelEvent};
+//! # use iop_wire::runtime::RunEvent;
+//! # #[derive(Debug)] struct Buf;
+//! # impl<T> StreamSink<T> for Buf {
+//! #     fn push(&self, _: T, _: usize) -> Option<Level> { Some(Level::default()) }
+//! #     fn replace_with(&self, _: T) {}
+//! #     fn level(&self) -> Level { Level::default() }
+//! # }
+//! struct MySinks;
+//! impl Sinks for MySinks {
+//!     type Run = Buf;
+//!     type Tunnel = Buf;
+//! }
+//!
+//! let mut core: EdgeCore<MySinks> = EdgeCore::new(
+//!     Registry::new(RegistryConfig::default()),
+//!     None,
+//!     CoreConfig::default(),
+//!     Arc::new(NoObserver),
+//! );
+//! let now = Instant::now();
+//! let conn = core.accept(now, "node-1");
+//! // ... core.handle_frame(now, conn, frame) for every frame read from the socket ...
+//! while let Some((_conn, _frame)) = core.poll_transmit() { /* write it */ }
+//! while let Some(_event) = core.poll_event() { /* act on it */ }
+//! if let Some(at) = core.poll_timeout() { /* sleep until `at`, then */ core.handle_timeout(at); }
+//! # let _ = conn;
+//! ```
+//!
+//! `iop-edge`'s transport is the production driver: one mutex around the machine, locked by
+//! the connection tasks (frames in), the callers (dispatch, commands, stream drops) and one
+//! timer task, for the length of one call and its drain.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod machine;
+pub mod pool;
+
+pub use machine::{
+    Admit, Admitted, Answer, CoreConfig, DispatchError, EdgeCore, Event, Level, Lifecycle,
+    NODE_DISCONNECTED, NoObserver, Observer, Open, Opened, SLOW_CONSUMER, Sinks, StreamSink,
+    TunnelEvent,
+};
