@@ -48,6 +48,16 @@ cargo fmt --manifest-path fuzz/Cargo.toml --check
 step "clippy (-D warnings, all targets)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "pure crates (no tokio in their normal dependencies)"
+# The sans-io machines promise no runtime, no clock and no sockets; Cargo holds them to it.
+for crate in iop-wire iop-edge-core iop-dialect iop-lease; do
+    if cargo tree --locked -p "$crate" -e normal --prefix none | grep -q '^tokio'; then
+        echo "error: $crate depends on tokio (cargo tree -p $crate -e normal -i tokio)" >&2
+        exit 1
+    fi
+    echo "$crate: no tokio"
+done
+
 step "services"
 # shellcheck source=scripts/postgres.sh
 . scripts/postgres.sh

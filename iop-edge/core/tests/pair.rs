@@ -1,0 +1,1309 @@
+//! Two-party harness in virtual time: the real [`EdgeCore`] and real Node sessions
+//! (`iop_wire::node::NodeSession`) exchange encoded frames (quinn-proto's `Pair`). No sockets,
+//! no sleeps, no tokio: time moves only when a test advances it to the next `poll_timeout`.
+//! The test plays each Node's application (what it answers to runs, tunnels and commands).
+//!
+//! Every test names the invariant it checks:
+//!
+//! - **one owner**: at most one ready generation per Node id; a newer registration fences the
+//!   older one;
+//! - **no stale routing**: a frame of a fenced generation is never delivered to a stream;
+//! - **one terminal**: every opened stream ends with exactly one terminal event;
+//! - **fence in one step**: a fence ends that generation's streams and fails its pending
+//!   commands in the same call, before anything else happens;
+//! - **lease once**: every provider lease is released exactly once (terminal, caller, fence).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use iop_edge_core::pool::Pool;
+use iop_edge_core::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge_core::{
+    Admit, Answer, CoreConfig, DispatchError, EdgeCore, Event, Level, Lifecycle, NODE_DISCONNECTED,
+    Observer, Open, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
+};
+use iop_wire::HeartbeatConfig;
+use iop_wire::codec::FrameCodec;
+use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig};
+use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
+use iop_wire::runtime::{
+    Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, Header,
+    HealthEvidence, NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
+    NodeConfigRefreshResponse, ProviderStatus, ProviderTunnelRequest, RegisterRequest, RunEvent,
+    RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload,
+};
+use iop_wire::tunnel::Delivery;
+use iop_wire::validate::ResponseStallTimeout;
+
+// === Stream buffers the test can read (or not) ===
+
+struct BufState<T> {
+    queue: VecDeque<(T, usize)>,
+    bytes: usize,
+    reads: u64,
+    reader_gone: bool,
+    /// Everything ever pushed (a replaced backlog included), for the one-terminal check.
+    pushed: usize,
+}
+
+struct Buf<T>(Rc<RefCell<BufState<T>>>);
+
+impl<T> Clone for Buf<T> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T> Buf<T> {
+    fn new() -> Self {
+        Self(Rc::new(RefCell::new(BufState {
+            queue: VecDeque::new(),
+            bytes: 0,
+            reads: 0,
+            reader_gone: false,
+            pushed: 0,
+        })))
+    }
+
+    /// Reads everything queued.
+    fn read_all(&self) -> Vec<T> {
+        let mut s = self.0.borrow_mut();
+        let items: Vec<T> = s.queue.drain(..).map(|(t, _)| t).collect();
+        s.bytes = 0;
+        s.reads += items.len() as u64;
+        items
+    }
+
+    fn drop_reader(&self) {
+        let mut s = self.0.borrow_mut();
+        s.reader_gone = true;
+        s.queue.clear();
+        s.bytes = 0;
+    }
+
+    fn unread(&self) -> usize {
+        self.0.borrow().queue.len()
+    }
+}
+
+impl<T> StreamSink<T> for Buf<T> {
+    fn push(&self, item: T, size: usize) -> Option<Level> {
+        let mut s = self.0.borrow_mut();
+        if s.reader_gone {
+            return None;
+        }
+        s.queue.push_back((item, size));
+        s.bytes += size;
+        s.pushed += 1;
+        Some(Level {
+            bytes: s.bytes,
+            reads: s.reads,
+        })
+    }
+
+    fn replace_with(&self, terminal: T) {
+        let mut s = self.0.borrow_mut();
+        s.queue.clear();
+        s.queue.push_back((terminal, 0));
+        s.bytes = 0;
+        s.pushed += 1;
+    }
+
+    fn level(&self) -> Level {
+        let s = self.0.borrow();
+        Level {
+            bytes: s.bytes,
+            reads: s.reads,
+        }
+    }
+}
+
+struct TestSinks;
+
+impl Sinks for TestSinks {
+    type Run = Buf<RunEvent>;
+    type Tunnel = Buf<TunnelEvent>;
+}
+
+#[derive(Default)]
+struct Counts {
+    slow: AtomicU64,
+    set_unavailable: AtomicU64,
+    cleared: AtomicU64,
+}
+
+impl Observer for Counts {
+    fn slow_consumer(&self) {
+        self.slow.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn health_transition(&self, to_unavailable: bool) {
+        if to_unavailable {
+            self.set_unavailable.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.cleared.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+// === The harness ===
+
+struct Link {
+    conn: ConnId,
+    node: NodeSession,
+    down: bool,
+    /// Application frames the Node received (after ready).
+    inbox: Vec<RuntimeFrame>,
+}
+
+struct Pair {
+    now: Instant,
+    codec: FrameCodec,
+    edge: EdgeCore<TestSinks>,
+    links: Vec<Link>,
+    by_conn: HashMap<ConnId, usize>,
+    events: Vec<Event>,
+    counts: Arc<Counts>,
+}
+
+const MAX_BUFFER: usize = 64 * 1024;
+const SLOW_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn provider(node: &str, id: &str, kind: ProviderKind) -> ProviderSpec {
+    ProviderSpec {
+        key: ProviderKey {
+            node_id: node.into(),
+            provider_id: id.into(),
+        },
+        adapter: format!("{id}-adapter"),
+        target: format!("{id}-target"),
+        kind,
+        category: "api".into(),
+        capacity: 1,
+        long_context_capacity: 0,
+        response_stall_timeout: Duration::from_secs(120),
+        enabled: true,
+    }
+}
+
+impl Pair {
+    /// An Edge knowing `node-1` and `node-2`, with model `m` served by one tunnel provider on
+    /// each (capacity 1) and a queue of 4.
+    fn new() -> Self {
+        let mut registry = Registry::new(RegistryConfig {
+            heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
+            default_node_config: None,
+            handshake_timeout: Duration::from_secs(10),
+        });
+        for n in ["node-1", "node-2"] {
+            registry.set_node_config(
+                n,
+                Some(NodeConfigPayload {
+                    revision: 1,
+                    ..Default::default()
+                }),
+            );
+        }
+        let providers = vec![
+            provider("node-1", "p1", ProviderKind::OpenAiCompat),
+            provider("node-2", "p2", ProviderKind::OpenAiCompat),
+        ];
+        let models = vec![(
+            "m".to_owned(),
+            providers.iter().map(|p| p.key.clone()).collect(),
+        )];
+        let pool = Pool::new(PoolConfig {
+            providers,
+            models,
+            max_queue: 4,
+        });
+        let counts = Arc::new(Counts::default());
+        let edge = EdgeCore::new(
+            registry,
+            Some(pool),
+            CoreConfig {
+                max_stream_buffer: MAX_BUFFER,
+                slow_consumer_timeout: SLOW_TIMEOUT,
+            },
+            counts.clone(),
+        );
+        Self {
+            now: Instant::now(),
+            codec: FrameCodec::new(),
+            edge,
+            links: Vec::new(),
+            by_conn: HashMap::new(),
+            events: Vec::new(),
+            counts,
+        }
+    }
+
+    /// `node_id` dials (its certificate names it), registers and becomes ready.
+    fn connect(&mut self, node_id: &str) -> usize {
+        let conn = self.edge.accept(self.now, node_id);
+        let register = RegisterRequest {
+            node_id: node_id.to_owned(),
+            ..Default::default()
+        };
+        let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
+        self.links.push(Link {
+            conn,
+            node,
+            down: false,
+            inbox: Vec::new(),
+        });
+        let i = self.links.len() - 1;
+        self.by_conn.insert(conn, i);
+        self.settle();
+        i
+    }
+
+    fn wire(&self, frame: &RuntimeFrame) -> RuntimeFrame {
+        let mut buf = BytesMut::new();
+        self.codec.encode(frame, &mut buf).unwrap();
+        self.codec.decode(&mut buf).unwrap().unwrap()
+    }
+
+    /// Moves frames and events until nothing changes.
+    fn settle(&mut self) {
+        loop {
+            let mut moved = false;
+            for i in 0..self.links.len() {
+                while let Some(frame) = self.links[i].node.poll_transmit() {
+                    moved = true;
+                    if self.links[i].down {
+                        continue;
+                    }
+                    let frame = self.wire(&frame);
+                    self.edge.handle_frame(self.now, self.links[i].conn, frame);
+                }
+                while let Some(event) = self.links[i].node.poll_event() {
+                    moved = true;
+                    match event {
+                        NodeEvent::ApplyConfig { .. } => {
+                            self.links[i].node.config_applied(self.now).unwrap();
+                        }
+                        NodeEvent::Closed(_) if !self.links[i].down => {
+                            self.links[i].down = true;
+                            self.edge.handle_close(self.now, self.links[i].conn);
+                        }
+                        NodeEvent::Frame(f) => self.links[i].inbox.push(f),
+                        _ => {}
+                    }
+                }
+            }
+            while let Some((conn, frame)) = self.edge.poll_transmit() {
+                moved = true;
+                let frame = self.wire(&frame);
+                // A connection the test accepted without a session reads nothing.
+                let Some(&i) = self.by_conn.get(&conn) else {
+                    continue;
+                };
+                if !self.links[i].down {
+                    self.links[i].node.handle_frame(self.now, frame);
+                }
+            }
+            while let Some(event) = self.edge.poll_event() {
+                moved = true;
+                if let Event::CloseConnection { conn, .. } = &event
+                    && let Some(&i) = self.by_conn.get(conn)
+                {
+                    if !self.links[i].down {
+                        self.links[i].down = true;
+                        self.links[i].node.handle_transport_closed();
+                    }
+                }
+                self.events.push(event);
+            }
+            if !moved {
+                break;
+            }
+        }
+    }
+
+    /// The Node of link `i` sends `frame` (its application speaking).
+    fn node_send(&mut self, i: usize, frame: RuntimeFrame) {
+        self.links[i].node.send(self.now, frame).unwrap();
+        self.settle();
+    }
+
+    /// A frame as if read from link `i`'s socket, whatever its session would do.
+    fn inject(&mut self, i: usize, frame: RuntimeFrame) {
+        let frame = self.wire(&frame);
+        self.edge.handle_frame(self.now, self.links[i].conn, frame);
+        self.settle();
+    }
+
+    /// The transport of link `i` breaks.
+    fn cut(&mut self, i: usize) {
+        self.links[i].down = true;
+        self.links[i].node.handle_transport_closed();
+        self.edge.handle_close(self.now, self.links[i].conn);
+        self.settle();
+    }
+
+    /// Advances virtual time by `d`, firing every timer on the way.
+    fn advance(&mut self, d: Duration) {
+        let end = self.now + d;
+        loop {
+            let mut next = self.edge.poll_timeout();
+            for l in &self.links {
+                if !l.down
+                    && let Some(t) = l.node.poll_timeout()
+                {
+                    next = Some(next.map_or(t, |n| n.min(t)));
+                }
+            }
+            match next {
+                Some(t) if t <= end => {
+                    self.now = self.now.max(t);
+                    self.edge.handle_timeout(self.now);
+                    for l in &mut self.links {
+                        if !l.down {
+                            l.node.handle_timeout(self.now);
+                        }
+                    }
+                    self.settle();
+                }
+                _ => break,
+            }
+        }
+        self.now = end;
+    }
+
+    fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// The application frames link `i` received since the last call.
+    fn inbox(&mut self, i: usize) -> Vec<RuntimeFrame> {
+        std::mem::take(&mut self.links[i].inbox)
+    }
+
+    fn generation(&self, node: &str) -> Generation {
+        self.edge
+            .ready_nodes()
+            .into_iter()
+            .find(|(n, _)| n == node)
+            .map(|(_, g)| g)
+            .expect("ready")
+    }
+
+    fn leases(&self) -> u64 {
+        self.edge.pool_stats().1
+    }
+}
+
+fn run_request(run_id: &str) -> RunRequest {
+    RunRequest {
+        run_id: run_id.into(),
+        adapter: "a".into(),
+        target: "t".into(),
+        input: Bytes::from_static(b"hi"),
+        metadata: BTreeMap::new(),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        timeout: None,
+        long_context: false,
+        credential: None,
+    }
+}
+
+fn tunnel_request(run_id: &str) -> ProviderTunnelRequest {
+    ProviderTunnelRequest {
+        run_id: run_id.into(),
+        adapter: "a".into(),
+        target: "t".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from_static(b"{}"),
+        stream: true,
+        timeout: None,
+        metadata: BTreeMap::new(),
+        session_id: String::new(),
+        long_context: false,
+        operation: None,
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        credential: None,
+    }
+}
+
+fn run_event(kind: RunEventKind, delta: &str) -> RunEvent {
+    let mut ev = RunEvent::new(kind);
+    ev.delta = delta.into();
+    ev
+}
+
+fn tunnel_frame(stream_id: u64, sequence: u64, payload: TunnelPayload) -> RuntimeFrame {
+    RuntimeFrame::on_stream(
+        stream_id,
+        RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+            sequence,
+            payload,
+            metadata: BTreeMap::new(),
+        }),
+    )
+}
+
+fn start() -> TunnelPayload {
+    TunnelPayload::ResponseStart {
+        status: 200,
+        headers: Vec::new(),
+    }
+}
+
+fn cancels(frames: &[RuntimeFrame]) -> Vec<String> {
+    frames
+        .iter()
+        .filter_map(|f| match &f.message {
+            RuntimeMessage::CancelRequest(c) => Some(c.run_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn terminals_run(events: &[RunEvent]) -> usize {
+    events.iter().filter(|e| e.kind.is_terminal()).count()
+}
+
+fn terminals_tunnel(events: &[TunnelEvent]) -> usize {
+    events.iter().filter(|e| e.is_terminal()).count()
+}
+
+// === Tests ===
+
+/// Handshake, then a run: the Node gets the request on a fresh stream, its events reach the
+/// stream's buffer in order, the terminal ends the route (**one terminal**).
+#[test]
+fn a_run_flows_to_its_stream_and_ends_with_the_nodes_terminal() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let g1 = p.generation("node-1");
+    assert!(
+        p.take_events()
+            .contains(&Event::Lifecycle(Lifecycle::Connected {
+                node_id: "node-1".into(),
+                generation: g1,
+            }))
+    );
+    let buf = Buf::new();
+    let opened = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r1"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    assert_eq!(opened.generation, g1);
+    let inbox = p.inbox(n1);
+    assert!(matches!(
+        &inbox[..],
+        [f] if f.stream_id == opened.stream_id
+            && matches!(&f.message, RuntimeMessage::RunRequest(r) if r.run_id == "r1")
+    ));
+    for (kind, delta) in [
+        (RunEventKind::Start, ""),
+        (RunEventKind::Delta, "hel"),
+        (RunEventKind::Delta, "lo"),
+        (RunEventKind::Complete, ""),
+    ] {
+        p.node_send(
+            n1,
+            RuntimeFrame::on_stream(
+                opened.stream_id,
+                RuntimeMessage::RunEvent(run_event(kind, delta)),
+            ),
+        );
+    }
+    let got = buf.read_all();
+    let deltas: String = got.iter().map(|e| e.delta.as_str()).collect();
+    assert_eq!(deltas, "hello");
+    assert_eq!(terminals_run(&got), 1);
+    assert_eq!(p.edge.stream_count(), 0, "the terminal ended the route");
+    // A late frame for the finished stream goes nowhere.
+    p.node_send(
+        n1,
+        RuntimeFrame::on_stream(
+            opened.stream_id,
+            RuntimeMessage::RunEvent(run_event(RunEventKind::Delta, "late")),
+        ),
+    );
+    assert!(buf.read_all().is_empty());
+}
+
+/// **one owner** + **fence in one step** + **one terminal**: a second connection registering
+/// as the same Node supersedes the first; in that same step the old generation's run and
+/// tunnel get the Edge's own terminal and its pending command fails.
+#[test]
+fn a_supersede_fences_the_old_generation_streams_and_commands_in_one_step() {
+    let mut p = Pair::new();
+    let old = p.connect("node-1");
+    let g_old = p.generation("node-1");
+    let run = Buf::new();
+    let tunnel = Buf::new();
+    p.edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r1"),
+                sink: run.clone(),
+            },
+        )
+        .unwrap();
+    p.edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Tunnel {
+                request: tunnel_request("t1"),
+                sink: tunnel.clone(),
+                response_wait: None,
+            },
+        )
+        .unwrap();
+    let ticket = p
+        .edge
+        .command(
+            p.now,
+            "node-1",
+            NodeCommandRequest {
+                kind: NodeCommandKind::Transport,
+                adapter: String::new(),
+                target: String::new(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.take_events();
+    assert_eq!(p.edge.stream_count(), 2);
+
+    let new = p.connect("node-1");
+    let g_new = p.generation("node-1");
+    assert!(g_new > g_old);
+    assert_eq!(
+        p.edge.ready_nodes(),
+        vec![("node-1".to_owned(), g_new)],
+        "one owner"
+    );
+    let run_events = run.read_all();
+    assert_eq!(terminals_run(&run_events), 1);
+    assert_eq!(run_events[0].error, NODE_DISCONNECTED);
+    assert_eq!(tunnel.read_all(), vec![TunnelEvent::NodeDisconnected]);
+    assert_eq!(p.edge.stream_count(), 0);
+    let events = p.take_events();
+    assert!(events.contains(&Event::Answered {
+        ticket,
+        answer: Answer::Command(Err(DispatchError::Disconnected)),
+    }));
+    assert!(events.contains(&Event::Lifecycle(Lifecycle::Disconnected {
+        node_id: "node-1".into(),
+        generation: g_old,
+    })));
+
+    // **no stale routing**: the old connection's frames (injected raw, whatever its session
+    // would do) reach nothing, even naming a live stream id of the new generation.
+    let fresh = Buf::new();
+    let opened = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r2"),
+                sink: fresh.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.inject(
+        old,
+        RuntimeFrame::on_stream(
+            opened.stream_id,
+            RuntimeMessage::RunEvent(run_event(RunEventKind::Delta, "stale")),
+        ),
+    );
+    assert!(
+        fresh.read_all().is_empty(),
+        "a stale generation's frame was routed"
+    );
+    p.node_send(
+        new,
+        RuntimeFrame::on_stream(
+            opened.stream_id,
+            RuntimeMessage::RunEvent(run_event(RunEventKind::Delta, "fresh")),
+        ),
+    );
+    assert_eq!(fresh.read_all()[0].delta, "fresh");
+}
+
+/// A frame routed by another Node's connection, naming this stream's id, is not delivered:
+/// transport identity decides (**no stale routing**).
+#[test]
+fn a_frame_from_another_node_naming_a_stream_is_not_routed() {
+    let mut p = Pair::new();
+    let _n1 = p.connect("node-1");
+    let n2 = p.connect("node-2");
+    let buf = Buf::new();
+    let opened = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r1"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.node_send(
+        n2,
+        RuntimeFrame::on_stream(
+            opened.stream_id,
+            RuntimeMessage::RunEvent(run_event(RunEventKind::Complete, "")),
+        ),
+    );
+    assert!(buf.read_all().is_empty());
+    assert_eq!(p.edge.stream_count(), 1);
+}
+
+/// Tunnel ordering: Start, Body, End are delivered; a body before any start is a violation,
+/// which is the stream's one terminal, and the run is cancelled on the Node.
+#[test]
+fn tunnel_frames_are_ordered_and_a_violation_is_the_terminal_and_cancels() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let ok = Buf::new();
+    let a = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Tunnel {
+                request: tunnel_request("ok"),
+                sink: ok.clone(),
+                response_wait: None,
+            },
+        )
+        .unwrap();
+    let bad = Buf::new();
+    let b = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Tunnel {
+                request: tunnel_request("bad"),
+                sink: bad.clone(),
+                response_wait: None,
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.inbox(n1);
+    p.node_send(n1, tunnel_frame(a.stream_id, 1, start()));
+    p.node_send(
+        n1,
+        tunnel_frame(
+            a.stream_id,
+            2,
+            TunnelPayload::Body(Bytes::from_static(b"x")),
+        ),
+    );
+    p.node_send(
+        n1,
+        tunnel_frame(
+            b.stream_id,
+            1,
+            TunnelPayload::Body(Bytes::from_static(b"y")),
+        ),
+    );
+    p.node_send(n1, tunnel_frame(a.stream_id, 3, TunnelPayload::End));
+    let got = ok.read_all();
+    assert_eq!(got.len(), 3);
+    assert_eq!(
+        got[1],
+        TunnelEvent::Frame(Delivery::Body(Bytes::from_static(b"x")))
+    );
+    assert_eq!(terminals_tunnel(&got), 1);
+    let got = bad.read_all();
+    assert!(matches!(&got[..], [TunnelEvent::Violation(_)]));
+    assert_eq!(cancels(&p.inbox(n1)), vec!["bad".to_owned()]);
+    assert_eq!(p.edge.stream_count(), 0);
+}
+
+/// Response-wait timer, in virtual time: nothing arrives within the wait, so the stream ends
+/// with `WaitTimeout` and the Node is told to cancel; a stream whose first frame arrived in
+/// time is untouched.
+#[test]
+fn a_tunnel_without_a_response_in_time_ends_with_wait_timeout_and_is_cancelled() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let slow = Buf::new();
+    let fast = Buf::new();
+    let wait = Some(Duration::from_secs(5));
+    p.edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Tunnel {
+                request: tunnel_request("slow"),
+                sink: slow.clone(),
+                response_wait: wait,
+            },
+        )
+        .unwrap();
+    let f = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Tunnel {
+                request: tunnel_request("fast"),
+                sink: fast.clone(),
+                response_wait: wait,
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.inbox(n1);
+    p.advance(Duration::from_secs(1));
+    p.node_send(n1, tunnel_frame(f.stream_id, 1, start()));
+    p.advance(Duration::from_millis(3_999));
+    assert!(slow.read_all().is_empty(), "not before the wait");
+    p.advance(Duration::from_millis(2));
+    assert_eq!(slow.read_all(), vec![TunnelEvent::WaitTimeout]);
+    assert_eq!(cancels(&p.inbox(n1)), vec!["slow".to_owned()]);
+    assert_eq!(fast.read_all().len(), 1, "the answered stream is untouched");
+    p.advance(Duration::from_secs(60));
+    assert!(fast.read_all().is_empty());
+    assert_eq!(p.edge.stream_count(), 1);
+}
+
+/// A caller going away ends its stream and cancels the run on the Node; later frames of that
+/// run are dropped.
+#[test]
+fn a_dropped_caller_cancels_its_run_on_the_node() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let buf = Buf::new();
+    let o = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r1"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.inbox(n1);
+    buf.drop_reader();
+    p.edge.end_stream(p.now, o.stream_id, "caller_disconnected");
+    p.settle();
+    assert_eq!(cancels(&p.inbox(n1)), vec!["r1".to_owned()]);
+    assert_eq!(p.edge.stream_count(), 0);
+    // A reader that is gone when the Node's next event arrives: the same cancel, once.
+    let buf = Buf::new();
+    let o = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r2"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.inbox(n1);
+    buf.drop_reader();
+    for _ in 0..3 {
+        p.node_send(
+            n1,
+            RuntimeFrame::on_stream(
+                o.stream_id,
+                RuntimeMessage::RunEvent(run_event(RunEventKind::Delta, "x")),
+            ),
+        );
+    }
+    assert_eq!(cancels(&p.inbox(n1)), vec!["r2".to_owned()]);
+}
+
+/// Slow consumers: past the byte bound the backlog is replaced by one terminal at once; under
+/// it, no read for the timeout ends the stream; reading in time keeps it alive.
+#[test]
+fn a_reader_that_falls_behind_is_ended_and_cancelled_in_virtual_time() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let open = |p: &mut Pair, id: &str, buf: &Buf<TunnelEvent>| {
+        let o = p
+            .edge
+            .open(
+                p.now,
+                "node-1",
+                Open::Tunnel {
+                    request: tunnel_request(id),
+                    sink: buf.clone(),
+                    response_wait: None,
+                },
+            )
+            .unwrap();
+        p.settle();
+        p.node_send(n1, tunnel_frame(o.stream_id, 1, start()));
+        o.stream_id
+    };
+    let chunk = Bytes::from(vec![b'x'; 16 * 1024]);
+
+    // Over the byte bound.
+    let big = Buf::new();
+    let s = open(&mut p, "big", &big);
+    for seq in 2..8 {
+        p.node_send(n1, tunnel_frame(s, seq, TunnelPayload::Body(chunk.clone())));
+    }
+    assert_eq!(big.read_all(), vec![TunnelEvent::SlowConsumer]);
+    assert_eq!(cancels(&p.inbox(n1)), vec!["big".to_owned()]);
+
+    // Under the bound, stuck: ended after the timeout, not before.
+    let stuck = Buf::new();
+    let s = open(&mut p, "stuck", &stuck);
+    p.node_send(n1, tunnel_frame(s, 2, TunnelPayload::Body(chunk.clone())));
+    // A reader that keeps reading is never ended.
+    let live = Buf::new();
+    let l = open(&mut p, "live", &live);
+    p.inbox(n1);
+    for i in 0..4 {
+        p.node_send(
+            n1,
+            tunnel_frame(l, 2 + i, TunnelPayload::Body(chunk.clone())),
+        );
+        live.read_all();
+        p.advance(SLOW_TIMEOUT / 3);
+    }
+    // ≥ 30 s passed with `stuck` never read.
+    assert_eq!(stuck.unread(), 1, "replaced by its terminal");
+    assert_eq!(stuck.read_all(), vec![TunnelEvent::SlowConsumer]);
+    assert_eq!(cancels(&p.inbox(n1)), vec!["stuck".to_owned()]);
+    p.node_send(n1, tunnel_frame(l, 10, TunnelPayload::End));
+    assert_eq!(terminals_tunnel(&live.read_all()), 1);
+    assert_eq!(p.counts.slow.load(Ordering::Relaxed), 2);
+}
+
+/// The pool's queue through the machine: capacity 1 per provider, a third caller waits, is
+/// granted when a stream's terminal releases its lease, and a fourth times out in virtual time
+/// (**lease once**: the count of held leases is always that of live admissions and streams).
+#[test]
+fn queued_admissions_are_granted_on_release_and_time_out() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let _n2 = p.connect("node-2");
+    let wait = Duration::from_secs(5);
+    let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("capacity")
+    };
+    let Admit::Granted(b) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("capacity")
+    };
+    assert_ne!(a.lease.key, b.lease.key, "least loaded first");
+    let Admit::Queued(c) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("no capacity left")
+    };
+    assert_eq!(p.leases(), 2);
+    // Send on node-1's lease; its terminal releases the lease and grants `c`.
+    let a = if a.lease.key.node_id == "node-1" {
+        a
+    } else {
+        b
+    };
+    let buf = Buf::new();
+    let o = p
+        .edge
+        .send_admitted(
+            p.now,
+            &a.lease,
+            Open::Tunnel {
+                request: tunnel_request("q1"),
+                sink: buf.clone(),
+                response_wait: None,
+            },
+        )
+        .unwrap();
+    p.settle();
+    let sent = p.inbox(n1);
+    assert!(
+        matches!(
+            &sent[..],
+            [f] if matches!(&f.message, RuntimeMessage::ProviderTunnelRequest(r)
+                if r.adapter == "p1-adapter" && r.target == "p1-target")
+        ),
+        "adapter and target come from the lease"
+    );
+    p.take_events();
+    p.node_send(
+        n1,
+        tunnel_frame(
+            o.stream_id,
+            1,
+            TunnelPayload::Error {
+                error: "boom".into(),
+                execution_failure: None,
+            },
+        ),
+    );
+    let events = p.take_events();
+    let granted = events.iter().find_map(|e| match e {
+        Event::Admitted {
+            request,
+            result: Ok(adm),
+        } if *request == c => Some(adm.clone()),
+        _ => None,
+    });
+    let granted = granted.expect("the waiter was granted on release");
+    assert_eq!(p.leases(), 2);
+    // A fourth waits and times out: exactly at its deadline.
+    let Admit::Queued(d) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("full")
+    };
+    p.advance(wait - Duration::from_millis(1));
+    assert!(p.take_events().is_empty());
+    p.advance(Duration::from_millis(2));
+    assert_eq!(
+        p.take_events(),
+        vec![Event::Admitted {
+            request: d,
+            result: Err(DispatchError::WaitTimeout),
+        }]
+    );
+    // Released by the caller, then again (no-op): counted once.
+    p.edge.release(p.now, granted.lease.id);
+    p.edge.release(p.now, granted.lease.id);
+    assert_eq!(p.leases(), 1);
+}
+
+/// **lease once** across a fence: a lease held by a stream and one held by an unsent admission
+/// are both released by the fence of their generation; the stream's own terminal path and a
+/// late send then change nothing.
+#[test]
+fn a_fence_releases_its_generations_leases_exactly_once() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let wait = Duration::from_secs(5);
+    let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("capacity")
+    };
+    assert_eq!(a.lease.key.node_id, "node-1", "node-2 is not connected");
+    let buf = Buf::new();
+    p.edge
+        .send_admitted(
+            p.now,
+            &a.lease,
+            Open::Run {
+                request: run_request("r1"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    assert_eq!(p.leases(), 1);
+    p.cut(n1);
+    assert_eq!(p.leases(), 0, "released by the fence");
+    assert_eq!(terminals_run(&buf.read_all()), 1);
+    // A late send on the fenced lease is refused and releases nothing twice.
+    let again = Buf::new();
+    assert_eq!(
+        p.edge.send_admitted(
+            p.now,
+            &a.lease,
+            Open::Run {
+                request: run_request("r2"),
+                sink: again,
+            },
+        ),
+        Err(DispatchError::Disconnected)
+    );
+    p.edge.release(p.now, a.lease.id);
+    assert_eq!(p.leases(), 0);
+    // Back on a new generation, with full capacity (the old lease did not leak into it).
+    let _n1b = p.connect("node-1");
+    assert!(matches!(
+        p.edge.admit(p.now, "m", false, wait),
+        Ok(Admit::Granted(_))
+    ));
+}
+
+fn stall_evidence(adapter: &str, target: &str, seq: u64) -> FailureEvidence {
+    FailureEvidence::Valid(ExecutionFailure {
+        health: HealthEvidence::Unavailable,
+        idle_duration: Duration::from_secs(120),
+        run_id: "s1".into(),
+        attempt_id: "a1".into(),
+        fence: Fence::Unconfirmed,
+        adapter: adapter.into(),
+        target: target.into(),
+        health_observation_seq: Some(seq),
+    })
+}
+
+/// Stall handoff and recovery: a stall terminal naming the lease's own adapter and target gets
+/// the handoff metadata and sets the overlay (the provider is no longer selected); one naming
+/// another target changes nothing; a CAPABILITIES answer clears the overlay only when fresher.
+#[test]
+fn a_validated_stall_sets_the_overlay_and_only_a_fresher_probe_clears_it() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let wait = Duration::from_secs(5);
+    let stall_on = |p: &mut Pair, evidence: FailureEvidence| -> Vec<TunnelEvent> {
+        let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+            panic!("capacity")
+        };
+        let buf = Buf::new();
+        let o = p
+            .edge
+            .send_admitted(
+                p.now,
+                &a.lease,
+                Open::Tunnel {
+                    request: tunnel_request("s1"),
+                    sink: buf.clone(),
+                    response_wait: None,
+                },
+            )
+            .unwrap();
+        p.settle();
+        p.node_send(
+            n1,
+            tunnel_frame(
+                o.stream_id,
+                1,
+                TunnelPayload::Error {
+                    error: "stalled".into(),
+                    execution_failure: Some(evidence),
+                },
+            ),
+        );
+        buf.read_all()
+    };
+    // Mismatched target: no handoff, no overlay.
+    let got = stall_on(&mut p, stall_evidence("p1-adapter", "other", 5));
+    let TunnelEvent::Frame(Delivery::Error { metadata, .. }) = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert!(!metadata.contains_key("recovery_handoff"));
+    assert_eq!(p.counts.set_unavailable.load(Ordering::Relaxed), 0);
+    // Matching: confirmed, overlay set.
+    let got = stall_on(&mut p, stall_evidence("p1-adapter", "p1-target", 5));
+    let TunnelEvent::Frame(Delivery::Error { metadata, .. }) = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(
+        metadata.get("recovery_handoff").map(String::as_str),
+        Some("confirmed")
+    );
+    assert_eq!(metadata.get("provider_id").map(String::as_str), Some("p1"));
+    assert_eq!(p.counts.set_unavailable.load(Ordering::Relaxed), 1);
+    assert!(
+        matches!(p.edge.admit(p.now, "m", false, wait), Ok(Admit::Queued(_))),
+        "the overlaid provider is not selected"
+    );
+    // Recovery: a probe answer with a stale sequence clears nothing, a fresher one clears.
+    for (seq, expected) in [(5, 0), (6, 1)] {
+        let ticket = p.edge.recover(p.now, "node-1").unwrap();
+        p.settle();
+        let probe = p.inbox(n1).pop().unwrap();
+        assert!(
+            matches!(&probe.message, RuntimeMessage::NodeCommandRequest(r)
+            if r.kind == NodeCommandKind::Capabilities)
+        );
+        p.take_events();
+        p.node_send(
+            n1,
+            RuntimeFrame::correlated(
+                probe.correlation_id,
+                RuntimeMessage::NodeCommandResponse(NodeCommandResponse {
+                    ok: true,
+                    error: String::new(),
+                    capabilities: vec![Capability {
+                        adapter_key: "p1-adapter".into(),
+                        target: "p1-target".into(),
+                        provider_status: ProviderStatus::Available,
+                        health_observation_seq: seq,
+                        adapter: "openai_compat".into(),
+                        instance_key: "p1".into(),
+                    }],
+                    result: BTreeMap::new(),
+                }),
+            ),
+        );
+        let events = p.take_events();
+        assert!(
+            events.contains(&Event::Answered {
+                ticket,
+                answer: Answer::Recovered(Ok(expected)),
+            }),
+            "seq {seq}: {events:?}"
+        );
+    }
+    assert_eq!(p.counts.cleared.load(Ordering::Relaxed), 1);
+}
+
+/// Command and refresh correlation: an answer with an unknown correlation id, or of the other
+/// kind, is not an answer; the right one is, once.
+#[test]
+fn commands_and_refreshes_are_matched_by_correlation_id_and_kind() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let command = p
+        .edge
+        .command(
+            p.now,
+            "node-1",
+            NodeCommandRequest {
+                kind: NodeCommandKind::Transport,
+                adapter: String::new(),
+                target: String::new(),
+            },
+        )
+        .unwrap();
+    let refresh = p
+        .edge
+        .refresh(
+            p.now,
+            "node-1",
+            NodeConfigPayload {
+                revision: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    p.settle();
+    let inbox = p.inbox(n1);
+    assert_eq!(inbox.len(), 2);
+    let refresh_answer = |id| {
+        RuntimeFrame::correlated(
+            id,
+            RuntimeMessage::NodeConfigRefreshResponse(NodeConfigRefreshResponse {
+                outcome: ConfigRefreshOutcome::Applied,
+                reason: String::new(),
+                revision: 2,
+            }),
+        )
+    };
+    let command_answer = |id| {
+        RuntimeFrame::correlated(
+            id,
+            RuntimeMessage::NodeCommandResponse(NodeCommandResponse {
+                ok: true,
+                ..Default::default()
+            }),
+        )
+    };
+    p.take_events();
+    p.node_send(n1, command_answer(999));
+    p.node_send(n1, refresh_answer(command));
+    p.node_send(n1, command_answer(refresh));
+    assert!(p.take_events().is_empty(), "no answer matched");
+    p.node_send(n1, command_answer(command));
+    p.node_send(n1, refresh_answer(refresh));
+    p.node_send(n1, command_answer(command));
+    let events = p.take_events();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(
+        matches!(&events[0], Event::Answered { ticket, answer: Answer::Command(Ok(_)) } if *ticket == command)
+    );
+    assert!(
+        matches!(&events[1], Event::Answered { ticket, answer: Answer::Refresh(Ok(r)) } if *ticket == refresh && r.revision == 2)
+    );
+}
+
+/// Registration timeout and liveness in virtual time: a connection that never registers is
+/// closed after the handshake timeout; a ready Node that goes silent is fenced after its idle
+/// timeout, ending its streams.
+#[test]
+fn silent_connections_are_closed_and_silent_nodes_fenced_on_time() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let silent = p.edge.accept(p.now, "node-2");
+    p.settle();
+    p.advance(Duration::from_millis(9_999));
+    assert!(
+        !p.take_events()
+            .iter()
+            .any(|e| matches!(e, Event::CloseConnection { conn, .. } if *conn == silent))
+    );
+    p.advance(Duration::from_millis(2));
+    assert!(
+        p.take_events()
+            .iter()
+            .any(|e| matches!(e, Event::CloseConnection { conn, .. } if *conn == silent))
+    );
+    // node-1 stops talking (its transport half-dead: frames from it are lost).
+    let buf = Buf::new();
+    p.edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r1"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    p.links[n1].down = true;
+    p.advance(Duration::from_secs(31));
+    assert!(
+        p.edge.ready_nodes().is_empty(),
+        "fenced by the idle timeout"
+    );
+    assert_eq!(buf.read_all()[0].error, NODE_DISCONNECTED);
+}
+
+/// A run stream ended by a slow consumer carries the documented reason.
+#[test]
+fn the_slow_consumer_terminal_of_a_run_names_its_reason() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let buf = Buf::new();
+    let o = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Run {
+                request: run_request("r1"),
+                sink: buf.clone(),
+            },
+        )
+        .unwrap();
+    p.settle();
+    let big = "y".repeat(MAX_BUFFER);
+    p.node_send(
+        n1,
+        RuntimeFrame::on_stream(
+            o.stream_id,
+            RuntimeMessage::RunEvent(run_event(RunEventKind::Delta, &big)),
+        ),
+    );
+    let got = buf.read_all();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].error, SLOW_CONSUMER);
+}
