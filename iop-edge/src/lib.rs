@@ -1,21 +1,27 @@
 //! The IOP Edge, as an embeddable library.
 //!
-//! The Node transport ([`transport`]): the mTLS listener, one I/O task per
-//! Node connection, and one registry task that owns `iop_wire::edge::Registry` — the single
-//! authority for `node_id → current owner, generation, pending/ready` — plus the routing of run
-//! streams and commands. [`EdgeHandle`] is the embeddable API to dispatch runs, cancel them,
-//! open provider tunnels (frames checked by `iop_wire::tunnel`), send commands and push config
-//! refreshes to ready Nodes; a tunnel may carry a response-wait timeout, and a caller that goes
-//! away (drops its stream) or times out makes the Edge send `CancelRequest`.
+//! The Node transport ([`transport`]) drives [`iop_edge_core::EdgeCore`], the pure machine
+//! that makes every protocol decision: the `iop_wire::edge::Registry` (the single authority
+//! for `node_id → current owner, generation, pending/ready`), the provider [`pool`], stream
+//! routing, timers and command correlation. The transport is glue: the mTLS listener and its
+//! caps, one I/O task per Node connection, one timer task, and the machine behind one mutex
+//! (locked per call, never across an `.await`), so a Node's frame is routed by the task that
+//! read it straight into its stream's buffer. [`EdgeHandle`] is the embeddable API to dispatch
+//! runs, cancel them, open provider tunnels (frames checked by `iop_wire::tunnel`), send
+//! commands and push config refreshes to ready Nodes; a tunnel may carry a response-wait
+//! timeout, and a caller that goes away (drops its stream) or times out makes the Edge send
+//! `CancelRequest`.
 //!
-//! [`pool`] is the provider pool and queue as a pure state machine: model groups of provider
-//! candidates, provider leases keyed by `(node_id, provider_id)` and released exactly once
-//! (terminal or fence), a bounded FIFO queue pumped on ready/release, the seed's snapshot
-//! figures and the per-generation runtime-unavailable overlay. The transport's registry task
-//! drives it in the same step as its own lifecycle (ready → activate and pump; fence → release
-//! leases, go offline, re-evaluate), and [`EdgeHandle::dispatch`] dispatches through it (or,
-//! in two steps, [`EdgeHandle::admit`] then [`EdgeHandle::send_admitted`], when something
-//! asynchronous — a credential lease — must happen between selection and sending).
+//! [`pool`] (re-exported from `iop-edge-core`) is the provider pool and queue as a pure state
+//! machine: model groups of provider candidates, provider leases keyed by
+//! `(node_id, provider_id)` and released exactly once (terminal or fence), a bounded FIFO queue
+//! pumped on ready/release, the seed's snapshot figures and the per-generation
+//! runtime-unavailable overlay. The machine drives it in the same step as its own lifecycle
+//! (ready → activate and pump; fence → release leases, go offline, re-evaluate). Every request
+//! takes one path: [`EdgeHandle::admit`] selects and holds a provider, the caller builds the
+//! request for it in its own task (and, in managed mode, acquires a credential lease for
+//! exactly that Node), then [`EdgeHandle::send_admitted`] sends it ([`EdgeHandle::dispatch`] is
+//! the two in a row).
 //! Stall terminals go through the Edge terminal handoff (transport identity and the lease's
 //! adapter/target; `provider_id`, `provider_health`, `recovery_handoff=confirmed` on validated
 //! run and tunnel stalls; only a fresh `unavailable` sets the overlay), and [`EdgeHandle::recover`] runs

@@ -97,7 +97,7 @@ pub struct TransportConfig {
     pub node_configs: Vec<(String, NodeConfigPayload)>,
     /// Largest frame accepted or sent.
     pub max_frame_len: usize,
-    /// The provider pool behind [`EdgeHandle::dispatch`]; `None` disables pool dispatch.
+    /// The provider pool behind [`EdgeHandle::admit`]; `None` disables pool dispatch.
     pub pool: Option<PoolConfig>,
     /// Counters shared with the HTTP surface.
     pub metrics: Arc<Metrics>,

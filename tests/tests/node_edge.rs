@@ -1,5 +1,5 @@
 //! `iop-node` and `iop-edge` end to end over real loopback mTLS: the supervisor, the session
-//! driver with the demo adapter, and the Edge transport with its registry task.
+//! driver with the demo adapter, and the Edge transport (its `EdgeCore` driver).
 //!
 //! A small TCP proxy sits between Node and Edge where a test needs to cut the network.
 #![allow(

@@ -314,11 +314,10 @@ impl Pair {
                 moved = true;
                 if let Event::CloseConnection { conn, .. } = &event
                     && let Some(&i) = self.by_conn.get(conn)
+                    && !self.links[i].down
                 {
-                    if !self.links[i].down {
-                        self.links[i].down = true;
-                        self.links[i].node.handle_transport_closed();
-                    }
+                    self.links[i].down = true;
+                    self.links[i].node.handle_transport_closed();
                 }
                 self.events.push(event);
             }
