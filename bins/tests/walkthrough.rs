@@ -56,9 +56,10 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
-        // The whole process group: bash and what it started.
+        // The whole process group: bash and what it started. `--` is required: procps-ng
+        // 4.0.2's `kill -KILL -PGID` signals every process (as `-1`), this test runner included.
         let _ = Command::new("kill")
-            .args(["-KILL", &format!("-{}", self.child.id())])
+            .args(["-s", "KILL", "--", &format!("-{}", self.child.id())])
             .status();
         let _ = self.child.wait();
     }
