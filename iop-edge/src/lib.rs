@@ -1,7 +1,7 @@
 //! The IOP Edge, as an embeddable library.
 //!
 //! The Node transport ([`transport`]) drives [`iop_edge_core::EdgeCore`], the pure machine
-//! that makes every protocol decision: the `iop_wire::edge::Registry` (the single authority
+//! that makes every protocol decision: the `iop_wire::registry::Registry` (the single authority
 //! for `node_id → current owner, generation, pending/ready`), the provider [`pool`], stream
 //! routing, timers and command correlation. The transport is glue: the mTLS listener and its
 //! caps, one I/O task per Node connection, one timer task, and the machine behind one mutex

@@ -65,8 +65,8 @@ use iop_edge_core::{
     Admit, Admitted, Answer, CoreConfig, EdgeCore, Event, Observer, Open, Sinks, StreamSink,
 };
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
-use iop_wire::edge::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
 use iop_wire::identity::peer_identity;
+use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
 use iop_wire::runtime::{
     NodeCommandRequest, NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse,
     ProviderSnapshot, ProviderTunnelRequest, RecipientKey, RunEvent, RunRequest, RuntimeFrame,

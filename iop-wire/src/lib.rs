@@ -13,7 +13,7 @@
 //! | [`runtime`], [`control`] | domain types for every message of `proto/runtime.proto` and `proto/control.proto`; validation happens in the conversion from protobuf ("parse, don't validate") |
 //! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; optional tokio-util codec (feature `tokio-codec`) |
 //! | [`node`] | the Node side of one connection: register → apply config → ready |
-//! | [`edge`] | the Edge's connection and Node-ownership registry: one Node per connection, pending vs ready, generation fencing, heartbeat timeouts |
+//! | [`registry`] | the Edge's connection and Node-ownership registry: one Node per connection, pending vs ready, generation fencing, heartbeat timeouts |
 //! | [`tunnel`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
 //! | [`reconnect`] | the supervisor policy: `interval_sec`, `max_attempts`, jitter, exit classes |
 //! | [`health`] | the connection-scoped `health_observation_seq` |
@@ -35,7 +35,7 @@
 //! use std::time::Instant;
 //! use bytes::BytesMut;
 //! use iop_wire::codec::FrameCodec;
-//! use iop_wire::edge::{Registry, RegistryConfig, RegistryEvent};
+//! use iop_wire::registry::{Registry, RegistryConfig, RegistryEvent};
 //! use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
 //! use iop_wire::runtime::{NodeConfigPayload, RegisterRequest, RuntimeFrame};
 //!
@@ -104,12 +104,12 @@ mod proto;
 
 pub mod codec;
 pub mod control;
-pub mod edge;
 pub mod error;
 pub mod health;
 pub mod identity;
 pub mod node;
 pub mod reconnect;
+pub mod registry;
 pub mod runtime;
 pub mod text_tools;
 pub mod tunnel;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::FrameCodec;
-use iop_wire::edge::{ConnId, FenceCause, Registry, RegistryConfig, RegistryEvent};
+use iop_wire::registry::{ConnId, FenceCause, Registry, RegistryConfig, RegistryEvent};
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, RegisterRequest, RunEvent, RunEventKind, RuntimeFrame,
     RuntimeMessage, TunnelFrame, TunnelPayload, Usage,

@@ -20,6 +20,26 @@
 //! | [`server`] | bootstrap: limits, gRPC health and reflection, admin `/healthz` `/readyz` `/metrics`, bounded graceful stop |
 //! | [`metrics`] | Prometheus counters and histograms with bounded labels |
 //!
+//! # Embedding it
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use proxypool_controller::config::File;
+//! use proxypool_controller::server;
+//!
+//! let text = std::fs::read_to_string("controller.toml")?;
+//! let config = File::parse(&text)?.validate()?; // errors name the seed 004 key
+//! // Redis from `controlPlane.redis`; `server::start_with` takes any `domain::ControlStore`.
+//! let running = server::start(&config, async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! })
+//! .await?;
+//! println!("gRPC on {}", running.grpc_addr);
+//! running.wait().await?; // after the shutdown future, in-flight RPCs drained
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Choices where the seed is silent
 //!
 //! - `controlplane.proto` is written from the seed's field list: counters are

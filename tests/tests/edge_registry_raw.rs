@@ -13,8 +13,8 @@ use futures_util::{SinkExt, StreamExt};
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
-use iop_wire::edge::reason;
 use iop_wire::identity::{self, ExpectedPeer, role, server_cert_verifier};
+use iop_wire::registry::reason;
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
     RuntimeFrame, RuntimeMessage,

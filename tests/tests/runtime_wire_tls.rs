@@ -16,13 +16,13 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
-use iop_wire::edge::{
-    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
-};
 use iop_wire::identity::{
     self, ExpectedPeer, client_cert_verifier, peer_identity, role, server_cert_verifier,
 };
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession, NodeSessionConfig};
+use iop_wire::registry::{
+    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
+};
 use iop_wire::runtime::{
     NodeConfigPayload, RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
     RuntimeMessage,

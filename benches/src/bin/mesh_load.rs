@@ -37,8 +37,8 @@ use bytes::Bytes;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::edge::RegistryConfig;
 use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role};
+use iop_wire::registry::RegistryConfig;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeConfigPayload,
     OpenAiCompatSettings, Operation, ProviderTunnelRequest,

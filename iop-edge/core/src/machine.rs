@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use iop_wire::edge::{ConnId, FenceCause, Generation, Registry, RegistryEvent, SendError};
+use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryEvent, SendError};
 use iop_wire::runtime::{
     CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
     NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderSnapshot,

@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use iop_wire::edge::Generation;
+use iop_wire::registry::Generation;
 use iop_wire::runtime::ProviderSnapshot;
 
 /// A provider's identity: `(node_id, provider_id)`.

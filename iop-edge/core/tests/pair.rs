@@ -31,8 +31,8 @@ use iop_edge_core::{
 };
 use iop_wire::HeartbeatConfig;
 use iop_wire::codec::FrameCodec;
-use iop_wire::edge::{ConnId, Generation, Registry, RegistryConfig};
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
+use iop_wire::registry::{ConnId, Generation, Registry, RegistryConfig};
 use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, Header,
     HealthEvidence, NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
