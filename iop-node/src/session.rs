@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
-use iop_wire::node::{CloseReason, NodeEvent, NodeSession};
+use iop_wire::node::{CloseReason, NodeEvent, NodeSession, RunRefusal, StreamKind};
 use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, FailureEvidence, NodeCommandKind, NodeCommandRequest,
     NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus,
@@ -157,23 +157,12 @@ where
                     // Refused only after the session closed, when the frame has nowhere to go.
                     let _ = session.send(now(), frame);
                 }
-                Outbound::Stamped(mut frame) => {
-                    let seq = session.next_health_observation_seq();
-                    let failure = match &mut frame.message {
-                        RuntimeMessage::RunEvent(ev) => ev.execution_failure.as_mut(),
-                        RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
-                            payload: TunnelPayload::Error { execution_failure, .. },
-                            ..
-                        }) => execution_failure.as_mut(),
-                        _ => None,
-                    };
-                    if let Some(FailureEvidence::Valid(f)) = failure {
-                        f.health_observation_seq = seq;
-                    }
-                    let _ = session.send(now(), frame);
+                Outbound::Stamped(frame) => {
+                    let _ = session.send_stamped(now(), frame);
                 }
                 Outbound::RunDone(run_id) => {
                     runs.remove(&run_id);
+                    session.run_finished(&run_id);
                 }
                 Outbound::Capabilities { correlation_id, entries } => {
                     let capabilities = entries
@@ -183,12 +172,11 @@ where
                             adapter_key,
                             target,
                             provider_status,
-                            health_observation_seq: session.next_health_observation_seq().unwrap_or(1),
+                            health_observation_seq: 0, // stamped by the session
                             adapter,
                         })
                         .collect();
-                    let resp = NodeCommandResponse { ok: true, capabilities, ..Default::default() };
-                    let _ = session.send(now(), RuntimeFrame::correlated(correlation_id, RuntimeMessage::NodeCommandResponse(resp)));
+                    let _ = session.send_capabilities(now(), correlation_id, capabilities);
                 }
             },
             () = sleep_until(deadline) => session.handle_timeout(now()),
@@ -224,7 +212,14 @@ fn handle_frame(
                 node_id: opts.node_id.clone(),
                 credentials: opts.credentials.clone(),
             };
-            match admit(instances, runs, session_token, &req.adapter, &req.run_id) {
+            match admit(
+                instances,
+                runs,
+                session_token,
+                session,
+                &req.adapter,
+                &req.run_id,
+            ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
                     tokio::spawn(run_task(
@@ -232,12 +227,7 @@ fn handle_frame(
                     ));
                 }
                 Err(error) => {
-                    let mut ev = RunEvent::new(RunEventKind::Error);
-                    ev.error = error.to_owned();
-                    let _ = session.send(
-                        now(),
-                        RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev)),
-                    );
+                    let _ = session.refuse(now(), stream_id, StreamKind::Run, error);
                 }
             }
         }
@@ -273,7 +263,14 @@ fn handle_frame(
                 node_id: opts.node_id.clone(),
                 credentials: opts.credentials.clone(),
             };
-            match admit(instances, runs, session_token, &req.adapter, &req.run_id) {
+            match admit(
+                instances,
+                runs,
+                session_token,
+                session,
+                &req.adapter,
+                &req.run_id,
+            ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
                     tokio::spawn(tunnel_task(
@@ -281,22 +278,7 @@ fn handle_frame(
                     ));
                 }
                 Err(error) => {
-                    let payload = TunnelPayload::Error {
-                        error: error.to_owned(),
-                        execution_failure: None,
-                    };
-                    let frame = TunnelFrame {
-                        sequence: 1,
-                        payload,
-                        metadata: Default::default(),
-                    };
-                    let _ = session.send(
-                        now(),
-                        RuntimeFrame::on_stream(
-                            stream_id,
-                            RuntimeMessage::ProviderTunnelFrame(frame),
-                        ),
-                    );
+                    let _ = session.refuse(now(), stream_id, StreamKind::Tunnel, error);
                 }
             }
         }
@@ -304,23 +286,26 @@ fn handle_frame(
     }
 }
 
-/// Admission shared by runs and tunnels: the adapter instance, a permit of its capacity gate,
-/// and a fresh cancel token registered under the run id — or the stable refusal text.
+/// Admission shared by runs and tunnels: the run id (by the session: unique among the runs in
+/// progress on this connection), the adapter instance, a permit of its capacity gate, and a
+/// fresh cancel token registered under the run id — or the stable refusal text.
 fn admit(
     instances: &Instances,
     runs: &mut HashMap<String, CancellationToken>,
     session_token: &CancellationToken,
+    session: &mut NodeSession,
     adapter: &str,
     run_id: &str,
 ) -> Result<(Arc<Instance>, OwnedSemaphorePermit, CancellationToken), &'static str> {
     let instance = instances.resolve(adapter).ok_or("unknown adapter")?;
-    if runs.contains_key(run_id) {
-        return Err("duplicate run id");
-    }
-    let permit = instance
-        .gate
-        .try_admit()
-        .ok_or("adapter capacity exhausted")?;
+    session.admit_run(run_id).map_err(|e| match e {
+        RunRefusal::DuplicateRunId => "duplicate run id",
+        _ => "session not ready",
+    })?;
+    let Some(permit) = instance.gate.try_admit() else {
+        session.run_finished(run_id);
+        return Err("adapter capacity exhausted");
+    };
     let token = session_token.child_token();
     runs.insert(run_id.to_owned(), token.clone());
     Ok((instance, permit, token))

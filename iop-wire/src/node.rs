@@ -27,14 +27,15 @@
 //! When [`NodeEvent::Closed`] comes out, close the socket; the reason's
 //! [`CloseReason::is_retryable`] tells the supervisor what to do next.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::health::HealthObservationSeq;
 use crate::liveness::{HeartbeatConfig, Liveness};
 use crate::runtime::{
-    NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
-    RuntimeFrame, RuntimeMessage,
+    Capability, FailureEvidence, NodeCommandResponse, NodeConfigPayload, NodeReadyRequest,
+    NodeReadyResponse, RegisterRequest, RegisterResponse, RunEvent, RunEventKind, RuntimeFrame,
+    RuntimeMessage, TunnelFrame, TunnelPayload,
 };
 
 /// Node session settings.
@@ -158,8 +159,31 @@ pub struct NodeSession {
     handshake_deadline: Option<Instant>,
     next_correlation: u64,
     health_seq: HealthObservationSeq,
+    /// Run ids of the runs and tunnels in progress on this connection.
+    active: HashSet<String>,
     transmits: VecDeque<RuntimeFrame>,
     events: VecDeque<NodeEvent>,
+}
+
+/// What kind of stream a Node-side refusal ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    /// A normalized run (`RunRequest` → `RunEvent`s).
+    Run,
+    /// A provider tunnel (`ProviderTunnelRequest` → tunnel frames).
+    Tunnel,
+}
+
+/// Why [`NodeSession::admit_run`] refused a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunRefusal {
+    /// The session is not dispatch-ready.
+    #[error("session not ready")]
+    NotReady,
+    /// A run with this id is in progress on the connection.
+    #[error("duplicate run id")]
+    DuplicateRunId,
 }
 
 impl NodeSession {
@@ -173,6 +197,7 @@ impl NodeSession {
             handshake_deadline: now.checked_add(config.handshake_timeout),
             next_correlation: 1,
             health_seq: HealthObservationSeq::new(),
+            active: HashSet::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
         };
@@ -352,6 +377,103 @@ impl NodeSession {
         }
     }
 
+    /// Admits a run or tunnel by its run id: refused when the session is not ready or the id is
+    /// in progress on this connection (the one `CancelRequest` names must be unambiguous).
+    /// Call [`NodeSession::run_finished`] after its terminal.
+    pub fn admit_run(&mut self, run_id: &str) -> Result<(), RunRefusal> {
+        if self.state != NodeState::Ready {
+            return Err(RunRefusal::NotReady);
+        }
+        if !self.active.insert(run_id.to_owned()) {
+            return Err(RunRefusal::DuplicateRunId);
+        }
+        Ok(())
+    }
+
+    /// A run admitted by [`NodeSession::admit_run`] sent its terminal (or was dropped).
+    pub fn run_finished(&mut self, run_id: &str) {
+        self.active.remove(run_id);
+    }
+
+    /// Runs in progress.
+    pub fn active_runs(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Ends `stream_id` at once with a terminal carrying `reason` (a refused run or tunnel: its
+    /// `ERROR` event, or a first-and-last tunnel `ERROR` frame with sequence 1).
+    pub fn refuse(
+        &mut self,
+        now: Instant,
+        stream_id: u64,
+        kind: StreamKind,
+        reason: &str,
+    ) -> Result<(), NodeSessionError> {
+        let message = match kind {
+            StreamKind::Run => {
+                let mut ev = RunEvent::new(RunEventKind::Error);
+                ev.error = reason.to_owned();
+                RuntimeMessage::RunEvent(ev)
+            }
+            StreamKind::Tunnel => RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 1,
+                payload: TunnelPayload::Error {
+                    error: reason.to_owned(),
+                    execution_failure: None,
+                },
+                metadata: BTreeMap::new(),
+            }),
+        };
+        self.send(now, RuntimeFrame::on_stream(stream_id, message))
+    }
+
+    /// Sends a frame that may carry stall evidence (a run's `ERROR` event, a tunnel's `ERROR`
+    /// frame), stamping valid evidence with the next connection-scoped
+    /// `health_observation_seq` first (left empty on an unbound session).
+    pub fn send_stamped(
+        &mut self,
+        now: Instant,
+        mut frame: RuntimeFrame,
+    ) -> Result<(), NodeSessionError> {
+        let failure = match &mut frame.message {
+            RuntimeMessage::RunEvent(ev) => ev.execution_failure.as_mut(),
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                payload:
+                    TunnelPayload::Error {
+                        execution_failure, ..
+                    },
+                ..
+            }) => execution_failure.as_mut(),
+            _ => None,
+        };
+        if let Some(FailureEvidence::Valid(f)) = failure {
+            f.health_observation_seq = self.next_health_observation_seq();
+        }
+        self.send(now, frame)
+    }
+
+    /// Answers a CAPABILITIES command: each entry gets the next `health_observation_seq`, in
+    /// order.
+    pub fn send_capabilities(
+        &mut self,
+        now: Instant,
+        correlation_id: u64,
+        mut capabilities: Vec<Capability>,
+    ) -> Result<(), NodeSessionError> {
+        for cap in &mut capabilities {
+            cap.health_observation_seq = self.next_health_observation_seq().unwrap_or(1);
+        }
+        let resp = NodeCommandResponse {
+            ok: true,
+            capabilities,
+            ..NodeCommandResponse::default()
+        };
+        self.send(
+            now,
+            RuntimeFrame::correlated(correlation_id, RuntimeMessage::NodeCommandResponse(resp)),
+        )
+    }
+
     /// Closes the session locally (shutdown).
     pub fn close_local(&mut self) {
         self.close(CloseReason::Local);
@@ -409,6 +531,7 @@ impl NodeSession {
         }
         self.state = NodeState::Closed;
         self.handshake_deadline = None;
+        self.active.clear();
         self.transmits.clear();
         self.events.push_back(NodeEvent::Closed(reason));
     }

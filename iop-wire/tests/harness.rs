@@ -907,3 +907,126 @@ fn supervisor_node_and_edge_reconnect_end_to_end() {
         ]
     );
 }
+
+/// The Node session owns run-id admission, refusal framing and `health_observation_seq`
+/// stamping: a run id is admitted once while in progress (again after its terminal), a refusal
+/// is one terminal of the right kind, stall evidence and capabilities share one increasing
+/// sequence, and nothing is admitted before ready.
+#[test]
+fn node_session_admits_run_ids_frames_refusals_and_stamps_evidence() {
+    use iop_wire::node::{RunRefusal, StreamKind};
+    use iop_wire::runtime::{
+        Capability, ExecutionFailure, FailureEvidence, Fence, HealthEvidence, ProviderStatus,
+        TunnelFrame, TunnelPayload,
+    };
+    let mut h = Harness::new();
+    let unready = h.connect("node-2", Some("node-2"), false);
+    assert_eq!(
+        h.links[unready].node.admit_run("r"),
+        Err(RunRefusal::NotReady)
+    );
+    let i = h.connect("node-1", Some("node-1"), true);
+    let (_, generation) = h.edge.ready_generation("node-1").unwrap();
+    let node = &mut h.links[i].node;
+    assert_eq!(node.admit_run("r1"), Ok(()));
+    assert_eq!(node.admit_run("r1"), Err(RunRefusal::DuplicateRunId));
+    assert_eq!(node.active_runs(), 1);
+    node.run_finished("r1");
+    assert_eq!(node.admit_run("r1"), Ok(()));
+
+    let now = h.now;
+    let node = &mut h.links[i].node;
+    node.refuse(now, 1, StreamKind::Run, "unknown adapter")
+        .unwrap();
+    node.refuse(now, 2, StreamKind::Tunnel, "adapter capacity exhausted")
+        .unwrap();
+    let evidence = || {
+        FailureEvidence::Valid(ExecutionFailure {
+            health: HealthEvidence::Unavailable,
+            idle_duration: Duration::from_secs(1),
+            run_id: "r1".into(),
+            attempt_id: "a".into(),
+            fence: Fence::Unconfirmed,
+            adapter: "a".into(),
+            target: "t".into(),
+            health_observation_seq: None,
+        })
+    };
+    let mut ev = RunEvent::new(RunEventKind::Error);
+    ev.execution_failure = Some(evidence());
+    node.send_stamped(
+        now,
+        RuntimeFrame::on_stream(3, RuntimeMessage::RunEvent(ev)),
+    )
+    .unwrap();
+    let cap = Capability {
+        adapter_key: "a".into(),
+        target: "t".into(),
+        provider_status: ProviderStatus::Available,
+        health_observation_seq: 0,
+        adapter: "demo".into(),
+        instance_key: "a".into(),
+    };
+    node.send_capabilities(now, 9, vec![cap.clone(), cap])
+        .unwrap();
+    let tunnel_error = TunnelFrame {
+        sequence: 4,
+        payload: TunnelPayload::Error {
+            error: "stalled".into(),
+            execution_failure: Some(evidence()),
+        },
+        metadata: Default::default(),
+    };
+    node.send_stamped(
+        now,
+        RuntimeFrame::on_stream(4, RuntimeMessage::ProviderTunnelFrame(tunnel_error)),
+    )
+    .unwrap();
+    h.settle();
+    let frames: Vec<RuntimeFrame> = h
+        .take_edge_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            RegistryEvent::Frame {
+                frame,
+                generation: g,
+                ..
+            } if g == generation => Some(frame),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(frames.len(), 5, "{frames:?}");
+    assert!(matches!(&frames[0].message, RuntimeMessage::RunEvent(e)
+        if e.kind == RunEventKind::Error && e.error == "unknown adapter"));
+    assert!(
+        matches!(&frames[1].message, RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+        sequence: 1,
+        payload: TunnelPayload::Error { error, execution_failure: None },
+        ..
+    }) if error == "adapter capacity exhausted")
+    );
+    let seq_of = |f: &RuntimeFrame| -> Vec<u64> {
+        match &f.message {
+            RuntimeMessage::RunEvent(e) => match &e.execution_failure {
+                Some(FailureEvidence::Valid(x)) => x.health_observation_seq.into_iter().collect(),
+                _ => vec![],
+            },
+            RuntimeMessage::NodeCommandResponse(r) => r
+                .capabilities
+                .iter()
+                .map(|c| c.health_observation_seq)
+                .collect(),
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                payload:
+                    TunnelPayload::Error {
+                        execution_failure: Some(FailureEvidence::Valid(x)),
+                        ..
+                    },
+                ..
+            }) => x.health_observation_seq.into_iter().collect(),
+            _ => vec![],
+        }
+    };
+    let seqs: Vec<u64> = frames[2..].iter().flat_map(seq_of).collect();
+    assert_eq!(seqs, vec![1, 2, 3, 4], "one increasing sequence");
+}
