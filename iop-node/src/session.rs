@@ -152,34 +152,61 @@ where
                 }
                 _ => session.handle_transport_closed(),
             },
-            Some(out) = out_rx.recv() => match out {
-                Outbound::Frame(frame) => {
-                    // Refused only after the session closed, when the frame has nowhere to go.
-                    let _ = session.send(now(), frame);
+            Some(out) = out_rx.recv() => {
+                outbound(out, &mut session, &mut runs);
+                // Whatever else is already queued goes out with it: one write and one flush for
+                // a burst (a tunnel's start, body and end), not one each.
+                for _ in 0..OUTBOUND_BURST {
+                    match out_rx.try_recv() {
+                        Ok(out) => outbound(out, &mut session, &mut runs),
+                        Err(_) => break,
+                    }
                 }
-                Outbound::Stamped(frame) => {
-                    let _ = session.send_stamped(now(), frame);
-                }
-                Outbound::RunDone(run_id) => {
-                    runs.remove(&run_id);
-                    session.run_finished(&run_id);
-                }
-                Outbound::Capabilities { correlation_id, entries } => {
-                    let capabilities = entries
-                        .into_iter()
-                        .map(|(adapter_key, target, provider_status, adapter)| Capability {
-                            instance_key: adapter_key.clone(),
-                            adapter_key,
-                            target,
-                            provider_status,
-                            health_observation_seq: 0, // stamped by the session
-                            adapter,
-                        })
-                        .collect();
-                    let _ = session.send_capabilities(now(), correlation_id, capabilities);
-                }
-            },
+            }
             () = sleep_until(deadline) => session.handle_timeout(now()),
+        }
+    }
+}
+
+/// Frames and notices from the run and probe tasks, taken at most this many at a time.
+const OUTBOUND_BURST: usize = 64;
+
+/// One message from a run, tunnel or probe task.
+fn outbound(
+    out: Outbound,
+    session: &mut NodeSession,
+    runs: &mut HashMap<String, CancellationToken>,
+) {
+    match out {
+        Outbound::Frame(frame) => {
+            // Refused only after the session closed, when the frame has nowhere to go.
+            let _ = session.send(now(), frame);
+        }
+        Outbound::Stamped(frame) => {
+            let _ = session.send_stamped(now(), frame);
+        }
+        Outbound::RunDone(run_id) => {
+            runs.remove(&run_id);
+            session.run_finished(&run_id);
+        }
+        Outbound::Capabilities {
+            correlation_id,
+            entries,
+        } => {
+            let capabilities = entries
+                .into_iter()
+                .map(
+                    |(adapter_key, target, provider_status, adapter)| Capability {
+                        instance_key: adapter_key.clone(),
+                        adapter_key,
+                        target,
+                        provider_status,
+                        health_observation_seq: 0, // stamped by the session
+                        adapter,
+                    },
+                )
+                .collect();
+            let _ = session.send_capabilities(now(), correlation_id, capabilities);
         }
     }
 }

@@ -16,8 +16,9 @@
 //! Node over mTLS on loopback. All four share the machine's cores.
 //!
 //! - **latency**: open loop at each rate of `PROC_LOAD_RATES` (default 100,500,1000 per path)
-//!   for `PROC_LOAD_SECONDS` (default 5) s: every tick sends one request straight to the
-//!   upstream and one through the Edge, so both paths see the same moment of a noisy machine.
+//!   for `PROC_LOAD_SECONDS` (default 5) s: ticks at twice the rate alternate a request straight
+//!   to the upstream and one through the Edge, so both paths see the same moments of a noisy
+//!   machine without queueing behind each other.
 //!   Non-streaming ≈1 KiB chat completion (time to the last byte), then streaming (time to the
 //!   first body byte, TTFB). p50/p99 of each path and the difference; the Edge's and the
 //!   Node's CPU time per request (from `/proc/PID/stat`) over the mesh requests of the run.
@@ -288,23 +289,22 @@ async fn paired(m: &Mesh, rate: u32, seconds: u32, stream: bool) -> (Vec<Duratio
     let (direct, mesh) = urls(m);
     let client = client();
     let body = Arc::new(body(stream));
-    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = Vec::new();
-    for i in 0..rate * seconds {
+    // Ticks at twice the rate alternate the paths: both see the same moments of a noisy
+    // machine, and neither waits behind the other's request.
+    let mut tick = tokio::time::interval(Duration::from_secs(1) / (2 * rate));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    for i in 0..2 * rate * seconds {
         tick.tick().await;
-        // Alternate which path goes first within a tick.
-        let order = if i % 2 == 0 {
-            [(0, direct.clone()), (1, mesh.clone())]
+        let (path, url) = if i % 2 == 0 {
+            (0, direct.clone())
         } else {
-            [(1, mesh.clone()), (0, direct.clone())]
+            (1, mesh.clone())
         };
-        for (path, url) in order {
-            let (client, body) = (client.clone(), body.clone());
-            tasks.push(tokio::spawn(async move {
-                (path, once(&client, &url, &body, stream).await)
-            }));
-        }
+        let (client, body) = (client.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            (path, once(&client, &url, &body, stream).await)
+        }));
     }
     let (mut d, mut n) = (Vec::new(), Vec::new());
     for t in tasks {
@@ -333,7 +333,7 @@ async fn latency(m: &Mesh) {
         (true, "streaming chat, time to first body byte (TTFB)"),
     ] {
         println!(
-            "\n**Added latency, {what}** (open loop, both paths each tick, {seconds} s per rate):\n"
+            "\n**Added latency, {what}** (open loop, paths alternating, {seconds} s per rate):\n"
         );
         println!(
             "| rate/path | direct p50 | mesh p50 | **added p50** | direct p99 | mesh p99 | **added p99** | Edge CPU/req | Node CPU/req |"
@@ -414,6 +414,8 @@ fn main() {
         return upstream(args[2].parse().unwrap());
     }
     let part = args.get(1).cloned().unwrap_or_default();
+    // `serve`: start the mesh, print its ports, run until killed (for wrk, perf, ad hoc clients).
+    let serve = part == "serve";
     // reqwest's rustls backend needs a process-wide provider even for http:// URLs.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = std::env::temp_dir().join(format!("proc_load-{}", std::process::id()));
@@ -452,6 +454,13 @@ fn main() {
                 "mesh did not start"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if serve {
+            println!(
+                "proc_load: serving: mesh http://127.0.0.1:{}/v1/chat/completions, upstream http://127.0.0.1:{}/v1/chat/completions",
+                mesh.http, mesh.upstream
+            );
+            std::future::pending::<()>().await;
         }
         if part.is_empty() || part == "latency" {
             latency(&mesh).await;

@@ -121,7 +121,16 @@ async fn main() {
     }
     let metrics = edge.metrics().clone();
     let app = http::router(edge, http);
-    if let Err(e) = http::serve_with(listener, app, serve, Some(metrics), shutdown).await {
+    // On a worker thread, not the thread blocked in `block_on` (see iop-node).
+    let served = tokio::spawn(http::serve_with(
+        listener,
+        app,
+        serve,
+        Some(metrics),
+        shutdown,
+    ))
+    .await;
+    if let Ok(Err(e)) = served {
         eprintln!("iop-edge: http: {e}");
         std::process::exit(1);
     }

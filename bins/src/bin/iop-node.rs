@@ -81,7 +81,12 @@ fn main() -> ExitCode {
             };
             tls_reload::spawn(built.tls, paths, every, "node", shutdown.clone());
         }
-        run_node(built.options, shutdown).await
+        // On a worker thread, not the thread blocked in `block_on`: the session loop then
+        // shares the workers' wake-ups instead of being woken across threads for every frame.
+        match tokio::spawn(run_node(built.options, shutdown)).await {
+            Ok(exit) => exit,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
     });
     tracing::info!(?exit, "iop-node stopped");
     ExitCode::from(u8::try_from(exit.exit_code()).unwrap_or(1))
