@@ -12,7 +12,8 @@
 //! |---|---|
 //! | [`runtime`], [`control`] | domain types for every message of `proto/runtime.proto` and `proto/control.proto`; validation happens in the conversion from protobuf ("parse, don't validate") |
 //! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; optional tokio-util codec (feature `tokio-codec`) |
-//! | [`node`] | the Node side of one connection: register → apply config → ready |
+//! | [`node`] | the Node side of one connection: register → apply config → ready; run-id admission, refusal framing, `health_observation_seq` stamping |
+//! | [`control_session`] | both ends of one Control Plane ⇄ Edge connection (seed 001): hello and identity agreement, heartbeats and silence, correlation, projection generations that only move forward, lease request/answer matching |
 //! | [`registry`] | the Edge's connection and Node-ownership registry: one Node per connection, pending vs ready, generation fencing, heartbeat timeouts |
 //! | [`tunnel`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
 //! | [`reconnect`] | the supervisor policy: `interval_sec`, `max_attempts`, jitter, exit classes |
@@ -104,6 +105,7 @@ mod proto;
 
 pub mod codec;
 pub mod control;
+pub mod control_session;
 pub mod error;
 pub mod health;
 pub mod identity;

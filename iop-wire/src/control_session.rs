@@ -1,0 +1,852 @@
+//! The two ends of one Control Plane ⇄ Edge connection (seed 001), as sans-io machines:
+//! [`EdgeControlSession`] (the Edge dials) and [`ControlPlaneSession`] (the Control Plane
+//! accepts).
+//!
+//! ```text
+//!  Edge: new() ──EdgeHelloRequest──▶ Hello ──Accepted──▶ Connected ──▶ Closed
+//!                                         └─Rejected / timeout──────────▲
+//!  CP:   new() ── Hello(request) ──▶ Deciding ──accept()/reject()──▶ Connected ──▶ Closed
+//! ```
+//!
+//! Both sides share one liveness rule ([`crate::liveness::Liveness`], as on the runtime wire):
+//! a `Ping` after a heartbeat interval without sending anything, and the session closes after
+//! three intervals without receiving anything ([`ControlCloseReason::Silent`]). The hello must
+//! complete within the handshake timeout.
+//!
+//! Rules the machines enforce (seed 001 and our choices where it is silent):
+//!
+//! - **Identity agreement**: the Control Plane refuses a hello whose `edge_id` is empty or is not
+//!   the name of the peer's verified certificate, before its driver sees it; the refusal is the
+//!   one answer, then the session closes.
+//! - **Correlation**: every request carries a fresh correlation id; an answer is matched to a
+//!   pending request of its own kind only (a status answer never completes a command), and an
+//!   answer nobody waits for is dropped. When the session closes, every pending request fails
+//!   in the same step ([`ControlSessionError::Closed`]).
+//! - **Projection generations only move forward**: the Edge installs a projection (from the
+//!   hello or a push) only when its generation is strictly higher than the one it holds, and
+//!   answers a stale push with the generation it holds; the Control Plane never pushes a
+//!   generation lower than or equal to one it already sent on the session.
+//! - **Leases against the projection**: the Edge sends lease requests only while connected; a
+//!   lease answer is delivered only to the request it answers.
+//! - Anything out of place (a second hello, an Edge-bound message sent to the Control Plane,
+//!   a request before the hello completed) closes the session as a protocol violation.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::control::{
+    AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandEvent,
+    EdgeCommandRequest, EdgeCommandResponse, EdgeHelloRequest, EdgeHelloResponse, EdgeNodeEvent,
+    EdgeStatusResponse, PrincipalProjection, PrincipalProjectionApplyResponse,
+};
+use crate::liveness::{HeartbeatConfig, Liveness};
+
+/// Settings shared by both ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ControlSessionConfig {
+    /// How long the hello exchange may take.
+    pub handshake_timeout: Duration,
+    /// Heartbeat interval used until (Edge) or unless (Control Plane) one is agreed.
+    pub heartbeat: Duration,
+}
+
+impl Default for ControlSessionConfig {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(10),
+            heartbeat: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why a control session ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ControlCloseReason {
+    /// The Control Plane refused the hello (its reason).
+    Rejected(String),
+    /// The hello did not complete in time.
+    HandshakeTimeout,
+    /// Nothing was received for three heartbeat intervals.
+    Silent,
+    /// The peer sent something out of place.
+    ProtocolViolation(&'static str),
+    /// The transport closed.
+    TransportClosed,
+    /// Closed by this side (shutdown, replaced).
+    Local,
+}
+
+/// Why a request could not be sent or was not answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlSessionError {
+    /// The session is not connected (hello pending or closed).
+    #[error("control session not connected")]
+    NotConnected,
+    /// The session closed before the answer.
+    #[error("control session closed")]
+    Closed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Hello,
+    Connected,
+    Closed,
+}
+
+/// The liveness and handshake timers both ends share.
+#[derive(Debug)]
+struct Timers {
+    liveness: Liveness,
+    handshake_deadline: Option<Instant>,
+}
+
+impl Timers {
+    fn new(config: &ControlSessionConfig, now: Instant) -> Self {
+        Self {
+            liveness: Liveness::new(HeartbeatConfig::from_interval(config.heartbeat), now),
+            handshake_deadline: now.checked_add(config.handshake_timeout),
+        }
+    }
+
+    /// The next deadline; pings are only due once connected.
+    fn poll_timeout(&self, connected: bool) -> Instant {
+        let mut t = self.liveness.idle_deadline();
+        if connected {
+            t = t.min(self.liveness.ping_at());
+        }
+        self.handshake_deadline.map_or(t, |d| t.min(d))
+    }
+}
+
+// === Edge side ===
+
+/// What the Edge's session tells its driver.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum EdgeControlEvent {
+    /// The hello was accepted; the session is connected with this heartbeat.
+    Connected {
+        /// The agreed heartbeat interval.
+        heartbeat: Duration,
+    },
+    /// Install this projection: strictly newer than the one held (from the hello or a push;
+    /// a push was already answered).
+    Projection(PrincipalProjection),
+    /// The Control Plane asks for the Edge's status: answer with
+    /// [`EdgeControlSession::respond_status`].
+    StatusRequested {
+        /// The request to answer.
+        id: u64,
+    },
+    /// The Control Plane sends a command: answer with [`EdgeControlSession::respond_command`].
+    CommandRequested {
+        /// The request to answer.
+        id: u64,
+        /// The command.
+        request: EdgeCommandRequest,
+    },
+    /// The answer to [`EdgeControlSession::acquire_lease`].
+    LeaseAnswered {
+        /// The ticket `acquire_lease` returned.
+        ticket: u64,
+        /// The answer, or the session's end.
+        result: Result<AcquireLeaseResponse, ControlSessionError>,
+    },
+    /// The answer to [`EdgeControlSession::ping`].
+    Pong {
+        /// The ticket `ping` returned.
+        ticket: u64,
+    },
+    /// The session is over; close the socket. Emitted exactly once.
+    Closed(ControlCloseReason),
+}
+
+/// The Edge end of a control connection.
+#[derive(Debug)]
+pub struct EdgeControlSession {
+    phase: Phase,
+    managed: bool,
+    hello_id: u64,
+    default_heartbeat: Duration,
+    /// The generation of the projection the Edge holds (0: none), across sessions.
+    held_generation: u64,
+    timers: Timers,
+    next_correlation: u64,
+    leases: HashMap<u64, ()>,
+    pings: HashMap<u64, ()>,
+    transmits: VecDeque<ControlFrame>,
+    events: VecDeque<EdgeControlEvent>,
+}
+
+impl EdgeControlSession {
+    /// A session on a fresh connection: queues `hello`. `held_generation` is the projection
+    /// the Edge already holds (0 for none): a reconnect never installs an older one.
+    pub fn new(
+        config: ControlSessionConfig,
+        hello: EdgeHelloRequest,
+        held_generation: u64,
+        now: Instant,
+    ) -> Self {
+        let mut s = Self {
+            phase: Phase::Hello,
+            managed: hello.managed,
+            hello_id: 1,
+            default_heartbeat: config.heartbeat,
+            held_generation,
+            timers: Timers::new(&config, now),
+            next_correlation: 2,
+            leases: HashMap::new(),
+            pings: HashMap::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+        };
+        s.transmit(
+            now,
+            ControlFrame::correlated(1, ControlMessage::EdgeHelloRequest(hello)),
+        );
+        s
+    }
+
+    /// Whether the hello completed and the session is open.
+    pub fn is_connected(&self) -> bool {
+        self.phase == Phase::Connected
+    }
+
+    /// The generation of the projection installed (0: none).
+    pub fn projection_generation(&self) -> u64 {
+        self.held_generation
+    }
+
+    /// Handles one frame from the Control Plane.
+    pub fn handle_frame(&mut self, now: Instant, frame: ControlFrame) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.timers.liveness.on_received(now);
+        let id = frame.correlation_id;
+        match (self.phase, frame.message) {
+            (_, ControlMessage::Ping) => {
+                self.transmit(now, ControlFrame::correlated(id, ControlMessage::Pong));
+            }
+            (Phase::Hello, ControlMessage::EdgeHelloResponse(answer)) if id == self.hello_id => {
+                self.hello_answer(now, answer);
+            }
+            (Phase::Connected, ControlMessage::Pong) => {
+                if self.pings.remove(&id).is_some() {
+                    self.events.push_back(EdgeControlEvent::Pong { ticket: id });
+                }
+            }
+            (Phase::Connected, ControlMessage::EdgeStatusRequest) => {
+                self.events
+                    .push_back(EdgeControlEvent::StatusRequested { id });
+            }
+            (Phase::Connected, ControlMessage::EdgeCommandRequest(request)) => {
+                self.events
+                    .push_back(EdgeControlEvent::CommandRequested { id, request });
+            }
+            (Phase::Connected, ControlMessage::PrincipalProjectionApplyRequest(p)) => {
+                let answer = self.offer_projection(p);
+                self.transmit(
+                    now,
+                    ControlFrame::correlated(
+                        id,
+                        ControlMessage::PrincipalProjectionApplyResponse(answer),
+                    ),
+                );
+            }
+            (Phase::Connected, ControlMessage::AcquireLeaseResponse(r)) => {
+                if self.leases.remove(&id).is_some() {
+                    self.events.push_back(EdgeControlEvent::LeaseAnswered {
+                        ticket: id,
+                        result: Ok(r),
+                    });
+                }
+            }
+            _ => self.close(ControlCloseReason::ProtocolViolation(
+                "unexpected message from the control plane",
+            )),
+        }
+    }
+
+    /// Runs the timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        if self.phase == Phase::Hello && self.timers.handshake_deadline.is_some_and(|d| now >= d) {
+            return self.close(ControlCloseReason::HandshakeTimeout);
+        }
+        if now >= self.timers.liveness.idle_deadline() {
+            return self.close(ControlCloseReason::Silent);
+        }
+        if self.phase == Phase::Connected && now >= self.timers.liveness.ping_at() {
+            let id = self.correlation_id();
+            self.transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
+        }
+    }
+
+    /// Asks for a credential lease; its answer comes as [`EdgeControlEvent::LeaseAnswered`].
+    pub fn acquire_lease(
+        &mut self,
+        now: Instant,
+        request: AcquireLeaseRequest,
+    ) -> Result<u64, ControlSessionError> {
+        self.connected()?;
+        let id = self.correlation_id();
+        self.leases.insert(id, ());
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::AcquireLeaseRequest(request)),
+        );
+        Ok(id)
+    }
+
+    /// Sends a ping; its answer comes as [`EdgeControlEvent::Pong`].
+    pub fn ping(&mut self, now: Instant) -> Result<u64, ControlSessionError> {
+        self.connected()?;
+        let id = self.correlation_id();
+        self.pings.insert(id, ());
+        self.transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
+        Ok(id)
+    }
+
+    /// Answers [`EdgeControlEvent::StatusRequested`].
+    pub fn respond_status(
+        &mut self,
+        now: Instant,
+        id: u64,
+        status: EdgeStatusResponse,
+    ) -> Result<(), ControlSessionError> {
+        self.connected()?;
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeStatusResponse(status)),
+        );
+        Ok(())
+    }
+
+    /// Answers [`EdgeControlEvent::CommandRequested`].
+    pub fn respond_command(
+        &mut self,
+        now: Instant,
+        id: u64,
+        response: EdgeCommandResponse,
+    ) -> Result<(), ControlSessionError> {
+        self.connected()?;
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeCommandResponse(response)),
+        );
+        Ok(())
+    }
+
+    /// Relays a Node lifecycle event.
+    pub fn node_event(
+        &mut self,
+        now: Instant,
+        event: EdgeNodeEvent,
+    ) -> Result<(), ControlSessionError> {
+        self.connected()?;
+        self.transmit(now, ControlFrame::new(ControlMessage::EdgeNodeEvent(event)));
+        Ok(())
+    }
+
+    /// Reports progress of a command.
+    pub fn command_event(
+        &mut self,
+        now: Instant,
+        event: EdgeCommandEvent,
+    ) -> Result<(), ControlSessionError> {
+        self.connected()?;
+        self.transmit(
+            now,
+            ControlFrame::new(ControlMessage::EdgeCommandEvent(event)),
+        );
+        Ok(())
+    }
+
+    /// The transport is gone.
+    pub fn handle_transport_closed(&mut self) {
+        self.close(ControlCloseReason::TransportClosed);
+    }
+
+    /// Closes the session from this side.
+    pub fn close_local(&mut self) {
+        self.close(ControlCloseReason::Local);
+    }
+
+    /// The next frame to write.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<ControlFrame> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event for the driver.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<EdgeControlEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`EdgeControlSession::handle_timeout`] must next be called; `None` once closed.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        (self.phase != Phase::Closed)
+            .then(|| self.timers.poll_timeout(self.phase == Phase::Connected))
+    }
+
+    fn hello_answer(&mut self, now: Instant, answer: EdgeHelloResponse) {
+        match answer {
+            EdgeHelloResponse::Rejected { reason } => {
+                self.close(ControlCloseReason::Rejected(reason));
+            }
+            EdgeHelloResponse::Accepted {
+                projection,
+                heartbeat_interval_ms,
+            } => {
+                if self.managed && projection.is_none() {
+                    return self.close(ControlCloseReason::ProtocolViolation(
+                        "managed hello accepted without a projection",
+                    ));
+                }
+                let heartbeat = heartbeat_interval_ms
+                    .filter(|ms| *ms > 0)
+                    .map_or(self.default_heartbeat, |ms| {
+                        Duration::from_millis(u64::from(ms))
+                    });
+                self.timers.liveness =
+                    Liveness::new(HeartbeatConfig::from_interval(heartbeat), now);
+                self.timers.handshake_deadline = None;
+                self.phase = Phase::Connected;
+                self.events
+                    .push_back(EdgeControlEvent::Connected { heartbeat });
+                if let Some(p) = projection
+                    && self.managed
+                {
+                    let _ = self.offer_projection(p);
+                }
+            }
+        }
+    }
+
+    /// Installs `p` if strictly newer than what is held; the answer to give a push.
+    fn offer_projection(&mut self, p: PrincipalProjection) -> PrincipalProjectionApplyResponse {
+        if !self.managed {
+            return PrincipalProjectionApplyResponse {
+                accepted: false,
+                generation: 0,
+                reason: "credential plane disabled".into(),
+            };
+        }
+        if p.generation <= self.held_generation {
+            return PrincipalProjectionApplyResponse {
+                accepted: false,
+                generation: self.held_generation,
+                reason: "stale generation".into(),
+            };
+        }
+        self.held_generation = p.generation;
+        let generation = p.generation;
+        self.events.push_back(EdgeControlEvent::Projection(p));
+        PrincipalProjectionApplyResponse {
+            accepted: true,
+            generation,
+            reason: String::new(),
+        }
+    }
+
+    fn connected(&self) -> Result<(), ControlSessionError> {
+        match self.phase {
+            Phase::Connected => Ok(()),
+            _ => Err(ControlSessionError::NotConnected),
+        }
+    }
+
+    fn correlation_id(&mut self) -> u64 {
+        let id = self.next_correlation;
+        self.next_correlation += 1;
+        id
+    }
+
+    fn transmit(&mut self, now: Instant, frame: ControlFrame) {
+        self.timers.liveness.on_sent(now);
+        self.transmits.push_back(frame);
+    }
+
+    fn close(&mut self, reason: ControlCloseReason) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.phase = Phase::Closed;
+        let mut tickets: Vec<u64> = self.leases.drain().map(|(id, ())| id).collect();
+        tickets.sort_unstable();
+        for ticket in tickets {
+            self.events.push_back(EdgeControlEvent::LeaseAnswered {
+                ticket,
+                result: Err(ControlSessionError::Closed),
+            });
+        }
+        self.pings.clear();
+        self.events.push_back(EdgeControlEvent::Closed(reason));
+    }
+}
+
+// === Control Plane side ===
+
+/// What the Control Plane's session tells its driver.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum ControlPlaneEvent {
+    /// A hello whose identity agrees with the certificate: decide with
+    /// [`ControlPlaneSession::accept`] or [`ControlPlaneSession::reject`].
+    Hello(EdgeHelloRequest),
+    /// A Node lifecycle event relayed by the Edge.
+    NodeEvent(EdgeNodeEvent),
+    /// Progress of a command.
+    CommandEvent(EdgeCommandEvent),
+    /// A lease request: answer with [`ControlPlaneSession::respond_lease`].
+    LeaseRequested {
+        /// The request to answer.
+        id: u64,
+        /// The request.
+        request: AcquireLeaseRequest,
+    },
+    /// The answer to [`ControlPlaneSession::status`].
+    StatusAnswered {
+        /// The ticket `status` returned.
+        ticket: u64,
+        /// The answer, or the session's end.
+        result: Result<EdgeStatusResponse, ControlSessionError>,
+    },
+    /// The answer to [`ControlPlaneSession::command`].
+    CommandAnswered {
+        /// The ticket `command` returned.
+        ticket: u64,
+        /// The answer, or the session's end.
+        result: Result<EdgeCommandResponse, ControlSessionError>,
+    },
+    /// The Edge answered a projection push.
+    ProjectionAnswered {
+        /// The generation pushed.
+        pushed: u64,
+        /// The Edge's answer.
+        answer: PrincipalProjectionApplyResponse,
+    },
+    /// The session is over; close the socket. Emitted exactly once.
+    Closed(ControlCloseReason),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Waiting {
+    Status,
+    Command,
+    Projection(u64),
+}
+
+/// The Control Plane end of one Edge connection.
+#[derive(Debug)]
+pub struct ControlPlaneSession {
+    phase: Phase,
+    /// The name of the peer's verified certificate (`None`: no identity to agree with).
+    peer: Option<String>,
+    hello_id: Option<u64>,
+    heartbeat: Duration,
+    timers: Timers,
+    /// The highest projection generation sent on this session (hello included).
+    pushed_generation: u64,
+    next_correlation: u64,
+    waiting: HashMap<u64, Waiting>,
+    transmits: VecDeque<ControlFrame>,
+    events: VecDeque<ControlPlaneEvent>,
+}
+
+impl ControlPlaneSession {
+    /// A session on an accepted connection whose certificate names `peer`. `config.heartbeat`
+    /// is the interval told to the Edge.
+    pub fn new(config: ControlSessionConfig, peer: Option<String>, now: Instant) -> Self {
+        Self {
+            phase: Phase::Hello,
+            peer,
+            hello_id: None,
+            heartbeat: config.heartbeat,
+            timers: Timers::new(&config, now),
+            pushed_generation: 0,
+            next_correlation: 1,
+            waiting: HashMap::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Whether the hello was accepted and the session is open.
+    pub fn is_connected(&self) -> bool {
+        self.phase == Phase::Connected
+    }
+
+    /// Handles one frame from the Edge.
+    pub fn handle_frame(&mut self, now: Instant, frame: ControlFrame) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.timers.liveness.on_received(now);
+        let id = frame.correlation_id;
+        match (self.phase, frame.message) {
+            (_, ControlMessage::Ping) => {
+                self.transmit(now, ControlFrame::correlated(id, ControlMessage::Pong));
+            }
+            (Phase::Hello, ControlMessage::EdgeHelloRequest(hello)) if self.hello_id.is_none() => {
+                self.hello_id = Some(id);
+                let agrees = !hello.edge_id.is_empty()
+                    && self.peer.as_deref().is_none_or(|p| p == hello.edge_id);
+                if agrees {
+                    self.events.push_back(ControlPlaneEvent::Hello(hello));
+                } else {
+                    self.reject(now, "hello edge_id does not match the certificate");
+                }
+            }
+            (Phase::Connected, ControlMessage::Pong) => {}
+            (Phase::Connected, ControlMessage::EdgeNodeEvent(ev)) => {
+                self.events.push_back(ControlPlaneEvent::NodeEvent(ev));
+            }
+            (Phase::Connected, ControlMessage::EdgeCommandEvent(ev)) => {
+                self.events.push_back(ControlPlaneEvent::CommandEvent(ev));
+            }
+            (Phase::Connected, ControlMessage::AcquireLeaseRequest(request)) => {
+                self.events
+                    .push_back(ControlPlaneEvent::LeaseRequested { id, request });
+            }
+            (Phase::Connected, ControlMessage::EdgeStatusResponse(r)) => {
+                if self.take(id, Waiting::Status) {
+                    self.events.push_back(ControlPlaneEvent::StatusAnswered {
+                        ticket: id,
+                        result: Ok(r),
+                    });
+                }
+            }
+            (Phase::Connected, ControlMessage::EdgeCommandResponse(r)) => {
+                if self.take(id, Waiting::Command) {
+                    self.events.push_back(ControlPlaneEvent::CommandAnswered {
+                        ticket: id,
+                        result: Ok(r),
+                    });
+                }
+            }
+            (Phase::Connected, ControlMessage::PrincipalProjectionApplyResponse(answer)) => {
+                if let Some(Waiting::Projection(pushed)) = self.waiting.get(&id).copied() {
+                    self.waiting.remove(&id);
+                    self.events
+                        .push_back(ControlPlaneEvent::ProjectionAnswered { pushed, answer });
+                }
+            }
+            _ => self.close(ControlCloseReason::ProtocolViolation(
+                "unexpected message from the edge",
+            )),
+        }
+    }
+
+    /// Accepts the hello, with the current projection for a managed Edge.
+    pub fn accept(&mut self, now: Instant, projection: Option<PrincipalProjection>) {
+        let Some(id) = self.hello_id.filter(|_| self.phase == Phase::Hello) else {
+            return;
+        };
+        if let Some(p) = &projection {
+            self.pushed_generation = p.generation;
+        }
+        let answer = EdgeHelloResponse::Accepted {
+            projection,
+            heartbeat_interval_ms: u32::try_from(self.heartbeat.as_millis()).ok(),
+        };
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeHelloResponse(answer)),
+        );
+        self.timers.liveness = Liveness::new(HeartbeatConfig::from_interval(self.heartbeat), now);
+        self.timers.handshake_deadline = None;
+        self.phase = Phase::Connected;
+    }
+
+    /// Refuses the hello with a stable reason; the session closes after the answer.
+    pub fn reject(&mut self, now: Instant, reason: &str) {
+        let Some(id) = self.hello_id.filter(|_| self.phase == Phase::Hello) else {
+            return;
+        };
+        let answer = EdgeHelloResponse::Rejected {
+            reason: reason.to_owned(),
+        };
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeHelloResponse(answer)),
+        );
+        self.phase = Phase::Closed;
+        self.events
+            .push_back(ControlPlaneEvent::Closed(ControlCloseReason::Rejected(
+                reason.to_owned(),
+            )));
+    }
+
+    /// Pushes a projection. Generations only move forward: one not higher than the last sent on
+    /// this session is not sent (`Ok(None)`).
+    pub fn push_projection(
+        &mut self,
+        now: Instant,
+        projection: PrincipalProjection,
+    ) -> Result<Option<u64>, ControlSessionError> {
+        self.connected()?;
+        if projection.generation <= self.pushed_generation {
+            return Ok(None);
+        }
+        self.pushed_generation = projection.generation;
+        let id = self.correlation_id();
+        self.waiting
+            .insert(id, Waiting::Projection(projection.generation));
+        self.transmit(
+            now,
+            ControlFrame::correlated(
+                id,
+                ControlMessage::PrincipalProjectionApplyRequest(projection),
+            ),
+        );
+        Ok(Some(id))
+    }
+
+    /// Asks for the Edge's status; the answer comes as [`ControlPlaneEvent::StatusAnswered`].
+    pub fn status(&mut self, now: Instant) -> Result<u64, ControlSessionError> {
+        self.connected()?;
+        let id = self.correlation_id();
+        self.waiting.insert(id, Waiting::Status);
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeStatusRequest),
+        );
+        Ok(id)
+    }
+
+    /// Sends a command; the answer comes as [`ControlPlaneEvent::CommandAnswered`].
+    pub fn command(
+        &mut self,
+        now: Instant,
+        request: EdgeCommandRequest,
+    ) -> Result<u64, ControlSessionError> {
+        self.connected()?;
+        let id = self.correlation_id();
+        self.waiting.insert(id, Waiting::Command);
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeCommandRequest(request)),
+        );
+        Ok(id)
+    }
+
+    /// Answers [`ControlPlaneEvent::LeaseRequested`].
+    pub fn respond_lease(
+        &mut self,
+        now: Instant,
+        id: u64,
+        response: AcquireLeaseResponse,
+    ) -> Result<(), ControlSessionError> {
+        self.connected()?;
+        self.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::AcquireLeaseResponse(response)),
+        );
+        Ok(())
+    }
+
+    /// Runs the timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        if self.phase == Phase::Hello && self.timers.handshake_deadline.is_some_and(|d| now >= d) {
+            return self.close(ControlCloseReason::HandshakeTimeout);
+        }
+        if now >= self.timers.liveness.idle_deadline() {
+            return self.close(ControlCloseReason::Silent);
+        }
+        if self.phase == Phase::Connected && now >= self.timers.liveness.ping_at() {
+            let id = self.correlation_id();
+            self.transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
+        }
+    }
+
+    /// The transport is gone.
+    pub fn handle_transport_closed(&mut self) {
+        self.close(ControlCloseReason::TransportClosed);
+    }
+
+    /// Closes the session from this side (shutdown, or a newer connection of the same Edge).
+    pub fn close_local(&mut self) {
+        self.close(ControlCloseReason::Local);
+    }
+
+    /// The next frame to write.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<ControlFrame> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event for the driver.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<ControlPlaneEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`ControlPlaneSession::handle_timeout`] must next be called; `None` once closed.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        (self.phase != Phase::Closed)
+            .then(|| self.timers.poll_timeout(self.phase == Phase::Connected))
+    }
+
+    fn take(&mut self, id: u64, kind: Waiting) -> bool {
+        if self.waiting.get(&id) == Some(&kind) {
+            self.waiting.remove(&id);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn connected(&self) -> Result<(), ControlSessionError> {
+        match self.phase {
+            Phase::Connected => Ok(()),
+            _ => Err(ControlSessionError::NotConnected),
+        }
+    }
+
+    fn correlation_id(&mut self) -> u64 {
+        let id = self.next_correlation;
+        self.next_correlation += 1;
+        id
+    }
+
+    fn transmit(&mut self, now: Instant, frame: ControlFrame) {
+        self.timers.liveness.on_sent(now);
+        self.transmits.push_back(frame);
+    }
+
+    fn close(&mut self, reason: ControlCloseReason) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.phase = Phase::Closed;
+        let mut waiting: Vec<(u64, Waiting)> = self.waiting.drain().collect();
+        waiting.sort_unstable_by_key(|(id, _)| *id);
+        for (ticket, kind) in waiting {
+            match kind {
+                Waiting::Status => self.events.push_back(ControlPlaneEvent::StatusAnswered {
+                    ticket,
+                    result: Err(ControlSessionError::Closed),
+                }),
+                Waiting::Command => self.events.push_back(ControlPlaneEvent::CommandAnswered {
+                    ticket,
+                    result: Err(ControlSessionError::Closed),
+                }),
+                Waiting::Projection(_) => {}
+            }
+        }
+        self.events.push_back(ControlPlaneEvent::Closed(reason));
+    }
+}
