@@ -14,6 +14,11 @@
 //! - pings every heartbeat interval the Control Plane gave; reconnects with capped exponential
 //!   backoff and jitter ([`BACKOFF_MIN`]..[`BACKOFF_MAX`]) after any failure.
 //!
+//! The protocol decisions (hello, silence, correlation, projection generations, lease answer
+//! matching) are `iop_wire::control_session::EdgeControlSession`'s; this module is its driver:
+//! one loop per session owns the machine, and callers ([`ControlConnector::acquire_lease`],
+//! status and command work) hand it requests through a bounded queue.
+//!
 //! **Managed mode** (`credential_plane.enabled`): [`ControlConnector::start`] refuses a TLS
 //! configuration without a client certificate; the accepted hello must carry a projection
 //! (otherwise the session is dropped); `PrincipalProjectionApplyRequest` is accepted only for a
@@ -31,10 +36,12 @@ use std::time::Duration;
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::control::{
-    AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandEvent,
-    EdgeCommandRequest, EdgeCommandResponse, EdgeHelloRequest, EdgeHelloResponse,
-    EdgeNodeConfigSummary, EdgeNodeEvent, EdgeNodeSnapshot, EdgeStatusResponse, NodeEventKind,
-    PrincipalProjection, PrincipalProjectionApplyResponse, ProjectedRoute,
+    AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, EdgeCommandEvent, EdgeCommandRequest,
+    EdgeCommandResponse, EdgeHelloRequest, EdgeNodeConfigSummary, EdgeNodeEvent, EdgeNodeSnapshot,
+    EdgeStatusResponse, NodeEventKind, PrincipalProjection, ProjectedRoute,
+};
+use iop_wire::control_session::{
+    ControlCloseReason, ControlSessionConfig, EdgeControlEvent, EdgeControlSession,
 };
 use iop_wire::runtime::{CredentialLease, CredentialLeaseBinding};
 use ring::digest::{SHA256, digest};
@@ -225,15 +232,18 @@ const OUTBOUND_FRAMES: usize = 1024;
 /// Status and command requests served at once; more wait (the session is not read meanwhile).
 const CONCURRENT_REQUESTS: usize = 16;
 
+/// The current session's request queue (the session loop owns the machine).
 struct Link {
-    out: mpsc::Sender<ControlFrame>,
-    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+    requests: mpsc::Sender<Request>,
 }
 
-/// A request on the session waiting for its correlated answer.
-enum Waiter {
-    Lease(oneshot::Sender<AcquireLeaseResponse>),
-    Pong(oneshot::Sender<()>),
+/// What callers and spawned work hand to the session loop.
+enum Request {
+    Lease(AcquireLeaseRequest, oneshot::Sender<AcquireLeaseResponse>),
+    Ping(oneshot::Sender<()>),
+    Status(u64, EdgeStatusResponse),
+    CommandEvent(u64, EdgeCommandEvent),
+    Command(u64, EdgeCommandResponse),
 }
 
 struct Shared {
@@ -241,7 +251,6 @@ struct Shared {
     edge: EdgeHandle,
     projection: RwLock<Option<Arc<ProjectionIndex>>>,
     link: Mutex<Option<Link>>,
-    next_correlation: Mutex<u64>,
     state: watch::Sender<SessionState>,
 }
 
@@ -281,7 +290,6 @@ impl ControlConnector {
             edge,
             projection: RwLock::new(None),
             link: Mutex::new(None),
-            next_correlation: Mutex::new(0),
             state: watch::channel(SessionState::Connecting).0,
         });
         tokio::spawn(run(shared.clone(), shutdown));
@@ -318,28 +326,14 @@ impl ControlConnector {
             return Err(LeaseError::Disabled);
         }
         let (tx, rx) = oneshot::channel();
-        {
-            let link = lock(&self.shared.link);
-            let link = link.as_ref().ok_or(LeaseError::NotConnected)?;
-            let id = {
-                let mut n = lock(&self.shared.next_correlation);
-                *n += 1;
-                *n
-            };
-            lock(&link.pending).insert(id, Waiter::Lease(tx));
-            let request = AcquireLeaseRequest {
-                binding,
-                recipient_public_key,
-            };
-            // Our own request: never waits, the session's queue is far from full unless the
-            // Control Plane stopped reading (then the session ends and this fails closed).
-            link.out
-                .try_send(ControlFrame::correlated(
-                    id,
-                    ControlMessage::AcquireLeaseRequest(request),
-                ))
-                .map_err(|_| LeaseError::NotConnected)?;
-        }
+        let request = AcquireLeaseRequest {
+            binding,
+            recipient_public_key,
+        };
+        // Never waits: the session's queue is far from full unless the session is stuck (then
+        // this fails closed).
+        self.send(Request::Lease(request, tx))
+            .ok_or(LeaseError::NotConnected)?;
         match tokio::time::timeout(LEASE_TIMEOUT, rx).await {
             Ok(Ok(AcquireLeaseResponse::Granted(lease))) => Ok(lease),
             Ok(Ok(AcquireLeaseResponse::Refused { reason })) => Err(LeaseError::Refused(reason)),
@@ -354,21 +348,15 @@ impl ControlConnector {
     pub async fn ping(&self) -> Option<Duration> {
         let (tx, rx) = oneshot::channel();
         let started = std::time::Instant::now();
-        {
-            let link = lock(&self.shared.link);
-            let link = link.as_ref()?;
-            let id = {
-                let mut n = lock(&self.shared.next_correlation);
-                *n += 1;
-                *n
-            };
-            lock(&link.pending).insert(id, Waiter::Pong(tx));
-            link.out
-                .try_send(ControlFrame::correlated(id, ControlMessage::Ping))
-                .ok()?;
-        }
+        self.send(Request::Ping(tx))?;
         tokio::time::timeout(LEASE_TIMEOUT, rx).await.ok()?.ok()?;
         Some(started.elapsed())
+    }
+
+    /// Hands `request` to the current session, if there is one with room.
+    fn send(&self, request: Request) -> Option<()> {
+        let link = lock(&self.shared.link);
+        link.as_ref()?.requests.try_send(request).ok()
     }
 }
 
@@ -409,9 +397,8 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
 
 type Io = Framed<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, TokioCodec<ControlFrame>>;
 
-async fn connect(
-    shared: &Shared,
-) -> Result<(Io, Option<PrincipalProjection>, Duration), SessionState> {
+/// TCP and TLS to the Control Plane (the hello is the session machine's).
+async fn connect(shared: &Shared) -> Result<Io, SessionState> {
     let c = &shared.config;
     let failed = |what: &str| SessionState::Failed(what.to_owned());
     let tcp = tokio::net::TcpStream::connect(&c.address)
@@ -423,129 +410,154 @@ async fn connect(
         .await
         .map_err(|_| failed("tls handshake"))?;
     let codec = FrameCodec::with_max_frame_len(c.max_frame_len);
-    let mut io = Framed::new(tls, TokioCodec::<ControlFrame>::new(codec));
-    let hello = EdgeHelloRequest {
-        edge_id: c.edge_id.clone(),
-        version: env!("CARGO_PKG_VERSION").to_owned(),
-        managed: c.managed,
-        metadata: Default::default(),
-    };
-    io.send(ControlFrame::correlated(
-        1,
-        ControlMessage::EdgeHelloRequest(hello),
-    ))
-    .await
-    .map_err(|_| failed("send hello"))?;
-    let Some(Ok(ControlFrame {
-        message: ControlMessage::EdgeHelloResponse(answer),
-        ..
-    })) = io.next().await
-    else {
-        return Err(failed("no hello answer"));
-    };
-    match answer {
-        EdgeHelloResponse::Rejected { reason } => Err(SessionState::Rejected(reason)),
-        EdgeHelloResponse::Accepted {
-            projection,
-            heartbeat_interval_ms,
-        } => {
-            if c.managed && projection.is_none() {
-                return Err(SessionState::MissingProjection);
-            }
-            let heartbeat = heartbeat_interval_ms
-                .map_or(DEFAULT_HEARTBEAT, |ms| Duration::from_millis(u64::from(ms)));
-            Ok((io, projection.filter(|_| c.managed), heartbeat))
-        }
-    }
+    Ok(Framed::new(tls, TokioCodec::<ControlFrame>::new(codec)))
 }
 
-/// Applies a projection if its generation is strictly higher; returns the answer.
-fn apply_projection(shared: &Shared, p: PrincipalProjection) -> PrincipalProjectionApplyResponse {
-    let mut slot = shared
+/// Installs a projection the session machine accepted (strictly higher generation).
+fn install_projection(shared: &Shared, p: PrincipalProjection) {
+    let generation = p.generation;
+    *shared
         .projection
         .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let held = slot.as_ref().map_or(0, |i| i.generation());
-    if !shared.config.managed {
-        return PrincipalProjectionApplyResponse {
-            accepted: false,
-            generation: 0,
-            reason: "credential plane disabled".into(),
-        };
-    }
-    if p.generation <= held {
-        return PrincipalProjectionApplyResponse {
-            accepted: false,
-            generation: held,
-            reason: "stale generation".into(),
-        };
-    }
-    let generation = p.generation;
-    *slot = Some(Arc::new(ProjectionIndex::new(p)));
+        .unwrap_or_else(std::sync::PoisonError::into_inner) =
+        Some(Arc::new(ProjectionIndex::new(p)));
     tracing::info!(target: "iop_edge", event = "edge_projection_applied", generation, "projection applied");
-    PrincipalProjectionApplyResponse {
-        accepted: true,
-        generation,
-        reason: String::new(),
-    }
 }
 
-/// One accepted session; `Ok` when it ended after being accepted.
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// One session: the driver of `iop_wire::control_session::EdgeControlSession`. `Ok` when it
+/// ended after being accepted.
 async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
     let mut lifecycle = shared.edge.subscribe();
-    let (mut io, projection, heartbeat) =
-        match tokio::time::timeout(CONNECT_TIMEOUT, connect(shared)).await {
-            Ok(r) => r?,
-            Err(_) => return Err(SessionState::Failed("timeout".into())),
-        };
-    if let Some(p) = projection {
-        // The hello's projection: newer than what we hold, or the same one after a reconnect.
-        let held = shared
-            .projection
-            .read()
-            .ok()
-            .and_then(|g| g.as_ref().map(|i| i.generation()));
-        if held.is_none_or(|h| p.generation > h) {
-            apply_projection(shared, p);
-        }
-    }
-    let (out_tx, mut out_rx) = mpsc::channel::<ControlFrame>(OUTBOUND_FRAMES);
+    let mut io = match tokio::time::timeout(CONNECT_TIMEOUT, connect(shared)).await {
+        Ok(r) => r?,
+        Err(_) => return Err(SessionState::Failed("timeout".into())),
+    };
+    let held = shared
+        .projection
+        .read()
+        .ok()
+        .and_then(|g| g.as_ref().map(|i| i.generation()))
+        .unwrap_or(0);
+    let hello = EdgeHelloRequest {
+        edge_id: shared.config.edge_id.clone(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        managed: shared.config.managed,
+        metadata: Default::default(),
+    };
+    let config = ControlSessionConfig {
+        handshake_timeout: CONNECT_TIMEOUT,
+        heartbeat: DEFAULT_HEARTBEAT,
+    };
+    let mut s = EdgeControlSession::new(config, hello, held, now());
+    let (req_tx, mut req_rx) = mpsc::channel::<Request>(OUTBOUND_FRAMES);
     let requests = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_REQUESTS));
-    let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
-    *lock(&shared.link) = Some(Link {
-        out: out_tx.clone(),
-        pending: pending.clone(),
-    });
-    shared.state.send_replace(SessionState::Connected);
-    tracing::info!(target: "iop_edge", event = "edge_control_connected", managed = shared.config.managed, "control plane session accepted");
-    let mut ping = tokio::time::interval(heartbeat);
-    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let silence = heartbeat * 3;
-    let mut last_heard = tokio::time::Instant::now();
+    let mut leases: HashMap<u64, oneshot::Sender<AcquireLeaseResponse>> = HashMap::new();
+    let mut pongs: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
+    let mut connected = false;
+    let mut silence = DEFAULT_HEARTBEAT * 3;
     loop {
-        tokio::select! {
-            frame = io.next() => {
-                let Some(Ok(frame)) = frame else { return Ok(()) };
-                last_heard = tokio::time::Instant::now();
-                // Requests that spawn work wait for a slot first: a flood is read no faster
-                // than it is served.
-                let permit = match &frame.message {
-                    ControlMessage::EdgeStatusRequest | ControlMessage::EdgeCommandRequest(_) => {
-                        requests.clone().acquire_owned().await.ok()
+        while let Some(frame) = s.poll_transmit() {
+            // A peer that does not take our frames within the silence limit is not reading.
+            if !matches!(
+                tokio::time::timeout(silence, io.send(frame)).await,
+                Ok(Ok(()))
+            ) {
+                tracing::info!("control plane not reading; ending the session");
+                s.handle_transport_closed();
+                break;
+            }
+        }
+        while let Some(event) = s.poll_event() {
+            match event {
+                EdgeControlEvent::Connected { heartbeat } => {
+                    connected = true;
+                    silence = heartbeat * 3;
+                    *lock(&shared.link) = Some(Link {
+                        requests: req_tx.clone(),
+                    });
+                    shared.state.send_replace(SessionState::Connected);
+                    tracing::info!(target: "iop_edge", event = "edge_control_connected", managed = shared.config.managed, "control plane session accepted");
+                }
+                EdgeControlEvent::Projection(p) => install_projection(shared, p),
+                EdgeControlEvent::StatusRequested { id } => {
+                    // A slot first: a flood of requests is read no faster than it is served.
+                    let permit = requests.clone().acquire_owned().await.ok();
+                    let (shared, out) = (shared.clone(), req_tx.clone());
+                    tokio::spawn(async move {
+                        let status = status(&shared).await;
+                        let _ = out.try_send(Request::Status(id, status));
+                        drop(permit);
+                    });
+                }
+                EdgeControlEvent::CommandRequested { id, request } => {
+                    let permit = requests.clone().acquire_owned().await.ok();
+                    let (shared, out) = (shared.clone(), req_tx.clone());
+                    tokio::spawn(async move {
+                        command(&shared, id, request, &out).await;
+                        drop(permit);
+                    });
+                }
+                EdgeControlEvent::LeaseAnswered { ticket, result } => {
+                    if let (Some(tx), Ok(answer)) = (leases.remove(&ticket), result) {
+                        let _ = tx.send(answer);
                     }
-                    _ => None,
-                };
-                if !inbound(shared, frame, &out_tx, &pending, permit) {
-                    return Ok(());
+                }
+                EdgeControlEvent::Pong { ticket } => {
+                    if let Some(tx) = pongs.remove(&ticket) {
+                        let _ = tx.send(());
+                    }
+                }
+                EdgeControlEvent::Closed(reason) => {
+                    return match reason {
+                        ControlCloseReason::Rejected(r) => Err(SessionState::Rejected(r)),
+                        ControlCloseReason::MissingProjection => {
+                            Err(SessionState::MissingProjection)
+                        }
+                        _ if connected => Ok(()),
+                        ControlCloseReason::HandshakeTimeout => {
+                            Err(SessionState::Failed("timeout".into()))
+                        }
+                        _ => Err(SessionState::Failed("no hello answer".into())),
+                    };
+                }
+                _ => {}
+            }
+        }
+        let deadline = s.poll_timeout().map(tokio::time::Instant::from_std);
+        tokio::select! {
+            frame = io.next() => match frame {
+                Some(Ok(frame)) => s.handle_frame(now(), frame),
+                _ => s.handle_transport_closed(),
+            },
+            Some(request) = req_rx.recv() => {
+                let at = now();
+                match request {
+                    Request::Lease(r, tx) => {
+                        if let Ok(ticket) = s.acquire_lease(at, r) {
+                            leases.insert(ticket, tx);
+                        }
+                    }
+                    Request::Ping(tx) => {
+                        if let Ok(ticket) = s.ping(at) {
+                            pongs.insert(ticket, tx);
+                        }
+                    }
+                    Request::Status(id, st) => {
+                        let _ = s.respond_status(at, id, st);
+                    }
+                    Request::CommandEvent(id, ev) => {
+                        let _ = s.command_event(at, id, ev);
+                    }
+                    Request::Command(id, resp) => {
+                        let _ = s.respond_command(at, id, resp);
+                    }
                 }
             }
-            Some(frame) = out_rx.recv() => {
-                if !matches!(write(&mut io, frame, silence).await, Ok(Ok(()))) {
-                    tracing::info!("control plane not reading; ending the session");
-                    return Ok(());
-                }
-            }
-            event = lifecycle.recv() => {
+            event = lifecycle.recv(), if connected => {
                 let (kind, node_id) = match event {
                     Ok(Lifecycle::Connected { node_id, .. }) => (NodeEventKind::Connected, node_id),
                     Ok(Lifecycle::Disconnected { node_id, .. }) => (NodeEventKind::Disconnected, node_id),
@@ -562,96 +574,22 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
                     occurred_at_unix_ms: unix_ms(),
                     metadata: Default::default(),
                 };
-                let frame = ControlFrame::new(ControlMessage::EdgeNodeEvent(ev));
-                if !matches!(write(&mut io, frame, silence).await, Ok(Ok(()))) {
-                    return Ok(());
-                }
+                let _ = s.node_event(now(), ev);
             }
-            _ = ping.tick() => {
-                if last_heard.elapsed() > silence {
-                    tracing::info!("control plane silent for three heartbeats");
-                    return Ok(());
+            () = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
                 }
-                if !matches!(write(&mut io, ControlFrame::new(ControlMessage::Ping), silence).await, Ok(Ok(()))) {
-                    return Ok(());
-                }
-            }
+            } => s.handle_timeout(now()),
         }
     }
-}
-
-/// Writes one frame, or fails if the peer does not take it within `limit` (it is not reading).
-async fn write(
-    io: &mut Io,
-    frame: ControlFrame,
-    limit: Duration,
-) -> Result<Result<(), iop_wire::codec::CodecError>, tokio::time::error::Elapsed> {
-    tokio::time::timeout(limit, io.send(frame)).await
 }
 
 fn unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-/// One frame from the Control Plane; `false` ends the session (a protocol violation, or a
-/// peer that does not read its answers: the session's queue is full). `permit` is the slot
-/// of a status or command request.
-fn inbound(
-    shared: &Arc<Shared>,
-    frame: ControlFrame,
-    out: &mpsc::Sender<ControlFrame>,
-    pending: &Mutex<HashMap<u64, Waiter>>,
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-) -> bool {
-    let id = frame.correlation_id;
-    match frame.message {
-        ControlMessage::EdgeStatusRequest => {
-            let (shared, out) = (shared.clone(), out.clone());
-            tokio::spawn(async move {
-                let status = status(&shared).await;
-                let _ = out.try_send(ControlFrame::correlated(
-                    id,
-                    ControlMessage::EdgeStatusResponse(status),
-                ));
-                drop(permit);
-            });
-        }
-        ControlMessage::EdgeCommandRequest(req) => {
-            let (shared, out) = (shared.clone(), out.clone());
-            tokio::spawn(async move {
-                command(&shared, id, req, &out).await;
-                drop(permit);
-            });
-        }
-        ControlMessage::PrincipalProjectionApplyRequest(p) => {
-            let answer = apply_projection(shared, p);
-            return out
-                .try_send(ControlFrame::correlated(
-                    id,
-                    ControlMessage::PrincipalProjectionApplyResponse(answer),
-                ))
-                .is_ok();
-        }
-        ControlMessage::AcquireLeaseResponse(r) => {
-            if let Some(Waiter::Lease(tx)) = lock(pending).remove(&id) {
-                let _ = tx.send(r);
-            }
-        }
-        ControlMessage::Ping => {
-            return out
-                .try_send(ControlFrame::correlated(id, ControlMessage::Pong))
-                .is_ok();
-        }
-        ControlMessage::Pong => {
-            if let Some(Waiter::Pong(tx)) = lock(pending).remove(&id) {
-                let _ = tx.send(());
-            }
-        }
-        _ => return false,
-    }
-    true
 }
 
 /// The Edge-owned Node view.
@@ -703,12 +641,7 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
     }
 }
 
-async fn command(
-    shared: &Shared,
-    id: u64,
-    req: EdgeCommandRequest,
-    out: &mpsc::Sender<ControlFrame>,
-) {
+async fn command(shared: &Shared, id: u64, req: EdgeCommandRequest, out: &mpsc::Sender<Request>) {
     let event = |phase: &str, message: &str| {
         let ev = EdgeCommandEvent {
             command_id: req.command_id.clone(),
@@ -716,10 +649,7 @@ async fn command(
             message: message.to_owned(),
             metadata: Default::default(),
         };
-        let _ = out.try_send(ControlFrame::correlated(
-            id,
-            ControlMessage::EdgeCommandEvent(ev),
-        ));
+        let _ = out.try_send(Request::CommandEvent(id, ev));
     };
     let mut response = EdgeCommandResponse {
         command_id: req.command_id.clone(),
@@ -747,8 +677,5 @@ async fn command(
         _ => response.error = "unknown operation".into(),
     }
     event(if response.ok { "completed" } else { "failed" }, "");
-    let _ = out.try_send(ControlFrame::correlated(
-        id,
-        ControlMessage::EdgeCommandResponse(response),
-    ));
+    let _ = out.try_send(Request::Command(id, response));
 }

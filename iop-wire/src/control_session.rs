@@ -65,6 +65,8 @@ impl Default for ControlSessionConfig {
 pub enum ControlCloseReason {
     /// The Control Plane refused the hello (its reason).
     Rejected(String),
+    /// A managed Edge's hello was accepted without a projection.
+    MissingProjection,
     /// The hello did not complete in time.
     HandshakeTimeout,
     /// Nothing was received for three heartbeat intervals.
@@ -354,16 +356,17 @@ impl EdgeControlSession {
         Ok(())
     }
 
-    /// Reports progress of a command.
+    /// Reports progress of the command [`EdgeControlEvent::CommandRequested`] named `id`.
     pub fn command_event(
         &mut self,
         now: Instant,
+        id: u64,
         event: EdgeCommandEvent,
     ) -> Result<(), ControlSessionError> {
         self.connected()?;
         self.transmit(
             now,
-            ControlFrame::new(ControlMessage::EdgeCommandEvent(event)),
+            ControlFrame::correlated(id, ControlMessage::EdgeCommandEvent(event)),
         );
         Ok(())
     }
@@ -407,9 +410,7 @@ impl EdgeControlSession {
                 heartbeat_interval_ms,
             } => {
                 if self.managed && projection.is_none() {
-                    return self.close(ControlCloseReason::ProtocolViolation(
-                        "managed hello accepted without a projection",
-                    ));
+                    return self.close(ControlCloseReason::MissingProjection);
                 }
                 let heartbeat = heartbeat_interval_ms
                     .filter(|ms| *ms > 0)

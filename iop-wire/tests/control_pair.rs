@@ -243,7 +243,7 @@ fn a_managed_edge_needs_a_projection_in_the_hello() {
     assert!(matches!(
         p.edge_events.as_slice(),
         [EdgeControlEvent::Closed(
-            ControlCloseReason::ProtocolViolation(_)
+            ControlCloseReason::MissingProjection
         )]
     ));
 }
