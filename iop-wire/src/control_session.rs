@@ -505,8 +505,13 @@ pub enum ControlPlaneEvent {
     Hello(EdgeHelloRequest),
     /// A Node lifecycle event relayed by the Edge.
     NodeEvent(EdgeNodeEvent),
-    /// Progress of a command.
-    CommandEvent(EdgeCommandEvent),
+    /// Progress of the command sent as `ticket`.
+    CommandEvent {
+        /// The ticket [`ControlPlaneSession::command`] returned.
+        ticket: u64,
+        /// The event.
+        event: EdgeCommandEvent,
+    },
     /// A lease request: answer with [`ControlPlaneSession::respond_lease`].
     LeaseRequested {
         /// The request to answer.
@@ -611,8 +616,11 @@ impl ControlPlaneSession {
             (Phase::Connected, ControlMessage::EdgeNodeEvent(ev)) => {
                 self.events.push_back(ControlPlaneEvent::NodeEvent(ev));
             }
-            (Phase::Connected, ControlMessage::EdgeCommandEvent(ev)) => {
-                self.events.push_back(ControlPlaneEvent::CommandEvent(ev));
+            (Phase::Connected, ControlMessage::EdgeCommandEvent(event)) => {
+                if self.waiting.get(&id) == Some(&Waiting::Command) {
+                    self.events
+                        .push_back(ControlPlaneEvent::CommandEvent { ticket: id, event });
+                }
             }
             (Phase::Connected, ControlMessage::AcquireLeaseRequest(request)) => {
                 self.events

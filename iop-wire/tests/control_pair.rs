@@ -338,6 +338,24 @@ fn status_and_command_answers_are_matched_by_kind() {
         [ControlPlaneEvent::StatusAnswered { ticket, result: Ok(_) }] if *ticket == s
     ));
     p.cp_events.clear();
+    // Progress of the pending command reaches it; progress naming anything else does not.
+    let ev = iop_wire::control::EdgeCommandEvent {
+        command_id: "c1".into(),
+        phase: "accepted".into(),
+        message: String::new(),
+        metadata: Default::default(),
+    };
+    p.edge.command_event(p.now, c, ev.clone()).unwrap();
+    p.edge.command_event(p.now, s, ev.clone()).unwrap();
+    p.settle();
+    assert_eq!(
+        p.cp_events,
+        vec![ControlPlaneEvent::CommandEvent {
+            ticket: c,
+            event: ev
+        }]
+    );
+    p.cp_events.clear();
     // The command is still pending; the session closes: it fails, once.
     p.cp.close_local();
     assert!(matches!(
