@@ -129,7 +129,8 @@ impl Timers {
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum EdgeControlEvent {
-    /// The hello was accepted; the session is connected with this heartbeat.
+    /// The hello was accepted; the session is connected with this heartbeat. Comes after the
+    /// hello's [`EdgeControlEvent::Projection`], if it brought a newer one.
     Connected {
         /// The agreed heartbeat interval.
         heartbeat: Duration,
@@ -421,13 +422,15 @@ impl EdgeControlSession {
                     Liveness::new(HeartbeatConfig::from_interval(heartbeat), now);
                 self.timers.handshake_deadline = None;
                 self.phase = Phase::Connected;
-                self.events
-                    .push_back(EdgeControlEvent::Connected { heartbeat });
+                // The hello's projection first: by the time the driver reports connected, the
+                // projection it brought is installed.
                 if let Some(p) = projection
                     && self.managed
                 {
                     let _ = self.offer_projection(p);
                 }
+                self.events
+                    .push_back(EdgeControlEvent::Connected { heartbeat });
             }
         }
     }

@@ -199,6 +199,13 @@ fn projection_generations_only_move_forward() {
         [EdgeControlEvent::Connected { heartbeat }] if *heartbeat == Duration::from_secs(5)
     ));
     p.edge_events.clear();
+    // A first session: the hello's projection comes before "connected".
+    let mut first = Pair::new("edge-1", "edge-1", true, 0);
+    first.accept(Some(projection(2)));
+    assert!(matches!(
+        first.edge_events.as_slice(),
+        [EdgeControlEvent::Projection(x), EdgeControlEvent::Connected { .. }] if x.generation == 2
+    ));
     // A push of 7 is installed and acknowledged.
     assert!(
         p.cp.push_projection(p.now, projection(7))
