@@ -8,10 +8,12 @@
 //!  CP:   new() ── Hello(request) ──▶ Deciding ──accept()/reject()──▶ Connected ──▶ Closed
 //! ```
 //!
-//! Both sides share one liveness rule ([`crate::liveness::Liveness`], as on the runtime wire):
-//! a `Ping` after a heartbeat interval without sending anything, and the session closes after
-//! three intervals without receiving anything ([`ControlCloseReason::Silent`]). The hello must
-//! complete within the handshake timeout.
+//! Both sides share one silence rule ([`crate::liveness::Liveness`], as on the runtime wire):
+//! the session closes after three heartbeat intervals without receiving anything
+//! ([`ControlCloseReason::Silent`]). The Edge, which dials, sends a `Ping` after an interval
+//! without sending anything; the Control Plane answers pings and sends none of its own (the
+//! wire has always been that way, and an Edge's traffic is what keeps a session). The hello
+//! must complete within the handshake timeout.
 //!
 //! Rules the machines enforce (seed 001 and our choices where it is silent):
 //!
@@ -113,10 +115,10 @@ impl Timers {
         }
     }
 
-    /// The next deadline; pings are only due once connected.
-    fn poll_timeout(&self, connected: bool) -> Instant {
+    /// The next deadline; `pings`: whether this end sends pings (the Edge, once connected).
+    fn poll_timeout(&self, pings: bool) -> Instant {
         let mut t = self.liveness.idle_deadline();
-        if connected {
+        if pings {
             t = t.min(self.liveness.ping_at());
         }
         self.handshake_deadline.map_or(t, |d| t.min(d))
@@ -607,12 +609,12 @@ impl ControlPlaneSession {
             }
             (Phase::Hello, ControlMessage::EdgeHelloRequest(hello)) if self.hello_id.is_none() => {
                 self.hello_id = Some(id);
-                let agrees = !hello.edge_id.is_empty()
-                    && self.peer.as_deref().is_none_or(|p| p == hello.edge_id);
-                if agrees {
-                    self.events.push_back(ControlPlaneEvent::Hello(hello));
-                } else {
+                if hello.edge_id.is_empty() {
+                    self.reject(now, "edge_id is required");
+                } else if self.peer.as_deref().is_some_and(|p| p != hello.edge_id) {
                     self.reject(now, "hello edge_id does not match the certificate");
+                } else {
+                    self.events.push_back(ControlPlaneEvent::Hello(hello));
                 }
             }
             (Phase::Connected, ControlMessage::Pong) => {}
@@ -775,11 +777,7 @@ impl ControlPlaneSession {
             return self.close(ControlCloseReason::HandshakeTimeout);
         }
         if now >= self.timers.liveness.idle_deadline() {
-            return self.close(ControlCloseReason::Silent);
-        }
-        if self.phase == Phase::Connected && now >= self.timers.liveness.ping_at() {
-            let id = self.correlation_id();
-            self.transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
+            self.close(ControlCloseReason::Silent);
         }
     }
 
@@ -808,8 +806,7 @@ impl ControlPlaneSession {
     /// When [`ControlPlaneSession::handle_timeout`] must next be called; `None` once closed.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        (self.phase != Phase::Closed)
-            .then(|| self.timers.poll_timeout(self.phase == Phase::Connected))
+        (self.phase != Phase::Closed).then(|| self.timers.poll_timeout(false))
     }
 
     fn take(&mut self, id: u64, kind: Waiting) -> bool {
