@@ -72,4 +72,38 @@ pub mod load {
     pub fn ms(d: Duration) -> f64 {
         d.as_secs_f64() * 1000.0
     }
+
+    /// A binary next to this one (`target/release/NAME`), or the path in env `var`.
+    pub fn bin(var: &str, name: &str) -> std::path::PathBuf {
+        std::env::var_os(var).map_or_else(
+            || {
+                std::env::current_exe()
+                    .unwrap()
+                    .parent()
+                    .unwrap()
+                    .join(name)
+            },
+            std::path::PathBuf::from,
+        )
+    }
+
+    /// A port free on 127.0.0.1 just now.
+    pub fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// A child process killed (and reaped) on drop.
+    #[derive(Debug)]
+    pub struct Killed(pub std::process::Child);
+
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
 }

@@ -234,11 +234,7 @@ fn handle_frame(
     } = frame;
     match message {
         RuntimeMessage::RunRequest(req) => {
-            let settings = ExecSettings {
-                close_grace: opts.close_grace,
-                node_id: opts.node_id.clone(),
-                credentials: opts.credentials.clone(),
-            };
+            let settings = ExecSettings::from(opts);
             match admit(
                 instances,
                 runs,
@@ -285,11 +281,7 @@ fn handle_frame(
             );
         }
         RuntimeMessage::ProviderTunnelRequest(req) => {
-            let settings = ExecSettings {
-                close_grace: opts.close_grace,
-                node_id: opts.node_id.clone(),
-                credentials: opts.credentials.clone(),
-            };
+            let settings = ExecSettings::from(opts);
             match admit(
                 instances,
                 runs,
@@ -310,6 +302,16 @@ fn handle_frame(
             }
         }
         _ => {}
+    }
+}
+
+impl From<&NodeOptions> for ExecSettings {
+    fn from(opts: &NodeOptions) -> Self {
+        Self {
+            close_grace: opts.close_grace,
+            node_id: opts.node_id.clone(),
+            credentials: opts.credentials.clone(),
+        }
     }
 }
 

@@ -33,7 +33,7 @@
 //! - Anything out of place (a second hello, an Edge-bound message sent to the Control Plane,
 //!   a request before the hello completed) closes the session as a protocol violation.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::control::{
@@ -100,18 +100,23 @@ enum Phase {
     Closed,
 }
 
-/// The liveness and handshake timers both ends share.
+/// What both ends share: the liveness and handshake timers, correlation ids and the frames to
+/// write.
 #[derive(Debug)]
-struct Timers {
+struct Link {
     liveness: Liveness,
     handshake_deadline: Option<Instant>,
+    next_correlation: u64,
+    transmits: VecDeque<ControlFrame>,
 }
 
-impl Timers {
-    fn new(config: &ControlSessionConfig, now: Instant) -> Self {
+impl Link {
+    fn new(config: &ControlSessionConfig, now: Instant, first_correlation: u64) -> Self {
         Self {
             liveness: Liveness::new(HeartbeatConfig::from_interval(config.heartbeat), now),
             handshake_deadline: now.checked_add(config.handshake_timeout),
+            next_correlation: first_correlation,
+            transmits: VecDeque::new(),
         }
     }
 
@@ -122,6 +127,34 @@ impl Timers {
             t = t.min(self.liveness.ping_at());
         }
         self.handshake_deadline.map_or(t, |d| t.min(d))
+    }
+
+    /// Why the session must close at `now`, if it must: the hello is late, or the peer silent.
+    fn expired(&self, now: Instant, in_hello: bool) -> Option<ControlCloseReason> {
+        if in_hello && self.handshake_deadline.is_some_and(|d| now >= d) {
+            Some(ControlCloseReason::HandshakeTimeout)
+        } else if now >= self.liveness.idle_deadline() {
+            Some(ControlCloseReason::Silent)
+        } else {
+            None
+        }
+    }
+
+    /// The hello completed: the agreed heartbeat from now on, no handshake deadline.
+    fn connected(&mut self, heartbeat: Duration, now: Instant) {
+        self.liveness = Liveness::new(HeartbeatConfig::from_interval(heartbeat), now);
+        self.handshake_deadline = None;
+    }
+
+    fn correlation_id(&mut self) -> u64 {
+        let id = self.next_correlation;
+        self.next_correlation += 1;
+        id
+    }
+
+    fn transmit(&mut self, now: Instant, frame: ControlFrame) {
+        self.liveness.on_sent(now);
+        self.transmits.push_back(frame);
     }
 }
 
@@ -178,11 +211,9 @@ pub struct EdgeControlSession {
     default_heartbeat: Duration,
     /// The generation of the projection the Edge holds (0: none), across sessions.
     held_generation: u64,
-    timers: Timers,
-    next_correlation: u64,
-    leases: HashMap<u64, ()>,
-    pings: HashMap<u64, ()>,
-    transmits: VecDeque<ControlFrame>,
+    link: Link,
+    leases: HashSet<u64>,
+    pings: HashSet<u64>,
     events: VecDeque<EdgeControlEvent>,
 }
 
@@ -201,14 +232,12 @@ impl EdgeControlSession {
             hello_id: 1,
             default_heartbeat: config.heartbeat,
             held_generation,
-            timers: Timers::new(&config, now),
-            next_correlation: 2,
-            leases: HashMap::new(),
-            pings: HashMap::new(),
-            transmits: VecDeque::new(),
+            link: Link::new(&config, now, 2),
+            leases: HashSet::new(),
+            pings: HashSet::new(),
             events: VecDeque::new(),
         };
-        s.transmit(
+        s.link.transmit(
             now,
             ControlFrame::correlated(1, ControlMessage::EdgeHelloRequest(hello)),
         );
@@ -230,17 +259,18 @@ impl EdgeControlSession {
         if self.phase == Phase::Closed {
             return;
         }
-        self.timers.liveness.on_received(now);
+        self.link.liveness.on_received(now);
         let id = frame.correlation_id;
         match (self.phase, frame.message) {
             (_, ControlMessage::Ping) => {
-                self.transmit(now, ControlFrame::correlated(id, ControlMessage::Pong));
+                self.link
+                    .transmit(now, ControlFrame::correlated(id, ControlMessage::Pong));
             }
             (Phase::Hello, ControlMessage::EdgeHelloResponse(answer)) if id == self.hello_id => {
                 self.hello_answer(now, answer);
             }
             (Phase::Connected, ControlMessage::Pong) => {
-                if self.pings.remove(&id).is_some() {
+                if self.pings.remove(&id) {
                     self.events.push_back(EdgeControlEvent::Pong { ticket: id });
                 }
             }
@@ -254,7 +284,7 @@ impl EdgeControlSession {
             }
             (Phase::Connected, ControlMessage::PrincipalProjectionApplyRequest(p)) => {
                 let answer = self.offer_projection(p);
-                self.transmit(
+                self.link.transmit(
                     now,
                     ControlFrame::correlated(
                         id,
@@ -263,7 +293,7 @@ impl EdgeControlSession {
                 );
             }
             (Phase::Connected, ControlMessage::AcquireLeaseResponse(r)) => {
-                if self.leases.remove(&id).is_some() {
+                if self.leases.remove(&id) {
                     self.events.push_back(EdgeControlEvent::LeaseAnswered {
                         ticket: id,
                         result: Ok(r),
@@ -281,15 +311,13 @@ impl EdgeControlSession {
         if self.phase == Phase::Closed {
             return;
         }
-        if self.phase == Phase::Hello && self.timers.handshake_deadline.is_some_and(|d| now >= d) {
-            return self.close(ControlCloseReason::HandshakeTimeout);
+        if let Some(reason) = self.link.expired(now, self.phase == Phase::Hello) {
+            return self.close(reason);
         }
-        if now >= self.timers.liveness.idle_deadline() {
-            return self.close(ControlCloseReason::Silent);
-        }
-        if self.phase == Phase::Connected && now >= self.timers.liveness.ping_at() {
-            let id = self.correlation_id();
-            self.transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
+        if self.phase == Phase::Connected && now >= self.link.liveness.ping_at() {
+            let id = self.link.correlation_id();
+            self.link
+                .transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
         }
     }
 
@@ -300,9 +328,9 @@ impl EdgeControlSession {
         request: AcquireLeaseRequest,
     ) -> Result<u64, ControlSessionError> {
         self.connected()?;
-        let id = self.correlation_id();
-        self.leases.insert(id, ());
-        self.transmit(
+        let id = self.link.correlation_id();
+        self.leases.insert(id);
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::AcquireLeaseRequest(request)),
         );
@@ -312,9 +340,10 @@ impl EdgeControlSession {
     /// Sends a ping; its answer comes as [`EdgeControlEvent::Pong`].
     pub fn ping(&mut self, now: Instant) -> Result<u64, ControlSessionError> {
         self.connected()?;
-        let id = self.correlation_id();
-        self.pings.insert(id, ());
-        self.transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
+        let id = self.link.correlation_id();
+        self.pings.insert(id);
+        self.link
+            .transmit(now, ControlFrame::correlated(id, ControlMessage::Ping));
         Ok(id)
     }
 
@@ -326,7 +355,7 @@ impl EdgeControlSession {
         status: EdgeStatusResponse,
     ) -> Result<(), ControlSessionError> {
         self.connected()?;
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeStatusResponse(status)),
         );
@@ -341,7 +370,7 @@ impl EdgeControlSession {
         response: EdgeCommandResponse,
     ) -> Result<(), ControlSessionError> {
         self.connected()?;
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeCommandResponse(response)),
         );
@@ -355,7 +384,8 @@ impl EdgeControlSession {
         event: EdgeNodeEvent,
     ) -> Result<(), ControlSessionError> {
         self.connected()?;
-        self.transmit(now, ControlFrame::new(ControlMessage::EdgeNodeEvent(event)));
+        self.link
+            .transmit(now, ControlFrame::new(ControlMessage::EdgeNodeEvent(event)));
         Ok(())
     }
 
@@ -367,7 +397,7 @@ impl EdgeControlSession {
         event: EdgeCommandEvent,
     ) -> Result<(), ControlSessionError> {
         self.connected()?;
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeCommandEvent(event)),
         );
@@ -387,7 +417,7 @@ impl EdgeControlSession {
     /// The next frame to write.
     #[must_use]
     pub fn poll_transmit(&mut self) -> Option<ControlFrame> {
-        self.transmits.pop_front()
+        self.link.transmits.pop_front()
     }
 
     /// The next event for the driver.
@@ -400,7 +430,7 @@ impl EdgeControlSession {
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
         (self.phase != Phase::Closed)
-            .then(|| self.timers.poll_timeout(self.phase == Phase::Connected))
+            .then(|| self.link.poll_timeout(self.phase == Phase::Connected))
     }
 
     fn hello_answer(&mut self, now: Instant, answer: EdgeHelloResponse) {
@@ -420,9 +450,7 @@ impl EdgeControlSession {
                     .map_or(self.default_heartbeat, |ms| {
                         Duration::from_millis(u64::from(ms))
                     });
-                self.timers.liveness =
-                    Liveness::new(HeartbeatConfig::from_interval(heartbeat), now);
-                self.timers.handshake_deadline = None;
+                self.link.connected(heartbeat, now);
                 self.phase = Phase::Connected;
                 // The hello's projection first: by the time the driver reports connected, the
                 // projection it brought is installed.
@@ -470,23 +498,12 @@ impl EdgeControlSession {
         }
     }
 
-    fn correlation_id(&mut self) -> u64 {
-        let id = self.next_correlation;
-        self.next_correlation += 1;
-        id
-    }
-
-    fn transmit(&mut self, now: Instant, frame: ControlFrame) {
-        self.timers.liveness.on_sent(now);
-        self.transmits.push_back(frame);
-    }
-
     fn close(&mut self, reason: ControlCloseReason) {
         if self.phase == Phase::Closed {
             return;
         }
         self.phase = Phase::Closed;
-        let mut tickets: Vec<u64> = self.leases.drain().map(|(id, ())| id).collect();
+        let mut tickets: Vec<u64> = self.leases.drain().collect();
         tickets.sort_unstable();
         for ticket in tickets {
             self.events.push_back(EdgeControlEvent::LeaseAnswered {
@@ -564,12 +581,10 @@ pub struct ControlPlaneSession {
     peer: Option<String>,
     hello_id: Option<u64>,
     heartbeat: Duration,
-    timers: Timers,
+    link: Link,
     /// The highest projection generation sent on this session (hello included).
     pushed_generation: u64,
-    next_correlation: u64,
     waiting: HashMap<u64, Waiting>,
-    transmits: VecDeque<ControlFrame>,
     events: VecDeque<ControlPlaneEvent>,
 }
 
@@ -582,11 +597,9 @@ impl ControlPlaneSession {
             peer,
             hello_id: None,
             heartbeat: config.heartbeat,
-            timers: Timers::new(&config, now),
+            link: Link::new(&config, now, 1),
             pushed_generation: 0,
-            next_correlation: 1,
             waiting: HashMap::new(),
-            transmits: VecDeque::new(),
             events: VecDeque::new(),
         }
     }
@@ -601,11 +614,12 @@ impl ControlPlaneSession {
         if self.phase == Phase::Closed {
             return;
         }
-        self.timers.liveness.on_received(now);
+        self.link.liveness.on_received(now);
         let id = frame.correlation_id;
         match (self.phase, frame.message) {
             (_, ControlMessage::Ping) => {
-                self.transmit(now, ControlFrame::correlated(id, ControlMessage::Pong));
+                self.link
+                    .transmit(now, ControlFrame::correlated(id, ControlMessage::Pong));
             }
             (Phase::Hello, ControlMessage::EdgeHelloRequest(hello)) if self.hello_id.is_none() => {
                 self.hello_id = Some(id);
@@ -672,12 +686,11 @@ impl ControlPlaneSession {
             projection,
             heartbeat_interval_ms: u32::try_from(self.heartbeat.as_millis()).ok(),
         };
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeHelloResponse(answer)),
         );
-        self.timers.liveness = Liveness::new(HeartbeatConfig::from_interval(self.heartbeat), now);
-        self.timers.handshake_deadline = None;
+        self.link.connected(self.heartbeat, now);
         self.phase = Phase::Connected;
     }
 
@@ -689,7 +702,7 @@ impl ControlPlaneSession {
         let answer = EdgeHelloResponse::Rejected {
             reason: reason.to_owned(),
         };
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeHelloResponse(answer)),
         );
@@ -712,10 +725,10 @@ impl ControlPlaneSession {
             return Ok(None);
         }
         self.pushed_generation = projection.generation;
-        let id = self.correlation_id();
+        let id = self.link.correlation_id();
         self.waiting
             .insert(id, Waiting::Projection(projection.generation));
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(
                 id,
@@ -728,9 +741,9 @@ impl ControlPlaneSession {
     /// Asks for the Edge's status; the answer comes as [`ControlPlaneEvent::StatusAnswered`].
     pub fn status(&mut self, now: Instant) -> Result<u64, ControlSessionError> {
         self.connected()?;
-        let id = self.correlation_id();
+        let id = self.link.correlation_id();
         self.waiting.insert(id, Waiting::Status);
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeStatusRequest),
         );
@@ -744,9 +757,9 @@ impl ControlPlaneSession {
         request: EdgeCommandRequest,
     ) -> Result<u64, ControlSessionError> {
         self.connected()?;
-        let id = self.correlation_id();
+        let id = self.link.correlation_id();
         self.waiting.insert(id, Waiting::Command);
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeCommandRequest(request)),
         );
@@ -761,7 +774,7 @@ impl ControlPlaneSession {
         response: AcquireLeaseResponse,
     ) -> Result<(), ControlSessionError> {
         self.connected()?;
-        self.transmit(
+        self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::AcquireLeaseResponse(response)),
         );
@@ -773,11 +786,8 @@ impl ControlPlaneSession {
         if self.phase == Phase::Closed {
             return;
         }
-        if self.phase == Phase::Hello && self.timers.handshake_deadline.is_some_and(|d| now >= d) {
-            return self.close(ControlCloseReason::HandshakeTimeout);
-        }
-        if now >= self.timers.liveness.idle_deadline() {
-            self.close(ControlCloseReason::Silent);
+        if let Some(reason) = self.link.expired(now, self.phase == Phase::Hello) {
+            self.close(reason);
         }
     }
 
@@ -794,7 +804,7 @@ impl ControlPlaneSession {
     /// The next frame to write.
     #[must_use]
     pub fn poll_transmit(&mut self) -> Option<ControlFrame> {
-        self.transmits.pop_front()
+        self.link.transmits.pop_front()
     }
 
     /// The next event for the driver.
@@ -806,7 +816,7 @@ impl ControlPlaneSession {
     /// When [`ControlPlaneSession::handle_timeout`] must next be called; `None` once closed.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        (self.phase != Phase::Closed).then(|| self.timers.poll_timeout(false))
+        (self.phase != Phase::Closed).then(|| self.link.poll_timeout(false))
     }
 
     fn take(&mut self, id: u64, kind: Waiting) -> bool {
@@ -823,17 +833,6 @@ impl ControlPlaneSession {
             Phase::Connected => Ok(()),
             _ => Err(ControlSessionError::NotConnected),
         }
-    }
-
-    fn correlation_id(&mut self) -> u64 {
-        let id = self.next_correlation;
-        self.next_correlation += 1;
-        id
-    }
-
-    fn transmit(&mut self, now: Instant, frame: ControlFrame) {
-        self.timers.liveness.on_sent(now);
-        self.transmits.push_back(frame);
     }
 
     fn close(&mut self, reason: ControlCloseReason) {

@@ -28,26 +28,14 @@
 
 use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use iop_benches::load::{Killed, bin, free_port};
 use iop_tests::pki::{self, Ca};
 use iop_tests::upstream::{Kind, Upstream};
 use iop_wire::identity::role;
-
-fn bin(var: &str, name: &str) -> PathBuf {
-    std::env::var_os(var).map_or_else(
-        || {
-            std::env::current_exe()
-                .unwrap()
-                .parent()
-                .unwrap()
-                .join(name)
-        },
-        PathBuf::from,
-    )
-}
 
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -56,22 +44,6 @@ fn rss_kib(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 struct Mesh {

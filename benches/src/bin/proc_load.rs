@@ -31,8 +31,8 @@
     reason = "load tool"
 )]
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -41,44 +41,15 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
-use iop_benches::load::percentile;
+use iop_benches::load::{Killed, bin, free_port, percentile};
 use iop_tests::pki::{self, Ca};
 use iop_wire::identity::role;
 
 const MODEL: &str = "proc-model";
 
-fn bin(var: &str, name: &str) -> PathBuf {
-    std::env::var_os(var).map_or_else(
-        || {
-            std::env::current_exe()
-                .unwrap()
-                .parent()
-                .unwrap()
-                .join(name)
-        },
-        PathBuf::from,
-    )
-}
-
 /// Milliseconds, three decimals.
 fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1e3)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// CPU time (user + system) of `pid` so far.
