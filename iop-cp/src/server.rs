@@ -9,7 +9,7 @@
 //!    `edge_id`; in managed mode `managed=true` and `edge_id` equal to the certificate's name;
 //!    in legacy mode `managed=false`. A refusal is answered with a stable reason, then closed.
 //! 3. Accepted: the hello answer carries the current projection (managed mode). A later
-//!    connection of the same `edge_id` replaces the earlier one.
+//!    connection of the same `edge_id` replaces the earlier one, which is closed.
 //! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed); the
 //!    Edge's `AcquireLeaseRequest`s go to the [`LeaseService`] (managed only: in legacy mode
 //!    they are refused and nothing is read from the store); status and command requests from
@@ -17,18 +17,31 @@
 //!    [`ControlPlane::events`]; pings are answered. Silence longer than three heartbeat
 //!    intervals closes the connection.
 //!
+//! The protocol decisions (hello and identity agreement, silence, correlation by kind,
+//! projection generations that only move forward, lease answers) are
+//! `iop_wire::control_session::ControlPlaneSession`'s, tested against the Edge's machine in
+//! virtual time (`iop-wire/tests/control_pair.rs`). Each connection is one driver loop that
+//! owns its machine; [`ControlPlane`] handles and lease tasks hand it work through a bounded
+//! queue. The loop decides only what needs the store or the mode: whether a consistent hello is
+//! accepted (managed/legacy agreement, the certificate's role), the projection to send, the
+//! lease answers.
+//!
 //! The Control Plane never dials a Node or an Edge.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::control::{
-    AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandEvent, EdgeCommandRequest,
-    EdgeCommandResponse, EdgeHelloResponse, EdgeNodeEvent, EdgeStatusResponse,
+    AcquireLeaseResponse, ControlFrame, EdgeCommandEvent, EdgeCommandRequest, EdgeCommandResponse,
+    EdgeHelloRequest, EdgeNodeEvent, EdgeStatusResponse,
+};
+use iop_wire::control_session::{
+    ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionConfig,
 };
 use iop_wire::identity::{peer_identity, role};
 use tokio::net::TcpListener;
@@ -121,28 +134,43 @@ pub struct EdgeInfo {
     pub projection_generation: u64,
 }
 
-enum Pending {
-    Status(oneshot::Sender<EdgeStatusResponse>),
+/// What [`ControlPlane`] handles and lease tasks hand to a connection's driver loop.
+enum Request {
+    Status(oneshot::Sender<Result<EdgeStatusResponse, RequestError>>),
+    Command(EdgeCommandRequest, CommandReply),
+    /// The answer to the lease request `id`, computed by a spawned task.
+    Lease(u64, AcquireLeaseResponse),
+    /// A newer connection of the same Edge took over: close this one.
+    Replaced,
+}
+
+type CommandReply =
+    oneshot::Sender<Result<(EdgeCommandResponse, Vec<EdgeCommandEvent>), RequestError>>;
+
+/// A status or command request waiting for its answer, by the session's ticket.
+enum Waiter {
+    Status(oneshot::Sender<Result<EdgeStatusResponse, RequestError>>),
     Command {
         command_id: String,
         events: Vec<EdgeCommandEvent>,
-        reply: oneshot::Sender<(EdgeCommandResponse, Vec<EdgeCommandEvent>)>,
+        reply: CommandReply,
     },
 }
+
+/// Phase events kept per pending command at most.
+const COMMAND_EVENTS: usize = 256;
 
 struct Conn {
     /// Distinguishes a replaced connection from its successor.
     serial: u64,
-    out: mpsc::Sender<ControlFrame>,
-    pending: Arc<Mutex<HashMap<u64, Pending>>>,
-    acked_generation: Arc<Mutex<u64>>,
+    requests: mpsc::Sender<Request>,
+    acked_generation: Arc<AtomicU64>,
 }
 
 #[derive(Default)]
 struct Shared {
     edges: HashMap<String, Conn>,
     next_serial: u64,
-    next_correlation: u64,
 }
 
 /// The running server's handle: the live Edge view, status and commands, Node events.
@@ -185,7 +213,7 @@ impl ControlPlane {
             .iter()
             .map(|(id, c)| EdgeInfo {
                 edge_id: id.clone(),
-                projection_generation: *lock(&c.acked_generation),
+                projection_generation: c.acked_generation.load(Ordering::Relaxed),
             })
             .collect();
         v.sort_by(|a, b| a.edge_id.cmp(&b.edge_id));
@@ -197,40 +225,24 @@ impl ControlPlane {
         self.events.subscribe()
     }
 
-    fn request(
-        &self,
-        edge_id: &str,
-        make: impl FnOnce(u64) -> (ControlFrame, Pending),
-    ) -> Result<(), RequestError> {
-        let mut shared = lock(&self.shared);
-        shared.next_correlation += 1;
-        let id = shared.next_correlation;
+    /// Hands `request` to the driver of `edge_id`'s connection. Never waits: a full queue
+    /// means the connection is stuck (it ends soon), and the request fails at once.
+    fn send(&self, edge_id: &str, request: Request) -> Result<(), RequestError> {
+        let shared = lock(&self.shared);
         let conn = shared
             .edges
             .get(edge_id)
             .ok_or(RequestError::NotConnected)?;
-        let (frame, pending) = make(id);
-        lock(&conn.pending).insert(id, pending);
-        // Never waits: a full queue means the Edge is not reading (its session ends soon).
-        conn.out
-            .try_send(frame)
+        conn.requests
+            .try_send(request)
             .map_err(|_| RequestError::Disconnected)
     }
 
     /// Asks an Edge for its Node snapshot view.
     pub async fn status(&self, edge_id: &str) -> Result<EdgeStatusResponse, RequestError> {
         let (tx, rx) = oneshot::channel();
-        self.request(edge_id, |id| {
-            (
-                ControlFrame::correlated(id, ControlMessage::EdgeStatusRequest),
-                Pending::Status(tx),
-            )
-        })?;
-        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(_)) => Err(RequestError::Disconnected),
-            Err(_) => Err(RequestError::Timeout),
-        }
+        self.send(edge_id, Request::Status(tx))?;
+        answer(rx).await
     }
 
     /// Sends a command to an Edge; returns its response and the phase events it reported
@@ -241,22 +253,18 @@ impl ControlPlane {
         request: EdgeCommandRequest,
     ) -> Result<(EdgeCommandResponse, Vec<EdgeCommandEvent>), RequestError> {
         let (tx, rx) = oneshot::channel();
-        let command_id = request.command_id.clone();
-        self.request(edge_id, |id| {
-            (
-                ControlFrame::correlated(id, ControlMessage::EdgeCommandRequest(request)),
-                Pending::Command {
-                    command_id,
-                    events: Vec::new(),
-                    reply: tx,
-                },
-            )
-        })?;
-        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(_)) => Err(RequestError::Disconnected),
-            Err(_) => Err(RequestError::Timeout),
-        }
+        self.send(edge_id, Request::Command(request, tx))?;
+        answer(rx).await
+    }
+}
+
+/// Waits for a driver's answer: [`RequestError::Timeout`] after [`REQUEST_TIMEOUT`],
+/// [`RequestError::Disconnected`] when the connection ended without one.
+async fn answer<T>(rx: oneshot::Receiver<Result<T, RequestError>>) -> Result<T, RequestError> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(RequestError::Disconnected),
+        Err(_) => Err(RequestError::Timeout),
     }
 }
 
@@ -352,11 +360,11 @@ pub async fn serve(
 
 /// At most one log line per 10 s for a repeated failure.
 #[derive(Default)]
-struct RateLimited(Option<std::time::Instant>);
+struct RateLimited(Option<Instant>);
 
 impl RateLimited {
     fn hit(&mut self) -> bool {
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         let due = self
             .0
             .is_none_or(|last| now.duration_since(last) >= Duration::from_secs(10));
@@ -403,6 +411,14 @@ fn check_hello(
     Ok(())
 }
 
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// One Edge connection: the driver of `iop_wire::control_session::ControlPlaneSession`. The
+/// machine decides the protocol (hello and identity agreement, silence, correlation, projection
+/// generations); this loop reads and writes frames, asks the store, runs lease requests and
+/// keeps the live Edge view.
 async fn connection<S>(
     stream: S,
     identity: Option<iop_wire::identity::WorkloadId>,
@@ -416,255 +432,297 @@ async fn connection<S>(
 {
     let codec = FrameCodec::with_max_frame_len(config.max_frame_len);
     let mut framed = Framed::new(stream, TokioCodec::<ControlFrame>::new(codec));
-    let hello = match tokio::time::timeout(HELLO_TIMEOUT, framed.next()).await {
-        Ok(Some(Ok(ControlFrame {
-            message: ControlMessage::EdgeHelloRequest(h),
-            correlation_id,
-        }))) => (h, correlation_id),
-        _ => return,
+    let session = ControlSessionConfig {
+        handshake_timeout: HELLO_TIMEOUT,
+        heartbeat: config.heartbeat,
     };
-    let (hello, correlation) = hello;
-    if let Err(reason) = check_hello(&config, identity.as_ref(), &hello.edge_id, hello.managed) {
-        tracing::info!(target: "iop_cp", event = "cp_edge_hello_refused", reason, "edge hello refused");
-        let refuse = EdgeHelloResponse::Rejected {
-            reason: reason.to_owned(),
-        };
-        let _ = framed
-            .send(ControlFrame::correlated(
-                correlation,
-                ControlMessage::EdgeHelloResponse(refuse),
-            ))
-            .await;
-        return;
-    }
+    // In managed mode the machine refuses a hello naming another Edge than the certificate;
+    // a legacy Control Plane does not hold the Edge to its certificate's name.
+    let peer = identity
+        .as_ref()
+        .filter(|_| config.managed)
+        .map(|id| id.name().to_owned());
+    let mut s = ControlPlaneSession::new(session, peer, now());
+    let (req_tx, mut req_rx) = mpsc::channel::<Request>(OUTBOUND_FRAMES);
+    let lease_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LEASES));
+    let acked = Arc::new(AtomicU64::new(0));
     let mut generations = admin.subscribe();
+    let mut handshake_slot = Some(handshake_slot);
+    let mut waiters: HashMap<u64, Waiter> = HashMap::new();
+    // (edge_id, serial) once the hello is accepted.
+    let mut registered: Option<(String, u64)> = None;
+    let mut writable = true;
+    let idle = config.heartbeat * 3;
+    let reason = 'session: loop {
+        // Events first (deciding one may queue frames), then the frames; until both are empty.
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            while let Some(event) = s.poll_event() {
+                progressed = true;
+                match event {
+                    ControlPlaneEvent::Hello(hello) => {
+                        // Before the hello's snapshot: a mutation while it is read is pushed.
+                        generations.mark_unchanged();
+                        if let Some(id) =
+                            hello_accepted(&mut s, &hello, identity.as_ref(), &config, &admin).await
+                        {
+                            drop(handshake_slot.take());
+                            registered = Some((id.clone(), register(&cp, &id, &req_tx, &acked)));
+                            tracing::info!(target: "iop_cp", event = "cp_edge_connected", edge_id = %id, managed = config.managed, "edge connected");
+                        }
+                    }
+                    ControlPlaneEvent::NodeEvent(ev) => {
+                        let edge_id = registered.as_ref().map_or("", |(id, _)| id.as_str());
+                        tracing::info!(target: "iop_cp", event = "cp_edge_node_event", edge_id, kind = ev.kind.as_str(), node_id = %ev.node_id, "node lifecycle event");
+                        let _ = cp.events.send((edge_id.to_owned(), ev));
+                    }
+                    ControlPlaneEvent::CommandEvent { ticket, event } => {
+                        if let Some(Waiter::Command {
+                            command_id, events, ..
+                        }) = waiters.get_mut(&ticket)
+                            && *command_id == event.command_id
+                            && events.len() < COMMAND_EVENTS
+                        {
+                            events.push(event);
+                        }
+                    }
+                    ControlPlaneEvent::StatusAnswered { ticket, result } => {
+                        if let Some(Waiter::Status(tx)) = waiters.remove(&ticket) {
+                            let _ = tx.send(result.map_err(|_| RequestError::Disconnected));
+                        }
+                    }
+                    ControlPlaneEvent::CommandAnswered { ticket, result } => {
+                        if let Some(Waiter::Command { events, reply, .. }) = waiters.remove(&ticket)
+                        {
+                            let _ = reply.send(
+                                result
+                                    .map(|r| (r, events))
+                                    .map_err(|_| RequestError::Disconnected),
+                            );
+                        }
+                    }
+                    ControlPlaneEvent::ProjectionAnswered { pushed, answer } => {
+                        if answer.accepted {
+                            acked.fetch_max(answer.generation, Ordering::Relaxed);
+                        } else {
+                            let edge_id = registered.as_ref().map_or("", |(id, _)| id.as_str());
+                            tracing::info!(target: "iop_cp", event = "cp_projection_refused", edge_id, generation = pushed, held = answer.generation, reason = %answer.reason, "edge refused a projection");
+                        }
+                    }
+                    ControlPlaneEvent::LeaseRequested { id, request } => {
+                        let Some(leases) = leases.clone() else {
+                            // Legacy mode: no lease traffic; nothing is read from the store.
+                            let refuse = AcquireLeaseResponse::Refused {
+                                reason: "credential_plane_disabled".into(),
+                            };
+                            let _ = s.respond_lease(now(), id, refuse);
+                            continue;
+                        };
+                        // A slot first: an Edge's flood of lease requests is read no faster than
+                        // the store serves it (nothing is read while this waits).
+                        let permit = lease_slots.clone().acquire_owned().await.ok();
+                        let out = req_tx.clone();
+                        let edge_id = registered
+                            .as_ref()
+                            .map_or(String::new(), |(id, _)| id.clone());
+                        tokio::spawn(async move {
+                            let answer = match leases
+                                .acquire(&request, crate::store::unix_ms())
+                                .await
+                            {
+                                Ok(lease) => AcquireLeaseResponse::Granted(lease),
+                                Err(refusal) => {
+                                    tracing::info!(target: "iop_cp", event = "cp_lease_refused", edge_id = %edge_id, reason = refusal.as_str(), "lease refused");
+                                    AcquireLeaseResponse::Refused {
+                                        reason: refusal.as_str().to_owned(),
+                                    }
+                                }
+                            };
+                            // Never waits (the loop may be waiting for this task's slot).
+                            let _ = out.try_send(Request::Lease(id, answer));
+                            drop(permit);
+                        });
+                    }
+                    ControlPlaneEvent::Closed(reason) => break 'session reason,
+                    _ => {}
+                }
+            }
+            while let Some(frame) = s.poll_transmit() {
+                progressed = true;
+                // An Edge that does not take our frames within the silence limit is not reading.
+                if !matches!(
+                    tokio::time::timeout(idle, framed.send(frame)).await,
+                    Ok(Ok(()))
+                ) {
+                    writable = false;
+                    s.handle_transport_closed();
+                    break;
+                }
+            }
+        }
+        let deadline = s.poll_timeout().map(tokio::time::Instant::from_std);
+        tokio::select! {
+            () = cp.stop.cancelled() => s.close_local(),
+            frame = framed.next() => match frame {
+                Some(Ok(frame)) => s.handle_frame(now(), frame),
+                Some(Err(iop_wire::codec::CodecError::Io(e))) => {
+                    // A killed process, or a socket closed without TLS close_notify.
+                    tracing::info!(error = %e, "edge connection closed");
+                    writable = false;
+                    s.handle_transport_closed();
+                }
+                Some(Err(e)) => {
+                    tracing::info!(error = %e, "edge sent an invalid frame; closing");
+                    s.handle_transport_closed();
+                }
+                None => {
+                    writable = false;
+                    s.handle_transport_closed();
+                }
+            },
+            Some(request) = req_rx.recv() => {
+                let at = now();
+                match request {
+                    Request::Status(tx) => match s.status(at) {
+                        Ok(ticket) => {
+                            waiters.insert(ticket, Waiter::Status(tx));
+                        }
+                        Err(_) => {
+                            let _ = tx.send(Err(RequestError::Disconnected));
+                        }
+                    },
+                    Request::Command(request, reply) => {
+                        let command_id = request.command_id.clone();
+                        match s.command(at, request) {
+                            Ok(ticket) => {
+                                waiters.insert(ticket, Waiter::Command { command_id, events: Vec::new(), reply });
+                            }
+                            Err(_) => {
+                                let _ = reply.send(Err(RequestError::Disconnected));
+                            }
+                        }
+                    }
+                    Request::Lease(id, answer) => {
+                        let _ = s.respond_lease(at, id, answer);
+                    }
+                    Request::Replaced => s.close_local(),
+                }
+            }
+            changed = generations.changed(), if config.managed && s.is_connected() => {
+                let latest = changed.map(|()| *generations.borrow_and_update()).unwrap_or(0);
+                if latest > s.pushed_generation() {
+                    match admin.store().snapshot().await {
+                        Ok(snap) => {
+                            let _ = s.push_projection(now(), projection::build(&snap));
+                        }
+                        Err(e) => tracing::warn!(error = %e, "projection snapshot failed"),
+                    }
+                }
+            }
+            () = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => s.handle_timeout(now()),
+        }
+    };
+
+    // What the machine queued in its closing step (a refusal's answer) goes out, then a clean
+    // TLS close, each briefly: the Edge may be gone.
+    if writable {
+        let flush = async {
+            while let Some(frame) = s.poll_transmit() {
+                framed.send(frame).await?;
+            }
+            framed.close().await
+        };
+        let _ = tokio::time::timeout(CLOSE_GRACE, flush).await;
+    }
+    let edge_id = registered.as_ref().map_or("", |(id, _)| id.as_str());
+    match &reason {
+        ControlCloseReason::Silent => {
+            tracing::info!(edge_id, "edge silent for three heartbeats; closed");
+        }
+        ControlCloseReason::HandshakeTimeout => {
+            tracing::info!("edge sent no hello in time; closed");
+        }
+        ControlCloseReason::ProtocolViolation(what) => {
+            tracing::info!(
+                edge_id,
+                what,
+                "closing the edge connection (protocol violation)"
+            );
+        }
+        _ => {}
+    }
+    if let Some((edge_id, serial)) = registered {
+        let mut shared = lock(&cp.shared);
+        if shared
+            .edges
+            .get(&edge_id)
+            .is_some_and(|c| c.serial == serial)
+        {
+            shared.edges.remove(&edge_id);
+            tracing::info!(target: "iop_cp", event = "cp_edge_disconnected", edge_id = %edge_id, "edge disconnected");
+        }
+    }
+}
+
+/// How long the closing step may spend writing its last frames and the TLS close.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Decides a hello the machine found consistent: the mode and certificate checks, then (managed)
+/// the current projection from the store. `Some(edge_id)` when accepted.
+async fn hello_accepted(
+    s: &mut ControlPlaneSession,
+    hello: &EdgeHelloRequest,
+    identity: Option<&iop_wire::identity::WorkloadId>,
+    config: &ServerConfig,
+    admin: &Admin,
+) -> Option<String> {
+    if let Err(reason) = check_hello(config, identity, &hello.edge_id, hello.managed) {
+        tracing::info!(target: "iop_cp", event = "cp_edge_hello_refused", reason, "edge hello refused");
+        s.reject(now(), reason);
+        return None;
+    }
     let projection = if config.managed {
         match admin.store().snapshot().await {
-            Ok(s) => Some(projection::build(&s)),
+            Ok(snap) => Some(projection::build(&snap)),
             Err(_) => {
-                let refuse = EdgeHelloResponse::Rejected {
-                    reason: "store unavailable".into(),
-                };
-                let _ = framed
-                    .send(ControlFrame::correlated(
-                        correlation,
-                        ControlMessage::EdgeHelloResponse(refuse),
-                    ))
-                    .await;
-                return;
+                s.reject(now(), "store unavailable");
+                return None;
             }
         }
     } else {
         None
     };
-    let mut sent_generation = projection.as_ref().map_or(0, |p| p.generation);
-    generations.mark_unchanged();
-    let accepted = EdgeHelloResponse::Accepted {
-        projection,
-        heartbeat_interval_ms: u32::try_from(config.heartbeat.as_millis()).ok(),
-    };
-    if framed
-        .send(ControlFrame::correlated(
-            correlation,
-            ControlMessage::EdgeHelloResponse(accepted),
-        ))
-        .await
-        .is_err()
-    {
-        return;
-    }
-
-    // Hello accepted: no longer a handshake in progress.
-    drop(handshake_slot);
-    let edge_id = hello.edge_id.clone();
-    let (out_tx, mut out_rx) = mpsc::channel::<ControlFrame>(OUTBOUND_FRAMES);
-    let lease_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LEASES));
-    let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::default();
-    let acked = Arc::new(Mutex::new(0u64));
-    let serial = {
-        let mut shared = lock(&cp.shared);
-        shared.next_serial += 1;
-        let serial = shared.next_serial;
-        let conn = Conn {
-            serial,
-            out: out_tx.clone(),
-            pending: pending.clone(),
-            acked_generation: acked.clone(),
-        };
-        if shared.edges.insert(edge_id.clone(), conn).is_some() {
-            tracing::info!(target: "iop_cp", event = "cp_edge_replaced", edge_id = %edge_id, "edge reconnected; previous connection replaced");
-        }
-        serial
-    };
-    tracing::info!(target: "iop_cp", event = "cp_edge_connected", edge_id = %edge_id, managed = config.managed, "edge connected");
-
-    let idle = config.heartbeat * 3;
-    let mut generations_open = config.managed;
-    loop {
-        tokio::select! {
-            () = cp.stop.cancelled() => break,
-            frame = tokio::time::timeout(idle, framed.next()) => {
-                let frame = match frame {
-                    Ok(Some(Ok(f))) => f,
-                    Ok(Some(Err(iop_wire::codec::CodecError::Io(e)))) => {
-                        // A killed process or a socket closed without TLS close_notify.
-                        tracing::info!(edge_id = %edge_id, error = %e, "edge connection closed");
-                        break;
-                    }
-                    Ok(Some(Err(e))) => {
-                        tracing::info!(edge_id = %edge_id, error = %e, "edge sent an invalid frame");
-                        break;
-                    }
-                    Ok(None) => break,
-                    Err(_) => {
-                        tracing::info!(edge_id = %edge_id, "edge silent for three heartbeats");
-                        break;
-                    }
-                };
-                // A lease request waits for a slot first: an Edge's flood of them is read no
-                // faster than the store serves it.
-                let permit = match &frame.message {
-                    ControlMessage::AcquireLeaseRequest(_) => {
-                        lease_slots.clone().acquire_owned().await.ok()
-                    }
-                    _ => None,
-                };
-                if !inbound(frame, &edge_id, &cp, &pending, &acked, leases.as_ref(), &out_tx, permit) {
-                    tracing::info!(edge_id = %edge_id, "closing the edge connection (protocol violation, or it does not read its answers)");
-                    break;
-                }
-            }
-            Some(frame) = out_rx.recv() => {
-                if !matches!(tokio::time::timeout(idle, framed.send(frame)).await, Ok(Ok(()))) {
-                    tracing::info!(edge_id = %edge_id, "edge not reading; closing");
-                    break;
-                }
-            }
-            changed = generations.changed(), if generations_open => {
-                if changed.is_err() {
-                    generations_open = false;
-                    continue;
-                }
-                let latest = *generations.borrow_and_update();
-                if latest <= sent_generation {
-                    continue;
-                }
-                match admin.store().snapshot().await {
-                    Ok(s) => {
-                        let p = projection::build(&s);
-                        sent_generation = p.generation;
-                        let frame = ControlFrame::new(ControlMessage::PrincipalProjectionApplyRequest(p));
-                        if !matches!(tokio::time::timeout(idle, framed.send(frame)).await, Ok(Ok(()))) {
-                            break;
-                        }
-                    }
-                    Err(e) => tracing::warn!(edge_id = %edge_id, error = %e, "projection snapshot failed"),
-                }
-            }
-        }
-    }
-    let mut shared = lock(&cp.shared);
-    if shared
-        .edges
-        .get(&edge_id)
-        .is_some_and(|c| c.serial == serial)
-    {
-        shared.edges.remove(&edge_id);
-        tracing::info!(target: "iop_cp", event = "cp_edge_disconnected", edge_id = %edge_id, "edge disconnected");
-    }
+    s.accept(now(), projection);
+    Some(hello.edge_id.clone())
 }
 
-/// Handles one frame from an Edge; `false` closes the connection (protocol violation, or an
-/// Edge that does not read its answers). `permit` is a lease request's slot.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the connection's parts, passed from its one loop"
-)]
-fn inbound(
-    frame: ControlFrame,
-    edge_id: &str,
+/// Makes this connection the one of `edge_id` in the live view (a later connection of the same
+/// Edge replaces an earlier one); its serial.
+fn register(
     cp: &ControlPlane,
-    pending: &Mutex<HashMap<u64, Pending>>,
-    acked: &Mutex<u64>,
-    leases: Option<&Arc<LeaseService>>,
-    out: &mpsc::Sender<ControlFrame>,
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-) -> bool {
-    let id = frame.correlation_id;
-    match frame.message {
-        ControlMessage::EdgeStatusResponse(r) => {
-            if let Some(Pending::Status(tx)) = lock(pending).remove(&id) {
-                let _ = tx.send(r);
-            }
-        }
-        ControlMessage::EdgeCommandEvent(ev) => {
-            let mut pending = lock(pending);
-            if let Some(Pending::Command {
-                command_id, events, ..
-            }) = pending.get_mut(&id)
-                && *command_id == ev.command_id
-                && events.len() < 256
-            {
-                events.push(ev);
-            }
-        }
-        ControlMessage::EdgeCommandResponse(r) => {
-            if let Some(Pending::Command { events, reply, .. }) = lock(pending).remove(&id) {
-                let _ = reply.send((r, events));
-            }
-        }
-        ControlMessage::EdgeNodeEvent(ev) => {
-            tracing::info!(target: "iop_cp", event = "cp_edge_node_event", edge_id, kind = ev.kind.as_str(), node_id = %ev.node_id, "node lifecycle event");
-            let _ = cp.events.send((edge_id.to_owned(), ev));
-        }
-        ControlMessage::PrincipalProjectionApplyResponse(r) => {
-            if r.accepted {
-                let mut g = lock(acked);
-                *g = (*g).max(r.generation);
-            } else {
-                tracing::info!(target: "iop_cp", event = "cp_projection_refused", edge_id, generation = r.generation, reason = %r.reason, "edge refused a projection");
-            }
-        }
-        ControlMessage::AcquireLeaseRequest(req) => {
-            let Some(leases) = leases.cloned() else {
-                // Legacy mode: no lease traffic; nothing is read from the store.
-                let refuse = AcquireLeaseResponse::Refused {
-                    reason: "credential_plane_disabled".into(),
-                };
-                return out
-                    .try_send(ControlFrame::correlated(
-                        id,
-                        ControlMessage::AcquireLeaseResponse(refuse),
-                    ))
-                    .is_ok();
-            };
-            let out = out.clone();
-            let edge_id = edge_id.to_owned();
-            tokio::spawn(async move {
-                let now = crate::store::unix_ms();
-                let answer = match leases.acquire(&req, now).await {
-                    Ok(lease) => AcquireLeaseResponse::Granted(lease),
-                    Err(refusal) => {
-                        tracing::info!(target: "iop_cp", event = "cp_lease_refused", edge_id = %edge_id, reason = refusal.as_str(), "lease refused");
-                        AcquireLeaseResponse::Refused {
-                            reason: refusal.as_str().to_owned(),
-                        }
-                    }
-                };
-                let _ = out.try_send(ControlFrame::correlated(
-                    id,
-                    ControlMessage::AcquireLeaseResponse(answer),
-                ));
-                drop(permit);
-            });
-        }
-        ControlMessage::Ping => {
-            return out
-                .try_send(ControlFrame::correlated(id, ControlMessage::Pong))
-                .is_ok();
-        }
-        ControlMessage::Pong => {}
-        _ => return false,
+    edge_id: &str,
+    requests: &mpsc::Sender<Request>,
+    acked: &Arc<AtomicU64>,
+) -> u64 {
+    let mut shared = lock(&cp.shared);
+    shared.next_serial += 1;
+    let serial = shared.next_serial;
+    let conn = Conn {
+        serial,
+        requests: requests.clone(),
+        acked_generation: acked.clone(),
+    };
+    if let Some(old) = shared.edges.insert(edge_id.to_owned(), conn) {
+        // The old connection's session ends now rather than at its silence limit. A full
+        // queue means it is stuck and ends by itself.
+        let _ = old.requests.try_send(Request::Replaced);
+        tracing::info!(target: "iop_cp", event = "cp_edge_replaced", edge_id = %edge_id, "edge reconnected; previous connection replaced");
     }
-    true
+    serial
 }

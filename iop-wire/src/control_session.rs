@@ -609,6 +609,11 @@ impl ControlPlaneSession {
         self.phase == Phase::Connected
     }
 
+    /// The highest projection generation sent on this session (the hello's included; 0: none).
+    pub fn pushed_generation(&self) -> u64 {
+        self.pushed_generation
+    }
+
     /// Handles one frame from the Edge.
     pub fn handle_frame(&mut self, now: Instant, frame: ControlFrame) {
         if self.phase == Phase::Closed {

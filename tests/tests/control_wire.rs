@@ -446,6 +446,48 @@ async fn legacy_mode_carries_no_lease_traffic() {
                 }
             )
         );
+        // A second connection of the same Edge takes over; the first is closed (cleanly),
+        // not left open until its silence limit.
+        let tcp = tokio::net::TcpStream::connect(cp.local_addr())
+            .await
+            .unwrap();
+        let tls = tokio_rustls::TlsConnector::from(legacy_client_tls(&ca))
+            .connect("localhost".try_into().unwrap(), tcp)
+            .await
+            .unwrap();
+        let mut second = Framed::new(tls, TokioCodec::<ControlFrame>::new(FrameCodec::new()));
+        let hello = iop_wire::control::EdgeHelloRequest {
+            edge_id: "edge-raw".into(),
+            ..Default::default()
+        };
+        second
+            .send(ControlFrame::new(ControlMessage::EdgeHelloRequest(hello)))
+            .await
+            .unwrap();
+        assert!(matches!(
+            second.next().await.unwrap().unwrap().message,
+            ControlMessage::EdgeHelloResponse(EdgeHelloResponse::Accepted { .. })
+        ));
+        // The first one stays alive (it pings), so only the replacement can close it.
+        let closed = async {
+            loop {
+                tokio::select! {
+                    f = io.next() => match f {
+                        Some(Ok(f)) if f.message == ControlMessage::Pong => {}
+                        Some(Ok(f)) => panic!("unexpected {f:?}"),
+                        _ => break,
+                    },
+                    () = tokio::time::sleep(Duration::from_millis(100)) => {
+                        if io.send(ControlFrame::new(ControlMessage::Ping)).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), closed)
+            .await
+            .expect("the replaced connection is closed although it is alive");
         stop.cancel();
     })
     .await
