@@ -96,6 +96,135 @@ pub mod load {
             .port()
     }
 
+    /// A minimal HTTP/1.1 keep-alive client for load generation: one connection, a request
+    /// written as prepared bytes, the response read by its `content-length` or chunked framing.
+    /// On a 2-core machine a full client (reqwest) costs the load generator several times what
+    /// this does, CPU taken from the processes being measured; both paths of a comparison use
+    /// the same client, so its own cost cancels in a difference or a ratio.
+    #[derive(Debug)]
+    pub struct RawHttp {
+        stream: tokio::net::TcpStream,
+        buf: Vec<u8>,
+    }
+
+    /// One response as [`RawHttp::exchange`] saw it.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Exchange {
+        pub status: u16,
+        /// From writing the request to the first byte of the body.
+        pub first_byte: Duration,
+        /// From writing the request to the last byte of the response.
+        pub last_byte: Duration,
+    }
+
+    /// A prepared `POST` of a JSON body.
+    pub fn post_json(port: u16, path: &str, body: &str) -> Vec<u8> {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    }
+
+    impl RawHttp {
+        pub async fn connect(port: u16) -> std::io::Result<Self> {
+            let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+            stream.set_nodelay(true)?;
+            Ok(Self {
+                stream,
+                buf: Vec::with_capacity(16 * 1024),
+            })
+        }
+
+        /// Writes `request` and reads one whole response.
+        pub async fn exchange(&mut self, request: &[u8]) -> std::io::Result<Exchange> {
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            let start = Instant::now();
+            self.stream.write_all(request).await?;
+            let mut first_byte = None;
+            loop {
+                if let Some((status, head, end)) = parse_response(&self.buf)? {
+                    if first_byte.is_none() && self.buf.len() > head {
+                        first_byte = Some(start.elapsed());
+                    }
+                    if let Some(end) = end {
+                        let last_byte = start.elapsed();
+                        self.buf.drain(..end);
+                        return Ok(Exchange {
+                            status,
+                            first_byte: first_byte.unwrap_or(last_byte),
+                            last_byte,
+                        });
+                    }
+                }
+                if self.buf.capacity() - self.buf.len() < 4096 {
+                    self.buf.reserve(16 * 1024);
+                }
+                if self.stream.read_buf(&mut self.buf).await? == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+            }
+        }
+    }
+
+    fn bad(what: &str) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned())
+    }
+
+    fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+        hay.windows(needle.len()).position(|w| w == needle)
+    }
+
+    /// `(status, end of the head, end of the response if complete)`, or `None` while the head
+    /// is incomplete.
+    fn parse_response(buf: &[u8]) -> std::io::Result<Option<(u16, usize, Option<usize>)>> {
+        let Some(h) = find(buf, b"\r\n\r\n") else {
+            return Ok(None);
+        };
+        let head = std::str::from_utf8(&buf[..h]).map_err(|_| bad("head"))?;
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| bad("status line"))?;
+        let (mut length, mut chunked) = (None, false);
+        for line in lines {
+            let Some((name, value)) = line.split_once(':') else {
+                continue;
+            };
+            let value = value.trim();
+            if name.eq_ignore_ascii_case("content-length") {
+                length = Some(value.parse::<usize>().map_err(|_| bad("content-length"))?);
+            } else if name.eq_ignore_ascii_case("transfer-encoding") {
+                chunked = value.eq_ignore_ascii_case("chunked");
+            }
+        }
+        let body = h + 4;
+        if !chunked {
+            let end = body + length.unwrap_or(0);
+            return Ok(Some((status, body, (buf.len() >= end).then_some(end))));
+        }
+        // Chunked: size line, data, CRLF; a zero size then the final CRLF (no trailers).
+        let mut at = body;
+        loop {
+            let Some(line) = find(&buf[at..], b"\r\n") else {
+                return Ok(Some((status, body, None)));
+            };
+            let size_text = std::str::from_utf8(&buf[at..at + line]).map_err(|_| bad("chunk"))?;
+            let size_text = size_text.split(';').next().unwrap_or("").trim();
+            let size = usize::from_str_radix(size_text, 16).map_err(|_| bad("chunk size"))?;
+            let next = at + line + 2 + size + 2;
+            if buf.len() < next {
+                return Ok(Some((status, body, None)));
+            }
+            if size == 0 {
+                return Ok(Some((status, body, Some(next))));
+            }
+            at = next;
+        }
+    }
+
     /// A child process killed (and reaped) on drop.
     #[derive(Debug)]
     pub struct Killed(pub std::process::Child);

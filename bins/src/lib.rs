@@ -22,6 +22,12 @@ pub mod ca;
 pub mod devca;
 pub mod tls_reload;
 
+/// Every binary allocates with mimalloc rather than the system allocator: on the request path of
+/// the Edge and the Node, glibc's malloc/free (and its arena lock under two workers) was 10–12 %
+/// of all CPU (`benches/README.md`, proc_load). Libraries leave the choice to their embedders.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Resolves on SIGTERM or Ctrl-C (SIGINT). Call it before serving: the SIGTERM handler is
 /// installed by the call itself, so a SIGTERM that arrives while the binary starts up still
 /// means a clean stop rather than the default kill.

@@ -242,39 +242,6 @@ pub trait Adapter: Send + Sync + 'static {
     async fn probe(&self, target: &str, credential: Option<&UpstreamCredential>) -> ProviderStatus;
 }
 
-/// The HTTP client of the built-in provider adapters: rustls with the ring provider and the
-/// platform's roots (no process-wide provider is installed), TCP_NODELAY, and `timeout` for
-/// whole requests when given. `base_url` is checked to be an absolute http(s) URL; `key` names
-/// it in errors.
-pub(crate) fn provider_http_client(
-    key: &str,
-    base_url: &str,
-    timeout: Option<std::time::Duration>,
-) -> Result<reqwest::Client, String> {
-    let base = reqwest::Url::parse(base_url).map_err(|_| format!("{key} is not a valid URL"))?;
-    if !matches!(base.scheme(), "http" | "https") {
-        return Err(format!("{key} must be http or https"));
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = rustls_platform_verifier::Verifier::new(provider.clone())
-        .map_err(|_| "platform certificate verifier unavailable".to_owned())?;
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|_| "TLS configuration failed".to_owned())?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(verifier))
-        .with_no_client_auth();
-    let mut builder = reqwest::Client::builder()
-        .tls_backend_preconfigured(tls)
-        .tcp_nodelay(true);
-    if let Some(t) = timeout {
-        builder = builder.timeout(t);
-    }
-    builder
-        .build()
-        .map_err(|_| "HTTP client construction failed".to_owned())
-}
-
 /// Builds adapter instances of one type from their configuration.
 pub type AdapterFactory =
     Arc<dyn Fn(&AdapterConfig) -> Result<Arc<dyn Adapter>, String> + Send + Sync + 'static>;

@@ -70,6 +70,7 @@ mod demo;
 mod exec;
 pub mod ollama;
 pub mod openai;
+mod provider_http;
 mod session;
 
 use std::sync::Arc;

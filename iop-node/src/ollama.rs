@@ -20,13 +20,14 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures_util::StreamExt as _;
+use bytes::Bytes;
 use iop_wire::runtime::{AdapterConfig, AdapterSettings, ProviderStatus, RunRequest, Usage};
 use iop_wire::text_tools;
 use serde_json::{Value, json};
 
 use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents};
 use crate::credential::UpstreamCredential;
+use crate::provider_http::{self, BaseUrl, Exchange, ProviderHttp};
 
 /// The adapter type name in `AdapterConfig.type`.
 pub const ADAPTER_TYPE: &str = "ollama";
@@ -36,12 +37,14 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_LINE: usize = 1024 * 1024;
 /// Most bytes of an error answer read to classify it.
 const MAX_ERROR_BODY: usize = 16 * 1024;
+/// A health probe's model list is read up to this size.
+const MAX_PROBE_BODY: usize = 4 * 1024 * 1024;
 
 /// The Ollama adapter.
 #[derive(Clone, Debug)]
 pub struct OllamaAdapter {
-    client: reqwest::Client,
-    base_url: String,
+    client: ProviderHttp,
+    base: BaseUrl,
     targets: Vec<String>,
 }
 
@@ -52,13 +55,29 @@ impl OllamaAdapter {
         let AdapterSettings::Native(settings) = &config.settings else {
             return Err("native settings with base_url are required".into());
         };
-        let client =
-            crate::adapter::provider_http_client("native.base_url", &settings.base_url, None)?;
         Ok(Self {
-            client,
-            base_url: settings.base_url.trim_end_matches('/').to_owned(),
+            base: BaseUrl::parse("native.base_url", &settings.base_url)?,
+            client: ProviderHttp::new(None)?,
             targets: config.targets.clone(),
         })
+    }
+
+    /// `POST /api/chat` with `body`.
+    async fn chat(&self, body: &Value) -> Result<Exchange, AdapterError> {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        let body =
+            Bytes::from(serde_json::to_vec(body).map_err(|_| AdapterError::InvalidInput("body"))?);
+        let request = provider_http::request(
+            http::Method::POST,
+            self.base.join("/api/chat")?,
+            headers,
+            body,
+        );
+        Ok(self.client.send(request, None).await?)
     }
 }
 
@@ -119,11 +138,10 @@ fn text_tool_body(body: &Value) -> Option<Value> {
 }
 
 /// At most `limit` bytes of a response body, lossily as text (for classification only).
-async fn bounded_text(response: reqwest::Response, limit: usize) -> String {
-    let mut stream = response.bytes_stream();
+async fn bounded_text(mut response: Exchange, limit: usize) -> String {
     let mut out = Vec::new();
     while out.len() < limit {
-        match stream.next().await {
+        match response.chunk().await {
             Some(Ok(chunk)) => {
                 let take = chunk.len().min(limit - out.len());
                 out.extend_from_slice(&chunk[..take]);
@@ -156,17 +174,6 @@ fn openai_tool_calls(calls: &[Value]) -> Value {
     )
 }
 
-fn classify(e: &reqwest::Error) -> AdapterError {
-    let kind = if e.is_timeout() {
-        "timeout"
-    } else if e.is_connect() {
-        "connect failed"
-    } else {
-        "request failed"
-    };
-    AdapterError::Provider(kind.to_owned())
-}
-
 #[async_trait]
 impl Adapter for OllamaAdapter {
     async fn run(
@@ -181,12 +188,10 @@ impl Adapter for OllamaAdapter {
         let fenced = || AdapterError::Provider("fenced".into());
         let mut response = tokio::select! {
             () = events.cancelled() => return Err(fenced()),
-            r = self.client.post(format!("{}/api/chat", self.base_url)).json(&body).send() => {
-                r.map_err(|e| classify(&e))?
-            }
+            r = self.chat(&body) => r?,
         };
         let mut text_tool_fallback = false;
-        if response.status() == reqwest::StatusCode::BAD_REQUEST
+        if response.status() == http::StatusCode::BAD_REQUEST
             && let Some(fallback) = text_tool_body(&body)
         {
             // Only a rejection of the tool API itself (Ollama: "... does not support tools")
@@ -201,9 +206,7 @@ impl Adapter for OllamaAdapter {
             text_tool_fallback = true;
             response = tokio::select! {
                 () = events.cancelled() => return Err(fenced()),
-                r = self.client.post(format!("{}/api/chat", self.base_url)).json(&fallback).send() => {
-                    r.map_err(|e| classify(&e))?
-                }
+                r = self.chat(&fallback) => r?,
             };
         }
         if !response.status().is_success() {
@@ -212,17 +215,16 @@ impl Adapter for OllamaAdapter {
                 response.status().as_u16()
             )));
         }
-        let mut stream = response.bytes_stream();
         let mut line = Vec::new();
         let mut tool_calls = Vec::new();
         let mut usage = None;
         loop {
             let next = tokio::select! {
                 () = events.cancelled() => return Err(fenced()),
-                next = stream.next() => next,
+                next = response.chunk() => next,
             };
             let Some(chunk) = next else { break };
-            let chunk = chunk.map_err(|e| classify(&e))?;
+            let chunk = chunk?;
             for &b in chunk.iter() {
                 if b != b'\n' {
                     if line.len() >= MAX_LINE {
@@ -288,18 +290,24 @@ impl Adapter for OllamaAdapter {
         target: &str,
         _credential: Option<&UpstreamCredential>,
     ) -> ProviderStatus {
-        let request = self
-            .client
-            .get(format!("{}/api/tags", self.base_url))
-            .timeout(PROBE_TIMEOUT);
-        let Ok(response) = request.send().await else {
+        let Ok(uri) = self.base.join("/api/tags") else {
+            return ProviderStatus::Unknown;
+        };
+        let request =
+            provider_http::request(http::Method::GET, uri, http::HeaderMap::new(), Bytes::new());
+        let Ok(response) = self.client.send(request, Some(PROBE_TIMEOUT)).await else {
             return ProviderStatus::Unavailable;
         };
         if !response.status().is_success() {
             return ProviderStatus::Unavailable;
         }
-        match response.json::<Value>().await {
-            Ok(v) => {
+        let tags = response
+            .bytes(MAX_PROBE_BODY)
+            .await
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+        match tags {
+            Some(v) => {
                 let listed = v["models"].as_array().is_some_and(|ms| {
                     ms.iter().any(|m| {
                         m["name"].as_str() == Some(target) || m["model"].as_str() == Some(target)
@@ -311,7 +319,7 @@ impl Adapter for OllamaAdapter {
                     ProviderStatus::Unavailable
                 }
             }
-            Err(_) => ProviderStatus::Unknown,
+            None => ProviderStatus::Unknown,
         }
     }
 }

@@ -15,13 +15,14 @@
 //! frames. Dropping the adapter's future (caller cancel, deadline, session end) drops the HTTP
 //! response, which closes the upstream connection.
 //!
-//! HTTPS upstreams are verified against the platform's roots with rustls and the ring provider.
+//! HTTPS upstreams are verified against the platform's roots with rustls and the ring provider
+//! (the client is [`crate::provider_http`]). A provider's redirect is relayed to the caller, not
+//! followed.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures_util::StreamExt as _;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, Operation, ProviderStatus,
     ProviderTunnelRequest, RunRequest, Usage,
@@ -29,6 +30,7 @@ use iop_wire::runtime::{
 
 use crate::adapter::{Adapter, AdapterError, RunCompletion, RunEvents, TunnelSink};
 use crate::credential::UpstreamCredential;
+use crate::provider_http::{self, BaseUrl, ProviderHttp};
 
 /// The adapter type name in `AdapterConfig.type`.
 pub const ADAPTER_TYPE: &str = "openai_compat";
@@ -38,6 +40,8 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest non-streamed body buffered (besides being passed through) to observe usage.
 const MAX_USAGE_SCAN: usize = 1024 * 1024;
+/// A health probe's model list is read up to this size (a provider cannot make it unbounded).
+const MAX_PROBE_BODY: usize = 4 * 1024 * 1024;
 /// Longest SSE line scanned for usage.
 const MAX_SSE_LINE: usize = 256 * 1024;
 
@@ -57,8 +61,8 @@ const HOP_BY_HOP: [&str; 9] = [
 /// The OpenAI-compatible passthrough adapter.
 #[derive(Clone, Debug)]
 pub struct OpenAiCompatAdapter {
-    client: reqwest::Client,
-    base_url: String,
+    client: ProviderHttp,
+    base: BaseUrl,
     profile: ConcreteProtocolProfile,
     targets: Vec<String>,
 }
@@ -73,14 +77,9 @@ impl OpenAiCompatAdapter {
             0 => DEFAULT_REQUEST_TIMEOUT,
             s => Duration::from_secs(u64::from(s)),
         };
-        let client = crate::adapter::provider_http_client(
-            "openai_compat.base_url",
-            &settings.base_url,
-            Some(timeout),
-        )?;
         Ok(Self {
-            client,
-            base_url: settings.base_url.trim_end_matches('/').to_owned(),
+            base: BaseUrl::parse("openai_compat.base_url", &settings.base_url)?,
+            client: ProviderHttp::new(Some(timeout))?,
             profile: settings.protocol_profile.clone(),
             targets: config.targets.clone(),
         })
@@ -98,7 +97,8 @@ impl OpenAiCompatAdapter {
         }
     }
 
-    fn url(&self, operation: Option<Operation>, fallback: &str) -> Result<String, AdapterError> {
+    /// The upstream URI: the profile's path for the named operation, or the request's own.
+    fn uri(&self, operation: Option<Operation>, fallback: &str) -> Result<http::Uri, AdapterError> {
         let path = match operation {
             Some(op) => self
                 .profile
@@ -110,22 +110,8 @@ impl OpenAiCompatAdapter {
                 .as_str(),
             None => fallback,
         };
-        Ok(format!("{}{}", self.base_url, path))
+        self.base.join(path)
     }
-}
-
-fn classify(e: &reqwest::Error) -> AdapterError {
-    // Stable classifications only: reqwest's text can include URLs and upstream details.
-    let kind = if e.is_timeout() {
-        "timeout"
-    } else if e.is_connect() {
-        "connect failed"
-    } else if e.is_body() || e.is_decode() {
-        "response body failed"
-    } else {
-        "request failed"
-    };
-    AdapterError::Provider(kind.to_owned())
 }
 
 #[async_trait]
@@ -147,8 +133,8 @@ impl Adapter for OpenAiCompatAdapter {
         if !self.targets.is_empty() && !self.targets.contains(&request.target) {
             return Err(AdapterError::UnknownTarget);
         }
-        let url = self.url(request.operation, &request.path)?;
-        let method = reqwest::Method::from_bytes(request.method.as_bytes())
+        let uri = self.uri(request.operation, &request.path)?;
+        let method = http::Method::from_bytes(request.method.as_bytes())
             .map_err(|_| AdapterError::InvalidInput("method"))?;
         let mut headers = http::HeaderMap::new();
         for h in &request.headers {
@@ -167,18 +153,11 @@ impl Adapter for OpenAiCompatAdapter {
         // key) in its declared header, right before the call.
         self.profile_headers(&mut headers);
         frames.inject_credential(&mut headers);
-        let mut builder = self
-            .client
-            .request(method, url)
-            .headers(headers)
-            .body(request.body);
-        if let Some(t) = request.timeout {
-            builder = builder.timeout(t);
-        }
+        let outgoing = provider_http::request(method, uri, headers, request.body);
         let fenced = || AdapterError::Provider("fenced".into());
-        let response = tokio::select! {
+        let mut response = tokio::select! {
             () = frames.cancelled() => return Err(fenced()),
-            r = builder.send() => r.map_err(|e| classify(&e))?,
+            r = self.client.send(outgoing, request.timeout) => r?,
         };
         let status = response.status().as_u16();
         let sse = response
@@ -199,15 +178,14 @@ impl Adapter for OpenAiCompatAdapter {
             return Ok(());
         }
         let mut scanner = UsageScanner::new(sse);
-        let mut body = response.bytes_stream();
         loop {
             // Dropping the response (on return) closes the upstream connection.
             let next = tokio::select! {
                 () = frames.cancelled() => return Err(fenced()),
-                next = body.next() => next,
+                next = response.chunk() => next,
             };
             let Some(chunk) = next else { break };
-            let chunk = chunk.map_err(|e| classify(&e))?;
+            let chunk = chunk?;
             scanner.feed(&chunk);
             if !frames.body(chunk).await {
                 return Ok(());
@@ -233,20 +211,24 @@ impl Adapter for OpenAiCompatAdapter {
         if let Some(c) = credential {
             c.inject(&mut headers);
         }
-        let request = self
-            .client
-            .get(format!("{}{}", self.base_url, path))
-            .headers(headers)
-            .timeout(PROBE_TIMEOUT);
-        let Ok(response) = request.send().await else {
+        let Ok(uri) = self.base.join(path) else {
+            return ProviderStatus::Unknown;
+        };
+        let request = provider_http::request(http::Method::GET, uri, headers, Bytes::new());
+        let Ok(response) = self.client.send(request, Some(PROBE_TIMEOUT)).await else {
             return ProviderStatus::Unavailable;
         };
         if !response.status().is_success() {
             return ProviderStatus::Unavailable;
         }
         // Exact target: the models list must name it; an unreadable list proves nothing.
-        match response.json::<serde_json::Value>().await {
-            Ok(v) => {
+        let listed = response
+            .bytes(MAX_PROBE_BODY)
+            .await
+            .ok()
+            .and_then(|body| serde_json::from_slice::<serde_json::Value>(&body).ok());
+        match listed {
+            Some(v) => {
                 let listed = v["data"]
                     .as_array()
                     .is_some_and(|models| models.iter().any(|m| m["id"].as_str() == Some(target)));
@@ -256,7 +238,7 @@ impl Adapter for OpenAiCompatAdapter {
                     ProviderStatus::Unavailable
                 }
             }
-            Err(_) => ProviderStatus::Unknown,
+            None => ProviderStatus::Unknown,
         }
     }
 }
@@ -343,9 +325,19 @@ impl UsageScanner {
     }
 }
 
+/// The top-level `usage` of a JSON object, read without building the rest of the document
+/// (every other member is skipped, not materialised: on a 1 KiB completion this was most of the
+/// Node's JSON cost).
+#[derive(serde::Deserialize)]
+struct WithUsage {
+    #[serde(default)]
+    usage: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
 fn usage_of(json: &[u8]) -> Option<Usage> {
-    let v: serde_json::Value = serde_json::from_slice(json).ok()?;
-    let u = v.get("usage")?;
+    // Most stream chunks carry no usage at all: no parse for them.
+    memchr::memmem::find(json, b"\"usage\"")?;
+    let u = serde_json::from_slice::<WithUsage>(json).ok()?.usage?;
     let n = |k: &str| u.get(k).and_then(serde_json::Value::as_u64);
     // OpenAI names, then Anthropic-style names.
     let prompt = n("prompt_tokens").or_else(|| n("input_tokens"))?;

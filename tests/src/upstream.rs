@@ -12,6 +12,8 @@
 //! The model `slow` streams one word every 50 ms without end, `firehose` streams 16 KiB chunks
 //! as fast as its reader takes them and `trickle` 64 KiB every 100 ms, without end; they
 //! report when their client went away ([`Upstream::dropped`], [`Upstream::dropped_count`]).
+//! On the Anthropic fake, the user message `redirect me` is answered `307` to `/v1/elsewhere`
+//! (which only records a request that followed it).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -97,6 +99,7 @@ impl Upstream {
                 .route("/v1/chat/completions", post(chat)),
             Kind::Anthropic => Router::new()
                 .route("/v1/models", get(models))
+                .route("/v1/elsewhere", post(elsewhere))
                 .route("/v1/messages", post(messages))
                 .route("/v1/messages/count_tokens", post(count_tokens)),
         };
@@ -475,6 +478,12 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
     sse(out)
 }
 
+/// Where the `redirect me` answer points; only recorded.
+async fn elsewhere(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    record(&s, "/v1/elsewhere", &headers, &body);
+    (StatusCode::OK, "followed").into_response()
+}
+
 async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
     record(&s, "/v1/messages", &headers, &body);
     if let Err(r) = authorized(&s, &headers) {
@@ -504,6 +513,15 @@ async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes)
             "not_found_error",
             &format!("model: {model}"),
         );
+    }
+    if req["messages"][0]["content"] == "redirect me" {
+        // A provider pointing elsewhere: the client must see this answer, and nothing must
+        // follow it to `/v1/elsewhere` (recorded if anything does).
+        return Response::builder()
+            .status(StatusCode::TEMPORARY_REDIRECT)
+            .header(header::LOCATION, "/v1/elsewhere")
+            .body(Body::from("moved"))
+            .expect("static response");
     }
     if req["max_tokens"].as_u64().is_none() {
         return anthropic_error(

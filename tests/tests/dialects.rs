@@ -194,6 +194,25 @@ async fn upstream_errors_keep_their_status_in_the_routes_dialect() {
         assert_eq!(sent.header("anthropic-beta"), Some("interleaved-thinking-2025-05-14"));
         assert_eq!(sent.header("x-client-secret"), None);
         assert_eq!(sent.header("x-api-key"), Some(UPSTREAM_KEY), "the Node's key, not the client's");
+        // A provider's redirect comes back to the client as it was sent; the Node does not
+        // follow it (it would carry the Node's key in `x-api-key` wherever it points).
+        let no_follow = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap();
+        let r = no_follow
+            .post(format!("{}/v1/messages", m.base))
+            .header("x-api-key", KEY)
+            .json(&json!({"model": "via-anth", "max_tokens": 8, "messages": [{"role": "user", "content": "redirect me"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 307);
+        assert_eq!(r.headers()["location"], "/v1/elsewhere");
+        assert!(
+            m.anthropic.seen().iter().all(|s| s.path != "/v1/elsewhere"),
+            "the redirect was not followed"
+        );
         // Translated chat → Anthropic: the default max_tokens is supplied, so it succeeds.
         let (status, v) = post(&m.base, "/v1/chat/completions", &json!({"model": "via-anth", "messages": [{"role": "user", "content": "hi"}]})).await;
         assert_eq!(status, 200, "{v}");

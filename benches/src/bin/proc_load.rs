@@ -41,7 +41,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
-use iop_benches::load::{Killed, bin, free_port, percentile};
+use iop_benches::load::{Exchange, Killed, RawHttp, bin, free_port, percentile, post_json};
 use iop_tests::pki::{self, Ca};
 use iop_wire::identity::role;
 
@@ -57,12 +57,11 @@ fn cpu(pid: u32) -> Duration {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the state.
-    let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
+    // Fields by position (not every field is an unsigned number: tpgid is -1 without a tty).
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 from the state (1).
+    let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = num(11) + num(12);
     Duration::from_secs_f64(ticks as f64 / clk_tck())
 }
 
@@ -215,79 +214,191 @@ fn body(stream: bool) -> String {
     )
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
+// === The floor: the same upstream behind two minimal forwarding processes ===
+
+/// How a relay process forwards.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RelayMode {
+    /// Bytes as they come, both ways.
+    Plain,
+    /// Plain in, mTLS out (where the Edge sits).
+    TlsOut,
+    /// mTLS in, plain out (where the Node sits).
+    TlsIn,
+}
+
+/// `proc_load relay LISTEN TARGET MODE DIR`: a minimal forwarding process (current-thread
+/// tokio, one upstream connection per accepted one, `copy_bidirectional`), the least any
+/// process in the path can cost. Two of them in a row stand where the Edge and the Node do;
+/// in TLS mode the link between them is the mesh's own mTLS (the same `WorkloadTls` configs,
+/// TLS 1.3, no resumption, certificates from `DIR`).
+fn relay(listen: u16, target: u16, mode: RelayMode, dir: &Path) {
+    use iop_wire::identity::ExpectedPeer;
+    use iop_wire::identity::WorkloadTls;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
+    let acceptor = (mode == RelayMode::TlsIn).then(|| {
+        let tls =
+            WorkloadTls::from_pem(&read("ca.pem"), &read("edge.pem"), &read("edge.key")).unwrap();
+        let expected = ExpectedPeer::any_name(pki::TRUST_DOMAIN, role::NODE).unwrap();
+        tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config(expected).unwrap()))
+    });
+    let connector = (mode == RelayMode::TlsOut).then(|| {
+        let tls =
+            WorkloadTls::from_pem(&read("ca.pem"), &read("node.pem"), &read("node.key")).unwrap();
+        let expected = ExpectedPeer::exact(pki::TRUST_DOMAIN, role::EDGE, "edge-1").unwrap();
+        tokio_rustls::TlsConnector::from(Arc::new(tls.client_config(expected).unwrap()))
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
-        .unwrap()
-}
-
-/// One request; the time to the last byte, or (streaming) to the first body byte.
-async fn once(client: &reqwest::Client, url: &str, body: &str, first_byte: bool) -> Duration {
-    let t = Instant::now();
-    let mut resp = client
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body.to_owned())
-        .send()
-        .await
         .unwrap();
-    assert!(resp.status().is_success(), "{url}: {}", resp.status());
-    let mut first = None;
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        if first.is_none() && !chunk.is_empty() {
-            first = Some(t.elapsed());
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", listen))
+            .await
+            .unwrap();
+        loop {
+            let (mut inbound, _) = listener.accept().await.unwrap();
+            let (acceptor, connector) = (acceptor.clone(), connector.clone());
+            tokio::spawn(async move {
+                let _ = inbound.set_nodelay(true);
+                let mut out = tokio::net::TcpStream::connect(("127.0.0.1", target))
+                    .await
+                    .unwrap();
+                let _ = out.set_nodelay(true);
+                let _ = match (acceptor, connector) {
+                    (Some(a), _) => {
+                        let Ok(mut tls) = a.accept(inbound).await else {
+                            return;
+                        };
+                        tokio::io::copy_bidirectional(&mut tls, &mut out).await
+                    }
+                    (_, Some(c)) => {
+                        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+                        let Ok(mut tls) = c.connect(name, out).await else {
+                            return;
+                        };
+                        tokio::io::copy_bidirectional(&mut inbound, &mut tls).await
+                    }
+                    _ => tokio::io::copy_bidirectional(&mut inbound, &mut out).await,
+                };
+            });
         }
-    }
-    let last = t.elapsed();
-    if first_byte {
-        first.unwrap_or(last)
+    });
+}
+
+/// Two relays in a row in front of the upstream; the port clients use.
+fn relays(dir: &Path, upstream: u16, tls: bool) -> (Killed, Killed, u16) {
+    let (first, second) = (free_port(), free_port());
+    let (m1, m2) = if tls {
+        ("tls-out", "tls-in")
     } else {
-        last
-    }
+        ("plain", "plain")
+    };
+    let spawn = |listen: u16, target: u16, mode: &str| {
+        Killed(
+            Command::new(std::env::current_exe().unwrap())
+                .args(["relay", &listen.to_string(), &target.to_string(), mode])
+                .arg(dir)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let b = spawn(second, upstream, m2);
+    wait_port(second);
+    let a = spawn(first, second, m1);
+    wait_port(first);
+    (a, b, first)
 }
 
-fn urls(m: &Mesh) -> (String, String) {
-    (
-        format!("http://127.0.0.1:{}/v1/chat/completions", m.upstream),
-        format!("http://127.0.0.1:{}/v1/chat/completions", m.http),
-    )
+// === Load ===
+
+/// A path under test: its name and the port clients send to.
+#[derive(Clone, Copy)]
+struct Path2 {
+    name: &'static str,
+    port: u16,
 }
 
-/// Open loop at `rate`/s per path for `seconds`: (direct, mesh) samples, sorted.
-async fn paired(m: &Mesh, rate: u32, seconds: u32, stream: bool) -> (Vec<Duration>, Vec<Duration>) {
-    let (direct, mesh) = urls(m);
-    let client = client();
-    let body = Arc::new(body(stream));
+/// Open loop at `rate`/s per path for `seconds`, ticks alternating `a` and `b` (both see the
+/// same moments of a noisy machine, neither waits behind the other): sorted samples of each,
+/// time to the first body byte (`first_byte`) or to the last byte. Each request takes an idle
+/// keep-alive connection of its path, or opens one (then kept).
+async fn paired(
+    a: Path2,
+    b: Path2,
+    rate: u32,
+    seconds: u32,
+    stream: bool,
+    first_byte: bool,
+) -> (Vec<Duration>, Vec<Duration>) {
+    let pools = [Pool::new(a.port, stream), Pool::new(b.port, stream)];
     let mut tasks = Vec::new();
-    // Ticks at twice the rate alternate the paths: both see the same moments of a noisy
-    // machine, and neither waits behind the other's request.
     let mut tick = tokio::time::interval(Duration::from_secs(1) / (2 * rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     for i in 0..2 * rate * seconds {
         tick.tick().await;
-        let (path, url) = if i % 2 == 0 {
-            (0, direct.clone())
-        } else {
-            (1, mesh.clone())
-        };
-        let (client, body) = (client.clone(), body.clone());
+        let pool = pools[(i % 2) as usize].clone();
         tasks.push(tokio::spawn(async move {
-            (path, once(&client, &url, &body, stream).await)
+            let e = pool.once().await;
+            (
+                (i % 2) as usize,
+                if first_byte {
+                    e.first_byte
+                } else {
+                    e.last_byte
+                },
+            )
         }));
     }
-    let (mut d, mut n) = (Vec::new(), Vec::new());
+    let (mut x, mut y) = (Vec::new(), Vec::new());
     for t in tasks {
         let (path, took) = t.await.unwrap();
-        if path == 0 { &mut d } else { &mut n }.push(took);
+        if path == 0 { &mut x } else { &mut y }.push(took);
     }
-    d.sort();
-    n.sort();
-    (d, n)
+    x.sort();
+    y.sort();
+    (x, y)
 }
 
-async fn latency(m: &Mesh) {
+/// Idle keep-alive connections to one port, and the request they send.
+#[derive(Clone)]
+struct Pool {
+    port: u16,
+    request: Arc<Vec<u8>>,
+    idle: Arc<std::sync::Mutex<Vec<RawHttp>>>,
+}
+
+impl Pool {
+    fn new(port: u16, stream: bool) -> Self {
+        Self {
+            port,
+            request: Arc::new(post_json(port, "/v1/chat/completions", &body(stream))),
+            idle: Arc::default(),
+        }
+    }
+
+    async fn once(&self) -> Exchange {
+        let conn = self.idle.lock().unwrap().pop();
+        let mut conn = match conn {
+            Some(c) => c,
+            None => RawHttp::connect(self.port).await.unwrap(),
+        };
+        let e = conn.exchange(&self.request).await.unwrap();
+        assert_eq!(e.status, 200, "port {}", self.port);
+        self.idle.lock().unwrap().push(conn);
+        e
+    }
+}
+
+struct Row {
+    direct: (Duration, Duration),
+    added: Vec<(Duration, Duration)>,
+    cpu: (Duration, Duration),
+}
+
+async fn latency(m: &Mesh, floors: &[Path2]) {
     let rates: Vec<u32> = std::env::var("PROC_LOAD_RATES")
         .unwrap_or_else(|_| "100,500,1000".into())
         .split(',')
@@ -297,53 +408,101 @@ async fn latency(m: &Mesh) {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
-    // Warm both paths (connections, TLS session, allocator).
-    let _ = paired(m, 200, 1, false).await;
+    let direct = Path2 {
+        name: "direct",
+        port: m.upstream,
+    };
+    let mesh = Path2 {
+        name: "mesh",
+        port: m.http,
+    };
+    let mut paths: Vec<Path2> = floors.to_vec();
+    paths.push(mesh);
+    // Warm every path (connections, TLS, allocators).
+    for &p in &paths {
+        let _ = paired(direct, p, 200, 1, false, false).await;
+    }
     for (stream, what) in [
         (false, "non-streaming ≈1 KiB chat, time to last byte"),
         (true, "streaming chat, time to first body byte (TTFB)"),
     ] {
-        println!(
-            "\n**Added latency, {what}** (open loop, paths alternating, {seconds} s per rate):\n"
-        );
-        println!(
-            "| rate/path | direct p50 | mesh p50 | **added p50** | direct p99 | mesh p99 | **added p99** | Edge CPU/req | Node CPU/req |"
-        );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let mut rows = Vec::new();
         for &rate in &rates {
-            let (e0, n0) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
-            let (d, n) = paired(m, rate, seconds, stream).await;
-            let (e1, n1) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
-            let per = |a: Duration, b: Duration| ms((b - a) / (n.len() as u32));
-            let (d50, n50) = (percentile(&d, 0.5), percentile(&n, 0.5));
-            let (d99, n99) = (percentile(&d, 0.99), percentile(&n, 0.99));
-            println!(
-                "| {rate}/s | {} | {} | **{}** | {} | {} | **{}** | {} | {} |",
-                ms(d50),
-                ms(n50),
-                ms(n50.saturating_sub(d50)),
-                ms(d99),
-                ms(n99),
-                ms(n99.saturating_sub(d99)),
-                per(e0, e1),
-                per(n0, n1),
-            );
+            let mut row = Row {
+                direct: (Duration::ZERO, Duration::ZERO),
+                added: Vec::new(),
+                cpu: (Duration::ZERO, Duration::ZERO),
+            };
+            let mut directs = Vec::new();
+            for &p in &paths {
+                let (e0, n0) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
+                let (d, n) = paired(direct, p, rate, seconds, stream, stream).await;
+                let (e1, n1) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
+                let (d50, n50) = (percentile(&d, 0.5), percentile(&n, 0.5));
+                let (d99, n99) = (percentile(&d, 0.99), percentile(&n, 0.99));
+                directs.push((d50, d99));
+                row.added
+                    .push((n50.saturating_sub(d50), n99.saturating_sub(d99)));
+                if p.name == "mesh" {
+                    let reqs = n.len() as u32;
+                    row.cpu = ((e1 - e0) / reqs, (n1 - n0) / reqs);
+                }
+            }
+            directs.sort();
+            row.direct = directs[directs.len() / 2];
+            rows.push((rate, row));
+        }
+        println!(
+            "\n**Added latency over the direct upstream, {what}** (open loop, each path alternating with direct, {seconds} s per rate and path):\n"
+        );
+        let names: Vec<&str> = paths.iter().map(|p| p.name).collect();
+        print!("| rate | direct p50 / p99 |");
+        for n in &names {
+            print!(" {n}: added p50 / p99 |");
+        }
+        println!(" mesh − TLS floor, p50 | Edge CPU/req | Node CPU/req |");
+        print!("|---:|---:|");
+        for _ in &names {
+            print!("---:|");
+        }
+        println!("---:|---:|---:|");
+        for (rate, row) in rows {
+            print!("| {rate}/s | {} / {} |", ms(row.direct.0), ms(row.direct.1));
+            for (i, (a50, a99)) in row.added.iter().enumerate() {
+                if names[i] == "mesh" {
+                    print!(" **{}** / **{}** |", ms(*a50), ms(*a99));
+                } else {
+                    print!(" {} / {} |", ms(*a50), ms(*a99));
+                }
+            }
+            let tls_floor = names
+                .iter()
+                .position(|n| *n == "TLS relays")
+                .map(|i| row.added[i].0);
+            let mesh = row.added[row.added.len() - 1].0;
+            match tls_floor {
+                Some(f) => print!(" {} |", ms(mesh.saturating_sub(f))),
+                None => print!(" – |"),
+            }
+            println!(" {} | {} |", ms(row.cpu.0), ms(row.cpu.1));
         }
     }
 }
 
-async fn closed_loop(url: &str, concurrency: usize, run: Duration) -> f64 {
-    let client = client();
-    let body = Arc::new(body(false));
+/// Closed loop: `concurrency` connections each sending the next request when the last one
+/// ended, for `run`: requests per second.
+async fn closed_loop(port: u16, concurrency: usize, run: Duration) -> f64 {
     let done = Arc::new(AtomicU64::new(0));
     let end = Instant::now() + run;
+    let request = Arc::new(post_json(port, "/v1/chat/completions", &body(false)));
     let mut tasks = Vec::new();
     for _ in 0..concurrency {
-        let (client, body, done, url) =
-            (client.clone(), body.clone(), done.clone(), url.to_owned());
+        let (done, request) = (done.clone(), request.clone());
         tasks.push(tokio::spawn(async move {
+            let mut conn = RawHttp::connect(port).await.unwrap();
             while Instant::now() < end {
-                once(&client, &url, &body, false).await;
+                let e = conn.exchange(&request).await.unwrap();
+                assert_eq!(e.status, 200);
                 done.fetch_add(1, Ordering::Relaxed);
             }
         }));
@@ -355,23 +514,37 @@ async fn closed_loop(url: &str, concurrency: usize, run: Duration) -> f64 {
     done.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64()
 }
 
-async fn max(m: &Mesh) {
-    let (direct, mesh) = urls(m);
-    println!("\n**Max sustained requests/s** (closed loop, non-streaming, 4 s per cell):\n");
-    println!(
-        "| concurrency | direct (baseline) | through the mesh | mesh ÷ direct | Edge CPU/req | Node CPU/req |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|");
+async fn max(m: &Mesh, floors: &[Path2]) {
+    let secs = 4;
+    println!("\n**Max sustained requests/s** (closed loop, non-streaming, {secs} s per cell):\n");
+    print!("| concurrency | direct (baseline) |");
+    for f in floors {
+        print!(" {} |", f.name);
+    }
+    println!(" through the mesh | mesh ÷ direct | Edge CPU/req | Node CPU/req |");
+    print!("|---:|---:|");
+    for _ in floors {
+        print!("---:|");
+    }
+    println!("---:|---:|---:|---:|");
     for c in [16, 64] {
-        let d = closed_loop(&direct, c, Duration::from_secs(4)).await;
+        let d = closed_loop(m.upstream, c, Duration::from_secs(secs)).await;
+        let mut floor = Vec::new();
+        for f in floors {
+            floor.push(closed_loop(f.port, c, Duration::from_secs(secs)).await);
+        }
         let (e0, n0) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
-        let mesh_rps = closed_loop(&mesh, c, Duration::from_secs(4)).await;
+        let mesh_rps = closed_loop(m.http, c, Duration::from_secs(secs)).await;
         let (e1, n1) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
-        let reqs = mesh_rps * 4.0;
+        let reqs = mesh_rps * secs as f64;
         let per =
             |a: Duration, b: Duration| format!("{:.3} ms", (b - a).as_secs_f64() * 1e3 / reqs);
+        print!("| {c} | {d:.0} |");
+        for f in floor {
+            print!(" {f:.0} |");
+        }
         println!(
-            "| {c} | {d:.0} | {mesh_rps:.0} | {:.2}× | {} | {} |",
+            " **{mesh_rps:.0}** | {:.2}× | {} | {} |",
             mesh_rps / d,
             per(e0, e1),
             per(n0, n1)
@@ -383,6 +556,19 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("upstream") {
         return upstream(args[2].parse().unwrap());
+    }
+    if args.get(1).map(String::as_str) == Some("relay") {
+        let mode = match args[4].as_str() {
+            "tls-out" => RelayMode::TlsOut,
+            "tls-in" => RelayMode::TlsIn,
+            _ => RelayMode::Plain,
+        };
+        return relay(
+            args[2].parse().unwrap(),
+            args[3].parse().unwrap(),
+            mode,
+            Path::new(&args[5]),
+        );
     }
     let part = args.get(1).cloned().unwrap_or_default();
     // `serve`: start the mesh, print its ports, run until killed (for wrk, perf, ad hoc clients).
@@ -404,19 +590,30 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    let (_tcp1, _tcp2, tcp_port) = relays(&dir, mesh.upstream, false);
+    let (_tls1, _tls2, tls_port) = relays(&dir, mesh.upstream, true);
+    let floors = [
+        Path2 {
+            name: "TCP relays",
+            port: tcp_port,
+        },
+        Path2 {
+            name: "TLS relays",
+            port: tls_port,
+        },
+    ];
     rt.block_on(async {
         // The mesh is up when a request passes.
-        let (_, url) = urls(&mesh);
-        let c = client();
+        let pool = Pool::new(mesh.http, false);
         let start = Instant::now();
         loop {
-            let ok = c
-                .post(&url)
-                .header("content-type", "application/json")
-                .body(body(false))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
+            let ok = match RawHttp::connect(mesh.http).await {
+                Ok(mut c) => c
+                    .exchange(&pool.request)
+                    .await
+                    .is_ok_and(|e| e.status == 200),
+                Err(_) => false,
+            };
             if ok {
                 break;
             }
@@ -428,16 +625,16 @@ fn main() {
         }
         if serve {
             println!(
-                "proc_load: serving: mesh http://127.0.0.1:{}/v1/chat/completions, upstream http://127.0.0.1:{}/v1/chat/completions",
+                "proc_load: serving: mesh http://127.0.0.1:{}/v1/chat/completions, upstream http://127.0.0.1:{}/v1/chat/completions, TCP relays :{tcp_port}, TLS relays :{tls_port}",
                 mesh.http, mesh.upstream
             );
             std::future::pending::<()>().await;
         }
         if part.is_empty() || part == "latency" {
-            latency(&mesh).await;
+            latency(&mesh, &floors).await;
         }
         if part.is_empty() || part == "max" {
-            max(&mesh).await;
+            max(&mesh, &floors).await;
         }
     });
     drop(mesh);

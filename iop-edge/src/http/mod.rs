@@ -172,19 +172,34 @@ async fn read_body(
     let dialect = dialect_of_path(parts.uri.path());
     let read = async {
         let mut body = body;
-        let mut bytes = Vec::new();
+        // A body that arrives in one piece (the common case) is kept as it came; only a body
+        // in several pieces is copied into one buffer.
+        let mut held: Option<Bytes> = None;
+        let mut joined: Option<Vec<u8>> = None;
         while let Some(frame) = body.frame().await {
             let Ok(frame) = frame else {
                 return Err(StatusCode::BAD_REQUEST);
             };
             if let Ok(data) = frame.into_data() {
-                if bytes.len() + data.len() > MAX_REQUEST_BODY {
+                let len = joined
+                    .as_ref()
+                    .map_or_else(|| held.as_ref().map_or(0, Bytes::len), Vec::len);
+                if len + data.len() > MAX_REQUEST_BODY {
                     return Err(StatusCode::PAYLOAD_TOO_LARGE);
                 }
-                bytes.extend_from_slice(&data);
+                if let Some(j) = &mut joined {
+                    j.extend_from_slice(&data);
+                } else if let Some(h) = held.take() {
+                    let mut j = Vec::with_capacity(h.len() + data.len());
+                    j.extend_from_slice(&h);
+                    j.extend_from_slice(&data);
+                    joined = Some(j);
+                } else {
+                    held = Some(data);
+                }
             }
         }
-        Ok(bytes)
+        Ok(joined.map_or_else(|| held.unwrap_or_default(), Bytes::from))
     };
     match tokio::time::timeout(timeout, read).await {
         Ok(Ok(bytes)) => {
