@@ -1,5 +1,11 @@
-//! One execution (normalized run or provider tunnel): the adapter's work in its own task, the
-//! response-stall watchdog, and exactly one terminal.
+//! One execution (normalized run or provider tunnel): the adapter's work, the response-stall
+//! watchdog, and exactly one terminal.
+//!
+//! The work is polled by the execution's own task, not spawned into another: its frames reach
+//! the supervisor without a task switch, and cancel or deadline drop it on the spot. A panic in
+//! an adapter is caught and ends the execution with its terminal like any failure; only an
+//! attempt whose fence is unconfirmed after a stall is moved to a task of its own, which holds
+//! the admission permit until the provider call really returns.
 //!
 //! # Outcomes, in precedence order when several are due at once
 //!
@@ -23,9 +29,12 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+
+use futures_util::FutureExt as _;
 use iop_wire::runtime::{ExecutionFailure, Fence, HealthEvidence, ProviderStatus};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
-use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -49,9 +58,26 @@ pub(crate) struct StallIdentity {
     pub(crate) target: String,
 }
 
+/// The adapter's work panicked.
+#[derive(Debug)]
+pub(crate) struct Panicked;
+
+/// The adapter's work as the supervisor polls it: boxed (it may have to move to a task of its
+/// own after a stall), a panic caught.
+pub(crate) type Work<R> = Pin<Box<dyn Future<Output = Result<R, Panicked>> + Send>>;
+
+/// Wraps an adapter's future for [`supervise`].
+pub(crate) fn work<R>(fut: impl Future<Output = R> + Send + 'static) -> Work<R> {
+    Box::pin(
+        AssertUnwindSafe(fut)
+            .catch_unwind()
+            .map(|r| r.map_err(|_| Panicked)),
+    )
+}
+
 /// How an execution ended.
 pub(crate) enum Ended<R> {
-    Returned(Result<R, JoinError>),
+    Returned(Result<R, Panicked>),
     Cancelled,
     Deadline,
     Stalled(Box<ExecutionFailure>),
@@ -81,7 +107,7 @@ async fn sleep_until(deadline: Option<Instant>) {
     reason = "one call site per execution kind"
 )]
 pub(crate) async fn supervise<T, R, O, F, Fut>(
-    mut work: JoinHandle<R>,
+    mut work: Work<R>,
     mut items: mpsc::Receiver<T>,
     mut forward: impl FnMut(T) -> Option<O>,
     out: &mpsc::Sender<O>,
@@ -98,18 +124,31 @@ where
 {
     let mut last_activity = Instant::now();
     let stall_at = |last: Instant| last.checked_add(watch.stall_timeout);
+    // Two timers for the whole execution, re-armed rather than made anew at every item.
+    let deadline = sleep_until(watch.deadline);
+    let stall = sleep_until(stall_at(last_activity));
+    tokio::pin!(deadline, stall);
+    // The stall timer is re-armed lazily: an item only records the time, and the timer, when
+    // it fires early, moves itself to the real moment (one timer operation per stall window
+    // rather than one per item).
     let ended = loop {
         tokio::select! {
             biased;
             () = watch.cancel.cancelled() => break Ended::Cancelled,
-            () = sleep_until(watch.deadline) => break Ended::Deadline,
+            () = &mut deadline => break Ended::Deadline,
             Some(item) = items.recv() => {
                 last_activity = Instant::now();
                 if let Some(o) = forward(item) {
                     let _ = out.send(o).await;
                 }
             }
-            () = sleep_until(stall_at(last_activity)) => {
+            () = &mut stall => {
+                if let Some(at) = stall_at(last_activity)
+                    && at > Instant::now()
+                {
+                    stall.as_mut().set(sleep_until(Some(at)));
+                    continue;
+                }
                 let idle = last_activity.elapsed();
                 // Fence the attempt and give the provider call the grace to return; it is not
                 // dropped, so "returned" means the adapter itself came back.
@@ -154,10 +193,115 @@ where
             }
         }
     };
-    if matches!(ended, Ended::Cancelled | Ended::Deadline) {
-        work.abort();
-        let _ = work.await;
-    }
+    // Cancelled or past the deadline: the work is dropped here, which drops the provider call.
+    drop(work);
     drop(permit);
     ended
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    const STALL: Duration = Duration::from_millis(100);
+
+    fn watch(cancel: &CancellationToken) -> Watch<'_> {
+        Watch {
+            cancel,
+            fence: CancellationToken::new(),
+            deadline: None,
+            stall_timeout: STALL,
+            close_grace: Duration::from_millis(50),
+            probe_timeout: Duration::from_millis(50),
+        }
+    }
+
+    fn ident() -> StallIdentity {
+        StallIdentity {
+            run_id: "r".into(),
+            attempt_id: "a".into(),
+            adapter: "ad".into(),
+            target: "t".into(),
+        }
+    }
+
+    async fn permit(gate: &Arc<Semaphore>) -> OwnedSemaphorePermit {
+        gate.clone().acquire_owned().await.expect("open gate")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_adapter_ends_its_execution_and_releases_the_permit() {
+        let gate = Arc::new(Semaphore::new(1));
+        let (_tx, items) = mpsc::channel::<u32>(4);
+        let (out, _rx) = mpsc::channel::<u32>(4);
+        let cancel = CancellationToken::new();
+        let w = work(async { panic!("an adapter bug") });
+        let p = permit(&gate).await;
+        let ended = supervise::<u32, (), u32, _, _>(
+            w,
+            items,
+            Some,
+            &out,
+            watch(&cancel),
+            p,
+            || async { ProviderStatus::Available },
+            ident(),
+        )
+        .await;
+        assert!(matches!(ended, Ended::Returned(Err(Panicked))));
+        assert_eq!(gate.available_permits(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn activity_holds_off_the_stall_and_silence_declares_it_once() {
+        let gate = Arc::new(Semaphore::new(1));
+        let (tx, items) = mpsc::channel::<u32>(4);
+        let (out, mut rx) = mpsc::channel::<u32>(16);
+        let cancel = CancellationToken::new();
+        // An item every 60 ms (under the 100 ms stall timeout) ten times, then silence, and the
+        // call never returns.
+        let w = work(async move {
+            for i in 0..10 {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                let _ = tx.send(i).await;
+            }
+            std::future::pending::<()>().await;
+        });
+        let start = Instant::now();
+        let p = permit(&gate).await;
+        let ended = supervise(
+            w,
+            items,
+            Some,
+            &out,
+            watch(&cancel),
+            p,
+            || async { ProviderStatus::Unavailable },
+            ident(),
+        )
+        .await;
+        let Ended::Stalled(failure) = ended else {
+            panic!("a stall")
+        };
+        // Declared one stall timeout after the last item (at 600 ms), the grace and the probe
+        // run concurrently (50 ms), the fence is unconfirmed: the call never returned.
+        assert_eq!(failure.idle_duration, STALL);
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_millis(600) + STALL + Duration::from_millis(50)
+        );
+        assert_eq!(failure.fence, Fence::Unconfirmed);
+        assert_eq!(failure.health, HealthEvidence::Unavailable);
+        let mut forwarded = Vec::new();
+        while let Ok(i) = rx.try_recv() {
+            forwarded.push(i);
+        }
+        assert_eq!(forwarded, (0..10).collect::<Vec<_>>());
+        // The permit stays with the attempt that has not returned.
+        assert_eq!(gate.available_permits(), 0);
+    }
 }

@@ -28,10 +28,17 @@
 //!   END/ERROR terminal. Which dialect to speak is the Edge's decision, not the Node's.
 //!
 //! - Every execution runs under a response-stall watchdog (see the `exec` module docs for the
-//!   outcome precedence): on a stall the work is aborted, the close grace and an exact-target
+//!   outcome precedence): on a stall the attempt is fenced, the close grace and an exact-target
 //!   probe run concurrently, and exactly one `response_stalled` terminal with a typed
 //!   `ExecutionFailure` follows; an unconfirmed fence keeps the admission permit until the
 //!   provider call returns.
+//! - One task per execution: the session loop spawns it, and it polls the adapter's future
+//!   itself (no second task) beside the watchdog. A streamed piece of a provider's body makes
+//!   two hops inside the Node: hyper's connection task → the execution's task (hyper's body
+//!   channel), then → the session loop (a bounded queue; the loop is the one writer of the TLS
+//!   stream, and the execution must not block on the socket). Providers are called with
+//!   hyper-util's pooled client directly (`provider_http`): a provider's redirect is relayed to
+//!   the caller, never followed.
 //!
 //! - The built-in `ollama` adapter turns Ollama's native streaming chat into normalized
 //!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).

@@ -245,9 +245,11 @@ fn handle_frame(
             ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
-                    tokio::spawn(run_task(
+                    // Boxed: the execution's state is several KiB, moved once into the heap
+                    // rather than copied into the task cell and again out of it.
+                    tokio::spawn(Box::pin(run_task(
                         stream_id, req, instance, permit, token, out, settings,
-                    ));
+                    )));
                 }
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Run, error);
@@ -292,9 +294,9 @@ fn handle_frame(
             ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
-                    tokio::spawn(tunnel_task(
+                    tokio::spawn(Box::pin(tunnel_task(
                         stream_id, req, instance, permit, token, out, settings,
-                    ));
+                    )));
                 }
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Tunnel, error);
@@ -498,7 +500,7 @@ async fn run_task(
     let budget = stream_budget();
     let work = {
         let instance = instance.clone();
-        tokio::spawn(async move {
+        exec::work(async move {
             instance
                 .adapter
                 .run(req, RunEvents::new(dtx, budget, fence))
@@ -625,7 +627,7 @@ async fn tunnel_task(
     let budget = stream_budget();
     let work = {
         let instance = instance.clone();
-        tokio::spawn(async move {
+        exec::work(async move {
             instance
                 .adapter
                 .tunnel(req, TunnelSink::new(ftx, budget, fence, credential))

@@ -8,22 +8,28 @@
 //! IOP_EDGE_BIN=/old/iop-edge IOP_NODE_BIN=/old/iop-node cargo run --release -p iop-benches --bin proc_load
 //! ```
 //!
-//! Processes: this tool (the load generator, a current-thread tokio runtime with a pooled
-//! keep-alive HTTP/1.1 client), the upstream (this binary re-executed as `proc_load upstream`:
-//! a minimal axum server on a current-thread runtime answering `POST /v1/chat/completions`
-//! with a 1 KiB JSON completion, or 6 SSE events when `"stream":true`), `iop-edge` and
-//! `iop-node` (release builds next to this one, or `IOP_EDGE_BIN` / `IOP_NODE_BIN`), Edge ⇄
-//! Node over mTLS on loopback. All four share the machine's cores.
+//! Processes: this tool (the load generator: a current-thread tokio runtime with a minimal
+//! raw HTTP/1.1 keep-alive client, `iop_benches::load::RawHttp`), the upstream (this binary
+//! re-executed as `proc_load upstream`: a minimal axum server on a current-thread runtime
+//! answering `POST /v1/chat/completions` with a 1 KiB JSON completion, or 6 SSE events when
+//! `"stream":true`), `iop-edge` and `iop-node` (release builds next to this one, or
+//! `IOP_EDGE_BIN` / `IOP_NODE_BIN`), Edge ⇄ Node over mTLS on loopback. All share the cores.
+//!
+//! The floor, in the same run: the upstream behind two minimal forwarding processes (this binary
+//! as `proc_load relay`, current-thread, `copy_bidirectional`) standing where the Edge and the
+//! Node stand, once over plain TCP and once over the mesh's own mTLS between the two. No design
+//! of two extra processes can cost less than they do; the mesh's figure minus theirs is what
+//! our code adds.
 //!
 //! - **latency**: open loop at each rate of `PROC_LOAD_RATES` (default 100,500,1000 per path)
-//!   for `PROC_LOAD_SECONDS` (default 5) s: ticks at twice the rate alternate a request straight
-//!   to the upstream and one through the Edge, so both paths see the same moments of a noisy
-//!   machine without queueing behind each other.
-//!   Non-streaming ≈1 KiB chat completion (time to the last byte), then streaming (time to the
-//!   first body byte, TTFB). p50/p99 of each path and the difference; the Edge's and the
-//!   Node's CPU time per request (from `/proc/PID/stat`) over the mesh requests of the run.
-//! - **max**: closed loop, `C` concurrent clients (16 and 64) for 4 s, non-streaming, direct
-//!   then through the mesh: requests per second and the ratio.
+//!   for `PROC_LOAD_SECONDS` (default 5) s per path: ticks at twice the rate alternate a request
+//!   straight to the upstream and one through the path measured (the TCP relays, the TLS
+//!   relays, the mesh), so both see the same moments of a noisy machine without queueing behind
+//!   each other. Non-streaming ≈1 KiB chat completion (time to the last byte), then streaming
+//!   (time to the first body byte, TTFB). Added p50/p99 over the direct path of each; the Edge's
+//!   and the Node's CPU time per request (from `/proc/PID/stat`) over the mesh requests.
+//! - **max**: closed loop, `C` concurrent connections (16 and 64) for 4 s, non-streaming:
+//!   direct, the relays, then the mesh: requests per second and the mesh's ratio to direct.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,

@@ -41,7 +41,9 @@ The configuration file is TOML; its keys are documented in the iop_edge::config 
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
 slow_consumer_timeout_sec (30), http_max_connections (4096), http_header_timeout_sec (30, also \
-the keep-alive idle limit), http_body_timeout_sec (60))."
+the keep-alive idle limit), http_body_timeout_sec (60)).\n\n\
+Environment: RUST_LOG (log filter, default info); TOKIO_WORKER_THREADS (runtime worker threads, \
+default one per core)."
 )]
 struct Cli {
     /// Configuration file (TOML; keys in the iop_edge::config docs).

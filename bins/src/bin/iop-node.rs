@@ -16,6 +16,9 @@ use tokio_util::sync::CancellationToken;
 /// credentials, or when a finite reconnect budget (`reconnect.max_attempts`) is exhausted.
 /// The Edge need not be reachable at startup: the initial dial and every reconnect follow the
 /// same `[reconnect]` policy.
+///
+/// Environment: RUST_LOG (log filter, default info); TOKIO_WORKER_THREADS (runtime worker
+/// threads, default one per core).
 #[derive(Debug, Parser)]
 #[command(name = "iop-node", version, about, long_about)]
 struct Args {

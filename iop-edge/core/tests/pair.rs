@@ -998,6 +998,47 @@ fn queued_admissions_are_granted_on_release_and_time_out() {
     assert_eq!(p.leases(), 1);
 }
 
+/// Without a ready provider a request waits — never hangs — and times out at its deadline; the
+/// queue is bounded (a fifth waiter is refused at once with `QueueFull`, no waiting); an unknown
+/// model is refused before anything is queued. (Moved here from a socket test that used a real
+/// 50 ms sleep to be sure the first waiter was queued.)
+#[test]
+fn without_a_ready_provider_requests_wait_boundedly_then_time_out() {
+    let mut p = Pair::new();
+    let wait = Duration::from_millis(300);
+    assert_eq!(
+        p.edge.admit(p.now, "nope", false, wait).unwrap_err(),
+        DispatchError::UnknownModel
+    );
+    // No Node connected: every admission queues, up to the queue's bound of 4.
+    let mut queued = Vec::new();
+    for _ in 0..4 {
+        let Admit::Queued(q) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+            panic!("no provider is ready")
+        };
+        queued.push(q);
+    }
+    assert_eq!(
+        p.edge.admit(p.now, "m", false, wait).unwrap_err(),
+        DispatchError::QueueFull
+    );
+    assert!(p.take_events().is_empty());
+    p.advance(wait);
+    let timed_out: Vec<_> = p
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Admitted {
+                request,
+                result: Err(DispatchError::WaitTimeout),
+            } => Some(request),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(timed_out, queued, "each waiter times out once, in order");
+    assert_eq!(p.leases(), 0);
+}
+
 /// **lease once** across a fence: a lease held by a stream and one held by an unsent admission
 /// are both released by the fence of their generation; the stream's own terminal path and a
 /// late send then change nothing.

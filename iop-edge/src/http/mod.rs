@@ -686,68 +686,9 @@ async fn send(
 ) -> Result<Dispatched, Response> {
     let request = match caller {
         Caller::Open => request,
-        Caller::Managed {
-            control,
-            index,
-            principal,
-            token,
-        } => {
-            let route = index
-                .route(principal, model)
-                .ok_or_else(|| render::not_found_model(dialect, model))?;
-            let lease = admission.lease();
-            let refuse = |msg: &str| render::error(dialect, StatusCode::BAD_GATEWAY, msg);
-            if lease.kind != ProviderKind::OpenAiCompat || lease.target != route.upstream_target {
-                // A bound route is served only by its own upstream target; no fallback.
-                return Err(refuse("no provider serves this route's upstream target"));
-            }
-            let Some(recipient) = admission.recipient().cloned() else {
-                return Err(refuse("selected node has no credential recipient key"));
-            };
-            let binding = iop_wire::runtime::CredentialLeaseBinding {
-                principal_id: principal.clone(),
-                slot_id: route.slot_id.clone(),
-                route_id: route.route_id.clone(),
-                profile: route.profile.clone(),
-                upstream_target: route.upstream_target.clone(),
-                node_id: lease.key.node_id.clone(),
-                recipient_key_id: recipient.key_id.clone(),
-                credential_revision: route.credential_revision,
-                route_revision: route.route_revision,
-                projection_generation: index.generation(),
-            };
-            let forbidden = |msg: &str| render::error(dialect, StatusCode::FORBIDDEN, msg);
-            if !index.admits(token, model, &binding) {
-                return Err(forbidden("request scope changed"));
-            }
-            let credential = match control
-                .acquire_lease(binding.clone(), recipient.public_key)
-                .await
-            {
-                Ok(lease) => lease,
-                Err(crate::control::LeaseError::Refused(reason)) => {
-                    return Err(forbidden(&format!("credential lease refused: {reason}")));
-                }
-                Err(_) => return Err(render::overloaded(dialect, "control plane unavailable")),
-            };
-            // Immediately before dispatch: the current projection must still admit the
-            // binding (a token revoked or a slot rotated meanwhile fails closed).
-            if !control
-                .projection()
-                .is_some_and(|current| current.admits(token, model, &binding))
-            {
-                return Err(forbidden("credentials changed; request refused"));
-            }
-            match request {
-                PoolRequest::Tunnel(mut req) => {
-                    req.credential = Some(iop_wire::runtime::ManagedCredential {
-                        lease: credential,
-                        binding,
-                    });
-                    PoolRequest::Tunnel(req)
-                }
-                other => other,
-            }
+        // Boxed: the lease round trip's state is large and only managed requests need it.
+        Caller::Managed { .. } => {
+            Box::pin(bind_managed(dialect, caller, model, &admission, request)).await?
         }
     };
     state
@@ -755,6 +696,82 @@ async fn send(
         .send_admitted(admission, request)
         .await
         .map_err(|e| render::dispatch_error(dialect, e, model))
+}
+
+/// Managed mode: binds `request` to the selected Node, acquires the credential lease, and
+/// checks the binding before acquisition and again right before dispatch.
+async fn bind_managed(
+    dialect: Dialect,
+    caller: &Caller,
+    model: &str,
+    admission: &Admission,
+    request: PoolRequest,
+) -> Result<PoolRequest, Response> {
+    let Caller::Managed {
+        control,
+        index,
+        principal,
+        token,
+    } = caller
+    else {
+        return Ok(request);
+    };
+    let route = index
+        .route(principal, model)
+        .ok_or_else(|| render::not_found_model(dialect, model))?;
+    let lease = admission.lease();
+    let refuse = |msg: &str| render::error(dialect, StatusCode::BAD_GATEWAY, msg);
+    if lease.kind != ProviderKind::OpenAiCompat || lease.target != route.upstream_target {
+        // A bound route is served only by its own upstream target; no fallback.
+        return Err(refuse("no provider serves this route's upstream target"));
+    }
+    let Some(recipient) = admission.recipient().cloned() else {
+        return Err(refuse("selected node has no credential recipient key"));
+    };
+    let binding = iop_wire::runtime::CredentialLeaseBinding {
+        principal_id: principal.clone(),
+        slot_id: route.slot_id.clone(),
+        route_id: route.route_id.clone(),
+        profile: route.profile.clone(),
+        upstream_target: route.upstream_target.clone(),
+        node_id: lease.key.node_id.clone(),
+        recipient_key_id: recipient.key_id.clone(),
+        credential_revision: route.credential_revision,
+        route_revision: route.route_revision,
+        projection_generation: index.generation(),
+    };
+    let forbidden = |msg: &str| render::error(dialect, StatusCode::FORBIDDEN, msg);
+    if !index.admits(token, model, &binding) {
+        return Err(forbidden("request scope changed"));
+    }
+    let credential = match control
+        .acquire_lease(binding.clone(), recipient.public_key)
+        .await
+    {
+        Ok(lease) => lease,
+        Err(crate::control::LeaseError::Refused(reason)) => {
+            return Err(forbidden(&format!("credential lease refused: {reason}")));
+        }
+        Err(_) => return Err(render::overloaded(dialect, "control plane unavailable")),
+    };
+    // Immediately before dispatch: the current projection must still admit the
+    // binding (a token revoked or a slot rotated meanwhile fails closed).
+    if !control
+        .projection()
+        .is_some_and(|current| current.admits(token, model, &binding))
+    {
+        return Err(forbidden("credentials changed; request refused"));
+    }
+    Ok(match request {
+        PoolRequest::Tunnel(mut req) => {
+            req.credential = Some(iop_wire::runtime::ManagedCredential {
+                lease: credential,
+                binding,
+            });
+            PoolRequest::Tunnel(req)
+        }
+        other => other,
+    })
 }
 
 /// A tunnel request for `operation` with `body` (the pool fills in adapter, target and the
@@ -953,20 +970,25 @@ async fn serve_route(
     render::translated(upstream, dispatched, client).await
 }
 
-/// Records the outcome and duration of a handler in the Edge's metrics.
-async fn measured(
-    state: &AppState,
+/// Records the outcome and duration of a handler in the Edge's metrics. A combinator, not an
+/// `async fn`: an `async fn` would hold the handler's future twice (as its argument and as the
+/// future it awaits), and the handler futures are kilobytes that axum moves into a box per
+/// request.
+fn measured<'a>(
+    state: &'a AppState,
     endpoint: Endpoint,
-    response: impl Future<Output = Response>,
-) -> Response {
+    response: impl Future<Output = Response> + 'a,
+) -> impl Future<Output = Response> + 'a {
+    use futures_util::FutureExt as _;
     let started = std::time::Instant::now();
-    let response = response.await;
-    let ok = response.status().is_success();
-    state
-        .edge
-        .metrics()
-        .request(endpoint, ok, started.elapsed());
-    response
+    response.map(move |response| {
+        let ok = response.status().is_success();
+        state
+            .edge
+            .metrics()
+            .request(endpoint, ok, started.elapsed());
+        response
+    })
 }
 
 // === Models, health, metrics ===
