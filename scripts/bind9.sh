@@ -1,8 +1,9 @@
 # Sourced by scripts/test-all.sh: starts a private BIND 9 (`named`) for this test run on a free
-# loopback port, authoritative for `orbit.test.` and accepting RFC 2136 updates signed with a
-# TSIG key (hmac-sha256) made here; exports ORBIT_TEST_DNS_SERVER (ip:port), ORBIT_TEST_DNS_ZONE
-# and ORBIT_TEST_TSIG (name:base64 secret). `bind9_cleanup` stops it. Installs the Debian
-# `bind9` package as root when missing, or stops with the command to run.
+# loopback port, on 127.0.0.1 and ::1 (UDP and TCP), authoritative for `orbit.test.` and
+# accepting RFC 2136 updates signed with a TSIG key (hmac-sha256) made here; exports
+# ORBIT_TEST_DNS_SERVER (127.0.0.1:port), ORBIT_TEST_DNS_SERVER_V6 ([::1]:port),
+# ORBIT_TEST_DNS_ZONE and ORBIT_TEST_TSIG (name:base64 secret). `bind9_cleanup` stops it.
+# Installs the Debian `bind9` package as root when missing, or stops with the command to run.
 
 BIND9_PID=""
 BIND9_DIR=""
@@ -18,6 +19,10 @@ bind9_cleanup() {
 bind9_setup() {
     if [ -n "${ORBIT_TEST_DNS_SERVER:-}" ]; then
         echo "bind9: using ORBIT_TEST_DNS_SERVER from the environment"
+        if [ -z "${ORBIT_TEST_DNS_SERVER_V6:-}" ]; then
+            echo "error: ORBIT_TEST_DNS_SERVER_V6 must be set too (the same server on IPv6)" >&2
+            exit 1
+        fi
         return 0
     fi
     if ! command -v named >/dev/null 2>&1; then
@@ -33,7 +38,15 @@ bind9_setup() {
     BIND9_DIR="$(mktemp -d /tmp/iop-bind9.XXXXXX)"
     chmod 777 "$BIND9_DIR"
     local port secret
-    port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+    # A port free on both loopback addresses.
+    port="$(python3 -c 'import socket
+while True:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]
+    try:
+        t = socket.socket(socket.AF_INET6); t.bind(("::1", p)); t.close(); break
+    except OSError:
+        pass
+print(p)')"
     secret="$(python3 -c 'import base64,os; print(base64.b64encode(os.urandom(32)).decode())')"
     cat > "$BIND9_DIR/orbit.test.zone" <<ZONE
 \$TTL 60
@@ -45,10 +58,10 @@ ZONE
 options {
     directory "$BIND9_DIR";
     listen-on port $port { 127.0.0.1; };
-    listen-on-v6 { none; };
+    listen-on-v6 port $port { ::1; };
     pid-file "$BIND9_DIR/named.pid";
     recursion no;
-    allow-query { 127.0.0.1; };
+    allow-query { 127.0.0.1; ::1; };
     dnssec-validation no;
 };
 key "orbit-test-key" {
@@ -72,9 +85,10 @@ CONF
     for _ in $(seq 1 100); do
         if grep -q "running" "$BIND9_DIR/named.log" 2>/dev/null; then
             export ORBIT_TEST_DNS_SERVER="127.0.0.1:$port"
+            export ORBIT_TEST_DNS_SERVER_V6="[::1]:$port"
             export ORBIT_TEST_DNS_ZONE="orbit.test"
             export ORBIT_TEST_TSIG="orbit-test-key:$secret"
-            echo "bind9: private named on 127.0.0.1:$port for orbit.test (stopped at exit)"
+            echo "bind9: private named on 127.0.0.1:$port and [::1]:$port for orbit.test (stopped at exit)"
             return 0
         fi
         if ! kill -0 "$BIND9_PID" 2>/dev/null; then

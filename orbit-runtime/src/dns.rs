@@ -3,14 +3,20 @@
 //! A reported address writes an `A` (IPv4) or `AAAA` (IPv6) record for each eligible endpoint
 //! name of the Node, never proxied (`proxied=false` for Cloudflare-style providers), as an
 //! idempotent create-or-update. [`MemoryDns`] is the embedded default; [`Rfc2136Dns`] updates a
-//! real authoritative server (TSIG-signed RFC 2136 UPDATEs) and also serves ACME DNS-01 TXT
-//! records ([`TxtProvider`]); [`CloudflareDns`] speaks the Cloudflare-style REST API.
+//! real authoritative server (TSIG-signed RFC 2136 UPDATEs built, signed and verified with
+//! `hickory-proto`, over UDP with TCP fallback) and also serves ACME DNS-01 TXT records
+//! ([`TxtProvider`]); [`CloudflareDns`] speaks the Cloudflare-style REST API.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
+use hickory_proto::dnssec::rdata::tsig::TsigAlgorithm;
+use hickory_proto::dnssec::tsig::TSigner;
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode, UpdateMessage as _};
+use hickory_proto::rr::rdata::{A, AAAA, TXT};
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 
 /// The record type for an address.
 pub fn record_type(addr: IpAddr) -> &'static str {
@@ -22,10 +28,14 @@ pub fn record_type(addr: IpAddr) -> &'static str {
 
 /// A DNS failure (no provider detail).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DnsError {
-    /// The provider refused or failed.
+    /// The provider refused or failed (including an answer without a valid TSIG).
     #[error("dns provider unavailable")]
     Unavailable,
+    /// A zone, record or key name is not a DNS name.
+    #[error("not a valid DNS name")]
+    InvalidName,
 }
 
 /// A place to write endpoint address records.
@@ -90,19 +100,27 @@ pub trait TxtProvider: Send + Sync + 'static {
     async fn delete_txt(&self, name: &str, value: &str) -> Result<(), DnsError>;
 }
 
-/// An RFC 2136 dynamic-update client for one zone on one authoritative server, signing every
-/// update with TSIG (RFC 8945, `hmac-sha256`). Address records are replaced as one RRset
-/// (delete the name's `A`/`AAAA` RRset, add the new record, in one UPDATE message: atomic on the
-/// server); TXT values are added and deleted individually. Reads are plain queries to the same
-/// server. Limits: UDP only (updates and answers fit easily), a 3 s timeout with one retry; the
-/// server's TSIG on the response is not verified (the response code is checked).
+/// An RFC 2136 dynamic-update client for one zone on one authoritative server.
+///
+/// Messages, their parsing and TSIG (RFC 8945, `hmac-sha256`) are `hickory-proto`'s: every
+/// message is signed with the key, and every answer must carry the server's valid TSIG over
+/// the request's MAC, within the fudge of our clock, or it is refused — an unsigned or forged
+/// answer never counts as success. Address records are replaced as one RRset (delete the
+/// name's `A` and `AAAA` RRsets and add the new record in one UPDATE: atomic on the server);
+/// TXT values are added and deleted exactly (delete by rdata). Reads are signed queries to the
+/// same server (the idempotence check must not trust a spoofed answer either).
+///
+/// Transport (ours, kept small: hickory's client neither falls back to TCP on truncation nor
+/// lets us choose the socket): UDP from the unspecified address of the server's family (IPv4
+/// or IPv6), a 3 s timeout and one retry; an answer with the TC bit set is fetched again over
+/// TCP (RFC 7766), as is every exchange when UDP gets no answer at all.
 #[derive(Clone)]
 pub struct Rfc2136Dns {
     server: std::net::SocketAddr,
-    zone: String,
-    key_name: String,
-    secret: Vec<u8>,
+    zone: Name,
+    signer: TSigner,
     ttl: u32,
+    tcp_fallbacks: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for Rfc2136Dns {
@@ -110,234 +128,236 @@ impl std::fmt::Debug for Rfc2136Dns {
         f.debug_struct("Rfc2136Dns")
             .field("server", &self.server)
             .field("zone", &self.zone)
-            .field("key_name", &self.key_name)
+            .field("key_name", self.signer.signer_name())
             .finish_non_exhaustive()
     }
 }
 
-const TYPE_A: u16 = 1;
-const TYPE_SOA: u16 = 6;
-const TYPE_TXT: u16 = 16;
-const TYPE_AAAA: u16 = 28;
-const TYPE_TSIG: u16 = 250;
-const CLASS_IN: u16 = 1;
-const CLASS_NONE: u16 = 254;
-const CLASS_ANY: u16 = 255;
+/// How far our clock and the server's may disagree (RFC 8945 recommends 300 s).
 const TSIG_FUDGE: u16 = 300;
+/// One UDP attempt's wait for the answer.
+const UDP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+/// A whole TCP exchange.
+const TCP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-fn put_name(out: &mut Vec<u8>, name: &str) -> Result<(), DnsError> {
-    for label in name.trim_end_matches('.').split('.') {
-        let l = label.as_bytes();
-        if l.is_empty() || l.len() > 63 {
-            return Err(DnsError::Unavailable);
-        }
-        out.push(l.len() as u8);
-        out.extend_from_slice(&l.to_ascii_lowercase());
-    }
-    out.push(0);
-    Ok(())
-}
-
-fn put_rr(
-    out: &mut Vec<u8>,
-    name: &str,
-    rtype: u16,
-    class: u16,
-    ttl: u32,
-    rdata: &[u8],
-) -> Result<(), DnsError> {
-    put_name(out, name)?;
-    out.extend_from_slice(&rtype.to_be_bytes());
-    out.extend_from_slice(&class.to_be_bytes());
-    out.extend_from_slice(&ttl.to_be_bytes());
-    let len = u16::try_from(rdata.len()).map_err(|_| DnsError::Unavailable)?;
-    out.extend_from_slice(&len.to_be_bytes());
-    out.extend_from_slice(rdata);
-    Ok(())
-}
-
-fn txt_rdata(value: &str) -> Result<Vec<u8>, DnsError> {
-    let v = value.as_bytes();
-    if v.len() > 255 {
-        return Err(DnsError::Unavailable);
-    }
-    let mut r = vec![v.len() as u8];
-    r.extend_from_slice(v);
-    Ok(r)
-}
-
-/// Skips a (possibly compressed) name at `pos`; returns the position after it.
-fn skip_name(msg: &[u8], mut pos: usize) -> Option<usize> {
-    for _ in 0..128 {
-        let len = *msg.get(pos)?;
-        if len == 0 {
-            return Some(pos + 1);
-        }
-        if len & 0xC0 == 0xC0 {
-            return Some(pos + 2);
-        }
-        pos += 1 + usize::from(len);
-    }
-    None
+fn unix_secs() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX))
 }
 
 impl Rfc2136Dns {
     /// A client for `zone` on `server`, with the TSIG key `key_name` (hmac-sha256) and its
-    /// secret; records get `ttl` seconds.
+    /// secret; records get `ttl` seconds. Fails when `zone` or `key_name` is not a DNS name.
     pub fn new(
         server: std::net::SocketAddr,
         zone: &str,
         key_name: &str,
         secret: Vec<u8>,
         ttl: u32,
-    ) -> Self {
-        Self {
-            server,
-            zone: zone.trim_end_matches('.').to_ascii_lowercase(),
-            key_name: key_name.trim_end_matches('.').to_ascii_lowercase(),
+    ) -> Result<Self, DnsError> {
+        let zone = fqdn(zone)?;
+        let signer = TSigner::new(
             secret,
+            TsigAlgorithm::HmacSha256,
+            fqdn(key_name)?,
+            TSIG_FUDGE,
+        )
+        .map_err(|_| DnsError::InvalidName)?;
+        Ok(Self {
+            server,
+            zone,
+            signer,
             ttl,
-        }
+            tcp_fallbacks: Default::default(),
+        })
     }
 
-    fn in_zone(&self, name: &str) -> bool {
-        let n = name.trim_end_matches('.').to_ascii_lowercase();
-        n == self.zone || n.ends_with(&format!(".{}", self.zone))
+    /// How many exchanges were completed over TCP (truncated or unanswered over UDP).
+    pub fn tcp_fallbacks(&self) -> u64 {
+        self.tcp_fallbacks
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Builds and signs an UPDATE with `updates` (already encoded RRs, `count` of them).
-    fn update_message(&self, id: u16, updates: &[u8], count: u16) -> Result<Vec<u8>, DnsError> {
-        let mut msg = Vec::with_capacity(128 + updates.len());
-        msg.extend_from_slice(&id.to_be_bytes());
-        msg.extend_from_slice(&0x2800u16.to_be_bytes()); // opcode UPDATE
-        msg.extend_from_slice(&1u16.to_be_bytes()); // ZOCOUNT
-        msg.extend_from_slice(&0u16.to_be_bytes()); // PRCOUNT
-        msg.extend_from_slice(&count.to_be_bytes()); // UPCOUNT
-        msg.extend_from_slice(&0u16.to_be_bytes()); // ADCOUNT (TSIG added below)
-        put_name(&mut msg, &self.zone)?;
-        msg.extend_from_slice(&TYPE_SOA.to_be_bytes());
-        msg.extend_from_slice(&CLASS_IN.to_be_bytes());
-        msg.extend_from_slice(updates);
-        self.sign(id, msg)
-    }
-
-    /// Appends the TSIG RR (RFC 8945 §4.3) to `msg`.
-    fn sign(&self, id: u16, mut msg: Vec<u8>) -> Result<Vec<u8>, DnsError> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let mut key_wire = Vec::new();
-        put_name(&mut key_wire, &self.key_name)?;
-        let mut alg_wire = Vec::new();
-        put_name(&mut alg_wire, "hmac-sha256")?;
-        let time48 = &now.to_be_bytes()[2..8];
-        // The MAC covers the message, then the TSIG variables.
-        let mut signed = msg.clone();
-        signed.extend_from_slice(&key_wire);
-        signed.extend_from_slice(&CLASS_ANY.to_be_bytes());
-        signed.extend_from_slice(&0u32.to_be_bytes());
-        signed.extend_from_slice(&alg_wire);
-        signed.extend_from_slice(time48);
-        signed.extend_from_slice(&TSIG_FUDGE.to_be_bytes());
-        signed.extend_from_slice(&0u16.to_be_bytes()); // error
-        signed.extend_from_slice(&0u16.to_be_bytes()); // other len
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.secret);
-        let mac = ring::hmac::sign(&key, &signed);
-        let mut rdata = alg_wire;
-        rdata.extend_from_slice(time48);
-        rdata.extend_from_slice(&TSIG_FUDGE.to_be_bytes());
-        rdata.extend_from_slice(&(mac.as_ref().len() as u16).to_be_bytes());
-        rdata.extend_from_slice(mac.as_ref());
-        rdata.extend_from_slice(&id.to_be_bytes());
-        rdata.extend_from_slice(&0u16.to_be_bytes());
-        rdata.extend_from_slice(&0u16.to_be_bytes());
-        put_rr(&mut msg, &self.key_name, TYPE_TSIG, CLASS_ANY, 0, &rdata)?;
-        msg[10..12].copy_from_slice(&1u16.to_be_bytes());
-        Ok(msg)
-    }
-
-    async fn exchange(&self, msg: &[u8], id: u16) -> Result<Vec<u8>, DnsError> {
-        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0")
-            .await
-            .or_else(|_| {
-                std::net::UdpSocket::bind("0.0.0.0:0").and_then(tokio::net::UdpSocket::from_std)
-            })
-            .map_err(|_| DnsError::Unavailable)?;
-        socket
-            .connect(self.server)
-            .await
-            .map_err(|_| DnsError::Unavailable)?;
-        let mut buf = vec![0u8; 4096];
-        for _ in 0..2 {
-            socket.send(msg).await.map_err(|_| DnsError::Unavailable)?;
-            match tokio::time::timeout(std::time::Duration::from_secs(3), socket.recv(&mut buf))
-                .await
-            {
-                Ok(Ok(n)) if n >= 12 && buf[..2] == id.to_be_bytes() => {
-                    buf.truncate(n);
-                    return Ok(buf);
-                }
-                _ => continue,
-            }
-        }
-        Err(DnsError::Unavailable)
-    }
-
-    async fn update(&self, updates: Vec<u8>, count: u16) -> Result<(), DnsError> {
-        let id = random_id();
-        let msg = self.update_message(id, &updates, count)?;
-        let resp = self.exchange(&msg, id).await?;
-        let rcode = resp[3] & 0x0F;
-        if rcode == 0 {
-            Ok(())
+    /// `name` as a name inside the zone, or why not.
+    fn in_zone(&self, name: &str) -> Result<Name, DnsError> {
+        let n = fqdn(name)?;
+        if self.zone.zone_of(&n) {
+            Ok(n)
         } else {
-            tracing::warn!(target: "orbit_runtime", event = "orbit_dns_update_refused", rcode, "dns update refused");
             Err(DnsError::Unavailable)
         }
     }
 
-    async fn query(&self, name: &str, rtype: u16) -> Result<Vec<Vec<u8>>, DnsError> {
-        let id = random_id();
-        let mut msg = Vec::new();
-        msg.extend_from_slice(&id.to_be_bytes());
-        msg.extend_from_slice(&0u16.to_be_bytes());
-        msg.extend_from_slice(&1u16.to_be_bytes());
-        msg.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-        put_name(&mut msg, name)?;
-        msg.extend_from_slice(&rtype.to_be_bytes());
-        msg.extend_from_slice(&CLASS_IN.to_be_bytes());
-        let resp = self.exchange(&msg, id).await?;
-        let answers = u16::from_be_bytes([resp[6], resp[7]]);
-        let mut pos = skip_name(&resp, 12).ok_or(DnsError::Unavailable)? + 4;
-        let mut out = Vec::new();
-        for _ in 0..answers {
-            pos = skip_name(&resp, pos).ok_or(DnsError::Unavailable)?;
-            let head = resp.get(pos..pos + 10).ok_or(DnsError::Unavailable)?;
-            let t = u16::from_be_bytes([head[0], head[1]]);
-            let len = usize::from(u16::from_be_bytes([head[8], head[9]]));
-            let rdata = resp
-                .get(pos + 10..pos + 10 + len)
-                .ok_or(DnsError::Unavailable)?;
-            if t == rtype {
-                out.push(rdata.to_vec());
-            }
-            pos += 10 + len;
+    /// An UPDATE of the zone with `updates`.
+    fn update_message(&self, updates: Vec<Record>) -> Message {
+        let mut zone = Query::new();
+        zone.set_name(self.zone.clone())
+            .set_query_class(DNSClass::IN)
+            .set_query_type(RecordType::SOA);
+        let mut message = Message::new();
+        message
+            .set_id(random_id())
+            .set_message_type(MessageType::Query)
+            .set_op_code(OpCode::Update)
+            .set_recursion_desired(false);
+        message.add_zone(zone);
+        for u in updates {
+            message.add_update(u);
         }
-        Ok(out)
+        message
+    }
+
+    /// Signs `message`, sends it, and returns the server's verified answer.
+    async fn exchange(&self, mut message: Message) -> Result<Message, DnsError> {
+        let verifier = message
+            .finalize(&self.signer, unix_secs())
+            .map_err(|_| DnsError::Unavailable)?;
+        let mut verifier = verifier.ok_or(DnsError::Unavailable)?;
+        let request = message.to_vec().map_err(|_| DnsError::Unavailable)?;
+        let id = message.id();
+        let raw = match self.udp(&request, id).await {
+            Some(raw) if !is_truncated(&raw) => raw,
+            // Truncated, or no answer over UDP: the same signed request over TCP.
+            _ => {
+                self.tcp_fallbacks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.tcp(&request, id).await?
+            }
+        };
+        let answer = verifier(&raw).map_err(|_| {
+            tracing::warn!(target: "orbit_runtime", event = "orbit_dns_answer_unverified", "dns answer without a valid TSIG refused");
+            DnsError::Unavailable
+        })?;
+        let answer = answer.into_message();
+        if answer.id() != id || answer.message_type() != MessageType::Response {
+            return Err(DnsError::Unavailable);
+        }
+        Ok(answer)
+    }
+
+    /// One UDP exchange, from the unspecified address of the server's family. `None` when no
+    /// answer came in two tries.
+    async fn udp(&self, request: &[u8], id: u16) -> Option<Vec<u8>> {
+        let local: std::net::SocketAddr = if self.server.is_ipv6() {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        };
+        let socket = tokio::net::UdpSocket::bind(local).await.ok()?;
+        socket.connect(self.server).await.ok()?;
+        let mut buf = vec![0u8; 4096];
+        for _ in 0..2 {
+            socket.send(request).await.ok()?;
+            if let Ok(Ok(n)) = tokio::time::timeout(UDP_TIMEOUT, socket.recv(&mut buf)).await
+                && n >= 12
+                && buf[..2] == id.to_be_bytes()
+            {
+                buf.truncate(n);
+                return Some(buf);
+            }
+        }
+        None
+    }
+
+    /// One TCP exchange (RFC 1035 §4.2.2: a 2-byte length before each message).
+    async fn tcp(&self, request: &[u8], id: u16) -> Result<Vec<u8>, DnsError> {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let exchange = async {
+            let mut s = tokio::net::TcpStream::connect(self.server).await?;
+            let len = u16::try_from(request.len())
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+            let mut framed = Vec::with_capacity(request.len() + 2);
+            framed.extend_from_slice(&len.to_be_bytes());
+            framed.extend_from_slice(request);
+            s.write_all(&framed).await?;
+            let mut len = [0u8; 2];
+            s.read_exact(&mut len).await?;
+            let mut answer = vec![0u8; usize::from(u16::from_be_bytes(len))];
+            s.read_exact(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        };
+        match tokio::time::timeout(TCP_TIMEOUT, exchange).await {
+            Ok(Ok(answer)) if answer.len() >= 12 && answer[..2] == id.to_be_bytes() => Ok(answer),
+            _ => Err(DnsError::Unavailable),
+        }
+    }
+
+    async fn update(&self, updates: Vec<Record>) -> Result<(), DnsError> {
+        let answer = self.exchange(self.update_message(updates)).await?;
+        match answer.response_code() {
+            ResponseCode::NoError => Ok(()),
+            rcode => {
+                tracing::warn!(target: "orbit_runtime", event = "orbit_dns_update_refused", rcode = %rcode, "dns update refused");
+                Err(DnsError::Unavailable)
+            }
+        }
+    }
+
+    /// The records of type `rtype` at `name`.
+    async fn query(&self, name: Name, rtype: RecordType) -> Result<Vec<RData>, DnsError> {
+        let mut query = Query::new();
+        query
+            .set_name(name)
+            .set_query_class(DNSClass::IN)
+            .set_query_type(rtype);
+        let mut message = Message::new();
+        message
+            .set_id(random_id())
+            .set_message_type(MessageType::Query)
+            .set_op_code(OpCode::Query)
+            .set_recursion_desired(false);
+        message.add_query(query);
+        let answer = self.exchange(message).await?;
+        if !matches!(
+            answer.response_code(),
+            ResponseCode::NoError | ResponseCode::NXDomain
+        ) {
+            return Err(DnsError::Unavailable);
+        }
+        Ok(answer
+            .answers()
+            .iter()
+            .filter(|r| r.record_type() == rtype)
+            .map(|r| r.data().clone())
+            .collect())
     }
 
     /// The TXT values at `name` (tests, and checking a challenge is gone).
     pub async fn txt(&self, name: &str) -> Result<Vec<String>, DnsError> {
+        let name = fqdn(name)?;
         Ok(self
-            .query(name, TYPE_TXT)
+            .query(name, RecordType::TXT)
             .await?
             .into_iter()
-            .filter_map(|r| {
-                r.split_first()
-                    .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .filter_map(|r| match r {
+                RData::TXT(t) => Some(
+                    t.txt_data()
+                        .iter()
+                        .map(|piece| String::from_utf8_lossy(piece).into_owned())
+                        .collect::<String>(),
+                ),
+                _ => None,
             })
             .collect())
     }
+}
+
+/// `name` as an absolute, lower-case DNS name.
+fn fqdn(name: &str) -> Result<Name, DnsError> {
+    let mut n = Name::from_ascii(name.trim_end_matches('.'))
+        .map_err(|_| DnsError::InvalidName)?
+        .to_lowercase();
+    if n.num_labels() == 0 {
+        return Err(DnsError::InvalidName);
+    }
+    n.set_fqdn(true);
+    Ok(n)
+}
+
+/// The TC bit of a DNS header.
+fn is_truncated(raw: &[u8]) -> bool {
+    raw.get(2).is_some_and(|flags| flags & 0x02 != 0)
 }
 
 fn random_id() -> u16 {
@@ -346,44 +366,58 @@ fn random_id() -> u16 {
     u16::from_be_bytes(b)
 }
 
+fn txt_record(name: Name, ttl: u32, value: &str) -> Result<Record, DnsError> {
+    if value.len() > 255 {
+        return Err(DnsError::Unavailable);
+    }
+    Ok(Record::from_rdata(
+        name,
+        ttl,
+        RData::TXT(TXT::new(vec![value.to_owned()])),
+    ))
+}
+
 #[async_trait]
 impl DnsProvider for Rfc2136Dns {
     async fn upsert_address(&self, name: &str, addr: IpAddr) -> Result<(), DnsError> {
-        if !self.in_zone(name) {
-            return Err(DnsError::Unavailable);
-        }
+        let name = self.in_zone(name)?;
         // Idempotent: no UPDATE when the server already has exactly this one address record.
         let (a, aaaa) = (
-            self.query(name, TYPE_A).await?,
-            self.query(name, TYPE_AAAA).await?,
+            self.query(name.clone(), RecordType::A).await?,
+            self.query(name.clone(), RecordType::AAAA).await?,
         );
         let only_this = match addr {
-            IpAddr::V4(v4) => aaaa.is_empty() && a == [v4.octets().to_vec()],
-            IpAddr::V6(v6) => a.is_empty() && aaaa == [v6.octets().to_vec()],
+            IpAddr::V4(v4) => aaaa.is_empty() && a == [RData::A(A(v4))],
+            IpAddr::V6(v6) => a.is_empty() && aaaa == [RData::AAAA(AAAA(v6))],
         };
         if only_this {
             return Ok(());
         }
-        let (rtype, other, rdata) = match addr {
-            IpAddr::V4(a) => (TYPE_A, TYPE_AAAA, a.octets().to_vec()),
-            IpAddr::V6(a) => (TYPE_AAAA, TYPE_A, a.octets().to_vec()),
-        };
         // One message: drop both address RRsets, add the new record.
         let mut updates = Vec::new();
-        put_rr(&mut updates, name, rtype, CLASS_ANY, 0, &[])?;
-        put_rr(&mut updates, name, other, CLASS_ANY, 0, &[])?;
-        put_rr(&mut updates, name, rtype, CLASS_IN, self.ttl, &rdata)?;
-        self.update(updates, 3).await
+        for rtype in [RecordType::A, RecordType::AAAA] {
+            let mut delete = Record::update0(name.clone(), 0, rtype);
+            delete.set_dns_class(DNSClass::ANY);
+            updates.push(delete);
+        }
+        let rdata = match addr {
+            IpAddr::V4(v4) => RData::A(A(v4)),
+            IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
+        };
+        updates.push(Record::from_rdata(name, self.ttl, rdata));
+        self.update(updates).await
     }
 
     async fn address(&self, name: &str) -> Result<Option<IpAddr>, DnsError> {
-        if let Some(a) = self.query(name, TYPE_A).await?.first() {
-            let o: [u8; 4] = a.as_slice().try_into().map_err(|_| DnsError::Unavailable)?;
-            return Ok(Some(IpAddr::from(o)));
-        }
-        if let Some(a) = self.query(name, TYPE_AAAA).await?.first() {
-            let o: [u8; 16] = a.as_slice().try_into().map_err(|_| DnsError::Unavailable)?;
-            return Ok(Some(IpAddr::from(o)));
+        let name = fqdn(name)?;
+        for rtype in [RecordType::A, RecordType::AAAA] {
+            for r in self.query(name.clone(), rtype).await? {
+                match r {
+                    RData::A(a) => return Ok(Some(IpAddr::V4(a.0))),
+                    RData::AAAA(a) => return Ok(Some(IpAddr::V6(a.0))),
+                    _ => {}
+                }
+            }
         }
         Ok(None)
     }
@@ -392,35 +426,16 @@ impl DnsProvider for Rfc2136Dns {
 #[async_trait]
 impl TxtProvider for Rfc2136Dns {
     async fn add_txt(&self, name: &str, value: &str) -> Result<(), DnsError> {
-        if !self.in_zone(name) {
-            return Err(DnsError::Unavailable);
-        }
-        let mut updates = Vec::new();
-        put_rr(
-            &mut updates,
-            name,
-            TYPE_TXT,
-            CLASS_IN,
-            self.ttl,
-            &txt_rdata(value)?,
-        )?;
-        self.update(updates, 1).await
+        let name = self.in_zone(name)?;
+        self.update(vec![txt_record(name, self.ttl, value)?]).await
     }
 
     async fn delete_txt(&self, name: &str, value: &str) -> Result<(), DnsError> {
-        if !self.in_zone(name) {
-            return Err(DnsError::Unavailable);
-        }
-        let mut updates = Vec::new();
-        put_rr(
-            &mut updates,
-            name,
-            TYPE_TXT,
-            CLASS_NONE,
-            0,
-            &txt_rdata(value)?,
-        )?;
-        self.update(updates, 1).await
+        let name = self.in_zone(name)?;
+        // Delete by rdata (RFC 2136 §2.5.4): class NONE, TTL 0, exactly this value.
+        let mut delete = txt_record(name, 0, value)?;
+        delete.set_dns_class(DNSClass::NONE);
+        self.update(vec![delete]).await
     }
 }
 
@@ -605,5 +620,122 @@ impl TxtProvider for CloudflareDns {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hickory_proto::dnssec::rdata::DNSSECRData;
+    use hickory_proto::dnssec::rdata::tsig::{TSIG, make_tsig_record, message_tbs};
+
+    use super::*;
+
+    const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+    const OTHER_KEY: &[u8] = b"fedcba9876543210fedcba9876543210";
+
+    fn signer(key: &[u8]) -> TSigner {
+        TSigner::new(
+            key.to_vec(),
+            TsigAlgorithm::HmacSha256,
+            Name::from_ascii("orbit-key.").expect("name"),
+            TSIG_FUDGE,
+        )
+        .expect("hmac-sha256 is supported")
+    }
+
+    /// A server answering every request `NOERROR`, signed with `key` over the request's MAC
+    /// as RFC 8945 §4.3.3 has it (`None`: unsigned).
+    async fn fake_server(key: Option<&'static [u8]>) -> std::net::SocketAddr {
+        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = socket.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
+                let request = Message::from_vec(&buf[..n]).expect("a DNS message");
+                let mut answer = Message::new();
+                answer
+                    .set_id(request.id())
+                    .set_message_type(MessageType::Response)
+                    .set_op_code(request.op_code())
+                    .set_response_code(ResponseCode::NoError);
+                for q in request.queries() {
+                    answer.add_query(q.clone());
+                }
+                if let Some(key) = key {
+                    let request_mac = request
+                        .signature()
+                        .iter()
+                        .find_map(|r| match r.data() {
+                            RData::DNSSEC(DNSSECRData::TSIG(t)) => Some(t.mac().to_vec()),
+                            _ => None,
+                        })
+                        .expect("the client signs its requests");
+                    let s = signer(key);
+                    let pre = TSIG::new(
+                        TsigAlgorithm::HmacSha256,
+                        u64::from(unix_secs()),
+                        TSIG_FUDGE,
+                        Vec::new(),
+                        request.id(),
+                        0,
+                        Vec::new(),
+                    );
+                    let tbs = message_tbs(Some(&request_mac), &answer, &pre, s.signer_name())
+                        .expect("encodable");
+                    let mac = s.sign(&tbs).expect("sign");
+                    answer.add_tsig(make_tsig_record(s.signer_name().clone(), pre.set_mac(mac)));
+                }
+                let _ = socket
+                    .send_to(&answer.to_vec().expect("encode"), peer)
+                    .await;
+            }
+        });
+        addr
+    }
+
+    fn client(server: std::net::SocketAddr) -> Rfc2136Dns {
+        Rfc2136Dns::new(server, "orbit.test", "orbit-key", KEY.to_vec(), 30).expect("names")
+    }
+
+    #[tokio::test]
+    async fn only_an_answer_signed_with_our_key_over_our_request_counts() {
+        // The control: an answer signed as a real server signs it is accepted.
+        let good = client(fake_server(Some(KEY)).await);
+        good.add_txt("a.orbit.test", "v")
+            .await
+            .expect("a valid answer");
+        // Signed with another key, or not signed: refused, although it says NOERROR.
+        let forged = client(fake_server(Some(OTHER_KEY)).await);
+        assert_eq!(
+            forged.add_txt("a.orbit.test", "v").await,
+            Err(DnsError::Unavailable)
+        );
+        let unsigned = client(fake_server(None).await);
+        assert_eq!(
+            unsigned.add_txt("a.orbit.test", "v").await,
+            Err(DnsError::Unavailable)
+        );
+        assert_eq!(
+            unsigned.txt("a.orbit.test").await,
+            Err(DnsError::Unavailable)
+        );
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let server = "127.0.0.1:53".parse().expect("addr");
+        assert_eq!(
+            Rfc2136Dns::new(server, "bad..zone", "k", Vec::new(), 30).unwrap_err(),
+            DnsError::InvalidName
+        );
+        assert_eq!(
+            Rfc2136Dns::new(server, ".", "k", Vec::new(), 30).unwrap_err(),
+            DnsError::InvalidName
+        );
+        let dns = Rfc2136Dns::new(server, "Orbit.Test.", "k", Vec::new(), 30).expect("names");
+        assert!(dns.in_zone("A.orbit.test").is_ok());
+        assert!(dns.in_zone("orbit.test.example").is_err());
     }
 }

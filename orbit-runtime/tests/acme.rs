@@ -54,15 +54,18 @@ async fn acme_dns01_with_pebble_and_bind9() {
     let zone = need("ORBIT_TEST_DNS_ZONE");
     let tsig = need("ORBIT_TEST_TSIG");
     let (key_name, secret) = tsig.split_once(':').unwrap();
-    let dns = Arc::new(Rfc2136Dns::new(
-        server,
-        &zone,
-        key_name,
-        base64::engine::general_purpose::STANDARD
-            .decode(secret)
-            .unwrap(),
-        10,
-    ));
+    let dns = Arc::new(
+        Rfc2136Dns::new(
+            server,
+            &zone,
+            key_name,
+            base64::engine::general_purpose::STANDARD
+                .decode(secret)
+                .unwrap(),
+            10,
+        )
+        .unwrap(),
+    );
     let root_path = need("ORBIT_TEST_ACME_ROOT");
     let issuer = AcmeIssuer::new(
         &need("ORBIT_TEST_ACME_DIRECTORY"),

@@ -1,7 +1,8 @@
 //! The RFC 2136 provider against a real BIND 9 (`named`, started by `scripts/test-all.sh` on a
-//! free loopback port: `ORBIT_TEST_DNS_SERVER`, `ORBIT_TEST_DNS_ZONE`, `ORBIT_TEST_TSIG`), and the
-//! agent → control plane → DNS path: a reported address change updates the record in the real
-//! server, an empty address keeps it.
+//! free loopback port on 127.0.0.1 and ::1: `ORBIT_TEST_DNS_SERVER`, `ORBIT_TEST_DNS_SERVER_V6`,
+//! `ORBIT_TEST_DNS_ZONE`, `ORBIT_TEST_TSIG`) over IPv4 and IPv6, with the TCP fallback for a
+//! truncated answer, and the agent → control plane → DNS path: a reported address change
+//! updates the record in the real server, an empty address keeps it.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::net::IpAddr;
@@ -14,13 +15,15 @@ use orbit_runtime::dns::{DnsProvider, Rfc2136Dns, TxtProvider};
 use orbit_runtime::server::{ControlPlane, RuntimeConfiguration, ServerConfig, system_clock};
 use orbit_runtime::versions::ApplyStatus;
 
-fn env() -> (std::net::SocketAddr, String, String, Vec<u8>) {
-    let need = |k: &str| {
-        std::env::var(k).unwrap_or_else(|_| {
-            panic!("{k} is not set: run scripts/test-all.sh (it starts a private named), or set ORBIT_TEST_DNS_SERVER, ORBIT_TEST_DNS_ZONE and ORBIT_TEST_TSIG=name:base64")
-        })
-    };
-    let server = need("ORBIT_TEST_DNS_SERVER").parse().unwrap();
+fn need(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| {
+        panic!("{k} is not set: run scripts/test-all.sh (it starts a private named), or set ORBIT_TEST_DNS_SERVER, ORBIT_TEST_DNS_SERVER_V6, ORBIT_TEST_DNS_ZONE and ORBIT_TEST_TSIG=name:base64")
+    })
+}
+
+/// The server on `var` (`ORBIT_TEST_DNS_SERVER` or `_V6`), the zone, the key name and secret.
+fn env(var: &str) -> (std::net::SocketAddr, String, String, Vec<u8>) {
+    let server = need(var).parse().unwrap();
     let zone = need("ORBIT_TEST_DNS_ZONE");
     let tsig = need("ORBIT_TEST_TSIG");
     let (name, secret) = tsig.split_once(':').unwrap();
@@ -30,15 +33,18 @@ fn env() -> (std::net::SocketAddr, String, String, Vec<u8>) {
     (server, zone, name.to_owned(), secret)
 }
 
-fn provider() -> (Rfc2136Dns, String) {
-    let (server, zone, key, secret) = env();
-    (Rfc2136Dns::new(server, &zone, &key, secret, 30), zone)
+fn provider(var: &str) -> (Rfc2136Dns, String) {
+    let (server, zone, key, secret) = env(var);
+    (
+        Rfc2136Dns::new(server, &zone, &key, secret, 30).unwrap(),
+        zone,
+    )
 }
 
-#[tokio::test]
-async fn records_in_a_real_dns_server() {
-    let (dns, zone) = provider();
-    let name = format!("records-{}.{zone}", std::process::id());
+/// Every behaviour, against the server at `var`.
+async fn records(var: &str, tag: &str) {
+    let (dns, zone) = provider(var);
+    let name = format!("records-{tag}-{}.{zone}", std::process::id());
     let v4: IpAddr = "203.0.113.9".parse().unwrap();
     let v6: IpAddr = "2001:db8::9".parse().unwrap();
     dns.upsert_address(&name, v4).await.unwrap();
@@ -60,8 +66,8 @@ async fn records_in_a_real_dns_server() {
     assert!(dns.txt(&txt).await.unwrap().is_empty());
     // Outside the zone, or with a wrong key: refused.
     assert!(dns.upsert_address("elsewhere.example.", v4).await.is_err());
-    let (server, zone, key, _) = env();
-    let forged = Rfc2136Dns::new(server, &zone, &key, vec![0; 32], 30);
+    let (server, zone, key, _) = env(var);
+    let forged = Rfc2136Dns::new(server, &zone, &key, vec![0; 32], 30).unwrap();
     assert!(
         forged
             .upsert_address(&name, "192.0.2.1".parse().unwrap())
@@ -73,6 +79,49 @@ async fn records_in_a_real_dns_server() {
         Some(v6),
         "the forged update changed nothing"
     );
+    assert_eq!(dns.tcp_fallbacks(), 0, "every answer fitted in UDP");
+}
+
+#[tokio::test]
+async fn records_in_a_real_dns_server_over_ipv4() {
+    records("ORBIT_TEST_DNS_SERVER", "v4").await;
+}
+
+/// The server on `::1`: the client sends from the unspecified IPv6 address (it used to bind
+/// 127.0.0.1 and got EINVAL for any server that is not on IPv4 loopback).
+#[tokio::test]
+async fn records_in_a_real_dns_server_over_ipv6() {
+    assert!(
+        need("ORBIT_TEST_DNS_SERVER_V6").starts_with('['),
+        "an IPv6 server"
+    );
+    records("ORBIT_TEST_DNS_SERVER_V6", "v6").await;
+}
+
+/// An answer too large for UDP comes back truncated (TC); the client asks again over TCP and
+/// gets all of it.
+#[tokio::test]
+async fn a_truncated_answer_is_fetched_again_over_tcp() {
+    let (dns, zone) = provider("ORBIT_TEST_DNS_SERVER");
+    let name = format!("_big-{}.{zone}", std::process::id());
+    let values: Vec<String> = (0..12)
+        .map(|i| format!("{i:02}-{}", "v".repeat(100)))
+        .collect();
+    for v in &values {
+        dns.add_txt(&name, v).await.unwrap();
+    }
+    let before = dns.tcp_fallbacks();
+    let mut got = dns.txt(&name).await.unwrap();
+    got.sort();
+    assert_eq!(
+        got, values,
+        "all twelve values (≈1.3 KB, over UDP's 512 bytes)"
+    );
+    assert_eq!(dns.tcp_fallbacks(), before + 1, "the query went over TCP");
+    for v in &values {
+        dns.delete_txt(&name, v).await.unwrap();
+    }
+    assert!(dns.txt(&name).await.unwrap().is_empty());
 }
 
 struct Nothing;
@@ -89,7 +138,7 @@ impl Applier for Nothing {
 #[tokio::test]
 async fn reported_address_reaches_the_dns_server() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let (dns, zone) = provider();
+    let (dns, zone) = provider("ORBIT_TEST_DNS_SERVER");
     let dns = Arc::new(dns);
     let cp = ControlPlane::in_memory(
         ServerConfig::new("http://unused"),

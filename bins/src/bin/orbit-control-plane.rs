@@ -151,7 +151,10 @@ async fn main() {
             let secret = base64::engine::general_purpose::STANDARD
                 .decode(read_secret(secret, "--tsig-secret-file"))
                 .unwrap_or_else(|_| usage("--tsig-secret-file: not base64"));
-            let p = Arc::new(Rfc2136Dns::new(server, zone, key, secret, cli.dns_ttl));
+            let p = Arc::new(
+                Rfc2136Dns::new(server, zone, key, secret, cli.dns_ttl)
+                    .unwrap_or_else(|_| usage("--dns-zone and --tsig-key-name must be DNS names")),
+            );
             (p.clone(), Some(p))
         }
         Dns::Cloudflare => {
