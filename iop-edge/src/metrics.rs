@@ -18,56 +18,41 @@
 //! The matching structured log events are `edge_provider_health_observation` and
 //! `edge_liveness_recovery_observation` (tracing, target `iop_edge`), emitted after the overlay
 //! decision is final.
+//!
+//! Built on `prometheus-client`: every label is a typed set whose values are enums, so an
+//! unbounded label (an id, a path, a peer address) cannot be written without changing a type.
+//! The exposition is OpenMetrics text (`/metrics` serves it as
+//! `application/openmetrics-text`, which Prometheus scrapes), ending in `# EOF`. Every series
+//! exists from the start (at zero): the handles are made when the metrics are, and the hot
+//! path only increments them.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 /// Histogram bucket bounds, seconds.
 const BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
-#[derive(Debug, Default)]
-struct Histogram {
-    buckets: [AtomicU64; 12],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
-}
-
-impl Histogram {
-    fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        for (i, b) in BUCKETS.iter().enumerate() {
-            if secs <= *b {
-                self.buckets[i].fetch_add(1, Ordering::Relaxed);
+/// A label value written as its fixed name.
+macro_rules! label_values {
+    ($($ty:ty),*) => {$(
+        impl EncodeLabelValue for $ty {
+            fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+                std::fmt::Write::write_str(encoder, self.as_str())
             }
         }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros.fetch_add(
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        for (i, b) in BUCKETS.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels},le=\"{b}\"}} {}",
-                self.buckets[i].load(Ordering::Relaxed)
-            );
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-    }
+    )*};
 }
 
 /// An HTTP endpoint, as a bounded label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Endpoint {
     /// `/v1/models`.
     Models,
@@ -82,7 +67,7 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    const ALL: [Self; ENDPOINTS] = [
+    const ALL: [Self; 5] = [
         Self::Models,
         Self::ChatCompletions,
         Self::Responses,
@@ -90,11 +75,8 @@ impl Endpoint {
         Self::CountTokens,
     ];
 
-    fn index(self) -> usize {
-        self as usize
-    }
-
-    fn label(self) -> &'static str {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::Models => "models",
             Self::ChatCompletions => "chat_completions",
@@ -105,10 +87,8 @@ impl Endpoint {
     }
 }
 
-const ENDPOINTS: usize = 5;
-
 /// Why a Node connection was refused before registration (a bounded label).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Refusal {
     /// Too many connections in their TLS handshake.
     Capacity,
@@ -139,199 +119,320 @@ impl Refusal {
     }
 }
 
-/// The Edge's counters. Cheap to share (`Arc`).
-#[derive(Debug, Default)]
+/// Defines a private label enum: its variants and their label values.
+macro_rules! label_enum {
+    ($name:ident { $($variant:ident => $value:literal),* $(,)? }) => {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        enum $name { $($variant),* }
+        impl $name {
+            const ALL: &[Self] = &[$(Self::$variant),*];
+            fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $value),* }
+            }
+        }
+    };
+}
+
+label_enum!(ProviderHealth { Available => "available", Unavailable => "unavailable", Unknown => "unknown" });
+label_enum!(Transition { Unavailable => "unavailable", Available => "available" });
+label_enum!(Eligibility { Confirmed => "confirmed", Rejected => "rejected" });
+label_enum!(RecoveryResult { Cleared => "cleared", Unchanged => "unchanged" });
+label_enum!(Outcome { Ok => "ok", Error => "error" });
+label_enum!(Listener { Nodes => "nodes", Http => "http" });
+
+label_values!(
+    Endpoint,
+    Refusal,
+    ProviderHealth,
+    Transition,
+    Eligibility,
+    RecoveryResult,
+    Outcome,
+    Listener
+);
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HealthLabels {
+    provider_health: ProviderHealth,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TransitionLabels {
+    to: Transition,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct EligibilityLabels {
+    eligibility: Eligibility,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResultLabels {
+    result: RecoveryResult,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    endpoint: Endpoint,
+    outcome: Outcome,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct EndpointLabels {
+    endpoint: Endpoint,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: Refusal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: Listener,
+}
+
+/// Registers a counter family under `name` (the exposition adds `_total`) with every label
+/// set of `all`, and returns one handle per label set, in `all`'s order.
+fn counters<L, V>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    all: &[V],
+    labels: impl Fn(V) -> L,
+) -> Vec<Counter>
+where
+    L: EncodeLabelSet + Clone + std::hash::Hash + Eq + std::fmt::Debug + Send + Sync + 'static,
+    V: Copy,
+{
+    let family = Family::<L, Counter>::default();
+    registry.register(name, help, family.clone());
+    all.iter()
+        .map(|v| family.get_or_create(&labels(*v)).clone())
+        .collect()
+}
+
+fn new_histogram() -> Histogram {
+    Histogram::new(BUCKETS)
+}
+
+/// The Edge's metrics. Cheap to share (`Arc`).
+#[derive(Debug)]
 pub struct Metrics {
-    evidence: [AtomicU64; 3],
-    transitions: [AtomicU64; 2],
-    eligibility: [AtomicU64; 2],
-    recovery: [AtomicU64; 2],
-    requests: [[AtomicU64; 2]; ENDPOINTS],
-    durations: [Histogram; ENDPOINTS],
-    refused: [AtomicU64; 4],
-    accept_errors: [AtomicU64; 2],
-    slow_consumers: AtomicU64,
-    http_refused: AtomicU64,
+    registry: Registry,
+    evidence: Vec<Counter>,
+    transitions: Vec<Counter>,
+    eligibility: Vec<Counter>,
+    recovery: Vec<Counter>,
+    /// By endpoint, then ok / error.
+    requests: Vec<[Counter; 2]>,
+    durations: Vec<Histogram>,
+    refused: Vec<Counter>,
+    accept_errors: Vec<Counter>,
+    slow_consumers: Counter,
+    http_refused: Counter,
+    queue_depth: Gauge,
+    in_flight: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::default();
+        let evidence = counters(
+            &mut r,
+            "iop_edge_provider_health_evidence",
+            "Validated stall health evidence",
+            ProviderHealth::ALL,
+            |provider_health| HealthLabels { provider_health },
+        );
+        let transitions = counters(
+            &mut r,
+            "iop_edge_provider_health_transitions",
+            "Runtime-unavailable overlay transitions",
+            Transition::ALL,
+            |to| TransitionLabels { to },
+        );
+        let eligibility = counters(
+            &mut r,
+            "iop_edge_liveness_recovery_eligibility",
+            "Stall terminals by recovery handoff",
+            Eligibility::ALL,
+            |eligibility| EligibilityLabels { eligibility },
+        );
+        let recovery = counters(
+            &mut r,
+            "iop_edge_liveness_recovery_results",
+            "CAPABILITIES recovery answers by effect",
+            RecoveryResult::ALL,
+            |result| ResultLabels { result },
+        );
+        let requests_family = Family::<RequestLabels, Counter>::default();
+        r.register(
+            "iop_edge_requests",
+            "HTTP requests",
+            requests_family.clone(),
+        );
+        let requests = Endpoint::ALL
+            .iter()
+            .map(|&endpoint| {
+                [Outcome::ALL[0], Outcome::ALL[1]].map(|outcome| {
+                    requests_family
+                        .get_or_create(&RequestLabels { endpoint, outcome })
+                        .clone()
+                })
+            })
+            .collect();
+        let durations_family =
+            Family::<EndpointLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                new_histogram,
+            );
+        r.register(
+            "iop_edge_request_duration_seconds",
+            "Time to the response head",
+            durations_family.clone(),
+        );
+        let durations = Endpoint::ALL
+            .iter()
+            .map(|&endpoint| {
+                durations_family
+                    .get_or_create(&EndpointLabels { endpoint })
+                    .clone()
+            })
+            .collect();
+        let refused = counters(
+            &mut r,
+            "iop_edge_node_connections_refused",
+            "Node connections refused or failed before registration",
+            &Refusal::ALL,
+            |reason| ReasonLabels { reason },
+        );
+        let accept_errors = counters(
+            &mut r,
+            "iop_edge_accept_errors",
+            "Failed accepts (e.g. out of file descriptors)",
+            Listener::ALL,
+            |listener| ListenerLabels { listener },
+        );
+        let slow_consumers = Counter::default();
+        r.register(
+            "iop_edge_slow_consumers",
+            "Streams ended because their reader fell behind",
+            slow_consumers.clone(),
+        );
+        let http_refused = Counter::default();
+        r.register(
+            "iop_edge_http_connections_refused",
+            "HTTP connections closed over the connection cap",
+            http_refused.clone(),
+        );
+        let queue_depth = Gauge::default();
+        r.register(
+            "iop_edge_pool_queue_depth",
+            "Requests waiting for a provider",
+            queue_depth.clone(),
+        );
+        let in_flight = Gauge::default();
+        r.register(
+            "iop_edge_pool_in_flight",
+            "Provider leases held",
+            in_flight.clone(),
+        );
+        Self {
+            registry: r,
+            evidence,
+            transitions,
+            eligibility,
+            recovery,
+            requests,
+            durations,
+            refused,
+            accept_errors,
+            slow_consumers,
+            http_refused,
+            queue_depth,
+            in_flight,
+        }
+    }
+}
+
+fn index_of<V: PartialEq>(all: &[V], v: &V) -> usize {
+    all.iter().position(|x| x == v).unwrap_or(0)
 }
 
 impl Metrics {
     /// Validated stall evidence by provider health (`available`, `unavailable`, `unknown`).
     pub(crate) fn count_health_evidence(&self, provider_health: &str) {
-        let i = match provider_health {
-            "available" => 0,
-            "unavailable" => 1,
-            _ => 2,
+        let h = match provider_health {
+            "available" => ProviderHealth::Available,
+            "unavailable" => ProviderHealth::Unavailable,
+            _ => ProviderHealth::Unknown,
         };
-        self.evidence[i].fetch_add(1, Ordering::Relaxed);
+        self.evidence[index_of(ProviderHealth::ALL, &h)].inc();
     }
 
     /// An overlay transition.
     pub(crate) fn count_health_transition(&self, to_unavailable: bool) {
-        self.transitions[usize::from(!to_unavailable)].fetch_add(1, Ordering::Relaxed);
+        self.transitions[usize::from(!to_unavailable)].inc();
     }
 
     /// A stall terminal's handoff: confirmed (validated current bound stall) or rejected.
     pub(crate) fn count_recovery_eligibility(&self, confirmed: bool) {
-        self.eligibility[usize::from(!confirmed)].fetch_add(1, Ordering::Relaxed);
+        self.eligibility[usize::from(!confirmed)].inc();
     }
 
     /// A CAPABILITIES recovery answer's effect on one overlay.
     pub(crate) fn count_recovery_result(&self, cleared: bool) {
-        self.recovery[usize::from(!cleared)].fetch_add(1, Ordering::Relaxed);
+        self.recovery[usize::from(!cleared)].inc();
     }
 
     /// A Node connection refused before registration.
     pub fn node_connection_refused(&self, reason: Refusal) {
-        self.refused[reason as usize].fetch_add(1, Ordering::Relaxed);
+        self.refused[index_of(&Refusal::ALL, &reason)].inc();
     }
 
     /// A failed `accept` on the Node listener.
     pub(crate) fn accept_error(&self) {
-        self.accept_errors[0].fetch_add(1, Ordering::Relaxed);
+        self.accept_errors[0].inc();
     }
 
     /// A failed `accept` on the HTTP listener.
     pub fn http_accept_error(&self) {
-        self.accept_errors[1].fetch_add(1, Ordering::Relaxed);
+        self.accept_errors[1].inc();
     }
 
     /// A stream ended because its reader fell behind.
     pub(crate) fn count_slow_consumer(&self) {
-        self.slow_consumers.fetch_add(1, Ordering::Relaxed);
+        self.slow_consumers.inc();
     }
 
     /// An HTTP connection closed at once over the connection cap.
     pub fn http_connection_refused(&self) {
-        self.http_refused.fetch_add(1, Ordering::Relaxed);
+        self.http_refused.inc();
     }
 
     /// One HTTP request's outcome and duration.
     pub fn request(&self, endpoint: Endpoint, ok: bool, duration: Duration) {
-        self.requests[endpoint.index()][usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
-        self.durations[endpoint.index()].observe(duration);
+        let e = index_of(&Endpoint::ALL, &endpoint);
+        self.requests[e][usize::from(!ok)].inc();
+        self.durations[e].observe(duration.as_secs_f64());
     }
 
-    /// Prometheus text exposition; `queue_depth` and `in_flight` are read at scrape time.
+    /// The exposition (OpenMetrics text); `queue_depth` and `in_flight` are read at scrape
+    /// time.
     pub fn render(&self, queue_depth: usize, in_flight: u64) -> String {
+        self.queue_depth
+            .set(i64::try_from(queue_depth).unwrap_or(i64::MAX));
+        self.in_flight
+            .set(i64::try_from(in_flight).unwrap_or(i64::MAX));
         let mut out = String::new();
-        let counter = |out: &mut String,
-                       name: &str,
-                       help: &str,
-                       label: &str,
-                       values: &[(&str, &AtomicU64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for (v, c) in values {
-                let _ = writeln!(
-                    out,
-                    "{name}{{{label}=\"{v}\"}} {}",
-                    c.load(Ordering::Relaxed)
-                );
-            }
-        };
-        counter(
-            &mut out,
-            "iop_edge_provider_health_evidence_total",
-            "Validated stall health evidence.",
-            "provider_health",
-            &[
-                ("available", &self.evidence[0]),
-                ("unavailable", &self.evidence[1]),
-                ("unknown", &self.evidence[2]),
-            ],
-        );
-        counter(
-            &mut out,
-            "iop_edge_provider_health_transitions_total",
-            "Runtime-unavailable overlay transitions.",
-            "to",
-            &[
-                ("unavailable", &self.transitions[0]),
-                ("available", &self.transitions[1]),
-            ],
-        );
-        counter(
-            &mut out,
-            "iop_edge_liveness_recovery_eligibility_total",
-            "Stall terminals by recovery handoff.",
-            "eligibility",
-            &[
-                ("confirmed", &self.eligibility[0]),
-                ("rejected", &self.eligibility[1]),
-            ],
-        );
-        counter(
-            &mut out,
-            "iop_edge_liveness_recovery_results_total",
-            "CAPABILITIES recovery answers by effect.",
-            "result",
-            &[
-                ("cleared", &self.recovery[0]),
-                ("unchanged", &self.recovery[1]),
-            ],
-        );
-        let _ = writeln!(
-            out,
-            "# HELP iop_edge_requests_total HTTP requests.\n# TYPE iop_edge_requests_total counter"
-        );
-        for e in Endpoint::ALL {
-            for (i, outcome) in ["ok", "error"].iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "iop_edge_requests_total{{endpoint=\"{}\",outcome=\"{outcome}\"}} {}",
-                    e.label(),
-                    self.requests[e.index()][i].load(Ordering::Relaxed)
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP iop_edge_request_duration_seconds Time to the response head.\n# TYPE iop_edge_request_duration_seconds histogram"
-        );
-        for e in Endpoint::ALL {
-            self.durations[e.index()].render(
-                &mut out,
-                "iop_edge_request_duration_seconds",
-                &format!("endpoint=\"{}\"", e.label()),
-            );
-        }
-        counter(
-            &mut out,
-            "iop_edge_node_connections_refused_total",
-            "Node connections refused or failed before registration.",
-            "reason",
-            &Refusal::ALL.map(|r| (r.as_str(), &self.refused[r as usize])),
-        );
-        counter(
-            &mut out,
-            "iop_edge_accept_errors_total",
-            "Failed accepts (e.g. out of file descriptors).",
-            "listener",
-            &[
-                ("nodes", &self.accept_errors[0]),
-                ("http", &self.accept_errors[1]),
-            ],
-        );
-        let _ = writeln!(
-            out,
-            "# HELP iop_edge_slow_consumers_total Streams ended because their reader fell behind.\n# TYPE iop_edge_slow_consumers_total counter\niop_edge_slow_consumers_total {}",
-            self.slow_consumers.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP iop_edge_http_connections_refused_total HTTP connections closed over the connection cap.\n# TYPE iop_edge_http_connections_refused_total counter\niop_edge_http_connections_refused_total {}",
-            self.http_refused.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP iop_edge_pool_queue_depth Requests waiting for a provider.\n# TYPE iop_edge_pool_queue_depth gauge\niop_edge_pool_queue_depth {queue_depth}"
-        );
-        let _ = writeln!(
-            out,
-            "# HELP iop_edge_pool_in_flight Provider leases held.\n# TYPE iop_edge_pool_in_flight gauge\niop_edge_pool_in_flight {in_flight}"
-        );
+        // Writing to a String does not fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
 }
+
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[cfg(test)]
 mod tests {
@@ -362,8 +463,11 @@ mod tests {
             )
         );
         assert!(text.contains(
-            "iop_edge_request_duration_seconds_bucket{endpoint=\"chat_completions\",le=\"0.005\"} 1"
+            "iop_edge_request_duration_seconds_bucket{le=\"0.005\",endpoint=\"chat_completions\"} 1"
         ));
+        assert!(text.contains("# TYPE iop_edge_request_duration_seconds histogram"));
+        assert!(text.contains("# HELP iop_edge_requests HTTP requests.\n"));
+        assert!(text.ends_with("# EOF\n"));
         for endpoint in ["models", "responses", "messages", "count_tokens"] {
             assert!(text.contains(&format!(
                 "iop_edge_requests_total{{endpoint=\"{endpoint}\",outcome=\"error\"}} 0"

@@ -42,7 +42,15 @@ pub(crate) async fn serve(
         .route("/readyz", get(readyz))
         .route(
             "/metrics",
-            get(|State(s): State<AdminState>| async move { s.metrics.render() }),
+            get(|State(s): State<AdminState>| async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        crate::metrics::CONTENT_TYPE,
+                    )],
+                    s.metrics.render(),
+                )
+            }),
         )
         .with_state(AdminState {
             store,

@@ -1036,7 +1036,7 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
 async fn metrics(State(state): State<AppState>) -> Response {
     let (queue, in_flight) = state.edge.pool_stats().await.unwrap_or((0, 0));
     let text = state.edge.metrics().render(queue, in_flight);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
