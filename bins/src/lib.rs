@@ -13,8 +13,9 @@
 //!   (see their `--help` and `orbit_runtime`).
 //! - `iop-ca`: a small workload CA for real deployments (`init`, `issue`; see [`ca`]).
 //!
-//! Shared by the mains: [`ca`] (the workload CA), [`devca`] (the local mesh's in-memory CA),
-//! [`tls_reload`] (hot reload of TLS files) and [`shutdown_signal`].
+//! Shared by the mains: [`init_process`] (logging and the open-file limit), [`ca`] (the
+//! workload CA), [`devca`] (the local mesh's in-memory CA), [`tls_reload`] (hot reload of TLS
+//! files) and [`shutdown_signal`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -45,6 +46,20 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
         }
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// What every main does first: logs to stderr, filtered by `RUST_LOG` (else `default_filter`,
+/// e.g. `"info"`), and the open-file soft limit raised to the hard limit
+/// ([`raise_fd_limit`]).
+pub fn init_process(default_filter: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    raise_fd_limit();
 }
 
 /// Raises this process's open-file soft limit to its hard limit (a gateway holds a socket per

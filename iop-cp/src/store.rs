@@ -371,10 +371,9 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Vec<Revision>, StoreError>;
 }
 
+/// Now, in Unix milliseconds (revision timestamps, lease windows).
 pub(crate) fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    iop_wire::time::unix_ms(std::time::SystemTime::now())
 }
 
 pub(crate) fn digest_array(v: &[u8]) -> Result<[u8; 32], StoreError> {

@@ -12,7 +12,8 @@
 //!   ready/fence transition ([`crate::Lifecycle`]; rejected duplicates and stale closes make
 //!   none);
 //! - pings every heartbeat interval the Control Plane gave; reconnects with capped exponential
-//!   backoff and jitter ([`BACKOFF_MIN`]..[`BACKOFF_MAX`]) after any failure.
+//!   backoff and jitter ([`BACKOFF_MIN`]..[`BACKOFF_MAX`], `iop_wire::backoff`) after any
+//!   failure.
 //!
 //! The protocol decisions (hello, silence, correlation, projection generations, lease answer
 //! matching) are `iop_wire::control_session::EdgeControlSession`'s; this module is its driver:
@@ -34,6 +35,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
+use iop_wire::backoff::{Backoff, Retries};
 use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, EdgeCommandEvent, EdgeCommandRequest,
@@ -360,16 +362,23 @@ impl ControlConnector {
     }
 }
 
-fn jitter(d: Duration) -> Duration {
-    let mut b = [0u8; 2];
+/// A uniform random value for the backoff's jitter.
+fn random_u32() -> u32 {
+    let mut b = [0u8; 4];
     let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
-    // 50–100 % of the delay.
-    let frac = 0.5 + f64::from(u16::from_le_bytes(b)) / f64::from(u16::MAX) / 2.0;
-    d.mul_f64(frac)
+    u32::from_le_bytes(b)
+}
+
+/// Reconnect waits: [`BACKOFF_MIN`] doubling to [`BACKOFF_MAX`], each drawn from 50–100 % of
+/// the delay (`iop_wire::backoff`, the policy every retry loop of the workspace uses).
+fn reconnect_policy() -> Backoff {
+    Backoff::exponential(BACKOFF_MIN, BACKOFF_MAX)
+        .with_jitter(0.5)
+        .unwrap_or(Backoff::exponential(BACKOFF_MIN, BACKOFF_MAX))
 }
 
 async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
-    let mut backoff = BACKOFF_MIN;
+    let mut retries = Retries::new(reconnect_policy());
     loop {
         let result = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -379,7 +388,7 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
         match result {
             Ok(()) => {
                 // A session that was accepted, then ended.
-                backoff = BACKOFF_MIN;
+                retries.reset();
                 shared.state.send_replace(SessionState::Connecting);
             }
             Err(state) => {
@@ -387,11 +396,11 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
                 shared.state.send_replace(state);
             }
         }
+        let wait = retries.next_delay(random_u32());
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(jitter(backoff)) => {}
+            () = tokio::time::sleep(wait) => {}
         }
-        backoff = (backoff * 2).min(BACKOFF_MAX);
     }
 }
 
@@ -571,7 +580,7 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
                     kind,
                     node_id,
                     edge_id: shared.config.edge_id.clone(),
-                    occurred_at_unix_ms: unix_ms(),
+                    occurred_at_unix_ms: iop_wire::time::unix_ms(std::time::SystemTime::now()),
                     metadata: Default::default(),
                 };
                 let _ = s.node_event(now(), ev);
@@ -584,12 +593,6 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
             } => s.handle_timeout(now()),
         }
     }
-}
-
-fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// The Edge-owned Node view.

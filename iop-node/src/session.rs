@@ -603,7 +603,12 @@ async fn tunnel_task(
                 }
                 _ => "",
             };
-            match plane.open(&settings.node_id, profile, &req, unix_ms()) {
+            match plane.open(
+                &settings.node_id,
+                profile,
+                &req,
+                iop_wire::time::unix_ms(std::time::SystemTime::now()),
+            ) {
                 Ok(c) => Some(Injection::Lease(c)),
                 Err(rejected) => {
                     tracing::info!(target: "iop_node", event = "node_credential_rejected", run_id = %run_id, reason = %rejected, "managed tunnel refused");
@@ -682,10 +687,4 @@ async fn tunnel_task(
             .await;
     }
     let _ = out.send(Outbound::RunDone(run_id)).await;
-}
-
-fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

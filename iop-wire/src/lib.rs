@@ -103,6 +103,7 @@
 mod liveness;
 mod proto;
 
+pub mod backoff;
 pub mod codec;
 pub mod control;
 pub mod control_session;
@@ -114,6 +115,7 @@ pub mod reconnect;
 pub mod registry;
 pub mod runtime;
 pub mod text_tools;
+pub mod time;
 pub mod tunnel;
 pub mod validate;
 mod workload_tls;

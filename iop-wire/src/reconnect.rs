@@ -22,9 +22,12 @@
 //!
 //! Jitter: each wait is drawn from `[interval × (1 − jitter), interval]` with caller-supplied
 //! randomness (`random: u32`, uniform), so a fleet that lost its Edge at the same moment does
-//! not reconnect in lockstep. The machine itself never reads a clock or an RNG.
+//! not reconnect in lockstep. The machine itself never reads a clock or an RNG. The wait is
+//! the workspace's one retry policy, [`crate::backoff::Backoff`], as a constant interval.
 
 use std::time::{Duration, Instant};
+
+use crate::backoff::Backoff;
 
 /// Default `interval_sec`.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -36,9 +39,8 @@ pub const DEFAULT_JITTER: f64 = 0.2;
 /// The validated policy.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ReconnectPolicy {
-    interval: Duration,
+    wait: Backoff,
     max_attempts: AttemptLimit,
-    jitter: f64,
 }
 
 /// How many consecutive failed attempts are allowed.
@@ -71,12 +73,18 @@ pub enum ReconnectConfigError {
     InvalidJitter,
 }
 
+/// The wait of an interval with the default jitter.
+fn interval_wait(interval: Duration) -> Backoff {
+    Backoff::constant(interval)
+        .with_jitter(DEFAULT_JITTER)
+        .unwrap_or(Backoff::constant(interval))
+}
+
 impl Default for ReconnectPolicy {
     fn default() -> Self {
         Self {
-            interval: DEFAULT_INTERVAL,
+            wait: interval_wait(DEFAULT_INTERVAL),
             max_attempts: AttemptLimit::Finite(DEFAULT_MAX_ATTEMPTS),
-            jitter: DEFAULT_JITTER,
         }
     }
 }
@@ -104,24 +112,23 @@ impl ReconnectPolicy {
             Some(s) => Duration::from_secs(s.unsigned_abs()),
         };
         Ok(Self {
-            interval,
+            wait: interval_wait(interval),
             max_attempts,
-            jitter: DEFAULT_JITTER,
         })
     }
 
     /// Sets the jitter fraction (default [`DEFAULT_JITTER`]; 0 disables jitter).
     pub fn with_jitter(mut self, jitter: f64) -> Result<Self, ReconnectConfigError> {
-        if !(0.0..=1.0).contains(&jitter) {
-            return Err(ReconnectConfigError::InvalidJitter);
-        }
-        self.jitter = jitter;
+        self.wait = self
+            .wait
+            .with_jitter(jitter)
+            .map_err(|_| ReconnectConfigError::InvalidJitter)?;
         Ok(self)
     }
 
     /// The configured interval.
     pub fn interval(&self) -> Duration {
-        self.interval
+        self.wait.max()
     }
 
     /// The attempt limit.
@@ -131,9 +138,7 @@ impl ReconnectPolicy {
 
     /// The wait before the next attempt, for a uniform `random` value.
     pub fn backoff(&self, random: u32) -> Duration {
-        let fraction = f64::from(random) / f64::from(u32::MAX);
-        let cut = self.interval.as_secs_f64() * self.jitter * fraction;
-        self.interval.saturating_sub(Duration::from_secs_f64(cut))
+        self.wait.delay(1, random)
     }
 }
 

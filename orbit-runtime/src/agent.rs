@@ -18,6 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use base64::Engine as _;
 use ed25519_dalek::SigningKey;
+use iop_wire::backoff::{Backoff, Retries};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -134,9 +135,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 fn unix_now() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+    iop_wire::time::unix_secs(std::time::SystemTime::now())
 }
 
 fn random_hex(n: usize) -> String {
@@ -429,24 +428,24 @@ impl Agent {
         shutdown: impl Future<Output = ()>,
     ) {
         tokio::pin!(shutdown);
-        let mut backoff = BACKOFF_MIN;
+        let mut retries = Retries::new(
+            Backoff::exponential(BACKOFF_MIN, BACKOFF_MAX)
+                .with_jitter(0.5)
+                .unwrap_or(Backoff::exponential(BACKOFF_MIN, BACKOFF_MAX)),
+        );
         loop {
             let addr = *reported_address.borrow();
             let wait = match self.tick(applier, addr).await {
                 Ok(_) => {
-                    backoff = BACKOFF_MIN;
+                    retries.reset();
                     self.heartbeat
                 }
                 Err(e) => {
                     tracing::warn!(target: "orbit_runtime", event = "orbit_agent_cycle_failed", error = %e, "agent cycle failed");
-                    let mut b = [0u8; 2];
+                    let mut b = [0u8; 4];
                     let _ =
                         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
-                    let jittered = backoff.mul_f64(
-                        0.5 + f64::from(u16::from_le_bytes(b)) / f64::from(u16::MAX) / 2.0,
-                    );
-                    backoff = (backoff * 2).min(BACKOFF_MAX);
-                    jittered
+                    retries.next_delay(u32::from_le_bytes(b))
                 }
             };
             tokio::select! {

@@ -141,9 +141,7 @@ const UDP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 const TCP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 fn unix_secs() -> u32 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX))
+    u32::try_from(iop_wire::time::unix_secs(std::time::SystemTime::now())).unwrap_or(u32::MAX)
 }
 
 impl Rfc2136Dns {

@@ -87,11 +87,7 @@ pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 
 /// The system clock.
 pub fn system_clock() -> Clock {
-    Arc::new(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-    })
+    Arc::new(|| iop_wire::time::unix_secs(std::time::SystemTime::now()))
 }
 
 /// The server state, shared by the API and admin routers.

@@ -86,6 +86,9 @@ fn millis(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Now, in Unix milliseconds. The proxy-pool controller's one wall-clock read (its TTL clock is
+/// the monotonic `memory::Clock`); it does not share `iop_wire::time`, as it depends on none of
+/// the IOP crates.
 fn unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -75,10 +75,7 @@ fn signed_batches(
     identity: &Identity,
     salt: u64,
 ) -> Vec<Vec<Vec<(&'static str, String)>>> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
+    let now = iop_wire::time::unix_secs(std::time::SystemTime::now());
     (0..CONCURRENCY)
         .map(|t| {
             (0..PER_TASK)

@@ -248,13 +248,7 @@ fn runtime(msg: impl Into<String>) -> Failure {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    iop_bins::raise_fd_limit();
+    iop_bins::init_process("info");
     if let Err(Failure(code, msg)) = run(cli).await {
         eprintln!("iop-cp: {msg}");
         std::process::exit(code);

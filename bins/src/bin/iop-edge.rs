@@ -57,13 +57,7 @@ struct Cli {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    iop_bins::raise_fd_limit();
+    iop_bins::init_process("info");
     let _ = rustls::crypto::ring::default_provider().install_default();
     let shutdown = iop_bins::shutdown_signal();
     let built = EdgeConfigFile::load(&cli.config).and_then(EdgeConfigFile::build);

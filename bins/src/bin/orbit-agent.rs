@@ -82,13 +82,7 @@ impl Applier for FileApplier {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    iop_bins::raise_fd_limit();
+    iop_bins::init_process("info");
     let _ = rustls::crypto::ring::default_provider().install_default();
     let token = match std::fs::read_to_string(&cli.deployment_token_file) {
         Ok(t) => t.trim().to_owned(),

@@ -124,13 +124,7 @@ fn read_secret(path: &PathBuf, what: &str) -> String {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    iop_bins::raise_fd_limit();
+    iop_bins::init_process("info");
     let _ = rustls::crypto::ring::default_provider().install_default();
     if !cli.admin_listen.ip().is_loopback() && !cli.admin_allow_remote {
         usage("--admin-listen must be a loopback address (or pass --admin-allow-remote)");

@@ -43,13 +43,7 @@ struct Cli {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    iop_bins::raise_fd_limit();
+    iop_bins::init_process("info");
     let text = match std::fs::read_to_string(&cli.config) {
         Ok(t) => t,
         Err(e) => {

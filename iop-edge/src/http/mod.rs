@@ -57,7 +57,7 @@ mod responses;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -562,9 +562,7 @@ fn bad_request(dialect: Dialect, e: &TranslateError) -> Response {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    u64::try_from(iop_wire::time::unix_secs(SystemTime::now())).unwrap_or(0)
 }
 
 static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
