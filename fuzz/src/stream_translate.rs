@@ -38,7 +38,9 @@ fn translate(upstream: Upstream, which: u8, chunks: &[&[u8]]) -> Vec<u8> {
         t.feed(c, &mut out);
     }
     t.finish(&mut out);
-    out
+    let mut bytes = Vec::new();
+    iop_dialect::sse::SseEvent::write_all(&out, &mut bytes);
+    bytes
 }
 
 /// The meaning of a stream in `upstream`'s dialect: `None` when decoding failed or the stream

@@ -163,7 +163,9 @@ fn responses_events() -> Vec<String> {
         &mut out,
     );
     e.finish(&mut out);
-    vec![String::from_utf8(out).unwrap()]
+    let mut bytes = Vec::new();
+    iop_dialect::sse::SseEvent::write_all(&out, &mut bytes);
+    vec![String::from_utf8(bytes).unwrap()]
 }
 
 /// The local provider; `slow` models tick until dropped (reported on the channel) and

@@ -9,13 +9,15 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value, json};
 
+use crate::sse::SseEvent;
 use crate::{Event, FinishReason, Message, Meta, Usage};
 
-fn data(out: &mut Vec<u8>, v: &Value) {
-    out.extend_from_slice(b"data: ");
-    // Writing a `Value` into a `Vec` cannot fail.
-    let _ = serde_json::to_writer(&mut *out, v);
-    out.extend_from_slice(b"\n\n");
+/// An unnamed event whose data is `v` (compact JSON: one line, so one `data:` line).
+fn data(out: &mut Vec<SseEvent>, v: &Value) {
+    out.push(SseEvent {
+        event: String::new(),
+        data: v.to_string(),
+    });
 }
 
 /// `{key: value}` plus `rest`, moving `value` in (the `json!` macro would serialize a `Value`
@@ -25,11 +27,11 @@ fn with(mut rest: Value, key: &str, value: Value) -> Value {
     rest
 }
 
-fn named(out: &mut Vec<u8>, event: &str, v: &Value) {
-    out.extend_from_slice(b"event: ");
-    out.extend_from_slice(event.as_bytes());
-    out.push(b'\n');
-    data(out, v);
+fn named(out: &mut Vec<SseEvent>, event: &str, v: &Value) {
+    out.push(SseEvent {
+        event: event.to_owned(),
+        data: v.to_string(),
+    });
 }
 
 fn chat_usage(u: Usage) -> Value {
@@ -97,7 +99,7 @@ impl ChatStreamEncoder {
         )
     }
 
-    fn start(&mut self, out: &mut Vec<u8>) {
+    fn start(&mut self, out: &mut Vec<SseEvent>) {
         if !self.started {
             self.started = true;
             let c = self.chunk(json!({ "role": "assistant", "content": "" }), Value::Null);
@@ -106,7 +108,7 @@ impl ChatStreamEncoder {
     }
 
     /// Renders one event.
-    pub fn event(&mut self, event: &Event, out: &mut Vec<u8>) {
+    pub fn event(&mut self, event: &Event, out: &mut Vec<SseEvent>) {
         if self.done {
             return;
         }
@@ -144,7 +146,7 @@ impl ChatStreamEncoder {
     }
 
     /// Ends the stream.
-    pub fn finish(&mut self, out: &mut Vec<u8>) {
+    pub fn finish(&mut self, out: &mut Vec<SseEvent>) {
         if self.done {
             return;
         }
@@ -163,7 +165,10 @@ impl ChatStreamEncoder {
             });
             data(out, &u);
         }
-        out.extend_from_slice(b"data: [DONE]\n\n");
+        out.push(SseEvent {
+            event: String::new(),
+            data: "[DONE]".to_owned(),
+        });
         self.done = true;
     }
 
@@ -403,7 +408,7 @@ impl ResponsesStreamEncoder {
         }
     }
 
-    fn emit(&mut self, out: &mut Vec<u8>, kind: &str, mut body: Value) {
+    fn emit(&mut self, out: &mut Vec<SseEvent>, kind: &str, mut body: Value) {
         body["type"] = json!(kind);
         body["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
@@ -417,7 +422,7 @@ impl ResponsesStreamEncoder {
         response_base(&self.meta, &self.echo, status, items, usage)
     }
 
-    fn start(&mut self, out: &mut Vec<u8>) {
+    fn start(&mut self, out: &mut Vec<SseEvent>) {
         if self.started {
             return;
         }
@@ -431,7 +436,7 @@ impl ResponsesStreamEncoder {
         self.emit(out, "response.in_progress", with(json!({}), "response", r));
     }
 
-    fn open_message(&mut self, out: &mut Vec<u8>) {
+    fn open_message(&mut self, out: &mut Vec<SseEvent>) {
         if self.message.is_some() {
             return;
         }
@@ -456,7 +461,7 @@ impl ResponsesStreamEncoder {
         });
     }
 
-    fn close_message(&mut self, out: &mut Vec<u8>) {
+    fn close_message(&mut self, out: &mut Vec<SseEvent>) {
         let Some(m) = self.message.take() else { return };
         self.emit(
             out,
@@ -477,7 +482,7 @@ impl ResponsesStreamEncoder {
         );
     }
 
-    fn close_calls(&mut self, out: &mut Vec<u8>) {
+    fn close_calls(&mut self, out: &mut Vec<SseEvent>) {
         let calls = std::mem::take(&mut self.calls);
         for c in calls.into_iter().flatten() {
             self.emit(
@@ -496,7 +501,7 @@ impl ResponsesStreamEncoder {
     }
 
     /// Renders one event.
-    pub fn event(&mut self, event: &Event, out: &mut Vec<u8>) {
+    pub fn event(&mut self, event: &Event, out: &mut Vec<SseEvent>) {
         if self.done {
             return;
         }
@@ -559,7 +564,7 @@ impl ResponsesStreamEncoder {
     }
 
     /// Ends the stream.
-    pub fn finish(&mut self, out: &mut Vec<u8>) {
+    pub fn finish(&mut self, out: &mut Vec<SseEvent>) {
         if self.done {
             return;
         }
@@ -665,7 +670,7 @@ impl MessagesStreamEncoder {
         }
     }
 
-    fn start(&mut self, out: &mut Vec<u8>) {
+    fn start(&mut self, out: &mut Vec<SseEvent>) {
         if self.started {
             return;
         }
@@ -683,7 +688,7 @@ impl MessagesStreamEncoder {
         named(out, "ping", &json!({ "type": "ping" }));
     }
 
-    fn close(&mut self, out: &mut Vec<u8>) {
+    fn close(&mut self, out: &mut Vec<SseEvent>) {
         if let Some((index, open)) = self.open.take() {
             if let Open::Tool(ordinal) = open {
                 self.tools.insert(ordinal, true);
@@ -696,7 +701,7 @@ impl MessagesStreamEncoder {
         }
     }
 
-    fn open(&mut self, out: &mut Vec<u8>, kind: Open, block: Value) -> u32 {
+    fn open(&mut self, out: &mut Vec<SseEvent>, kind: Open, block: Value) -> u32 {
         self.close(out);
         let index = self.next_block;
         self.next_block += 1;
@@ -713,14 +718,14 @@ impl MessagesStreamEncoder {
         index
     }
 
-    fn fail(&mut self, out: &mut Vec<u8>, message: &str) {
+    fn fail(&mut self, out: &mut Vec<SseEvent>, message: &str) {
         let e = json!({ "type": "error", "error": { "type": "api_error", "message": message } });
         named(out, "error", &e);
         self.done = true;
     }
 
     /// Renders one event.
-    pub fn event(&mut self, event: &Event, out: &mut Vec<u8>) {
+    pub fn event(&mut self, event: &Event, out: &mut Vec<SseEvent>) {
         if self.done {
             return;
         }
@@ -763,7 +768,7 @@ impl MessagesStreamEncoder {
     }
 
     /// Ends the stream.
-    pub fn finish(&mut self, out: &mut Vec<u8>) {
+    pub fn finish(&mut self, out: &mut Vec<SseEvent>) {
         if self.done {
             return;
         }

@@ -27,11 +27,13 @@
 //!   both incremental over an [`sse::SseParser`] with a hard bound on one event's size; a
 //!   non-streamed JSON body becomes a [`Message`] ([`decode::message_from_chat`],
 //!   [`decode::message_from_messages`]).
-//! - Encoders turn events into the client's bytes: [`encode::ChatStreamEncoder`],
-//!   [`encode::ResponsesStreamEncoder`] and [`encode::MessagesStreamEncoder`] (SSE, with each
+//! - Encoders turn events into the client's server-sent events ([`sse::SseEvent`]: an event
+//!   name and one line of JSON data): [`encode::ChatStreamEncoder`],
+//!   [`encode::ResponsesStreamEncoder`] and [`encode::MessagesStreamEncoder`], with each
 //!   dialect's framing: `[DONE]`, `sequence_number`s, `message_start` … `message_stop` and
-//!   `ping`); a [`Message`] renders as each dialect's JSON ([`encode::chat_completion`],
-//!   [`encode::responses_object`], [`encode::messages_object`]).
+//!   `ping`. The Edge serves them with axum's `Sse`; [`sse::SseEvent::write_to`] is the same
+//!   `text/event-stream` form without axum. A [`Message`] renders as each dialect's JSON
+//!   ([`encode::chat_completion`], [`encode::responses_object`], [`encode::messages_object`]).
 //! - [`StreamTranslator`] joins one decoder and one encoder: feed it the upstream body in any
 //!   chunking and it yields the client's stream; the output does not depend on where the input
 //!   was split (tested at every byte boundary, and fuzzed).
@@ -71,6 +73,7 @@ pub use event::{Event, FinishReason, Message, Meta, ToolCall, Usage};
 
 use decode::{ChatStreamDecoder, MessagesStreamDecoder};
 use encode::{ChatStreamEncoder, MessagesStreamEncoder, ResponsesStreamEncoder};
+use sse::SseEvent;
 
 /// One of the HTTP API dialects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -191,7 +194,7 @@ pub enum Encoder {
 
 impl Encoder {
     /// Renders one event.
-    pub fn event(&mut self, event: &Event, out: &mut Vec<u8>) {
+    pub fn event(&mut self, event: &Event, out: &mut Vec<SseEvent>) {
         match self {
             Self::Chat(e) => e.event(event, out),
             Self::Responses(e) => e.event(event, out),
@@ -200,7 +203,7 @@ impl Encoder {
     }
 
     /// Ends the stream normally (closing blocks, final usage, the dialect's terminator).
-    pub fn finish(&mut self, out: &mut Vec<u8>) {
+    pub fn finish(&mut self, out: &mut Vec<SseEvent>) {
         match self {
             Self::Chat(e) => e.finish(out),
             Self::Responses(e) => e.finish(out),
@@ -241,10 +244,10 @@ impl StreamTranslator {
         }
     }
 
-    /// Feeds upstream body bytes; appends the client bytes they complete to `out`. A decoding
+    /// Feeds upstream body bytes; appends the client events they complete to `out`. A decoding
     /// failure is rendered as the dialect's error event and ends the stream; later input is
     /// ignored.
-    pub fn feed(&mut self, bytes: &[u8], out: &mut Vec<u8>) {
+    pub fn feed(&mut self, bytes: &[u8], out: &mut Vec<SseEvent>) {
         if self.encoder.is_done() {
             return;
         }
@@ -256,7 +259,7 @@ impl StreamTranslator {
     }
 
     /// The upstream body ended normally: renders what is pending and the dialect's end.
-    pub fn finish(&mut self, out: &mut Vec<u8>) {
+    pub fn finish(&mut self, out: &mut Vec<SseEvent>) {
         if self.encoder.is_done() {
             return;
         }
@@ -270,7 +273,7 @@ impl StreamTranslator {
 
     /// The upstream failed mid-stream (`message` is a stable, low-sensitivity text): renders the
     /// dialect's error event and ends the stream.
-    pub fn fail(&mut self, message: &str, out: &mut Vec<u8>) {
+    pub fn fail(&mut self, message: &str, out: &mut Vec<SseEvent>) {
         self.encoder.event(&Event::Error(message.to_owned()), out);
     }
 
@@ -279,7 +282,7 @@ impl StreamTranslator {
         self.encoder.is_done()
     }
 
-    fn drain(&mut self, result: Result<(), StreamError>, out: &mut Vec<u8>) {
+    fn drain(&mut self, result: Result<(), StreamError>, out: &mut Vec<SseEvent>) {
         for ev in self.events.drain(..) {
             self.encoder.event(&ev, out);
         }

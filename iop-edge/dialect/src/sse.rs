@@ -20,6 +20,33 @@ pub struct SseEvent {
     pub data: String,
 }
 
+impl SseEvent {
+    /// The event in `text/event-stream` form: an `event:` line when named, one `data:` line per
+    /// line of data, and the blank line that dispatches it. The Edge serves the encoders'
+    /// events through axum's `Sse` (which writes the same form and adds keep-alive comments);
+    /// this is the form for embedders without axum, the golden files and the fuzz oracle.
+    pub fn write_to(&self, out: &mut Vec<u8>) {
+        if !self.event.is_empty() {
+            out.extend_from_slice(b"event: ");
+            out.extend_from_slice(self.event.as_bytes());
+            out.push(b'\n');
+        }
+        for line in self.data.split('\n') {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(line.as_bytes());
+            out.push(b'\n');
+        }
+        out.push(b'\n');
+    }
+
+    /// `events`, each [written](Self::write_to) in turn.
+    pub fn write_all(events: &[Self], out: &mut Vec<u8>) {
+        for e in events {
+            e.write_to(out);
+        }
+    }
+}
+
 /// Why an SSE stream was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

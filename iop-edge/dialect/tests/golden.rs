@@ -58,6 +58,7 @@ fn encoder(dialect: Dialect) -> Encoder {
     }
 }
 
+/// The client stream's bytes in `text/event-stream` form (`SseEvent::write_to`).
 fn translate(upstream: Upstream, to: Dialect, chunks: &[&[u8]]) -> Vec<u8> {
     let mut t = StreamTranslator::new(upstream, encoder(to));
     let mut out = Vec::new();
@@ -65,7 +66,13 @@ fn translate(upstream: Upstream, to: Dialect, chunks: &[&[u8]]) -> Vec<u8> {
         t.feed(c, &mut out);
     }
     t.finish(&mut out);
-    out
+    wire(&out)
+}
+
+fn wire(events: &[iop_dialect::sse::SseEvent]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    iop_dialect::sse::SseEvent::write_all(events, &mut bytes);
+    bytes
 }
 
 /// The upstream's own meaning, folded.
@@ -289,7 +296,7 @@ fn interleaved_tool_arguments_are_refused_by_messages_and_rendered_by_responses(
         e.event(ev, &mut out);
     }
     assert!(e.is_done());
-    let out = String::from_utf8(out).unwrap();
+    let out = String::from_utf8(wire(&out)).unwrap();
     assert!(
         out.ends_with("cannot represent\",\"type\":\"api_error\"},\"type\":\"error\"}\n\n"),
         "{out}"
@@ -300,7 +307,7 @@ fn interleaved_tool_arguments_are_refused_by_messages_and_rendered_by_responses(
         e.event(ev, &mut out);
     }
     e.finish(&mut out);
-    let m = fold_client(Dialect::Responses, &out);
+    let m = fold_client(Dialect::Responses, &wire(&out));
     assert_eq!(m.tool_calls[0].arguments, "{}");
     assert_eq!(m.tool_calls[1].arguments, "");
 }

@@ -1,13 +1,17 @@
 //! Responses, in one place per dialect: errors, passthrough, translated tunnel responses and
 //! normalized runs, streamed or as one JSON body. The dialect work itself is `iop_dialect`'s;
-//! this module moves bytes between the Edge's streams and axum bodies.
+//! this module moves bytes between the Edge's streams and axum bodies. Event streams the Edge
+//! renders (translated or from a native run) are served with axum's `Sse`, with keep-alive
+//! comments every 15 s; a passthrough stream is the provider's own bytes, untouched.
 
 use std::collections::BTreeSet;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::sse::{Event as SseOut, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use iop_dialect::decode::{ChatStreamDecoder, MessagesStreamDecoder};
+use iop_dialect::sse::SseEvent;
 use iop_dialect::{Dialect, Encoder, Event, Message, StreamTranslator, Upstream};
 use iop_wire::runtime::{Header, RunEvent, RunEventKind};
 use iop_wire::tunnel::Delivery;
@@ -89,15 +93,38 @@ pub(super) fn not_found_model(dialect: Dialect, model: &str) -> Response {
     )
 }
 
-fn sse(body: Body) -> Response {
-    let mut r = Response::new(body);
-    let h = r.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    r
+/// Keep-alive comments on the event streams the Edge renders: a model that thinks for a minute
+/// before its first token must not look like a dead stream to the proxies in between.
+const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// An encoder's event for axum's `Sse` (its data is compact JSON or `[DONE]`: one line, no CR).
+fn sse_event(e: SseEvent) -> SseOut {
+    // The `event:` line first, as the providers write it (axum writes fields in call order).
+    let out = if e.event.is_empty() {
+        SseOut::default()
+    } else {
+        SseOut::default().event(e.event)
+    };
+    out.data(e.data)
+}
+
+/// Batches of encoder events served as `text/event-stream` with axum's `Sse` (framing, the
+/// `no-cache` header and keep-alive comments are axum's).
+fn sse<S>(batches: S) -> Response
+where
+    S: futures_util::Stream<Item = Vec<SseEvent>> + Send + 'static,
+{
+    use futures_util::StreamExt as _;
+    let events = batches.flat_map(|batch| {
+        futures_util::stream::iter(
+            batch
+                .into_iter()
+                .map(|e| Ok::<_, std::convert::Infallible>(sse_event(e))),
+        )
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
+        .into_response()
 }
 
 // === Passthrough ===
@@ -238,7 +265,7 @@ pub(super) fn whole(client: ClientSide, message: &Message) -> Response {
             encoder.event(&e, &mut out);
         }
         encoder.finish(&mut out);
-        return sse(Body::from(out));
+        return sse(futures_util::stream::iter([out]));
     }
     json_response(StatusCode::OK, &(client.json)(message))
 }
@@ -265,8 +292,11 @@ fn fold_stream(upstream: Upstream, body: &[u8]) -> Option<Message> {
     Some(m)
 }
 
-fn stream_translated(s: TunnelStream, t: StreamTranslator) -> Body {
-    let stream = futures_util::stream::unfold((s, t), |(mut s, mut t)| async move {
+fn stream_translated(
+    s: TunnelStream,
+    t: StreamTranslator,
+) -> impl futures_util::Stream<Item = Vec<SseEvent>> + Send + 'static {
+    futures_util::stream::unfold((s, t), |(mut s, mut t)| async move {
         if t.is_done() {
             // Dropping `s` here cancels a tunnel the translator gave up on.
             return None;
@@ -280,14 +310,13 @@ fn stream_translated(s: TunnelStream, t: StreamTranslator) -> Body {
                 Some(_) => t.fail(PROVIDER_FAILED, &mut out),
             }
             if !out.is_empty() {
-                return Some((Ok::<_, std::io::Error>(Bytes::from(out)), (s, t)));
+                return Some((out, (s, t)));
             }
             if t.is_done() {
                 return None;
             }
         }
-    });
-    Body::from_stream(stream)
+    })
 }
 
 // === Normalized runs ===
@@ -420,11 +449,11 @@ pub(super) async fn native(
                         None => enc.event(&Event::Error(PROVIDER_FAILED.to_owned()), &mut out),
                     }
                     if !out.is_empty() {
-                        return Some((Ok::<_, std::io::Error>(Bytes::from(out)), (s, events, enc)));
+                        return Some((out, (s, events, enc)));
                     }
                 }
             });
-        return sse(Body::from_stream(stream));
+        return sse(stream);
     }
     let mut message = Message::default();
     let mut batch = Vec::new();
@@ -442,4 +471,48 @@ pub(super) async fn native(
         return error(client.dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
     }
     json_response(StatusCode::OK, &(client.json)(&message))
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt as _;
+
+    use super::*;
+
+    /// The events go out in the `text/event-stream` form `SseEvent::write_to` documents, and a
+    /// quiet stream gets a keep-alive comment every 15 s (in virtual time).
+    #[tokio::test(start_paused = true)]
+    async fn rendered_events_are_framed_by_axum_and_kept_alive() {
+        let events = vec![
+            SseEvent {
+                event: "message_start".into(),
+                data: r#"{"type":"message_start"}"#.into(),
+            },
+            SseEvent {
+                event: String::new(),
+                data: "[DONE]".into(),
+            },
+        ];
+        let mut expected = Vec::new();
+        SseEvent::write_all(&events, &mut expected);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Vec<SseEvent>>(1);
+        let response = sse(futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|b| (b, rx))
+        }));
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+        let mut body = response.into_body();
+        tx.send(events).await.expect("open");
+        let mut got = Vec::new();
+        while got.len() < expected.len() {
+            let frame = body.frame().await.expect("a frame").expect("ok");
+            got.extend_from_slice(&frame.into_data().expect("data"));
+        }
+        assert_eq!(got, expected);
+        // Nothing for 15 s: a comment keeps the stream alive.
+        let t = tokio::time::Instant::now();
+        let frame = body.frame().await.expect("a frame").expect("ok");
+        assert_eq!(&frame.into_data().expect("data")[..], b":\n\n");
+        assert_eq!(t.elapsed(), SSE_KEEP_ALIVE);
+        drop(tx);
+    }
 }
