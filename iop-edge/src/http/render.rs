@@ -499,7 +499,10 @@ mod tests {
         let response = sse(futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|b| (b, rx))
         }));
-        assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "text/event-stream"
+        );
         let mut body = response.into_body();
         tx.send(events).await.expect("open");
         let mut got = Vec::new();
