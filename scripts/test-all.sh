@@ -31,6 +31,12 @@ if ! python3 -c "import openai, anthropic" >/dev/null 2>&1; then
     python3 -m pip install --quiet openai anthropic
 fi
 
+# The gRPC conformance tests use the standard Python clients operators and probes use.
+if ! python3 -c "import grpc, grpc_health.v1.health_pb2, grpc_reflection.v1alpha.reflection_pb2" >/dev/null 2>&1; then
+    echo "installing the Python gRPC clients for the conformance tests (python3 -m pip install grpcio grpcio-health-checking grpcio-reflection)"
+    python3 -m pip install --quiet grpcio grpcio-health-checking grpcio-reflection
+fi
+
 # A clean build of every test target takes several GiB; with full debug info it once filled a
 # CI machine's disk (see [profile.dev] in Cargo.toml). Incremental state is of no use to a
 # clean clone and doubles the workspace crates' footprint.

@@ -6,6 +6,16 @@
 //! Shutdown: readiness and gRPC health go not-serving, new RPCs are refused, in-flight ones get
 //! `shutdownTimeout` to finish (graceful stop), then every connection is dropped (hard stop).
 //!
+//! gRPC health (`grpc.health.v1`) follows readiness: the store is probed every
+//! [`HEALTH_PROBE_INTERVAL`] (answer within one second), and both the server (`""`) and
+//! `controlplane.v1.WorkerControlPlane` go `NOT_SERVING` while it does not answer or after
+//! shutdown began, `SERVING` again once it does; `Watch` streams each change. Reflection is
+//! served as `grpc.reflection.v1` and `grpc.reflection.v1alpha` (older grpcurl/grpcui, Postman
+//! and Python's `grpcio-reflection` speak only the latter), and lists the health service too.
+//! A request over `maxMessageBytes` is refused with `RESOURCE_EXHAUSTED` — the gRPC status table's
+//! code for a message larger than the configured limit (tonic itself answers `OUT_OF_RANGE`;
+//! [`OversizeStatus`] corrects the status of exactly that refusal).
+//!
 //! Limits set explicitly: receive and send message size (`maxMessageBytes`), concurrent streams
 //! per connection (`maxConcurrentStreams`), HTTP/2 keepalive pings (every 30 s, 10 s timeout:
 //! dead peers are dropped), pending-accept and local-error reset-stream limits (HTTP/2 reset
@@ -37,6 +47,10 @@ pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 /// Per-RPC timeout.
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often gRPC health probes the store.
+pub const HEALTH_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// How long one health probe of the store may take.
+const HEALTH_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Why the controller did not start.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -136,12 +150,17 @@ pub async fn start_with(
         .map_err(|e| StartError::Listen(config.listen, e.to_string()))?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<WorkerControlPlaneServer<Controller>>()
-        .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+    set_health(&health, true).await;
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
         .build_v1()
+        .map_err(|e| StartError::Tls(format!("reflection: {e}")))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
         .map_err(|e| StartError::Tls(format!("reflection: {e}")))?;
     let svc = WorkerControlPlaneServer::new(controller)
         .max_decoding_message_size(config.max_message_bytes)
@@ -160,13 +179,20 @@ pub async fn start_with(
             u32::try_from(config.max_message_bytes.saturating_mul(4)).unwrap_or(u32::MAX),
         )
         .tcp_nodelay(true)
-        .timeout(RPC_TIMEOUT);
+        .timeout(RPC_TIMEOUT)
+        .layer(tower_layer::layer_fn(OversizeStatus));
     let router = builder
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(svc);
 
     let (ready_tx, ready_rx) = watch::channel(true);
+    let monitor = tokio::spawn(health_monitor(
+        health.clone(),
+        store.clone(),
+        ready_rx.clone(),
+    ));
     let (graceful_tx, graceful_rx) = tokio::sync::oneshot::channel::<()>();
     let graceful = async move {
         let _ = graceful_rx.await;
@@ -233,6 +259,7 @@ pub async fn start_with(
 
     let shutdown_timeout = config.shutdown_timeout;
     let task = tokio::spawn(async move {
+        let _monitor = AbortOnDrop(monitor);
         let mut server = server;
         let mut admin = admin;
         tokio::select! {
@@ -248,9 +275,7 @@ pub async fn start_with(
         }
         // Not ready, not serving; stop accepting; bounded graceful stop; then hard stop.
         let _ = ready_tx.send(false);
-        health
-            .set_not_serving::<WorkerControlPlaneServer<Controller>>()
-            .await;
+        set_health(&health, false).await;
         let _ = graceful_tx.send(());
         match tokio::time::timeout(shutdown_timeout, &mut server).await {
             Ok(r) => r.map_err(|e| format!("grpc server: {e}")),
@@ -267,4 +292,108 @@ pub async fn start_with(
         ready: ready_rx,
         task,
     })
+}
+
+/// Sets the health of the server (`""`) and of the worker control plane.
+async fn set_health(health: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    health.set_service_status("", status).await;
+    if serving {
+        health
+            .set_serving::<WorkerControlPlaneServer<Controller>>()
+            .await;
+    } else {
+        health
+            .set_not_serving::<WorkerControlPlaneServer<Controller>>()
+            .await;
+    }
+}
+
+/// Keeps gRPC health equal to readiness: serving while not shutting down and the store answers
+/// a probe in time. Logs each change once.
+async fn health_monitor(
+    health: tonic_health::server::HealthReporter,
+    store: Arc<dyn ControlStore>,
+    ready: watch::Receiver<bool>,
+) {
+    let mut serving = true;
+    let mut tick = tokio::time::interval(HEALTH_PROBE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let reachable = matches!(
+            tokio::time::timeout(HEALTH_PROBE_TIMEOUT, store.current_ownership_epoch()).await,
+            Ok(Ok(_))
+        );
+        let now = reachable && *ready.borrow();
+        if now != serving {
+            serving = now;
+            if reachable {
+                tracing::info!(target: "proxypool_controller", event = "health_serving", "store reachable again: health SERVING");
+            } else {
+                tracing::warn!(target: "proxypool_controller", event = "health_not_serving", "store unreachable: health NOT_SERVING");
+            }
+            set_health(&health, serving).await;
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Wraps the gRPC router: tonic refuses a request message over the decoding limit with
+/// `OUT_OF_RANGE`; the gRPC status code table's code for "message larger than the configured
+/// limit" is `RESOURCE_EXHAUSTED`. Only that one refusal (its status, in a trailers-only
+/// response, with tonic's message) is changed; every other answer passes untouched.
+#[derive(Clone, Debug)]
+pub struct OversizeStatus<S>(S);
+
+/// tonic's message for the refusal, percent-encoded as it is in `grpc-message`.
+const TONIC_OVERSIZE: &str = "Error,%20decoded%20message%20length%20too%20large";
+
+impl<S, ReqBody, ResBody> tower_service::Service<http::Request<ReqBody>> for OversizeStatus<S>
+where
+    S: tower_service::Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+        let response = self.0.call(request);
+        Box::pin(async move {
+            let mut response = response.await?;
+            let headers = response.headers_mut();
+            let oversize = headers.get("grpc-status").is_some_and(|v| v == "11")
+                && headers
+                    .get("grpc-message")
+                    .is_some_and(|v| v.as_bytes().starts_with(TONIC_OVERSIZE.as_bytes()));
+            if oversize {
+                headers.insert(
+                    "grpc-status",
+                    http::HeaderValue::from(tonic::Code::ResourceExhausted as i32),
+                );
+            }
+            Ok(response)
+        })
+    }
 }

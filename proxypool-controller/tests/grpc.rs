@@ -193,13 +193,28 @@ async fn rpcs_dtos_and_status_codes() {
         (e.code(), e.message()),
         (Code::InvalidArgument, "invalid counters")
     );
-    let mut huge = report("w1", &sid, 6, 1, 1);
-    huge.counters[0].proxy_id = "p".repeat(70_000);
-    // tonic refuses an over-size message before decoding it (OUT_OF_RANGE).
+    // Over maxMessageBytes: refused before decoding, RESOURCE_EXHAUSTED (the gRPC status
+    // table's code for a message over the configured limit); at the limit it is decoded and
+    // judged by the domain (its proxy id is too long: INVALID_ARGUMENT).
+    let sized = |n: usize| {
+        let mut r = report("w1", &sid, 6, 1, 1);
+        r.counters[0].proxy_id = "p".repeat(n);
+        r
+    };
+    let limit = 65_536;
+    let mut n = limit;
+    while prost::Message::encoded_len(&sized(n)) > limit {
+        n -= 1;
+    }
     assert_eq!(
-        c.report_runtime(huge).await.unwrap_err().code(),
-        Code::OutOfRange
+        prost::Message::encoded_len(&sized(n)),
+        limit,
+        "a request of exactly the limit"
     );
+    let at = c.report_runtime(sized(n)).await.unwrap_err();
+    assert_eq!(at.code(), Code::InvalidArgument, "{at:?}");
+    let over = c.report_runtime(sized(n + 1)).await.unwrap_err();
+    assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
     let mut neg = report("w1", &sid, 6, 1, 1);
     neg.counters[0].in_flight = -1;
     assert_eq!(

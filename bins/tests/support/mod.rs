@@ -169,6 +169,21 @@ pub fn require_sdks() {
     );
 }
 
+/// The standard Python gRPC clients are installed (scripts/test-all.sh installs them).
+pub fn require_grpc_clients() {
+    let ok = Command::new("python3")
+        .args([
+            "-c",
+            "import grpc, grpc_health.v1.health_pb2, grpc_reflection.v1alpha.reflection_pb2",
+        ])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "the Python gRPC clients are required: python3 -m pip install grpcio grpcio-health-checking grpcio-reflection (scripts/test-all.sh does this)"
+    );
+}
+
 /// A CA in `<dir>/ca` for trust domain `iop.test`, with certificates for the Edge (`edge-1`,
 /// DNS localhost) and the Nodes named, via the `iop-ca` binary.
 pub fn pki(dir: &Path, nodes: &[&str]) {
