@@ -44,10 +44,7 @@ pub(crate) async fn serve(
             "/metrics",
             get(|State(s): State<AdminState>| async move {
                 (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        crate::metrics::CONTENT_TYPE,
-                    )],
+                    [(http::header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
                     s.metrics.render(),
                 )
             }),
