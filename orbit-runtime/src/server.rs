@@ -13,8 +13,21 @@
 //! `GET /admin/v1/nodes/{node_id}`.
 //!
 //! Deployment tokens authorise enrolment only; they are never a runtime identity, and there is
-//! no `edge_secret`. The server keeps only public keys. Errors are `{"error": "<stable code>"}`
-//! and echo nothing from the request. `GET /certificates` lists the Node's certificate metadata;
+//! no `edge_secret`. The server keeps only public keys. Every refusal is `{"error": "<stable
+//! code>"}` with `content-type: application/json` and echoes nothing from the request:
+//!
+//! | status | codes | when |
+//! |---|---|---|
+//! | `400` | `invalid_body`, `invalid_installation_id`, `invalid_device_fingerprint_hash`, `invalid_public_key`, `invalid_status`, `invalid_current_version`, `malformed_header`, `reported_address` / `public_address`, CSR codes | the request is malformed (a signature header present but malformed included) |
+//! | `401` | `missing_header`, `unknown_identity`, `body_digest_mismatch`, `stale_timestamp`, `bad_signature`, `replayed_nonce`, `nonce_store_full`, `invalid_deployment_token` | authentication missing (no signature headers) or failed |
+//! | `404` | `not_found`, `unknown_version`, `unknown_node` | no such path, version or Node |
+//! | `405` | `method_not_allowed` | the path exists, not with this method |
+//! | `409` | `version_not_newer_or_unknown_node` | admin publish of a version not above the latest |
+//! | `413` | `body_too_large` | a body over [`MAX_BODY`] |
+//! | `415` | `unsupported_media_type` | an admin request without `content-type: application/json` |
+//! | `503` | `store_unavailable`, `issuance_failed`, `certificates_not_configured` | the store or the ACME issuer failed |
+//!
+//! Successes: `200` (JSON), `204` (admin writes), `304` (desired state unchanged). `GET /certificates` lists the Node's certificate metadata;
 //! `POST /certificates/csr {csr}` validates the CSR against the Node's endpoints and issues
 //! through ACME DNS-01 ([`crate::certs`]), answering with the chain. State is in an
 //! [`OrbitStore`] (SQLite or PostgreSQL), including the nonces of signed requests.
@@ -25,6 +38,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, JsonRejection};
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
@@ -97,7 +111,9 @@ pub struct ControlPlane {
     dns: Arc<dyn DnsProvider>,
     config: Arc<ServerConfig>,
     clock: Clock,
-    /// When false, signed endpoints skip verification (the heartbeat bench's baseline only).
+    /// When false, signed endpoints skip verification: only with the `bench-unverified`
+    /// feature, for the heartbeat bench's baseline.
+    #[cfg(feature = "bench-unverified")]
     verify: bool,
     issuer: Option<Arc<crate::certs::AcmeIssuer>>,
 }
@@ -112,6 +128,43 @@ impl std::fmt::Debug for ControlPlane {
 
 fn fail(status: StatusCode, code: &str) -> Response {
     (status, axum::Json(json!({ "error": code }))).into_response()
+}
+
+/// The request body, or the refusal in the API's error shape: `413 {"error":
+/// "body_too_large"}` over [`MAX_BODY`], `400 {"error": "invalid_body"}` when it could not be
+/// read.
+#[allow(clippy::result_large_err, reason = "the error is the response itself")]
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Response> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            fail(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
+        } else {
+            fail(StatusCode::BAD_REQUEST, "invalid_body")
+        }
+    })
+}
+
+/// An admin request's JSON body, or the refusal in the API's error shape (`413
+/// body_too_large`, `415 unsupported_media_type` without `content-type: application/json`,
+/// `400 invalid_body` otherwise).
+#[allow(clippy::result_large_err, reason = "the error is the response itself")]
+fn json_body<T>(b: Result<axum::Json<T>, JsonRejection>) -> Result<T, Response> {
+    b.map(|axum::Json(b)| b)
+        .map_err(|rejection| match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => fail(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+                fail(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
+            _ => fail(StatusCode::BAD_REQUEST, "invalid_body"),
+        })
+}
+
+async fn not_found() -> Response {
+    fail(StatusCode::NOT_FOUND, "not_found")
+}
+
+async fn method_not_allowed() -> Response {
+    fail(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
 }
 
 fn verify_failure(e: VerifyError) -> Response {
@@ -155,6 +208,7 @@ impl ControlPlane {
             dns,
             config: Arc::new(config),
             clock,
+            #[cfg(feature = "bench-unverified")]
             verify: true,
             issuer: None,
         }
@@ -181,8 +235,10 @@ impl ControlPlane {
         self
     }
 
-    /// The same state without signature verification: only for the heartbeat bench baseline.
-    #[doc(hidden)]
+    /// The same state without signature verification: the heartbeat bench's baseline, and
+    /// nothing else. It exists only with the non-default `bench-unverified` feature (which only
+    /// `iop-benches` enables); no binary or library build has it.
+    #[cfg(feature = "bench-unverified")]
     pub fn without_verification_for_bench(&self) -> Self {
         Self {
             verify: false,
@@ -238,6 +294,8 @@ impl ControlPlane {
                 post(certificate_csr),
             )
             .route("/healthz", get(|| async { "ok" }))
+            .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(self.clone())
     }
@@ -252,6 +310,9 @@ impl ControlPlane {
                 post(admin_publish),
             )
             .route("/admin/v1/nodes/{node_id}", get(admin_node))
+            .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
+            .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(self.clone())
     }
 
@@ -271,6 +332,7 @@ impl ControlPlane {
             .await
             .map_err(unavailable)?
             .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
+        #[cfg(feature = "bench-unverified")]
         if !self.verify {
             return Ok(node);
         }
@@ -334,7 +396,15 @@ fn valid_id(v: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
-async fn register(State(cp): State<ControlPlane>, headers: HeaderMap, body: Bytes) -> Response {
+async fn register(
+    State(cp): State<ControlPlane>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -403,8 +473,12 @@ async fn heartbeat(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
@@ -461,8 +535,12 @@ async fn desired_state(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
@@ -517,8 +595,12 @@ async fn apply_result(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
@@ -565,8 +647,12 @@ fn one() -> u32 {
 
 async fn admin_token(
     State(cp): State<ControlPlane>,
-    axum::Json(b): axum::Json<TokenBody>,
+    b: Result<axum::Json<TokenBody>, JsonRejection>,
 ) -> Response {
+    let b = match json_body(b) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     match cp.create_deployment_token(b.uses.max(1)).await {
         Ok(token) => axum::Json(json!({ "token": token, "uses": b.uses.max(1) })).into_response(),
         Err(e) => unavailable(e),
@@ -581,8 +667,12 @@ struct EndpointBody {
 async fn admin_endpoint(
     State(cp): State<ControlPlane>,
     Path(node_id): Path<String>,
-    axum::Json(b): axum::Json<EndpointBody>,
+    b: Result<axum::Json<EndpointBody>, JsonRejection>,
 ) -> Response {
+    let b = match json_body(b) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     match cp.add_endpoint(&node_id, &b.name).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
         Ok(false) => fail(StatusCode::NOT_FOUND, "unknown_node"),
@@ -599,8 +689,12 @@ struct PublishBody {
 async fn admin_publish(
     State(cp): State<ControlPlane>,
     Path(node_id): Path<String>,
-    axum::Json(b): axum::Json<PublishBody>,
+    b: Result<axum::Json<PublishBody>, JsonRejection>,
 ) -> Response {
+    let b = match json_body(b) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     match cp.publish(&node_id, b.version, &b.configurations).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
         Ok(false) => fail(StatusCode::CONFLICT, "version_not_newer_or_unknown_node"),
@@ -628,8 +722,12 @@ async fn certificates(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,
@@ -672,8 +770,12 @@ async fn certificate_csr(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let node = match cp.authenticate(&method, &uri, &headers, &body).await {
         Ok(n) => n,
         Err(r) => return r,

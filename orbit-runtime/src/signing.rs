@@ -114,7 +114,7 @@ impl SignedHeaders {
 /// Why a request was not authenticated. None of these carries header values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum VerifyError {
-    /// A required header is missing (400).
+    /// A required signature header is missing: authentication missing (401).
     #[error("missing header {0}")]
     MissingHeader(&'static str),
     /// A header is malformed (400).
@@ -141,10 +141,11 @@ pub enum VerifyError {
 }
 
 impl VerifyError {
-    /// The HTTP status: 400 for malformed requests, 401 for failed authentication.
+    /// The HTTP status: 401 when authentication is missing or fails, 400 for a signature
+    /// header that is present but malformed.
     pub fn status(self) -> u16 {
         match self {
-            Self::MissingHeader(_) | Self::MalformedHeader(_) => 400,
+            Self::MalformedHeader(_) => 400,
             _ => 401,
         }
     }

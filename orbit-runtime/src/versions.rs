@@ -6,7 +6,9 @@
 //! - The desired state returned is the **latest** published version while it is above the
 //!   runtime's current applied version — also when that version went `failed` or `rolled_back`,
 //!   so that a fix (a newer version) or a runtime upgrade retries it and converges.
-//! - `X-OrbitMesh-Current-Version` equal to the version that would be returned → `304`.
+//! - `304` only when the runtime's applied version (per the apply results) is the latest and
+//!   its `X-OrbitMesh-Current-Version` says the same; the header never hides a version the
+//!   record does not show applied.
 
 use std::collections::BTreeMap;
 
@@ -61,18 +63,26 @@ pub fn target_version(latest_published: Option<u64>, current_applied: u64) -> u6
 }
 
 /// The answer to a pull carrying `X-OrbitMesh-Current-Version: header_current` (if sent).
+///
+/// The control plane's record of apply results wins over the header: while the version to
+/// hand out is above the runtime's *successfully applied* version (it is new, or it went
+/// `failed` / `rolled_back`, or its results were not reported yet), it is returned (`200`)
+/// whatever the header says — a runtime that failed version 3 and now sends
+/// `X-OrbitMesh-Current-Version: 3` gets version 3 again, so it retries and converges. `304`
+/// only when the runtime's applied version is the latest and the header agrees with it.
 pub fn desired_answer(
     latest_published: Option<u64>,
     current_applied: u64,
     header_current: Option<u64>,
 ) -> DesiredAnswer {
-    let target = target_version(latest_published, current_applied);
-    if header_current == Some(target) || (latest_published.is_none() && header_current.is_none()) {
+    if latest_published.is_none() {
         return DesiredAnswer::NotModified;
     }
-    match latest_published {
-        None => DesiredAnswer::NotModified,
-        Some(_) => DesiredAnswer::Version(target),
+    let target = target_version(latest_published, current_applied);
+    if target == current_applied && header_current == Some(current_applied) {
+        DesiredAnswer::NotModified
+    } else {
+        DesiredAnswer::Version(target)
     }
 }
 
@@ -115,11 +125,22 @@ mod tests {
             DesiredAnswer::Version(3)
         );
         assert_eq!(desired_answer(Some(3), 0, None), DesiredAnswer::Version(3));
-        // The runtime already says 3 (applied, maybe not reported yet): 304.
+        // The runtime says 3, but no apply result reported 3 applied: the record wins, 3 again
+        // (a runtime whose version 3 failed keeps getting it).
         assert_eq!(
             desired_answer(Some(3), 0, Some(3)),
-            DesiredAnswer::NotModified
+            DesiredAnswer::Version(3)
         );
+        assert_eq!(
+            desired_answer(Some(3), 2, Some(3)),
+            DesiredAnswer::Version(3)
+        );
+        // The record says 3 applied but the runtime reports another version: it gets 3 back.
+        assert_eq!(
+            desired_answer(Some(3), 3, Some(2)),
+            DesiredAnswer::Version(3)
+        );
+        assert_eq!(desired_answer(Some(3), 3, None), DesiredAnswer::Version(3));
         // 3 failed: the runtime stays at 2 and keeps getting 3.
         assert_eq!(
             desired_answer(Some(3), 2, Some(2)),

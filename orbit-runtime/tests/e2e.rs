@@ -254,18 +254,111 @@ async fn tampered_and_replayed_requests_are_refused_over_http() {
         r.text().await.unwrap(),
         r#"{"error":"body_digest_mismatch"}"#
     );
+    // A signature header missing: authentication missing (401), in the JSON error shape.
     let mut missing = pairs.clone();
     missing.retain(|(k, _)| *k != orbit_runtime::signing::H_NONCE);
-    assert_eq!(send(missing, body).await.unwrap().status(), 400);
-    // Unsigned desired-state: 400 (missing headers), never the configuration.
-    assert_eq!(
-        client
-            .get(format!("{url}/api/v1/edge-runtime/desired-state"))
-            .send()
+    let r = send(missing, body).await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"missing_header"}"#);
+    // Present but malformed: 400.
+    let mut malformed = pairs.clone();
+    for (k, v) in &mut malformed {
+        if *k == orbit_runtime::signing::H_TIMESTAMP {
+            *v = "yesterday".into();
+        }
+    }
+    let r = send(malformed, body).await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"malformed_header"}"#);
+    // Unsigned desired-state: 401 (no signature headers at all), never the configuration.
+    let r = client
+        .get(format!("{url}/api/v1/edge-runtime/desired-state"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"missing_header"}"#);
+    // Every other refusal in the same shape: a body over the limit, an unknown path, a wrong
+    // method.
+    let r = client
+        .post(format!("{url}/api/v1/edge-runtime/heartbeat"))
+        .body(vec![b'x'; orbit_runtime::server::MAX_BODY + 1])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"body_too_large"}"#);
+    let r = client
+        .get(format!("{url}/api/v1/edge-runtime/nowhere"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"not_found"}"#);
+    let r = client
+        .get(format!("{url}/api/v1/edge-runtime/heartbeat"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"method_not_allowed"}"#);
+
+    // Seed 003: while the newest version went `failed` and is above what the runtime applied,
+    // it is returned — even to a runtime whose X-OrbitMesh-Current-Version names it — until an
+    // apply result reports it applied.
+    let nonce = std::sync::atomic::AtomicU32::new(0);
+    let signed =
+        |method: &'static str, path: &'static str, body: &'static [u8], current: Option<u64>| {
+            let n = nonce.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let h = orbit_runtime::signing::sign(
+                &key,
+                &identity,
+                method,
+                path,
+                body,
+                now,
+                &format!("{n:032x}"),
+            );
+            let mut req = client
+                .request(method.parse().unwrap(), format!("{url}{path}"))
+                .body(body);
+            for (k, v) in h.to_pairs() {
+                req = req.header(k, v);
+            }
+            if let Some(v) = current {
+                req = req.header(orbit_runtime::server::H_CURRENT_VERSION, v.to_string());
+            }
+            req.send()
+        };
+    let node = identity.node_id.clone();
+    assert!(cp.publish(&node, 1, &[cfg("web", false)]).await.unwrap());
+    let failed = br#"{"version":1,"results":[{"configuration_id":"web","status":"failed"}]}"#;
+    let applied = br#"{"version":1,"results":[{"configuration_id":"web","status":"applied"}]}"#;
+    let apply = "/api/v1/edge-runtime/apply-result";
+    let pull = "/api/v1/edge-runtime/desired-state";
+    assert!(
+        signed("POST", apply, failed, None)
             .await
             .unwrap()
-            .status(),
-        400
+            .status()
+            .is_success()
+    );
+    for header in [Some(1), Some(0), None] {
+        let r = signed("GET", pull, b"", header).await.unwrap();
+        assert_eq!(r.status(), 200, "current version header {header:?}");
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["version"], 1);
+    }
+    assert!(
+        signed("POST", apply, applied, None)
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
+    assert_eq!(
+        signed("GET", pull, b"", Some(1)).await.unwrap().status(),
+        304
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -332,4 +425,56 @@ async fn agent_survives_a_control_plane_restart() {
     );
     assert_eq!(cp.node(&node).await.unwrap().unwrap().current_applied, 1);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The admin API refuses in the same JSON shape.
+#[tokio::test]
+async fn admin_refusals_are_json() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cp = ControlPlane::in_memory(
+        ServerConfig::new("http://unused"),
+        Arc::new(MemoryDns::default()),
+        system_clock(),
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let admin = cp.admin_router();
+    tokio::spawn(async move { axum::serve(listener, admin).await });
+    let client = reqwest::Client::new();
+    let tokens = format!("{url}/admin/v1/deployment-tokens");
+    let r = client.post(&tokens).body("{}").send().await.unwrap();
+    assert_eq!(r.status(), 415);
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"error":"unsupported_media_type"}"#
+    );
+    let r = client
+        .post(&tokens)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"invalid_body"}"#);
+    let r = client
+        .get(format!("{url}/admin/v1/elsewhere"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.text().await.unwrap(), r#"{"error":"not_found"}"#);
+    let r = client
+        .post(&tokens)
+        .header("content-type", "application/json")
+        .body(r#"{"uses":2}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "the control: a well-formed request succeeds"
+    );
 }
