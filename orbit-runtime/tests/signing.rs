@@ -251,7 +251,8 @@ fn weak_keys_and_malleable_signatures() {
 
 #[test]
 fn errors_map_to_stable_answers() {
-    assert_eq!(VerifyError::MissingHeader(signing::H_NONCE).status(), 400);
+    // No signature header: authentication missing (401); present but malformed: 400.
+    assert_eq!(VerifyError::MissingHeader(signing::H_NONCE).status(), 401);
     assert_eq!(VerifyError::MalformedHeader(signing::H_NONCE).status(), 400);
     for e in [
         VerifyError::BadSignature,
