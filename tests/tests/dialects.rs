@@ -356,6 +356,41 @@ async fn unservable_operations_unknown_paths_and_limits_answer_in_the_routes_dia
         let (status, v) = post(&m.base, "/v1/messages/count_tokens", &count).await;
         assert_eq!((status, v["estimated"].as_bool()), (200, Some(true)));
         assert_eq!(m.chat.seen().len(), before, "an estimate asks no upstream");
+        // Every one of the five routes is counted in the metrics, successes and refusals.
+        let _ = client()
+            .get(format!("{}/v1/models", m.base))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
+        let metrics = client()
+            .get(format!("{}/metrics", m.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for endpoint in [
+            "models",
+            "chat_completions",
+            "responses",
+            "messages",
+            "count_tokens",
+        ] {
+            let counted: u64 = ["ok", "error"]
+                .iter()
+                .filter_map(|outcome| {
+                    let series = format!(
+                        "iop_edge_requests_total{{endpoint=\"{endpoint}\",outcome=\"{outcome}\"}} "
+                    );
+                    metrics
+                        .lines()
+                        .find_map(|l| l.strip_prefix(series.as_str())?.parse::<u64>().ok())
+                })
+                .sum();
+            assert!(counted > 0, "{endpoint} is not counted:\n{metrics}");
+        }
     })
     .await
     .unwrap();
