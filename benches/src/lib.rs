@@ -3,6 +3,11 @@
 //! them and the numbers measured so far. This library holds the load tools' shared harness.
 #![forbid(unsafe_code)]
 
+/// The load tools allocate as the shipped binaries do (`iop_bins` sets mimalloc): a bench that
+/// embeds a library with the system allocator would measure glibc's malloc, not our code.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Shared pieces of the load tools: mTLS configs with SPIFFE identities, fixed-rate drivers and
 /// percentiles.
 #[allow(

@@ -115,12 +115,19 @@ impl Report {
     /// The canonical content bytes: the counters only (sequence, session and time excluded),
     /// one `proxy_id ' ' in_flight ' ' open_connections '\n'` line per proxy, sorted.
     pub fn canonical_counters(&self) -> Vec<u8> {
-        use std::io::Write as _;
-        let mut out = Vec::with_capacity(self.counters.len() * 32);
+        let len: usize = self
+            .counters
+            .iter()
+            .map(|c| c.proxy_id.len() + 2 * 20 + 3)
+            .sum();
+        let mut out = Vec::with_capacity(len);
         for c in &self.counters {
             out.extend_from_slice(c.proxy_id.as_bytes());
-            // Writing to a Vec cannot fail.
-            let _ = writeln!(out, " {} {}", c.in_flight, c.open_connections);
+            out.push(b' ');
+            push_decimal(&mut out, c.in_flight);
+            out.push(b' ');
+            push_decimal(&mut out, c.open_connections);
+            out.push(b'\n');
         }
         out
     }
@@ -140,6 +147,23 @@ impl Report {
         out.copy_from_slice(ctx.finish().as_ref());
         out
     }
+}
+
+/// `n` in decimal (what `write!("{n}")` writes, without the formatting machinery: this runs
+/// twice per counter of every report).
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        // `n % 10` is below 10.
+        digits[i] = b'0' + u8::try_from(n % 10).unwrap_or(0);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
 }
 
 /// A store failure. Distinct kinds, distinct recovery.
@@ -195,6 +219,37 @@ pub trait ControlStore: Send + Sync + 'static {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> Result<(), StoreError>;
+
+    /// [`ControlStore::acknowledge_snapshot`], then the ownership epoch the answer carries:
+    /// `Err` only when the store failed; the acknowledgement's own outcome is inside. A store
+    /// that can do both in one atomic round trip overrides this (the Redis store does: every
+    /// ACK was two round trips).
+    async fn acknowledge_with_epoch(
+        &self,
+        ack: &SnapshotAcknowledgement,
+        ttl: Duration,
+    ) -> Result<(Result<(), StoreError>, u64), StoreError> {
+        let outcome = self.acknowledge_snapshot(ack, ttl).await;
+        if outcome == Err(StoreError::Unavailable) {
+            return Err(StoreError::Unavailable);
+        }
+        Ok((outcome, self.current_ownership_epoch().await?))
+    }
+
+    /// [`ControlStore::replace_runtime`], then the ownership epoch, like
+    /// [`ControlStore::acknowledge_with_epoch`].
+    async fn replace_runtime_with_epoch(
+        &self,
+        report: &Report,
+        session_ttl: Duration,
+        report_ttl: Duration,
+    ) -> Result<(Result<(), StoreError>, u64), StoreError> {
+        let outcome = self.replace_runtime(report, session_ttl, report_ttl).await;
+        if outcome == Err(StoreError::Unavailable) {
+            return Err(StoreError::Unavailable);
+        }
+        Ok((outcome, self.current_ownership_epoch().await?))
+    }
 }
 
 /// Service settings (validated by the config layer).
@@ -493,13 +548,6 @@ impl Service {
         })
     }
 
-    async fn epoch(&self) -> Result<u64, ServiceError> {
-        self.store
-            .current_ownership_epoch()
-            .await
-            .map_err(store_error)
-    }
-
     /// Acknowledges a snapshot (seed 004 §5.2).
     pub async fn acknowledge(
         &self,
@@ -535,19 +583,12 @@ impl Service {
             checksum,
             applied: cmd.applied,
         };
-        match self
+        let (outcome, ownership_epoch) = self
             .store
-            .acknowledge_snapshot(&ack, self.config.session_ttl)
+            .acknowledge_with_epoch(&ack, self.config.session_ttl)
             .await
-        {
-            Ok(()) => Ok(Decision::Accepted {
-                ownership_epoch: self.epoch().await?,
-            }),
-            Err(StoreError::SnapshotMismatch) => Ok(Decision::RequireFullSnapshot {
-                ownership_epoch: self.epoch().await?,
-            }),
-            Err(e) => Err(store_error(e)),
-        }
+            .map_err(store_error)?;
+        decision(outcome, ownership_epoch)
     }
 
     /// Accepts a complete sparse runtime report (seed 004 §5.3).
@@ -588,7 +629,10 @@ impl Service {
                 open_connections,
             });
         }
-        counters.sort();
+        // Workers usually send their counters in order already: then no sort at all.
+        if !counters.is_sorted() {
+            counters.sort_unstable();
+        }
         if counters.windows(2).any(|w| w[0].proxy_id == w[1].proxy_id) {
             return Err(ServiceError::Invalid("duplicate proxy_id"));
         }
@@ -603,19 +647,25 @@ impl Service {
             observed_at_unix_ms: cmd.observed_at_unix_ms,
             counters,
         };
-        match self
+        let (outcome, ownership_epoch) = self
             .store
-            .replace_runtime(&report, self.config.session_ttl, self.config.max_stale_age)
+            .replace_runtime_with_epoch(&report, self.config.session_ttl, self.config.max_stale_age)
             .await
-        {
-            Ok(()) => Ok(Decision::Accepted {
-                ownership_epoch: self.epoch().await?,
-            }),
-            Err(StoreError::SnapshotMismatch) => Ok(Decision::RequireFullSnapshot {
-                ownership_epoch: self.epoch().await?,
-            }),
-            Err(e) => Err(store_error(e)),
-        }
+            .map_err(store_error)?;
+        decision(outcome, ownership_epoch)
+    }
+}
+
+/// The answer to an ACK or a report from the store's outcome: accepted, or a snapshot mismatch
+/// the worker resolves with a full snapshot; anything else is the error it maps to.
+fn decision(
+    outcome: Result<(), StoreError>,
+    ownership_epoch: u64,
+) -> Result<Decision, ServiceError> {
+    match outcome {
+        Ok(()) => Ok(Decision::Accepted { ownership_epoch }),
+        Err(StoreError::SnapshotMismatch) => Ok(Decision::RequireFullSnapshot { ownership_epoch }),
+        Err(e) => Err(store_error(e)),
     }
 }
 
@@ -699,4 +749,45 @@ pub enum ReportEffect {
     Replace,
     /// The same sequence and content: renew only.
     Replay,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decimals_are_what_format_writes() {
+        for n in [0, 1, 9, 10, 99, 100, 12_345, u64::from(u32::MAX), u64::MAX] {
+            let mut out = Vec::new();
+            push_decimal(&mut out, n);
+            assert_eq!(out, n.to_string().into_bytes());
+        }
+    }
+
+    #[test]
+    fn canonical_counters_are_one_line_per_proxy() {
+        let report = Report {
+            worker_id: "w".into(),
+            session_id: [0; 16],
+            sequence: 1,
+            tuple: SnapshotTuple::default(),
+            observed_at_unix_ms: 1,
+            counters: vec![
+                Counter {
+                    proxy_id: "a".into(),
+                    in_flight: 0,
+                    open_connections: 17,
+                },
+                Counter {
+                    proxy_id: "b-2".into(),
+                    in_flight: u64::MAX,
+                    open_connections: 3,
+                },
+            ],
+        };
+        assert_eq!(
+            report.canonical_counters(),
+            b"a 0 17\nb-2 18446744073709551615 3\n"
+        );
+    }
 }

@@ -118,6 +118,29 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 'OK'
 ";
 
+/// A script that also returns the ownership epoch (its last key), read and initialised exactly as
+/// [`EPOCH`] does, in the same atomic step: `"<status> <epoch>"`. The body's own `return`s end
+/// its `main()`.
+fn with_epoch(body: &str) -> String {
+    format!(
+        "{LIB}local function main()\n{body}\nend\nlocal st = main()\n\
+local ek = KEYS[#KEYS]\nlocal ev = redis.call('GET', ek)\n\
+if not ev then\n  redis.call('SET', ek, '1')\n  ev = '1'\nelse\n  redis.call('PERSIST', ek)\nend\n\
+return st .. ' ' .. ev\n"
+    )
+}
+
+/// `"<status> <epoch>"` from a [`with_epoch`] script.
+fn status_and_epoch(answer: &str) -> Result<(Result<(), StoreError>, u64), StoreError> {
+    let (st, epoch) = answer.split_once(' ').ok_or(StoreError::Unavailable)?;
+    let epoch = epoch.parse::<u64>().map_err(|_| StoreError::Unavailable)?;
+    let outcome = status(st);
+    if outcome == Err(StoreError::Unavailable) {
+        return Err(StoreError::Unavailable);
+    }
+    Ok((outcome, epoch.max(1)))
+}
+
 /// The Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -128,6 +151,8 @@ pub struct RedisStore {
     record: Script,
     ack: Script,
     report: Script,
+    ack_epoch: Script,
+    report_epoch: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -209,6 +234,8 @@ impl RedisStore {
             record: script(RECORD),
             ack: script(ACK),
             report: script(REPORT),
+            ack_epoch: Script::new(&with_epoch(ACK)),
+            report_epoch: Script::new(&with_epoch(REPORT)),
         })
     }
 
@@ -254,13 +281,45 @@ impl RedisStore {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> redis::ScriptInvocation<'_> {
+        self.report_invocation_of(&self.report, report, session_ttl, report_ttl)
+    }
+
+    /// The ACK `script` ([`ACK`], or it returning the epoch too) with `ack`'s keys and args.
+    fn ack_invocation<'a>(
+        &self,
+        script: &'a Script,
+        ack: &SnapshotAcknowledgement,
+        ttl: Duration,
+    ) -> redis::ScriptInvocation<'a> {
+        let mut inv = script.prepare_invoke();
+        inv.key(self.key("session", &ack.worker_id))
+            .key(self.key("snapshot", &ack.worker_id))
+            .key(self.key("runtime", &ack.worker_id))
+            .arg(hex(&ack.session_id))
+            .arg(ack.tuple.version.to_string())
+            .arg(ack.tuple.ownership_epoch.to_string())
+            .arg(hex(&ack.checksum))
+            .arg(if ack.applied { "1" } else { "0" })
+            .arg(millis(ttl));
+        inv
+    }
+
+    /// The report `script` ([`REPORT`], or it returning the epoch too) with `report`'s keys and
+    /// args.
+    fn report_invocation_of<'a>(
+        &self,
+        script: &'a Script,
+        report: &Report,
+        session_ttl: Duration,
+        report_ttl: Duration,
+    ) -> redis::ScriptInvocation<'a> {
         // The canonical counters once: for the digest and for the stored blob.
         let canonical = report.canonical_counters();
         let digest = Report::digest_of(report.observed_at_unix_ms, &canonical);
         let mut blob =
             format!("{}\n{}\n", report.sequence, report.observed_at_unix_ms).into_bytes();
         blob.extend_from_slice(&canonical);
-        let mut inv = self.report.prepare_invoke();
+        let mut inv = script.prepare_invoke();
         inv.key(self.key("session", &report.worker_id))
             .key(self.key("runtime", &report.worker_id))
             .arg(hex(&report.session_id))
@@ -377,16 +436,7 @@ impl ControlStore for RedisStore {
         ack: &SnapshotAcknowledgement,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let mut inv = self.ack.prepare_invoke();
-        inv.key(self.key("session", &ack.worker_id))
-            .key(self.key("snapshot", &ack.worker_id))
-            .key(self.key("runtime", &ack.worker_id))
-            .arg(hex(&ack.session_id))
-            .arg(ack.tuple.version.to_string())
-            .arg(ack.tuple.ownership_epoch.to_string())
-            .arg(hex(&ack.checksum))
-            .arg(if ack.applied { "1" } else { "0" })
-            .arg(millis(ttl));
+        let inv = self.ack_invocation(&self.ack, ack, ttl);
         status(&self.run(&inv).await?)
     }
 
@@ -398,5 +448,27 @@ impl ControlStore for RedisStore {
     ) -> Result<(), StoreError> {
         let inv = self.report_invocation(report, session_ttl, report_ttl);
         status(&self.run(&inv).await?)
+    }
+
+    async fn acknowledge_with_epoch(
+        &self,
+        ack: &SnapshotAcknowledgement,
+        ttl: Duration,
+    ) -> Result<(Result<(), StoreError>, u64), StoreError> {
+        let mut inv = self.ack_invocation(&self.ack_epoch, ack, ttl);
+        inv.key(self.epoch_key());
+        status_and_epoch(&self.run(&inv).await?)
+    }
+
+    async fn replace_runtime_with_epoch(
+        &self,
+        report: &Report,
+        session_ttl: Duration,
+        report_ttl: Duration,
+    ) -> Result<(Result<(), StoreError>, u64), StoreError> {
+        let mut inv =
+            self.report_invocation_of(&self.report_epoch, report, session_ttl, report_ttl);
+        inv.key(self.epoch_key());
+        status_and_epoch(&self.run(&inv).await?)
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! Without `PROXYPOOL_BENCH_REDIS_URL` the tool starts its own `redis-server` on a free loopback
 //! port (no persistence) and stops it at the end. One process: the controller (tonic, plaintext
-//! loopback, Redis store) and the clients (generated tonic client). Workers register once,
+//! loopback, Redis store) and the clients (generated tonic client, one HTTP/2 connection per
+//! worker, as separate worker hosts have). Workers register once,
 //! acknowledge a published snapshot, then:
 //!
 //! - **report 1k**: `ReportRuntime` with 1000 counters per report (sequence +1 each), 32
@@ -149,6 +150,19 @@ fn summary(name: &str, mut lat: Vec<Duration>, elapsed: Duration) -> f64 {
     rate
 }
 
+/// One worker's connection: workers are separate hosts, each with its own HTTP/2 connection
+/// (one connection shared by every task would serialise them on one connection task per side).
+async fn connect(addr: std::net::SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .initial_stream_window_size(4 * 1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .unwrap()
+}
+
 #[tokio::main]
 async fn main() {
     let (url, _own) = redis();
@@ -164,14 +178,7 @@ async fn main() {
         proxypool_controller::server::start_with(&config, store.clone(), std::future::pending())
             .await
             .unwrap();
-    let channel = Channel::from_shared(format!("http://{}", running.grpc_addr))
-        .unwrap()
-        .initial_stream_window_size(4 * 1024 * 1024)
-        .initial_connection_window_size(16 * 1024 * 1024)
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .unwrap();
+    let channel = connect(running.grpc_addr).await;
 
     println!("# proxypool_load ({CONCURRENCY} concurrent workers, {WINDOW:?} per part)\n");
     println!("| part | RPC/s | p50 | p99 |\n|---|---:|---:|---:|");
@@ -182,7 +189,7 @@ async fn main() {
     let started = Instant::now();
     for w in 0..CONCURRENCY {
         let (mut c, store, body) = (
-            WorkerControlPlaneClient::new(channel.clone()),
+            WorkerControlPlaneClient::new(connect(running.grpc_addr).await),
             store.clone(),
             body.clone(),
         );
@@ -223,7 +230,7 @@ async fn main() {
     let started = Instant::now();
     for w in 0..CONCURRENCY {
         let (mut c, store, small) = (
-            WorkerControlPlaneClient::new(channel.clone()),
+            WorkerControlPlaneClient::new(connect(running.grpc_addr).await),
             store.clone(),
             small.clone(),
         );
@@ -288,11 +295,45 @@ async fn main() {
 
     let raw_rate = raw(&channel, &store, 1000).await;
     let raw_small = raw(&channel, &store, 10).await;
+    let unary = tonic_unary(running.grpc_addr).await;
     println!(
-        "\nReportRuntime (1000 counters) ÷ raw EVALSHA (1000 counters): {:.2}×; mix ÷ raw EVALSHA (10 counters): {:.2}×",
+        "\nReportRuntime (1000 counters) ÷ raw EVALSHA (1000 counters): {:.2}×; mix ÷ raw EVALSHA (10 counters): {:.2}×; mix ÷ empty tonic unary: {:.2}×",
         report_rate / raw_rate,
-        mix_rate / raw_small
+        mix_rate / raw_small,
+        mix_rate / unary
     );
+}
+
+/// Second baseline: the cheapest unary RPC tonic serves on the same server (gRPC health
+/// `Check`: no store, no payload), 32 workers each on its own connection. No RPC of the
+/// controller can be answered faster; it bounds the mix from above.
+async fn tonic_unary(addr: std::net::SocketAddr) -> f64 {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let mut tasks = Vec::new();
+    let started = Instant::now();
+    for _ in 0..CONCURRENCY {
+        let mut c = HealthClient::new(connect(addr).await);
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let t0 = Instant::now();
+            while t0.elapsed() < WINDOW {
+                let t = Instant::now();
+                c.check(HealthCheckRequest::default()).await.unwrap();
+                lat.push(t.elapsed());
+            }
+            lat
+        }));
+    }
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await.unwrap());
+    }
+    summary(
+        "baseline: empty tonic unary RPC (gRPC health Check)",
+        lat,
+        started.elapsed(),
+    )
 }
 
 /// Baseline: EVALSHA of the report script, with the keys and arguments the store sends for an
