@@ -116,6 +116,7 @@ pub struct ControlPlane {
     #[cfg(feature = "bench-unverified")]
     verify: bool,
     issuer: Option<Arc<crate::certs::AcmeIssuer>>,
+    keys: Arc<KeyCache>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -211,6 +212,7 @@ impl ControlPlane {
             #[cfg(feature = "bench-unverified")]
             verify: true,
             issuer: None,
+            keys: Arc::default(),
         }
     }
 
@@ -324,6 +326,32 @@ impl ControlPlane {
         headers: &HeaderMap,
         body: &[u8],
     ) -> Result<crate::store::NodeRow, Response> {
+        let v = self.verify(method, uri, headers, body).await?;
+        let Some(nonce) = &v.nonce else {
+            return Ok(v.node);
+        };
+        // Only an authentic request consumes its nonce; every replica sees it.
+        let fresh = self
+            .store
+            .record_nonce(&v.node.node_id, &nonce.nonce, nonce.expires_at, nonce.now)
+            .await
+            .map_err(unavailable)?;
+        if !fresh {
+            return Err(refused(VerifyError::Replayed));
+        }
+        Ok(v.node)
+    }
+
+    /// Verifies a signed request's headers, identity, body digest, window and signature; the
+    /// nonce is the caller's to record ([`ControlPlane::authenticate`], or the heartbeat's one
+    /// store step).
+    async fn verify(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<Verified, Response> {
         let parsed = signing::parse_headers(|name| headers.get(name).map(|v| v.as_bytes()))
             .map_err(verify_failure)?;
         let node = self
@@ -334,21 +362,19 @@ impl ControlPlane {
             .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
         #[cfg(feature = "bench-unverified")]
         if !self.verify {
-            return Ok(node);
+            return Ok(Verified { node, nonce: None });
         }
         let expected = Identity {
             node_id: node.node_id.clone(),
             edge_runtime_id: node.edge_runtime_id.clone(),
             installation_id: node.installation_id.clone(),
         };
-        let key = signing::parse_public_key(&node.public_key)
+        let key = self
+            .keys
+            .get(&node.public_key)
             .ok_or_else(|| verify_failure(VerifyError::UnknownIdentity))?;
         let target = uri.path_and_query().map_or("/", |p| p.as_str());
         let now = (self.clock)();
-        let refused = |e: VerifyError| {
-            tracing::info!(target: "orbit_runtime", event = "orbit_signature_refused", code = e.code(), "signed request refused");
-            verify_failure(e)
-        };
         signing::verify_signature(
             &parsed,
             &expected,
@@ -360,21 +386,60 @@ impl ControlPlane {
             self.config.window_secs,
         )
         .map_err(refused)?;
-        // Only an authentic request consumes its nonce; every replica sees it.
-        let fresh = self
-            .store
-            .record_nonce(
-                &node.node_id,
-                &parsed.nonce,
-                parsed.timestamp.saturating_add(self.config.window_secs),
-                now,
-            )
-            .await
-            .map_err(unavailable)?;
-        if !fresh {
-            return Err(refused(VerifyError::Replayed));
+        let nonce = PendingNonce {
+            expires_at: parsed.timestamp.saturating_add(self.config.window_secs),
+            nonce: parsed.nonce,
+            now,
+        };
+        Ok(Verified {
+            node,
+            nonce: Some(nonce),
+        })
+    }
+}
+
+fn refused(e: VerifyError) -> Response {
+    tracing::info!(target: "orbit_runtime", event = "orbit_signature_refused", code = e.code(), "signed request refused");
+    verify_failure(e)
+}
+
+/// A verified request: its Node, and the nonce it must consume (none without verification).
+struct Verified {
+    node: crate::store::NodeRow,
+    nonce: Option<PendingNonce>,
+}
+
+struct PendingNonce {
+    nonce: String,
+    expires_at: i64,
+    now: i64,
+}
+
+/// Parsed public keys by their bytes. Decompressing an Ed25519 point (and the weak-key check)
+/// is a good part of a verification; a Node's key is the same on every request. Bounded: at
+/// [`MAX_CACHED_KEYS`] the cache starts over. Content-addressed, so a re-registration with a
+/// new key simply misses.
+#[derive(Default)]
+struct KeyCache(std::sync::Mutex<std::collections::HashMap<Vec<u8>, ed25519_dalek::VerifyingKey>>);
+
+/// Most public keys kept parsed.
+const MAX_CACHED_KEYS: usize = 65_536;
+
+impl KeyCache {
+    fn get(&self, raw: &[u8]) -> Option<ed25519_dalek::VerifyingKey> {
+        let mut keys = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(k) = keys.get(raw) {
+            return Some(*k);
         }
-        Ok(node)
+        let key = signing::parse_public_key(raw)?;
+        if keys.len() >= MAX_CACHED_KEYS {
+            keys.clear();
+        }
+        keys.insert(raw.to_vec(), key);
+        Some(key)
     }
 }
 
@@ -479,10 +544,11 @@ async fn heartbeat(
         Ok(b) => b,
         Err(r) => return r,
     };
-    let node = match cp.authenticate(&method, &uri, &headers, &body).await {
-        Ok(n) => n,
+    let verified = match cp.verify(&method, &uri, &headers, &body).await {
+        Ok(v) => v,
         Err(r) => return r,
     };
+    let node = &verified.node;
     let b: HeartbeatBody = if body.is_empty() {
         HeartbeatBody::default()
     } else {
@@ -499,18 +565,42 @@ async fn heartbeat(
         Ok(a) => a,
         Err(r) => return r,
     };
-    // Empty values never clear the last known address.
-    let changed = match cp
-        .store
-        .heartbeat(
-            &node.node_id,
-            (cp.clock)(),
-            reported.map(|a| a.to_string()).as_deref(),
-            public.map(|a| a.to_string()).as_deref(),
-        )
-        .await
-    {
-        Ok(Some(c)) => c,
+    // Empty values never clear the last known address. The nonce and the heartbeat are one
+    // store step: a replay writes nothing.
+    let (reported_text, public_text) = (
+        reported.map(|a| a.to_string()),
+        public.map(|a| a.to_string()),
+    );
+    let outcome = match &verified.nonce {
+        Some(n) => {
+            cp.store
+                .heartbeat_with_nonce(&crate::store::SignedHeartbeat {
+                    node_id: &node.node_id,
+                    nonce: &n.nonce,
+                    nonce_expires_at: n.expires_at,
+                    now: n.now,
+                    at: (cp.clock)(),
+                    reported_address: reported_text.as_deref(),
+                    public_address: public_text.as_deref(),
+                })
+                .await
+        }
+        None => cp
+            .store
+            .heartbeat(
+                &node.node_id,
+                (cp.clock)(),
+                reported_text.as_deref(),
+                public_text.as_deref(),
+            )
+            .await
+            .map(|c| c.map(|changed| crate::store::HeartbeatOutcome::Recorded { changed })),
+    };
+    let changed = match outcome {
+        Ok(Some(crate::store::HeartbeatOutcome::Recorded { changed })) => changed,
+        Ok(Some(crate::store::HeartbeatOutcome::Replayed)) => {
+            return refused(VerifyError::Replayed);
+        }
         Ok(None) => return fail(StatusCode::UNAUTHORIZED, "unknown_identity"),
         Err(e) => return unavailable(e),
     };

@@ -142,6 +142,59 @@ pub trait OrbitStore: Send + Sync + 'static {
         expires_at: i64,
         now: i64,
     ) -> Result<bool, StoreError>;
+
+    /// A signed heartbeat's two writes as one step: records `nonce` as
+    /// [`OrbitStore::record_nonce`] does and, only if it was fresh, the heartbeat as
+    /// [`OrbitStore::heartbeat`] does. `Ok(None)` for an unknown Node; a replayed nonce writes
+    /// nothing. The default runs the two in turn; the SQLite and PostgreSQL stores do both in
+    /// one transaction (one trip to the store per heartbeat, as an unsigned one would take).
+    async fn heartbeat_with_nonce(
+        &self,
+        heartbeat: &SignedHeartbeat<'_>,
+    ) -> Result<Option<HeartbeatOutcome>, StoreError> {
+        let h = heartbeat;
+        if !self
+            .record_nonce(h.node_id, h.nonce, h.nonce_expires_at, h.now)
+            .await?
+        {
+            return Ok(Some(HeartbeatOutcome::Replayed));
+        }
+        Ok(self
+            .heartbeat(h.node_id, h.at, h.reported_address, h.public_address)
+            .await?
+            .map(|changed| HeartbeatOutcome::Recorded { changed }))
+    }
+}
+
+/// The arguments of [`OrbitStore::heartbeat_with_nonce`].
+#[derive(Clone, Copy, Debug)]
+pub struct SignedHeartbeat<'a> {
+    /// The Node.
+    pub node_id: &'a str,
+    /// The request's nonce, kept until `nonce_expires_at`.
+    pub nonce: &'a str,
+    /// When the nonce may be forgotten.
+    pub nonce_expires_at: i64,
+    /// Now (nonces expired before this may be revived).
+    pub now: i64,
+    /// The heartbeat's time.
+    pub at: i64,
+    /// A reported address (none keeps the last).
+    pub reported_address: Option<&'a str>,
+    /// A public address (none keeps the last).
+    pub public_address: Option<&'a str>,
+}
+
+/// What [`OrbitStore::heartbeat_with_nonce`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeartbeatOutcome {
+    /// The nonce was live already: nothing written.
+    Replayed,
+    /// Recorded; whether the reported address changed.
+    Recorded {
+        /// The reported address changed.
+        changed: bool,
+    },
 }
 
 /// Expired nonces are deleted in bulk once every this many `record_nonce` calls per store

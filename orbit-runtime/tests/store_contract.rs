@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use orbit_runtime::store::{CertRow, OrbitStore, PgStore, Registration, SqliteStore};
+use orbit_runtime::store::{
+    CertRow, HeartbeatOutcome, OrbitStore, PgStore, Registration, SignedHeartbeat, SqliteStore,
+};
 use orbit_runtime::versions::ApplyStatus;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -198,6 +200,67 @@ async fn certificates_and_nonces<B: Backend>() {
     );
 }
 
+/// A signed heartbeat's nonce and write are one step: across two replicas a replay writes
+/// nothing, an unknown Node keeps no nonce, an expired nonce is revived.
+async fn signed_heartbeats_record_their_nonce_in_the_same_step<B: Backend>() {
+    let (a, b) = B::pair().await;
+    let n = a.register(&reg("inst", 1, None)).await.unwrap().node_id;
+    let hb =
+        |nonce: &'static str, now: i64, at: i64, reported: Option<&'static str>| SignedHeartbeat {
+            node_id: "",
+            nonce,
+            nonce_expires_at: now + 300,
+            now,
+            at,
+            reported_address: reported,
+            public_address: None,
+        };
+    let first = SignedHeartbeat {
+        node_id: &n,
+        ..hb("n-1", 100, 100, Some("198.51.100.7"))
+    };
+    assert_eq!(
+        a.heartbeat_with_nonce(&first).await.unwrap(),
+        Some(HeartbeatOutcome::Recorded { changed: true })
+    );
+    // The same nonce at the other replica, with another address: refused, nothing written.
+    let replay = SignedHeartbeat {
+        node_id: &n,
+        ..hb("n-1", 101, 101, Some("198.51.100.8"))
+    };
+    assert_eq!(
+        b.heartbeat_with_nonce(&replay).await.unwrap(),
+        Some(HeartbeatOutcome::Replayed)
+    );
+    let row = a.node(&n).await.unwrap().unwrap();
+    assert_eq!(row.reported_address.as_deref(), Some("198.51.100.7"));
+    assert_eq!(row.last_heartbeat, Some(100));
+    let next = SignedHeartbeat {
+        node_id: &n,
+        ..hb("n-2", 102, 102, Some("198.51.100.7"))
+    };
+    assert_eq!(
+        b.heartbeat_with_nonce(&next).await.unwrap(),
+        Some(HeartbeatOutcome::Recorded { changed: false })
+    );
+    // Unknown Node: no heartbeat, and its nonce is not kept (a later use is fresh).
+    let unknown = SignedHeartbeat {
+        node_id: "node-999",
+        ..hb("n-3", 103, 103, None)
+    };
+    assert_eq!(a.heartbeat_with_nonce(&unknown).await.unwrap(), None);
+    assert!(a.record_nonce("node-999", "n-3", 400, 103).await.unwrap());
+    // After the window the nonce may be used again.
+    let later = SignedHeartbeat {
+        node_id: &n,
+        ..hb("n-1", 401, 401, None)
+    };
+    assert_eq!(
+        a.heartbeat_with_nonce(&later).await.unwrap(),
+        Some(HeartbeatOutcome::Recorded { changed: false })
+    );
+}
+
 macro_rules! contract {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -219,4 +282,5 @@ contract!(
     heartbeats_keep_the_last_address,
     versions_and_results,
     certificates_and_nonces,
+    signed_heartbeats_record_their_nonce_in_the_same_step,
 );

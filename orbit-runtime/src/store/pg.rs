@@ -426,6 +426,56 @@ impl OrbitStore for PgStore {
         .collect())
     }
 
+    async fn heartbeat_with_nonce(
+        &self,
+        h: &super::SignedHeartbeat<'_>,
+    ) -> Result<Option<super::HeartbeatOutcome>, StoreError> {
+        let mut c = self.client.lock().await;
+        let purge = super::purge_due(&self.nonce_writes);
+        let tx = c.transaction().await.map_err(|e| backend(&e))?;
+        if purge {
+            tx.execute("DELETE FROM nonces WHERE expires_at < $1", &[&h.now])
+                .await
+                .map_err(|e| backend(&e))?;
+        }
+        let fresh = tx
+            .execute(
+                super::RECORD_NONCE_PG,
+                &[&h.node_id, &h.nonce, &h.nonce_expires_at, &h.now],
+            )
+            .await
+            .map_err(|e| backend(&e))?
+            == 1;
+        if !fresh {
+            tx.commit().await.map_err(|e| backend(&e))?;
+            return Ok(Some(super::HeartbeatOutcome::Replayed));
+        }
+        let Some(old) = tx
+            .query_opt(
+                "SELECT reported_address FROM nodes WHERE node_id = $1 FOR UPDATE",
+                &[&h.node_id],
+            )
+            .await
+            .map_err(|e| backend(&e))?
+        else {
+            // Unknown Node: the nonce is not kept either (the transaction rolls back).
+            return Ok(None);
+        };
+        let old: Option<String> = old.get(0);
+        let changed = h
+            .reported_address
+            .is_some_and(|r| old.as_deref() != Some(r));
+        tx.execute(
+            "UPDATE nodes SET last_heartbeat = $2, reported_address = COALESCE($3, reported_address), \
+             public_address = COALESCE($4, public_address) WHERE node_id = $1",
+            &[&h.node_id, &h.at, &h.reported_address, &h.public_address],
+        )
+        .await
+        .map_err(|e| backend(&e))?;
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(Some(super::HeartbeatOutcome::Recorded { changed }))
+    }
+
     async fn record_nonce(
         &self,
         node_id: &str,

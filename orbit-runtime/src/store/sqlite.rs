@@ -428,6 +428,62 @@ impl OrbitStore for SqliteStore {
         .await
     }
 
+    async fn heartbeat_with_nonce(
+        &self,
+        h: &super::SignedHeartbeat<'_>,
+    ) -> Result<Option<super::HeartbeatOutcome>, StoreError> {
+        let (node_id, nonce, reported, public) = (
+            h.node_id.to_owned(),
+            h.nonce.to_owned(),
+            h.reported_address.map(str::to_owned),
+            h.public_address.map(str::to_owned),
+        );
+        let (expires_at, now, at) = (h.nonce_expires_at, h.now, h.at);
+        let purge = super::purge_due(&self.nonce_writes);
+        self.with(move |c| {
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(|e| backend(&e))?;
+            if purge {
+                tx.execute("DELETE FROM nonces WHERE expires_at < ?1", params![now])
+                    .map_err(|e| backend(&e))?;
+            }
+            let fresh = tx
+                .execute(
+                    super::RECORD_NONCE_SQLITE,
+                    params![node_id, nonce, expires_at, now],
+                )
+                .map_err(|e| backend(&e))?
+                == 1;
+            if !fresh {
+                tx.commit().map_err(|e| backend(&e))?;
+                return Ok(Some(super::HeartbeatOutcome::Replayed));
+            }
+            let old: Option<Option<String>> = tx
+                .query_row(
+                    "SELECT reported_address FROM nodes WHERE node_id = ?1",
+                    params![node_id],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(|e| backend(&e))?;
+            let Some(old) = old else {
+                // Unknown Node: the nonce is not kept either.
+                return Ok(None);
+            };
+            let changed = reported.as_ref().is_some_and(|r| old.as_ref() != Some(r));
+            tx.execute(
+                "UPDATE nodes SET last_heartbeat = ?2, reported_address = COALESCE(?3, reported_address), \
+                 public_address = COALESCE(?4, public_address) WHERE node_id = ?1",
+                params![node_id, at, reported, public],
+            )
+            .map_err(|e| backend(&e))?;
+            tx.commit().map_err(|e| backend(&e))?;
+            Ok(Some(super::HeartbeatOutcome::Recorded { changed }))
+        })
+        .await
+    }
+
     async fn record_nonce(
         &self,
         node_id: &str,
