@@ -3,12 +3,15 @@
 //! machine. See `benches/README.md`.
 //!
 //! Groups (throughput in envelope bytes, so all groups are comparable):
-//! - `domain_encode/<frame>`: `FrameCodec::encode` into a reused `BytesMut`;
-//! - `domain_decode/<frame>`: `FrameCodec::decode_slice` (prefix, copy, prost, validation);
+//! - `domain_encode/<frame>`: `FrameCodec::encode` (by reference: the frame is cloned into the
+//!   envelope) into a reused `BytesMut`;
+//! - `domain_decode/<frame>`: `FrameCodec::decode_bytes` (prefix, prost over the same `Bytes`,
+//!   validation; no copy);
 //! - `roundtrip/raw_prost/<frame>`: prost decode + `encode_to_vec` of the envelope, no domain
 //!   conversion (the baseline);
-//! - `roundtrip/domain/<frame>`: `decode_slice` + `encode` (into a reused `BytesMut`, as the
-//!   tokio codec does) of the framed bytes.
+//! - `roundtrip/domain/<frame>`: `decode_bytes` + `encode_owned` of the decoded frame (into a
+//!   reused `BytesMut`), as the tokio codec does: it decodes from its read buffer without a copy
+//!   and encodes the frames it is given by value.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -109,7 +112,7 @@ fn bench(c: &mut Criterion) {
         let mut group = c.benchmark_group("domain_decode");
         group.throughput(bytes.clone());
         group.bench_with_input(BenchmarkId::from_parameter(name), &framed, |b, framed| {
-            b.iter(|| codec.decode_slice::<RuntimeFrame>(black_box(framed)));
+            b.iter(|| codec.decode_bytes::<RuntimeFrame>(black_box(framed)));
         });
         group.finish();
 
@@ -122,12 +125,12 @@ fn bench(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("domain", name), &framed, |b, framed| {
             b.iter(|| {
                 let Ok(Decoded::Frame { frame, .. }) =
-                    codec.decode_slice::<RuntimeFrame>(black_box(framed))
+                    codec.decode_bytes::<RuntimeFrame>(black_box(framed))
                 else {
                     panic!("bench frame decodes");
                 };
                 out.clear();
-                codec.encode(&frame, &mut out).expect("encodes");
+                codec.encode_owned(frame, &mut out).expect("encodes");
                 black_box(out.len())
             });
         });

@@ -40,6 +40,14 @@ pub trait WireFrame: Sized {
     /// Appends the length prefix and the envelope to `buf` (one reservation), or refuses an
     /// envelope larger than `max_len` without touching `buf`.
     fn encode_frame(&self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError>;
+    /// [`WireFrame::encode_frame`] consuming the frame, so its contents move into the envelope
+    /// rather than being cloned (the default clones as `encode_frame` does).
+    fn encode_frame_owned(self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError>
+    where
+        Self: Sized,
+    {
+        self.encode_frame(max_len, buf)
+    }
 }
 
 /// Outcome of decoding from a byte slice.
@@ -154,6 +162,37 @@ impl FrameCodec {
         frame.encode_frame(self.max_frame_len, dst)
     }
 
+    /// [`FrameCodec::encode`] consuming `frame`: what it carries moves into the envelope
+    /// instead of being cloned (what the tokio codec does with the frames it is given).
+    pub fn encode_owned<F: WireFrame>(
+        &self,
+        frame: F,
+        dst: &mut BytesMut,
+    ) -> Result<(), FrameError> {
+        frame.encode_frame_owned(self.max_frame_len, dst)
+    }
+
+    /// Decodes one frame from the front of `buf` without consuming it and without copying:
+    /// the frame's byte fields are slices of `buf`.
+    pub fn decode_bytes<F: WireFrame>(&self, buf: &Bytes) -> Result<Decoded<F>, FrameError> {
+        let Some(len) = self.peek_len(buf)? else {
+            return Ok(Decoded::Incomplete {
+                needed: LENGTH_PREFIX_LEN - buf.len(),
+            });
+        };
+        let total = LENGTH_PREFIX_LEN + len;
+        if buf.len() < total {
+            return Ok(Decoded::Incomplete {
+                needed: total - buf.len(),
+            });
+        }
+        let frame = F::decode_envelope(buf.slice(LENGTH_PREFIX_LEN..total))?;
+        Ok(Decoded::Frame {
+            frame,
+            consumed: total,
+        })
+    }
+
     /// Encodes one frame into a fresh buffer.
     pub fn encode_to_bytes<F: WireFrame>(&self, frame: &F) -> Result<Bytes, FrameError> {
         let mut buf = BytesMut::new();
@@ -189,6 +228,10 @@ impl WireFrame for crate::runtime::RuntimeFrame {
 
     fn encode_frame(&self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
         put_frame(&self.to_proto(), max_len, buf)
+    }
+
+    fn encode_frame_owned(self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
+        put_frame(&self.into_proto(), max_len, buf)
     }
 }
 
@@ -263,7 +306,7 @@ mod tokio_codec {
         type Error = CodecError;
 
         fn encode(&mut self, item: F, dst: &mut BytesMut) -> Result<(), CodecError> {
-            Ok(self.codec.encode(&item, dst)?)
+            Ok(self.codec.encode_owned(item, dst)?)
         }
     }
 }

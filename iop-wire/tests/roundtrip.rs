@@ -15,9 +15,18 @@ use iop_wire::error::{FrameError, InvalidMessage};
 use iop_wire::runtime::*;
 use iop_wire::validate::{ResponseStallTimeout, StallTimeoutError};
 
-fn roundtrip<F: WireFrame + PartialEq + std::fmt::Debug>(frame: &F) {
+fn roundtrip<F: WireFrame + PartialEq + Clone + std::fmt::Debug>(frame: &F) {
     let codec = FrameCodec::new();
     let bytes = codec.encode_to_bytes(frame).expect("encodes");
+    // Encoding by value (moving fields into the envelope) writes the same bytes, and decoding
+    // without a copy reads the same frame.
+    let mut owned = bytes::BytesMut::new();
+    codec.encode_owned(frame.clone(), &mut owned).expect("encodes");
+    assert_eq!(owned.freeze(), bytes, "encode_owned differs from encode");
+    match codec.decode_bytes::<F>(&bytes).expect("decodes") {
+        Decoded::Frame { frame: back, .. } => assert_eq!(&back, frame),
+        Decoded::Incomplete { .. } => panic!("incomplete"),
+    }
     match codec.decode_slice::<F>(&bytes).expect("decodes") {
         Decoded::Frame {
             frame: back,

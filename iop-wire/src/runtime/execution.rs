@@ -65,6 +65,26 @@ impl RunRequest {
     }
 }
 
+impl RunRequest {
+    /// [`RunRequest::to_proto`], moving the strings and the map instead of cloning them.
+    pub(crate) fn into_proto(self) -> pb::RunRequest {
+        let (credential_lease, credential_binding) =
+            managed_credential_to_proto(self.credential.as_ref());
+        pb::RunRequest {
+            run_id: self.run_id,
+            adapter: self.adapter,
+            target: self.target,
+            input: self.input,
+            metadata: self.metadata,
+            response_stall_timeout_ms: self.response_stall_timeout.to_wire_ms(),
+            timeout_sec: timeout_to_sec(self.timeout),
+            long_context: self.long_context,
+            credential_lease,
+            credential_binding,
+        }
+    }
+}
+
 pub(super) fn timeout_to_sec(t: Option<Duration>) -> u32 {
     t.map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX))
 }
@@ -166,6 +186,30 @@ impl RunEvent {
                 .execution_failure
                 .as_ref()
                 .map(FailureEvidence::to_proto),
+        }
+    }
+}
+
+impl RunEvent {
+    /// [`RunEvent::to_proto`], moving the strings and the map instead of cloning them.
+    pub(crate) fn into_proto(self) -> pb::RunEvent {
+        let execution_failure = self
+            .execution_failure
+            .as_ref()
+            .map(FailureEvidence::to_proto);
+        pb::RunEvent {
+            r#type: match self.kind {
+                RunEventKind::Start => pb::RunEventType::Start,
+                RunEventKind::Delta => pb::RunEventType::Delta,
+                RunEventKind::Complete => pb::RunEventType::Complete,
+                RunEventKind::Error => pb::RunEventType::Error,
+                RunEventKind::Cancelled => pb::RunEventType::Cancelled,
+            } as i32,
+            delta: self.delta,
+            error: self.error,
+            metadata: self.metadata,
+            usage: self.usage.map(Usage::to_proto),
+            execution_failure,
         }
     }
 }

@@ -30,6 +30,15 @@ pub(super) fn headers_from_proto(hs: Vec<pb::Header>) -> Result<Vec<Header>, Inv
         .collect()
 }
 
+fn headers_into_proto(hs: Vec<Header>) -> Vec<pb::Header> {
+    hs.into_iter()
+        .map(|h| pb::Header {
+            name: h.name,
+            value: h.value,
+        })
+        .collect()
+}
+
 pub(super) fn headers_to_proto(hs: &[Header]) -> Vec<pb::Header> {
     hs.iter()
         .map(|h| pb::Header {
@@ -132,6 +141,36 @@ impl ProviderTunnelRequest {
             timeout_sec: timeout_to_sec(self.timeout),
             metadata: self.metadata.clone(),
             session_id: self.session_id.clone(),
+            long_context: self.long_context,
+            operation: self
+                .operation
+                .map(|o| o.as_str().to_owned())
+                .unwrap_or_default(),
+            response_stall_timeout_ms: self.response_stall_timeout.to_wire_ms(),
+            credential_lease,
+            credential_binding,
+        }
+    }
+}
+
+impl ProviderTunnelRequest {
+    /// [`ProviderTunnelRequest::to_proto`], moving the strings, headers and map instead of
+    /// cloning them.
+    pub(crate) fn into_proto(self) -> pb::ProviderTunnelRequest {
+        let (credential_lease, credential_binding) =
+            managed_credential_to_proto(self.credential.as_ref());
+        pb::ProviderTunnelRequest {
+            run_id: self.run_id,
+            adapter: self.adapter,
+            target: self.target,
+            method: self.method,
+            path: self.path,
+            headers: headers_into_proto(self.headers),
+            body: self.body,
+            stream: self.stream,
+            timeout_sec: timeout_to_sec(self.timeout),
+            metadata: self.metadata,
+            session_id: self.session_id,
             long_context: self.long_context,
             operation: self
                 .operation
@@ -259,6 +298,40 @@ impl TunnelPayload {
 }
 
 impl TunnelFrame {
+    /// [`TunnelFrame::to_proto`], moving the payload and the map instead of cloning them.
+    pub(crate) fn into_proto(self) -> pb::ProviderTunnelFrame {
+        let mut m = pb::ProviderTunnelFrame {
+            sequence: self.sequence,
+            metadata: self.metadata,
+            ..Default::default()
+        };
+        m.kind = match self.payload {
+            TunnelPayload::ResponseStart { status, headers } => {
+                m.status = u32::from(status);
+                m.headers = headers_into_proto(headers);
+                pb::TunnelFrameKind::ResponseStart
+            }
+            TunnelPayload::Body(b) => {
+                m.body = b;
+                pb::TunnelFrameKind::Body
+            }
+            TunnelPayload::Usage(u) => {
+                m.usage = Some(u.to_proto());
+                pb::TunnelFrameKind::Usage
+            }
+            TunnelPayload::End => pb::TunnelFrameKind::End,
+            TunnelPayload::Error {
+                error,
+                execution_failure,
+            } => {
+                m.error = error;
+                m.execution_failure = execution_failure.as_ref().map(FailureEvidence::to_proto);
+                pb::TunnelFrameKind::Error
+            }
+        } as i32;
+        m
+    }
+
     pub(crate) fn to_proto(&self) -> pb::ProviderTunnelFrame {
         let mut m = pb::ProviderTunnelFrame {
             sequence: self.sequence,
