@@ -21,7 +21,9 @@ fn roundtrip<F: WireFrame + PartialEq + Clone + std::fmt::Debug>(frame: &F) {
     // Encoding by value (moving fields into the envelope) writes the same bytes, and decoding
     // without a copy reads the same frame.
     let mut owned = bytes::BytesMut::new();
-    codec.encode_owned(frame.clone(), &mut owned).expect("encodes");
+    codec
+        .encode_owned(frame.clone(), &mut owned)
+        .expect("encodes");
     assert_eq!(owned.freeze(), bytes, "encode_owned differs from encode");
     match codec.decode_bytes::<F>(&bytes).expect("decodes") {
         Decoded::Frame { frame: back, .. } => assert_eq!(&back, frame),
