@@ -27,7 +27,7 @@
 //! When [`NodeEvent::Closed`] comes out, close the socket; the reason's
 //! [`CloseReason::is_retryable`] tells the supervisor what to do next.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::health::HealthObservationSeq;
@@ -151,7 +151,9 @@ pub enum NodeSessionError {
 }
 
 /// The Node side of one connection.
-#[derive(Debug)]
+///
+/// `Clone` copies the whole machine (model checkers explore from copies).
+#[derive(Clone, Debug)]
 pub struct NodeSession {
     state: NodeState,
     node_id: String,
@@ -160,7 +162,7 @@ pub struct NodeSession {
     next_correlation: u64,
     health_seq: HealthObservationSeq,
     /// Run ids of the runs and tunnels in progress on this connection.
-    active: HashSet<String>,
+    active: BTreeSet<String>,
     transmits: VecDeque<RuntimeFrame>,
     events: VecDeque<NodeEvent>,
 }
@@ -197,7 +199,7 @@ impl NodeSession {
             handshake_deadline: now.checked_add(config.handshake_timeout),
             next_correlation: 1,
             health_seq: HealthObservationSeq::new(),
-            active: HashSet::new(),
+            active: BTreeSet::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
         };

@@ -36,7 +36,7 @@
 //! timer from [`Registry::poll_timeout`]. Time is always an argument.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::liveness::{HeartbeatConfig, Liveness};
@@ -219,14 +219,14 @@ enum Phase {
     Ready,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Owner {
     conn: ConnId,
     generation: Generation,
     phase: Phase,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum Binding {
     /// No registration yet.
     Unbound,
@@ -237,7 +237,7 @@ enum Binding {
     },
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Conn {
     peer_name: Option<String>,
     binding: Binding,
@@ -252,12 +252,16 @@ enum TimerKind {
 }
 
 /// The Edge's connections and Node ownership. See the module docs.
-#[derive(Debug)]
+///
+/// `Clone` copies the whole machine (model checkers explore from copies), and its maps are
+/// ordered, so its `Debug` form is the same for the same state whatever history built it (up
+/// to the layout of the timer heap).
+#[derive(Clone, Debug)]
 pub struct Registry {
     config: RegistryConfig,
     node_configs: BTreeMap<String, NodeConfigPayload>,
-    conns: HashMap<ConnId, Conn>,
-    owners: HashMap<String, Owner>,
+    conns: BTreeMap<ConnId, Conn>,
+    owners: BTreeMap<String, Owner>,
     next_conn: u64,
     next_generation: u64,
     next_correlation: u64,
@@ -273,8 +277,8 @@ impl Registry {
         Self {
             config,
             node_configs: BTreeMap::new(),
-            conns: HashMap::new(),
-            owners: HashMap::new(),
+            conns: BTreeMap::new(),
+            owners: BTreeMap::new(),
             next_conn: 1,
             next_generation: 1,
             next_correlation: 1,

@@ -23,7 +23,7 @@
 //! finished streams are not remembered, which is why stream ids must never be reused on one
 //! connection (the Edge allocates them increasing).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
 
@@ -117,9 +117,9 @@ struct StreamState {
 }
 
 /// Ordering state of every open tunnel stream on one connection.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct TunnelSequencer {
-    streams: HashMap<u64, StreamState>,
+    streams: BTreeMap<u64, StreamState>,
     max_streams: usize,
 }
 
@@ -133,7 +133,7 @@ impl TunnelSequencer {
     /// A sequencer allowing at most `max_streams` open streams.
     pub fn with_max_streams(max_streams: usize) -> Self {
         Self {
-            streams: HashMap::new(),
+            streams: BTreeMap::new(),
             max_streams,
         }
     }

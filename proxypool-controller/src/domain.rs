@@ -43,7 +43,7 @@ pub struct SnapshotTuple {
 }
 
 /// A worker session as the store holds it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Session {
     /// Worker id.
     pub worker_id: String,
@@ -60,7 +60,7 @@ pub struct Session {
 }
 
 /// The snapshot currently published to a worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SnapshotReference {
     /// Position.
     pub tuple: SnapshotTuple,
@@ -69,7 +69,7 @@ pub struct SnapshotReference {
 }
 
 /// A worker's acknowledgement of a snapshot.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SnapshotAcknowledgement {
     /// Worker id.
     pub worker_id: String,
@@ -84,7 +84,7 @@ pub struct SnapshotAcknowledgement {
 }
 
 /// One proxy's counters in a sparse report.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Counter {
     /// Proxy id.
     pub proxy_id: String,
@@ -95,7 +95,7 @@ pub struct Counter {
 }
 
 /// A complete sparse runtime report, canonical (counters sorted by proxy id, unique).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Report {
     /// Worker id.
     pub worker_id: String,
@@ -166,8 +166,23 @@ fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
     out.extend_from_slice(&digits[i..]);
 }
 
+/// Everything a store holds for one worker, read back the same way from either store (the
+/// differential test holds the Redis store's Lua scripts to [`crate::memory::StoreState`] with
+/// it, after every step).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerRecord {
+    /// The live session.
+    pub session: Option<Session>,
+    /// Its report sequence fence: the last accepted sequence and its content digest.
+    pub fence: Option<(u64, [u8; 32])>,
+    /// The published snapshot reference.
+    pub reference: Option<SnapshotReference>,
+    /// The stored runtime: sequence, observation time and counters.
+    pub runtime: Option<(u64, i64, Vec<Counter>)>,
+}
+
 /// A store failure. Distinct kinds, distinct recovery.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum StoreError {
     /// The session was replaced or has expired.
     #[error("stale session")]

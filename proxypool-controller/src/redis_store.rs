@@ -24,7 +24,7 @@ use redis::aio::ConnectionManager;
 
 use crate::domain::{
     ControlStore, Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference,
-    SnapshotTuple, StoreError,
+    SnapshotTuple, StoreError, WorkerRecord,
 };
 
 const LIB: &str = r"
@@ -362,6 +362,80 @@ impl RedisStore {
         };
         let seq = get("seq").parse::<u64>().ok();
         Ok(Some((session, seq)))
+    }
+
+    /// Reads everything held for a worker (the differential test against the reference store):
+    /// session, fence, published reference and runtime, in one `MULTI` so they agree.
+    pub async fn record(&self, worker_id: &str) -> Result<WorkerRecord, StoreError> {
+        let mut conn = self.conn.clone();
+        type Raw = (
+            std::collections::HashMap<String, String>,
+            std::collections::HashMap<String, String>,
+            Option<String>,
+        );
+        let (s, r, blob): Raw = redis::pipe()
+            .atomic()
+            .cmd("HGETALL")
+            .arg(self.key("session", worker_id))
+            .cmd("HGETALL")
+            .arg(self.key("snapshot", worker_id))
+            .cmd("GET")
+            .arg(self.key("runtime", worker_id))
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| backend(&e))?;
+        let field = |m: &std::collections::HashMap<String, String>, k: &str| {
+            m.get(k).cloned().unwrap_or_default()
+        };
+        let num = |m: &std::collections::HashMap<String, String>, k: &str| {
+            field(m, k)
+                .parse::<u64>()
+                .map_err(|_| StoreError::Unavailable)
+        };
+        let mut out = WorkerRecord::default();
+        if !s.is_empty() {
+            out.session = Some(Session {
+                worker_id: worker_id.to_owned(),
+                instance_id: field(&s, "inst"),
+                session_id: unhex::<16>(&field(&s, "sid")).ok_or(StoreError::Unavailable)?,
+                acked: SnapshotTuple {
+                    ownership_epoch: num(&s, "ae")?,
+                    version: num(&s, "av")?,
+                },
+                acked_checksum: match field(&s, "ac").as_str() {
+                    "" => [0; 32],
+                    c => unhex::<32>(c).ok_or(StoreError::Unavailable)?,
+                },
+                runtime_enabled: field(&s, "rt") == "1",
+            });
+            if !field(&s, "seq").is_empty() {
+                out.fence = Some((
+                    num(&s, "seq")?,
+                    unhex::<32>(&field(&s, "dg")).ok_or(StoreError::Unavailable)?,
+                ));
+            }
+        }
+        if !r.is_empty() {
+            out.reference = Some(SnapshotReference {
+                tuple: SnapshotTuple {
+                    ownership_epoch: num(&r, "e")?,
+                    version: num(&r, "v")?,
+                },
+                checksum: unhex::<32>(&field(&r, "c")).ok_or(StoreError::Unavailable)?,
+            });
+        }
+        if let Some(blob) = blob {
+            let mut lines = blob.lines();
+            let seq = lines.next().and_then(|l| l.parse().ok());
+            let observed = lines.next().and_then(|l| l.parse().ok());
+            let (Some(seq), Some(observed), Some((_, counters))) =
+                (seq, observed, decode_runtime(&blob))
+            else {
+                return Err(StoreError::Unavailable);
+            };
+            out.runtime = Some((seq, observed, counters));
+        }
+        Ok(out)
     }
 
     /// Reads a worker's stored runtime: `(sequence, counters)`.

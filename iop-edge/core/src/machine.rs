@@ -1,6 +1,6 @@
 //! [`EdgeCore`]: the Edge's protocol decisions as one sans-io machine.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -263,6 +263,19 @@ enum Sink<S: Sinks> {
     Tunnel(S::Tunnel),
 }
 
+impl<S: Sinks> Clone for Sink<S>
+where
+    S::Run: Clone,
+    S::Tunnel: Clone,
+{
+    fn clone(&self) -> Self {
+        match self {
+            Self::Run(tx) => Self::Run(tx.clone()),
+            Self::Tunnel(tx) => Self::Tunnel(tx.clone()),
+        }
+    }
+}
+
 impl<S: Sinks> Sink<S> {
     /// Delivers the Edge's own terminal for a stream whose generation was fenced.
     fn disconnected(&self) {
@@ -306,6 +319,40 @@ struct Route<S: Sinks> {
     sink: Sink<S>,
     /// The provider lease this stream holds (pool dispatch), released when the route ends.
     lease: Option<LeaseId>,
+}
+
+impl<S: Sinks> Clone for Route<S>
+where
+    S::Run: Clone,
+    S::Tunnel: Clone,
+{
+    fn clone(&self) -> Self {
+        Self {
+            node_id: self.node_id.clone(),
+            generation: self.generation,
+            run_id: self.run_id.clone(),
+            sink: self.sink.clone(),
+            lease: self.lease,
+        }
+    }
+}
+
+impl<S: Sinks> std::fmt::Debug for Route<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Route")
+            .field("node_id", &self.node_id)
+            .field("generation", &self.generation)
+            .field("run_id", &self.run_id)
+            .field(
+                "sink",
+                &match self.sink {
+                    Sink::Run(_) => "run",
+                    Sink::Tunnel(_) => "tunnel",
+                },
+            )
+            .field("lease", &self.lease)
+            .finish()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -353,26 +400,26 @@ fn stall(timeout: Duration) -> ResponseStallTimeout {
 /// The Edge's protocol machine (see the crate docs for what it owns and how to drive it).
 pub struct EdgeCore<S: Sinks> {
     registry: Registry,
-    routes: HashMap<u64, Route<S>>,
+    routes: BTreeMap<u64, Route<S>>,
     /// Ordering state of every open tunnel stream (stream ids are unique across connections).
     tunnels: TunnelSequencer,
     /// Response-wait deadlines of tunnels that have not received a frame yet, by time and by
     /// stream (so the first frame clears its timer in O(log n)).
     wait_timers: BTreeSet<(Instant, u64)>,
-    waiting: HashMap<u64, Instant>,
+    waiting: BTreeMap<u64, Instant>,
     pool: Option<Pool>,
     /// Last `health_observation_seq` seen per provider binding and generation.
-    observed: HashMap<(ProviderKey, Generation), u64>,
-    pending: HashMap<u64, (String, Generation, Pending)>,
+    observed: BTreeMap<(ProviderKey, Generation), u64>,
+    pending: BTreeMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
     /// The lease recipient key of each Node's current registration (managed mode).
-    recipients: HashMap<String, (Generation, Option<RecipientKey>)>,
+    recipients: BTreeMap<String, (Generation, Option<RecipientKey>)>,
     config: CoreConfig,
     /// Streams holding unread bytes, by the time to look again, and the read count seen when
     /// the timer was armed.
     slow_timers: BTreeSet<(Instant, u64)>,
-    slow: HashMap<u64, (Instant, u64)>,
+    slow: BTreeMap<u64, (Instant, u64)>,
     events: VecDeque<Event>,
     observer: Arc<dyn Observer>,
 }
@@ -387,7 +434,71 @@ impl<S: Sinks> std::fmt::Debug for EdgeCore<S> {
     }
 }
 
+/// A copy of the whole machine, for model checkers: the registry, pool, routes and timers are
+/// copied, and each stream's sink is `Clone`d (so a copy shares its sinks only if their `Clone`
+/// shares; the production driver never copies the machine).
+impl<S: Sinks> Clone for EdgeCore<S>
+where
+    S::Run: Clone,
+    S::Tunnel: Clone,
+{
+    fn clone(&self) -> Self {
+        Self {
+            registry: self.registry.clone(),
+            routes: self.routes.clone(),
+            tunnels: self.tunnels.clone(),
+            wait_timers: self.wait_timers.clone(),
+            waiting: self.waiting.clone(),
+            pool: self.pool.clone(),
+            observed: self.observed.clone(),
+            pending: self.pending.clone(),
+            next_stream: self.next_stream,
+            next_correlation: self.next_correlation,
+            recipients: self.recipients.clone(),
+            config: self.config,
+            slow_timers: self.slow_timers.clone(),
+            slow: self.slow.clone(),
+            events: self.events.clone(),
+            observer: self.observer.clone(),
+        }
+    }
+}
+
+/// [`EdgeCore::state`]: every field but the sinks' contents and the observer.
+struct StateDebug<'a, S: Sinks>(&'a EdgeCore<S>);
+
+impl<S: Sinks> std::fmt::Debug for StateDebug<'_, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = self.0;
+        f.debug_struct("EdgeCore")
+            .field("registry", &c.registry)
+            .field("routes", &c.routes)
+            .field("tunnels", &c.tunnels)
+            .field("wait_timers", &c.wait_timers)
+            .field("waiting", &c.waiting)
+            .field("pool", &c.pool)
+            .field("observed", &c.observed)
+            .field("pending", &c.pending)
+            .field("next_stream", &c.next_stream)
+            .field("next_correlation", &c.next_correlation)
+            .field("recipients", &c.recipients)
+            .field("config", &c.config)
+            .field("slow_timers", &c.slow_timers)
+            .field("slow", &c.slow)
+            .field("events", &c.events)
+            .finish()
+    }
+}
+
 impl<S: Sinks> EdgeCore<S> {
+    /// The machine's whole state in `Debug` form (every field but what its sinks hold and the
+    /// observer). Its maps are ordered, so equal states print equally whatever history built
+    /// them (up to the layout of the registry's timer heap): the model checker
+    /// (`tests/model.rs`) fingerprints states with it. Long; not for logs.
+    pub fn state(&self) -> impl std::fmt::Debug + '_ {
+        StateDebug(self)
+    }
+
     /// A machine around `registry` (with its Node configs set) and an optional provider pool.
     pub fn new(
         registry: Registry,
@@ -397,19 +508,19 @@ impl<S: Sinks> EdgeCore<S> {
     ) -> Self {
         Self {
             registry,
-            routes: HashMap::new(),
+            routes: BTreeMap::new(),
             tunnels: TunnelSequencer::with_max_streams(usize::MAX),
             wait_timers: BTreeSet::new(),
-            waiting: HashMap::new(),
+            waiting: BTreeMap::new(),
             pool,
-            observed: HashMap::new(),
-            pending: HashMap::new(),
+            observed: BTreeMap::new(),
+            pending: BTreeMap::new(),
             next_stream: 1,
             next_correlation: 1,
-            recipients: HashMap::new(),
+            recipients: BTreeMap::new(),
             config,
             slow_timers: BTreeSet::new(),
-            slow: HashMap::new(),
+            slow: BTreeMap::new(),
             events: VecDeque::new(),
             observer,
         }

@@ -23,7 +23,7 @@
 //! Drive it like the other machines: call the `handle`-style methods, then drain
 //! [`Pool::poll_event`] (grants to waiters, wait timeouts) and re-arm [`Pool::poll_timeout`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use iop_wire::registry::Generation;
@@ -137,7 +137,7 @@ pub enum PoolEvent {
     },
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Provider {
     spec: ProviderSpec,
     /// Set while the Node's generation is dispatch-ready.
@@ -160,7 +160,7 @@ impl Provider {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Waiter {
     id: RequestId,
     model: String,
@@ -179,15 +179,15 @@ pub struct PoolConfig {
     pub max_queue: usize,
 }
 
-/// The pool. See the module docs.
-#[derive(Debug)]
+/// The pool. See the module docs. `Clone` copies it whole (model checkers).
+#[derive(Clone, Debug)]
 pub struct Pool {
     order: Vec<ProviderKey>,
-    providers: HashMap<ProviderKey, Provider>,
-    models: HashMap<String, Vec<ProviderKey>>,
+    providers: BTreeMap<ProviderKey, Provider>,
+    models: BTreeMap<String, Vec<ProviderKey>>,
     queue: VecDeque<Waiter>,
     max_queue: usize,
-    leases: HashMap<LeaseId, Lease>,
+    leases: BTreeMap<LeaseId, Lease>,
     next_request: u64,
     next_lease: u64,
     events: VecDeque<PoolEvent>,
@@ -220,7 +220,7 @@ impl Pool {
             models: config.models.into_iter().collect(),
             queue: VecDeque::new(),
             max_queue: config.max_queue,
-            leases: HashMap::new(),
+            leases: BTreeMap::new(),
             next_request: 1,
             next_lease: 1,
             events: VecDeque::new(),
@@ -547,7 +547,7 @@ impl Pool {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashSet;
+    use std::collections::{HashMap, HashSet};
 
     use proptest::prelude::*;
 

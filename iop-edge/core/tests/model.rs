@@ -1,0 +1,846 @@
+//! Exhaustive model check of the Edge–Node runtime wire (seed 000) with `stateright`: the real
+//! [`EdgeCore`] (its `Registry` and provider `Pool`) and real Node sessions
+//! ([`NodeSession`]), with the network between them made explicit.
+//!
+//! Every connection has two FIFO queues of frames in flight (Edge → Node, Node → Edge), and
+//! each delivery is its own step, so the checker interleaves them with everything else: a
+//! Node's second connection registering while the first one's frames are still in flight, a
+//! terminal racing a fence, a transport break seen by the Node before the Edge, a queued
+//! request granted while its candidate is being superseded. From the empty mesh the checker
+//! applies, in every order, within the [`Bounds`]:
+//!
+//! - `Connect(n)`: Node `n` dials again (a new connection, so a new generation once it
+//!   registers): its session queues `RegisterRequest`, and later `NodeReadyRequest`;
+//! - `ToEdge(l)` / `ToNode(l)`: the next frame in flight on connection `l` arrives;
+//! - `Cut(l)`: the transport breaks; the Node sees it at once, the Edge only at
+//!   `EdgeEof(l)`, after the frames already in flight to it (the Node learns of an Edge-side
+//!   close at `NodeEof(l)`, likewise);
+//! - `Dispatch`: a caller asks the pool for model `m` (admit, then send the run on the lease in
+//!   the same task, as `iop-edge` does; a queued one is sent when it is granted);
+//! - `Complete(l, r)`: the Node's application ends run `r` it received on `l`;
+//! - `CallerGone(s)`: the caller of stream `s` goes away (`end_stream`);
+//! - `Tick`: virtual time jumps to the next timer of any machine (heartbeat silence,
+//!   handshake timeout, queue wait), which fires.
+//!
+//! Invariants, each named after the seed rule it encodes (a transition that breaks one is
+//! recorded in the state and reported with the path to it):
+//!
+//! - **one-owner**: the registry's owner of a Node id is a connection of that Node that the Edge
+//!   still has open; a connection the Edge keeps and its Node believes ready is the owner until
+//!   a newer connection of that Node registers; a Node's ready generation only moves forward;
+//! - **no-stale-generation-routed**: an event the Node sent reaches a stream only from the
+//!   connection and generation the stream was opened on, while that generation is current; a
+//!   frame from a superseded or closed connection changes no stream and no lease;
+//! - **one-terminal**: no stream ever gets two terminals; at quiescence (every connection dead
+//!   on both sides, nothing in flight) every stream whose caller stayed has exactly one;
+//! - **lease-released-once**: a stream's provider lease is held exactly while the stream has no
+//!   terminal and its caller stays, and the pool holds no other lease;
+//! - **registration-completes**: a connection both sides keep, with nothing in flight and no
+//!   newer connection of its Node, is ready, and the Edge closes a Node's connection on its own
+//!   only when a newer connection of that Node exists or a timer fired (no handshake is lost
+//!   in an interleaving);
+//! - **no-stranded-waiter**: no request waits in the queue while a ready Node's provider has
+//!   free capacity (capacity counted from this model's own streams, not the pool's view).
+//!
+//! States are fingerprinted by the machines' full `Debug` state ([`EdgeCore::state`]; the
+//! registry's, pool's and sessions' maps are ordered, so the same state prints the same) plus
+//! the model's own bookkeeping.
+//!
+//! ## Bounds, state space, time
+//!
+//! The test command runs [`Bounds::SMALL`]: Node 2 connected and ready at the start, Node 1
+//! dialling twice (two connections, two generations), two dispatches through a pool of one
+//! provider per Node (capacity 1, a queue of 1), one transport cut, no timer jumps: 160,787
+//! unique states (491,607 generated) in ≈25 s in a debug build on 2 cores (≈9 s in release).
+//! `EDGE_MODEL=large` runs [`Bounds::LARGE`] by hand (both Nodes dialling twice, three
+//! dispatches, two cuts, one timer jump: heartbeats, handshake and queue deadlines), and
+//! `EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts` any other size. Timer jumps multiply
+//! the space most (every machine's pings become frames in flight).
+//!
+//! ## Does it catch bugs?
+//!
+//! Checked against a deliberately broken machine (the change made, the checker run, the
+//! change reverted): `Registry::drop_conn` made to remove the Node's owner entry whatever
+//! connection closed (a "release on a stale close": the owner looked up by the closing
+//! connection's Node id instead of `current_owner_of(conn)`). The checker found
+//! **registration-completes** broken (a 20-step path: Node 1 dials twice, the second connection
+//! registers, supersedes and closes the first, and that close drops the second's pending
+//! registration, so the Edge then closes a connection no newer one superseded). Before the
+//! property existed, the same break went unnoticed by the safety rules alone (the Node just
+//! never became ready again), which is why the model also states the liveness of the handshake.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use iop_edge_core::pool::{LeaseId, Pool, PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge_core::{
+    Admit, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink, TunnelEvent,
+};
+use iop_wire::HeartbeatConfig;
+use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
+use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
+use iop_wire::runtime::{
+    NodeConfigPayload, RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
+    RuntimeMessage,
+};
+use iop_wire::validate::ResponseStallTimeout;
+use stateright::{Checker, Model, Property};
+
+const NODES: [&str; 2] = ["node-1", "node-2"];
+/// What the Node's application writes into its terminals (the Edge's own say otherwise).
+const FROM_NODE: &str = "from-node";
+
+// === Sinks: a token per stream; what the machine pushes is logged for the model ===
+
+thread_local! {
+    static PUSHED: RefCell<Vec<(u32, RunEvent)>> = const { RefCell::new(Vec::new()) };
+}
+
+#[derive(Clone, Debug)]
+struct Tok(u32);
+
+impl StreamSink<RunEvent> for Tok {
+    fn push(&self, item: RunEvent, _size: usize) -> Option<Level> {
+        PUSHED.with(|p| p.borrow_mut().push((self.0, item)));
+        // The reader keeps up (slow consumers are the pair harness's business).
+        Some(Level::default())
+    }
+    fn replace_with(&self, item: RunEvent) {
+        PUSHED.with(|p| p.borrow_mut().push((self.0, item)));
+    }
+    fn level(&self) -> Level {
+        Level::default()
+    }
+}
+
+impl StreamSink<TunnelEvent> for Tok {
+    fn push(&self, _item: TunnelEvent, _size: usize) -> Option<Level> {
+        unreachable!("the model opens runs only")
+    }
+    fn replace_with(&self, _item: TunnelEvent) {}
+    fn level(&self) -> Level {
+        Level::default()
+    }
+}
+
+#[derive(Clone, Debug)]
+struct ModelSinks;
+
+impl Sinks for ModelSinks {
+    type Run = Tok;
+    type Tunnel = Tok;
+}
+
+// === The mesh ===
+
+#[derive(Clone, Copy, Debug)]
+struct Bounds {
+    /// Connections each Node has, registered and ready, when the exploration starts.
+    ready_at_start: [u8; 2],
+    /// Connections each Node may open during the exploration.
+    conns_per_node: [u8; 2],
+    dispatches: u8,
+    ticks: u8,
+    cuts: u8,
+}
+
+impl Bounds {
+    const SMALL: Self = Self {
+        ready_at_start: [0, 1],
+        conns_per_node: [2, 0],
+        dispatches: 2,
+        ticks: 0,
+        cuts: 1,
+    };
+    const LARGE: Self = Self {
+        ready_at_start: [0, 0],
+        conns_per_node: [2, 2],
+        dispatches: 3,
+        ticks: 1,
+        cuts: 2,
+    };
+}
+
+#[derive(Clone, Debug)]
+struct Link {
+    node: usize,
+    conn: ConnId,
+    session: NodeSession,
+    to_node: VecDeque<RuntimeFrame>,
+    to_edge: VecDeque<RuntimeFrame>,
+    /// The Node still has this transport.
+    node_up: bool,
+    /// The Edge still has this connection.
+    edge_up: bool,
+    /// The generation the Edge bound this connection to, once it registered.
+    generation: Option<Generation>,
+    /// Runs the Node's application received: (stream id, run id, answered).
+    runs: Vec<(u64, String, bool)>,
+}
+
+#[derive(Clone, Debug)]
+struct Stream {
+    tok: u32,
+    stream_id: u64,
+    node: usize,
+    generation: Generation,
+    lease: LeaseId,
+    terminals: u8,
+    caller_gone: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Mesh {
+    now: Instant,
+    edge: EdgeCore<ModelSinks>,
+    links: Vec<Link>,
+    streams: Vec<Stream>,
+    queued: Vec<iop_edge_core::pool::RequestId>,
+    opened: [u8; 2],
+    dispatches: u8,
+    ticks: u8,
+    cuts: u8,
+    last_ready: [Option<Generation>; 2],
+    broken: Option<&'static str>,
+}
+
+impl Mesh {
+    /// Everything, in a form where equal states are equal (ordered maps throughout).
+    fn key(&self) -> String {
+        format!(
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{:?}|{:?}",
+            self.now,
+            self.edge.state(),
+            self.links,
+            self.streams,
+            self.queued,
+            self.opened,
+            self.dispatches,
+            self.ticks,
+            self.cuts,
+            self.last_ready,
+            self.broken
+        )
+    }
+}
+
+impl Hash for Mesh {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.key().hash(h);
+    }
+}
+
+impl PartialEq for Mesh {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+fn provider(node: &str, id: &str) -> ProviderSpec {
+    ProviderSpec {
+        key: ProviderKey {
+            node_id: node.into(),
+            provider_id: id.into(),
+        },
+        adapter: format!("{id}-adapter"),
+        target: format!("{id}-target"),
+        kind: ProviderKind::OpenAiCompat,
+        category: "api".into(),
+        capacity: 1,
+        long_context_capacity: 0,
+        response_stall_timeout: Duration::from_secs(120),
+        enabled: true,
+    }
+}
+
+fn run_request(n: u8) -> RunRequest {
+    RunRequest {
+        run_id: format!("run-{n}"),
+        adapter: String::new(),
+        target: String::new(),
+        input: Bytes::from_static(b"hi"),
+        metadata: BTreeMap::new(),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        timeout: None,
+        long_context: false,
+        credential: None,
+    }
+}
+
+const QUEUE_WAIT: Duration = Duration::from_secs(5);
+
+impl Mesh {
+    fn new(now: Instant) -> Self {
+        let mut registry = Registry::new(RegistryConfig {
+            heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
+            default_node_config: None,
+            handshake_timeout: Duration::from_secs(10),
+        });
+        for n in NODES {
+            registry.set_node_config(
+                n,
+                Some(NodeConfigPayload {
+                    revision: 1,
+                    ..Default::default()
+                }),
+            );
+        }
+        let providers = vec![provider(NODES[0], "p1"), provider(NODES[1], "p2")];
+        let models = vec![(
+            "m".to_owned(),
+            providers.iter().map(|p| p.key.clone()).collect(),
+        )];
+        let pool = Pool::new(PoolConfig {
+            providers,
+            models,
+            max_queue: 1,
+        });
+        Self {
+            now,
+            edge: EdgeCore::new(
+                registry,
+                Some(pool),
+                CoreConfig::default(),
+                Arc::new(NoObserver),
+            ),
+            links: Vec::new(),
+            streams: Vec::new(),
+            queued: Vec::new(),
+            opened: [0; 2],
+            dispatches: 0,
+            ticks: 0,
+            cuts: 0,
+            last_ready: [None; 2],
+            broken: None,
+        }
+    }
+
+    fn broke(&mut self, rule: &'static str) {
+        self.broken.get_or_insert(rule);
+    }
+
+    /// What the machine pushed into streams since the last call, checked and counted.
+    /// `from`: the link whose frame was being delivered, and whether it was current.
+    fn take_pushed(&mut self, from: Option<(usize, bool)>) {
+        let pushed = PUSHED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        for (tok, ev) in pushed {
+            let Some(si) = self.streams.iter().position(|s| s.tok == tok) else {
+                self.broke("no-stale-generation-routed");
+                continue;
+            };
+            let from_node = ev.error == FROM_NODE || ev.delta == FROM_NODE;
+            if from_node {
+                let ok = from.is_some_and(|(li, current)| {
+                    let l = &self.links[li];
+                    current
+                        && l.node == self.streams[si].node
+                        && l.generation == Some(self.streams[si].generation)
+                });
+                if !ok {
+                    self.broke("no-stale-generation-routed");
+                }
+            }
+            if ev.kind.is_terminal() {
+                let s = &mut self.streams[si];
+                s.terminals += 1;
+                if s.terminals > 1 {
+                    self.broke("one-terminal");
+                }
+            }
+        }
+    }
+
+    /// Moves the machines' output into the network and the callers, until nothing is left.
+    fn drain(&mut self) {
+        loop {
+            let mut moved = false;
+            while let Some((conn, frame)) = self.edge.poll_transmit() {
+                moved = true;
+                if let Some(l) = self.links.iter_mut().find(|l| l.conn == conn)
+                    && l.edge_up
+                {
+                    l.to_node.push_back(frame);
+                }
+            }
+            while let Some(event) = self.edge.poll_event() {
+                moved = true;
+                match event {
+                    Event::CloseConnection { conn, cause } => {
+                        // The Edge closes a Node's connection on its own only when a newer
+                        // connection of that Node registered, or a timer said so.
+                        let timed = matches!(
+                            cause,
+                            FenceCause::HeartbeatTimeout | FenceCause::HandshakeTimeout
+                        );
+                        if let Some(l) = self.links.iter().find(|l| l.conn == conn) {
+                            // Registration order makes generations, not dial order.
+                            let newer = self.links.iter().any(|o| {
+                                o.node == l.node
+                                    && o.generation.is_some()
+                                    && o.generation > l.generation
+                            });
+                            if !timed && !newer {
+                                self.broken.get_or_insert("registration-completes");
+                            }
+                        }
+                        if let Some(l) = self.links.iter_mut().find(|l| l.conn == conn) {
+                            l.edge_up = false;
+                            l.to_edge.clear();
+                        }
+                    }
+                    Event::Admitted { request, result } => {
+                        self.queued.retain(|r| *r != request);
+                        if let Ok(admitted) = result {
+                            self.send_on(admitted.lease);
+                        }
+                    }
+                    Event::Lifecycle(_) | Event::Answered { .. } => {}
+                }
+            }
+            self.take_pushed(None);
+            for li in 0..self.links.len() {
+                let now = self.now;
+                let l = &mut self.links[li];
+                while let Some(frame) = l.session.poll_transmit() {
+                    moved = true;
+                    if l.node_up {
+                        l.to_edge.push_back(frame);
+                    }
+                }
+                while let Some(event) = l.session.poll_event() {
+                    moved = true;
+                    match event {
+                        NodeEvent::ApplyConfig { .. } => {
+                            let _ = l.session.config_applied(now);
+                        }
+                        NodeEvent::Frame(frame) => {
+                            if let RuntimeMessage::RunRequest(r) = &frame.message
+                                && l.session.admit_run(&r.run_id).is_ok()
+                            {
+                                l.runs.push((frame.stream_id, r.run_id.clone(), false));
+                            }
+                        }
+                        NodeEvent::Closed(_) => {
+                            l.node_up = false;
+                            l.to_node.clear();
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+        self.check_state();
+    }
+
+    /// Sends a run on a granted lease, in the caller's task.
+    fn send_on(&mut self, lease: iop_edge_core::pool::Lease) {
+        let tok = u32::from(self.dispatches) + 100 * u32::try_from(self.streams.len()).unwrap();
+        let node = NODES.iter().position(|n| *n == lease.key.node_id).unwrap();
+        let open = Open::Run {
+            request: run_request(self.dispatches),
+            sink: Tok(tok),
+        };
+        if let Ok(o) = self.edge.send_admitted(self.now, &lease, open) {
+            self.streams.push(Stream {
+                tok,
+                stream_id: o.stream_id,
+                node,
+                generation: o.generation,
+                lease: lease.id,
+                terminals: 0,
+                caller_gone: false,
+            });
+        }
+    }
+
+    /// The state invariants (see the module docs).
+    fn check_state(&mut self) {
+        for (n, node) in NODES.iter().enumerate() {
+            for (conn, generation) in [
+                self.edge.registry().ready_generation(node),
+                self.edge.registry().pending_generation(node),
+            ]
+            .into_iter()
+            .flatten()
+            .map(|x| (x.0, x.1))
+            {
+                let ok = self
+                    .links
+                    .iter()
+                    .any(|l| l.conn == conn && l.node == n && l.edge_up);
+                if !ok {
+                    self.broke("one-owner");
+                }
+                let _ = generation;
+            }
+            if let Some((_, g)) = self.edge.registry().ready_generation(node) {
+                if self.last_ready[n].is_some_and(|last| g < last) {
+                    self.broke("one-owner");
+                }
+                self.last_ready[n] = Some(g);
+            }
+        }
+        // Nothing lost in the handshake: a connection both sides keep, with nothing in flight
+        // and no newer connection of its Node, is ready.
+        for l in &self.links {
+            let settled = l.edge_up && l.node_up && l.to_edge.is_empty() && l.to_node.is_empty();
+            let superseded = self
+                .links
+                .iter()
+                .any(|o| o.node == l.node && o.generation.is_some() && o.generation > l.generation);
+            if settled && !superseded && !l.session.is_ready() {
+                self.broken.get_or_insert("registration-completes");
+            }
+        }
+        // A connection the Edge keeps open and the Node believes ready is the owner, until a
+        // newer connection of the same Node registers.
+        for l in &self.links {
+            if !(l.edge_up && l.node_up && l.session.is_ready()) {
+                continue;
+            }
+            let superseded = self
+                .links
+                .iter()
+                .any(|o| o.node == l.node && o.generation.is_some() && o.generation > l.generation);
+            let owner = self.edge.registry().ready_generation(NODES[l.node]);
+            if !superseded && owner != l.generation.map(|g| (l.conn, g)) {
+                self.broken.get_or_insert("one-owner");
+            }
+        }
+        let pool = self.edge.pool().expect("pool");
+        let mut held = 0;
+        for s in &self.streams {
+            let should_hold = s.terminals == 0 && !s.caller_gone;
+            if pool.lease(s.lease).is_some() != should_hold {
+                self.broken.get_or_insert("lease-released-once");
+            }
+            held += usize::from(should_hold);
+        }
+        if pool.lease_count() != held {
+            self.broken.get_or_insert("lease-released-once");
+        }
+        if !self.queued.is_empty() {
+            for (n, node) in NODES.iter().enumerate() {
+                let Some((_, g)) = self.edge.registry().ready_generation(node) else {
+                    continue;
+                };
+                let busy = self.streams.iter().any(|s| {
+                    s.node == n && s.generation == g && s.terminals == 0 && !s.caller_gone
+                });
+                if !busy {
+                    self.broken.get_or_insert("no-stranded-waiter");
+                }
+            }
+        }
+    }
+
+    fn quiescent(&self) -> bool {
+        self.links
+            .iter()
+            .all(|l| !l.node_up && !l.edge_up && l.to_edge.is_empty() && l.to_node.is_empty())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Action {
+    Connect(usize),
+    ToEdge(usize),
+    ToNode(usize),
+    Cut(usize),
+    EdgeEof(usize),
+    NodeEof(usize),
+    Dispatch,
+    Complete(usize, usize),
+    CallerGone(usize),
+    Tick,
+}
+
+struct MeshModel {
+    bounds: Bounds,
+    start: Instant,
+}
+
+impl Model for MeshModel {
+    type State = Mesh;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<Mesh> {
+        let mut m = Mesh::new(self.start);
+        // Nodes connected and ready before the exploration starts (their registration is
+        // explored when `conns_per_node` lets them dial).
+        for n in 0..NODES.len() {
+            for _ in 0..self.bounds.ready_at_start[n] {
+                m = self.next_state(&m, Action::Connect(n)).expect("connects");
+                m.opened[n] -= 1;
+                while let Some(a) = [
+                    Action::ToEdge(m.links.len() - 1),
+                    Action::ToNode(m.links.len() - 1),
+                ]
+                .into_iter()
+                .find(|a| match a {
+                    Action::ToEdge(i) => !m.links[*i].to_edge.is_empty(),
+                    Action::ToNode(i) => !m.links[*i].to_node.is_empty(),
+                    _ => false,
+                }) {
+                    m = self.next_state(&m, a).expect("settles");
+                }
+                assert!(m.links.last().expect("a link").session.is_ready());
+            }
+        }
+        vec![m]
+    }
+
+    fn actions(&self, m: &Mesh, out: &mut Vec<Action>) {
+        if m.broken.is_some() {
+            return;
+        }
+        for n in 0..NODES.len() {
+            if m.opened[n] < self.bounds.conns_per_node[n] {
+                out.push(Action::Connect(n));
+            }
+        }
+        for (i, l) in m.links.iter().enumerate() {
+            if l.edge_up && !l.to_edge.is_empty() {
+                out.push(Action::ToEdge(i));
+            }
+            if l.node_up && !l.to_node.is_empty() {
+                out.push(Action::ToNode(i));
+            }
+            if l.node_up && m.cuts < self.bounds.cuts {
+                out.push(Action::Cut(i));
+            }
+            if l.edge_up && !l.node_up && l.to_edge.is_empty() {
+                out.push(Action::EdgeEof(i));
+            }
+            if l.node_up && !l.edge_up && l.to_node.is_empty() {
+                out.push(Action::NodeEof(i));
+            }
+            if l.node_up && l.session.is_ready() {
+                for (r, (_, _, answered)) in l.runs.iter().enumerate() {
+                    if !answered {
+                        out.push(Action::Complete(i, r));
+                    }
+                }
+            }
+        }
+        if m.dispatches < self.bounds.dispatches {
+            out.push(Action::Dispatch);
+        }
+        for (i, s) in m.streams.iter().enumerate() {
+            if s.terminals == 0 && !s.caller_gone {
+                out.push(Action::CallerGone(i));
+            }
+        }
+        if m.ticks < self.bounds.ticks && self.next_timer(m).is_some() {
+            out.push(Action::Tick);
+        }
+    }
+
+    fn next_state(&self, last: &Mesh, action: Action) -> Option<Mesh> {
+        let mut m = last.clone();
+        PUSHED.with(|p| p.borrow_mut().clear());
+        let now = m.now;
+        match action {
+            Action::Connect(n) => {
+                m.opened[n] += 1;
+                let conn = m.edge.accept(now, NODES[n]);
+                let register = RegisterRequest {
+                    node_id: NODES[n].to_owned(),
+                    ..Default::default()
+                };
+                let session = NodeSession::new(NodeSessionConfig::default(), register, now);
+                m.links.push(Link {
+                    node: n,
+                    conn,
+                    session,
+                    to_node: VecDeque::new(),
+                    to_edge: VecDeque::new(),
+                    node_up: true,
+                    edge_up: true,
+                    generation: None,
+                    runs: Vec::new(),
+                });
+            }
+            Action::ToEdge(i) => {
+                let frame = m.links[i].to_edge.pop_front().expect("in flight");
+                let node = NODES[m.links[i].node];
+                let conn = m.links[i].conn;
+                let reg = m.edge.registry();
+                let current = reg.ready_generation(node).is_some_and(|(c, _)| c == conn);
+                let owner = current || reg.pending_generation(node).is_some_and(|(c, _)| c == conn);
+                let stale_before = (!owner && m.links[i].generation.is_some()).then(|| {
+                    (
+                        m.edge.snapshot(),
+                        m.edge.stream_count(),
+                        m.edge.pool_stats(),
+                    )
+                });
+                m.edge.handle_frame(now, conn, frame);
+                m.take_pushed(Some((i, current)));
+                if let Some(before) = stale_before {
+                    let after = (
+                        m.edge.snapshot(),
+                        m.edge.stream_count(),
+                        m.edge.pool_stats(),
+                    );
+                    if before != after {
+                        m.broke("no-stale-generation-routed");
+                    }
+                }
+                // The generation the Edge bound this connection to.
+                if m.links[i].generation.is_none() {
+                    let reg = m.edge.registry();
+                    let bound = reg
+                        .pending_generation(node)
+                        .into_iter()
+                        .chain(reg.ready_generation(node))
+                        .find(|(c, _)| *c == conn);
+                    if let Some((_, g)) = bound {
+                        m.links[i].generation = Some(g);
+                    }
+                }
+            }
+            Action::ToNode(i) => {
+                let frame = m.links[i].to_node.pop_front().expect("in flight");
+                m.links[i].session.handle_frame(now, frame);
+            }
+            Action::Cut(i) => {
+                m.cuts += 1;
+                let l = &mut m.links[i];
+                l.node_up = false;
+                l.to_node.clear();
+                l.session.handle_transport_closed();
+            }
+            Action::EdgeEof(i) => {
+                m.links[i].edge_up = false;
+                let conn = m.links[i].conn;
+                m.edge.handle_close(now, conn);
+            }
+            Action::NodeEof(i) => {
+                let l = &mut m.links[i];
+                l.node_up = false;
+                l.to_edge.clear();
+                l.session.handle_transport_closed();
+            }
+            Action::Dispatch => {
+                m.dispatches += 1;
+                match m.edge.admit(now, "m", false, QUEUE_WAIT) {
+                    Ok(Admit::Granted(a)) => m.send_on(a.lease),
+                    Ok(Admit::Queued(id)) => m.queued.push(id),
+                    Err(_) => {}
+                }
+            }
+            Action::Complete(i, r) => {
+                let (stream_id, run_id, _) = m.links[i].runs[r].clone();
+                m.links[i].runs[r].2 = true;
+                let mut ev = RunEvent::new(RunEventKind::Complete);
+                ev.delta = FROM_NODE.into();
+                let frame = RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev));
+                m.links[i].session.send(now, frame).expect("ready");
+                m.links[i].session.run_finished(&run_id);
+            }
+            Action::CallerGone(s) => {
+                m.streams[s].caller_gone = true;
+                let id = m.streams[s].stream_id;
+                m.edge.end_stream(now, id, "caller went away");
+            }
+            Action::Tick => {
+                m.ticks += 1;
+                let at = self.next_timer(&m).expect("a timer");
+                m.now = at;
+                m.edge.handle_timeout(at);
+                for l in &mut m.links {
+                    if l.node_up {
+                        l.session.handle_timeout(at);
+                    }
+                }
+            }
+        }
+        m.take_pushed(None);
+        m.drain();
+        Some(m)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(
+                "every transition keeps the seed 000 rules",
+                |_, m: &Mesh| m.broken.is_none(),
+            ),
+            Property::always("one-terminal at quiescence", |_, m: &Mesh| {
+                !m.quiescent() || m.streams.iter().all(|s| s.caller_gone || s.terminals == 1)
+            }),
+            Property::sometimes("a run completed by its Node", |_, m: &Mesh| {
+                m.streams.iter().any(|s| s.terminals == 1 && !s.caller_gone)
+                    && m.links.iter().any(|l| l.runs.iter().any(|r| r.2))
+            }),
+            Property::sometimes("a supersede with a run in flight", |_, m: &Mesh| {
+                m.links
+                    .iter()
+                    .filter(|l| l.node == 0 && l.generation.is_some())
+                    .count()
+                    == 2
+                    && m.streams.iter().any(|s| s.node == 0)
+            }),
+            Property::sometimes("a queued request granted", |_, m: &Mesh| {
+                m.streams.len() == 2 && m.dispatches == 2
+            }),
+        ]
+    }
+}
+
+impl MeshModel {
+    fn next_timer(&self, m: &Mesh) -> Option<Instant> {
+        let mut next = m.edge.poll_timeout();
+        for l in &m.links {
+            if l.node_up
+                && let Some(t) = l.session.poll_timeout()
+            {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        }
+        next
+    }
+}
+
+#[test]
+fn every_interleaving_keeps_the_runtime_wire_rules() {
+    let large = std::env::var("EDGE_MODEL").is_ok_and(|v| v == "large");
+    let mut bounds = if large { Bounds::LARGE } else { Bounds::SMALL };
+    // EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts explores another size by hand.
+    if let Ok(b) = std::env::var("EDGE_MODEL_BOUNDS") {
+        let v: Vec<u8> = b.split(',').map(|x| x.parse().expect("a number")).collect();
+        bounds = Bounds {
+            ready_at_start: [v[0], v[1]],
+            conns_per_node: [v[2], v[3]],
+            dispatches: v[4],
+            ticks: v[5],
+            cuts: v[6],
+        };
+    }
+    let started = Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let checker = MeshModel {
+        bounds,
+        start: Instant::now(),
+    }
+    .checker()
+    .threads(threads)
+    .spawn_bfs()
+    .join();
+    eprintln!(
+        "edge/node model ({bounds:?}): {} unique states, {} generated, {:.2?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        started.elapsed()
+    );
+    checker.assert_properties();
+}
