@@ -11,7 +11,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`domain`] | validated commands, the session state machine's ACK and report rules, the [`domain::ControlStore`] port and the [`domain::Service`]; no tonic, Redis or tokio types |
-//! | [`memory`] | the in-memory reference store with an injected clock (TTL in virtual time) |
+//! | [`memory`] | the in-memory reference store with an injected clock (TTL in virtual time); its rules are [`memory::StoreState`]'s pure steps, which `tests/model.rs` explores exhaustively (stateright) and `tests/differential.rs` holds the Redis Lua scripts to, answer by answer |
 //! | [`redis_store`] | the Redis store: one Lua script per check-and-write, `{activity}` hash tag, persistent monotonic ownership epoch |
 //! | [`proto`] | the generated tonic/prost code of `proto/controlplane.proto` (committed; drift-checked) |
 //! | [`grpc`] | the tonic service: DTO mapping, status codes, the worker identity check |

@@ -38,6 +38,12 @@
 //! - A fence ends that generation's streams and fails its pending commands in the same step.
 //! - Every provider lease is released exactly once (terminal, caller, fence).
 //!
+//! The same rules (plus "no waiter stranded while a ready Node has capacity" and "no handshake
+//! lost") are checked over **every** interleaving of a small configuration in
+//! `tests/model.rs` (stateright): the machine is `Clone` for that (sinks cloned with their own
+//! `Clone`), and [`EdgeCore::state`] renders its whole state deterministically (ordered maps) to
+//! fingerprint it.
+//!
 //! # Driving it
 //!
 //! ```

@@ -70,6 +70,9 @@
 //! never became ready again), which is why the model also states the liveness of the handshake.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
+mod common;
+use common::NODES;
+
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::{Hash, Hasher};
@@ -77,21 +80,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use iop_edge_core::pool::{LeaseId, Pool, PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge_core::pool::LeaseId;
 use iop_edge_core::{
     Admit, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink, TunnelEvent,
 };
-use iop_wire::HeartbeatConfig;
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
-use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
+use iop_wire::registry::{ConnId, FenceCause, Generation};
 use iop_wire::runtime::{
-    NodeConfigPayload, RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
-    RuntimeMessage,
+    RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
 };
 use iop_wire::validate::ResponseStallTimeout;
 use stateright::{Checker, Model, Property};
 
-const NODES: [&str; 2] = ["node-1", "node-2"];
 /// What the Node's application writes into its terminals (the Edge's own say otherwise).
 const FROM_NODE: &str = "from-node";
 
@@ -241,23 +241,6 @@ impl PartialEq for Mesh {
     }
 }
 
-fn provider(node: &str, id: &str) -> ProviderSpec {
-    ProviderSpec {
-        key: ProviderKey {
-            node_id: node.into(),
-            provider_id: id.into(),
-        },
-        adapter: format!("{id}-adapter"),
-        target: format!("{id}-target"),
-        kind: ProviderKind::OpenAiCompat,
-        category: "api".into(),
-        capacity: 1,
-        long_context_capacity: 0,
-        response_stall_timeout: Duration::from_secs(120),
-        enabled: true,
-    }
-}
-
 fn run_request(n: u8) -> RunRequest {
     RunRequest {
         run_id: format!("run-{n}"),
@@ -276,30 +259,8 @@ const QUEUE_WAIT: Duration = Duration::from_secs(5);
 
 impl Mesh {
     fn new(now: Instant) -> Self {
-        let mut registry = Registry::new(RegistryConfig {
-            heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
-            default_node_config: None,
-            handshake_timeout: Duration::from_secs(10),
-        });
-        for n in NODES {
-            registry.set_node_config(
-                n,
-                Some(NodeConfigPayload {
-                    revision: 1,
-                    ..Default::default()
-                }),
-            );
-        }
-        let providers = vec![provider(NODES[0], "p1"), provider(NODES[1], "p2")];
-        let models = vec![(
-            "m".to_owned(),
-            providers.iter().map(|p| p.key.clone()).collect(),
-        )];
-        let pool = Pool::new(PoolConfig {
-            providers,
-            models,
-            max_queue: 1,
-        });
+        let registry = common::registry();
+        let pool = common::pool(1);
         Self {
             now,
             edge: EdgeCore::new(

@@ -15,6 +15,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
+mod common;
+
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::rc::Rc;
@@ -23,16 +25,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use iop_edge_core::pool::Pool;
-use iop_edge_core::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge_core::{
     Admit, Answer, CoreConfig, DispatchError, EdgeCore, Event, Level, Lifecycle, NODE_DISCONNECTED,
     Observer, Open, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
 };
-use iop_wire::HeartbeatConfig;
 use iop_wire::codec::FrameCodec;
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
-use iop_wire::registry::{ConnId, Generation, Registry, RegistryConfig};
+use iop_wire::registry::{ConnId, Generation};
 use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, Header,
     HealthEvidence, NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
@@ -176,54 +175,12 @@ struct Pair {
 const MAX_BUFFER: usize = 64 * 1024;
 const SLOW_TIMEOUT: Duration = Duration::from_secs(30);
 
-fn provider(node: &str, id: &str, kind: ProviderKind) -> ProviderSpec {
-    ProviderSpec {
-        key: ProviderKey {
-            node_id: node.into(),
-            provider_id: id.into(),
-        },
-        adapter: format!("{id}-adapter"),
-        target: format!("{id}-target"),
-        kind,
-        category: "api".into(),
-        capacity: 1,
-        long_context_capacity: 0,
-        response_stall_timeout: Duration::from_secs(120),
-        enabled: true,
-    }
-}
-
 impl Pair {
     /// An Edge knowing `node-1` and `node-2`, with model `m` served by one tunnel provider on
     /// each (capacity 1) and a queue of 4.
     fn new() -> Self {
-        let mut registry = Registry::new(RegistryConfig {
-            heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
-            default_node_config: None,
-            handshake_timeout: Duration::from_secs(10),
-        });
-        for n in ["node-1", "node-2"] {
-            registry.set_node_config(
-                n,
-                Some(NodeConfigPayload {
-                    revision: 1,
-                    ..Default::default()
-                }),
-            );
-        }
-        let providers = vec![
-            provider("node-1", "p1", ProviderKind::OpenAiCompat),
-            provider("node-2", "p2", ProviderKind::OpenAiCompat),
-        ];
-        let models = vec![(
-            "m".to_owned(),
-            providers.iter().map(|p| p.key.clone()).collect(),
-        )];
-        let pool = Pool::new(PoolConfig {
-            providers,
-            models,
-            max_queue: 4,
-        });
+        let registry = common::registry();
+        let pool = common::pool(4);
         let counts = Arc::new(Counts::default());
         let edge = EdgeCore::new(
             registry,
