@@ -74,22 +74,18 @@ mod common;
 use common::NODES;
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use iop_edge_core::pool::LeaseId;
 use iop_edge_core::{
     Admit, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink, TunnelEvent,
 };
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
 use iop_wire::registry::{ConnId, FenceCause, Generation};
-use iop_wire::runtime::{
-    RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
-};
-use iop_wire::validate::ResponseStallTimeout;
+use iop_wire::runtime::{RegisterRequest, RunEvent, RunEventKind, RuntimeFrame, RuntimeMessage};
 use stateright::{Checker, Model, Property};
 
 /// What the Node's application writes into its terminals (the Edge's own say otherwise).
@@ -238,20 +234,6 @@ impl Hash for Mesh {
 impl PartialEq for Mesh {
     fn eq(&self, other: &Self) -> bool {
         self.key() == other.key()
-    }
-}
-
-fn run_request(n: u8) -> RunRequest {
-    RunRequest {
-        run_id: format!("run-{n}"),
-        adapter: String::new(),
-        target: String::new(),
-        input: Bytes::from_static(b"hi"),
-        metadata: BTreeMap::new(),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        timeout: None,
-        long_context: false,
-        credential: None,
     }
 }
 
@@ -406,7 +388,7 @@ impl Mesh {
         let tok = u32::from(self.dispatches) + 100 * u32::try_from(self.streams.len()).unwrap();
         let node = NODES.iter().position(|n| *n == lease.key.node_id).unwrap();
         let open = Open::Run {
-            request: run_request(self.dispatches),
+            request: common::run_request(&format!("run-{}", self.dispatches)),
             sink: Tok(tok),
         };
         if let Ok(o) = self.edge.send_admitted(self.now, &lease, open) {

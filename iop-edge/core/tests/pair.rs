@@ -16,6 +16,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 mod common;
+use common::run_request;
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -36,7 +37,7 @@ use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, Header,
     HealthEvidence, NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
     NodeConfigRefreshResponse, ProviderStatus, ProviderTunnelRequest, RegisterRequest, RunEvent,
-    RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload,
+    RunEventKind, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload,
 };
 use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
@@ -354,20 +355,6 @@ impl Pair {
 
     fn leases(&self) -> u64 {
         self.edge.pool_stats().1
-    }
-}
-
-fn run_request(run_id: &str) -> RunRequest {
-    RunRequest {
-        run_id: run_id.into(),
-        adapter: "a".into(),
-        target: "t".into(),
-        input: Bytes::from_static(b"hi"),
-        metadata: BTreeMap::new(),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        timeout: None,
-        long_context: false,
-        credential: None,
     }
 }
 

@@ -1,12 +1,16 @@
 //! The configuration the pair harness (`pair.rs`) and the model checker (`model.rs`) share:
 //! an Edge that knows `node-1` and `node-2`, and model `m` served by one provider on each.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
+
+use bytes::Bytes;
 
 use iop_edge_core::pool::{Pool, PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_wire::HeartbeatConfig;
 use iop_wire::registry::{Registry, RegistryConfig};
-use iop_wire::runtime::NodeConfigPayload;
+use iop_wire::runtime::{NodeConfigPayload, RunRequest};
+use iop_wire::validate::ResponseStallTimeout;
 
 /// The two Node ids.
 pub(crate) const NODES: [&str; 2] = ["node-1", "node-2"];
@@ -63,4 +67,19 @@ pub(crate) fn pool(max_queue: usize) -> Pool {
         models,
         max_queue,
     })
+}
+
+/// A run request (adapter and target are filled in from the lease on pool dispatch).
+pub(crate) fn run_request(run_id: &str) -> RunRequest {
+    RunRequest {
+        run_id: run_id.into(),
+        adapter: "a".into(),
+        target: "t".into(),
+        input: Bytes::from_static(b"hi"),
+        metadata: BTreeMap::new(),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        timeout: None,
+        long_context: false,
+        credential: None,
+    }
 }
