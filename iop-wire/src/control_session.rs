@@ -33,7 +33,7 @@
 //! - Anything out of place (a second hello, an Edge-bound message sent to the Control Plane,
 //!   a request before the hello completed) closes the session as a protocol violation.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::control::{
@@ -102,7 +102,7 @@ enum Phase {
 
 /// What both ends share: the liveness and handshake timers, correlation ids and the frames to
 /// write.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Link {
     liveness: Liveness,
     handshake_deadline: Option<Instant>,
@@ -202,8 +202,9 @@ pub enum EdgeControlEvent {
     Closed(ControlCloseReason),
 }
 
-/// The Edge end of a control connection.
-#[derive(Debug)]
+/// The Edge end of a control connection. `Clone` copies the whole machine (model checkers:
+/// `tests/control_model.rs`); its sets are ordered, so equal states print equally.
+#[derive(Clone, Debug)]
 pub struct EdgeControlSession {
     phase: Phase,
     managed: bool,
@@ -212,8 +213,8 @@ pub struct EdgeControlSession {
     /// The generation of the projection the Edge holds (0: none), across sessions.
     held_generation: u64,
     link: Link,
-    leases: HashSet<u64>,
-    pings: HashSet<u64>,
+    leases: BTreeSet<u64>,
+    pings: BTreeSet<u64>,
     events: VecDeque<EdgeControlEvent>,
 }
 
@@ -233,8 +234,8 @@ impl EdgeControlSession {
             default_heartbeat: config.heartbeat,
             held_generation,
             link: Link::new(&config, now, 2),
-            leases: HashSet::new(),
-            pings: HashSet::new(),
+            leases: BTreeSet::new(),
+            pings: BTreeSet::new(),
             events: VecDeque::new(),
         };
         s.link.transmit(
@@ -503,8 +504,8 @@ impl EdgeControlSession {
             return;
         }
         self.phase = Phase::Closed;
-        let mut tickets: Vec<u64> = self.leases.drain().collect();
-        tickets.sort_unstable();
+        // Ordered: the tickets fail in the order they were issued.
+        let tickets = std::mem::take(&mut self.leases);
         for ticket in tickets {
             self.events.push_back(EdgeControlEvent::LeaseAnswered {
                 ticket,
@@ -574,7 +575,7 @@ enum Waiting {
 }
 
 /// The Control Plane end of one Edge connection.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ControlPlaneSession {
     phase: Phase,
     /// The name of the peer's verified certificate (`None`: no identity to agree with).
@@ -584,7 +585,7 @@ pub struct ControlPlaneSession {
     link: Link,
     /// The highest projection generation sent on this session (hello included).
     pushed_generation: u64,
-    waiting: HashMap<u64, Waiting>,
+    waiting: BTreeMap<u64, Waiting>,
     events: VecDeque<ControlPlaneEvent>,
 }
 
@@ -599,7 +600,7 @@ impl ControlPlaneSession {
             heartbeat: config.heartbeat,
             link: Link::new(&config, now, 1),
             pushed_generation: 0,
-            waiting: HashMap::new(),
+            waiting: BTreeMap::new(),
             events: VecDeque::new(),
         }
     }
@@ -845,8 +846,7 @@ impl ControlPlaneSession {
             return;
         }
         self.phase = Phase::Closed;
-        let mut waiting: Vec<(u64, Waiting)> = self.waiting.drain().collect();
-        waiting.sort_unstable_by_key(|(id, _)| *id);
+        let waiting = std::mem::take(&mut self.waiting);
         for (ticket, kind) in waiting {
             match kind {
                 Waiting::Status => self.events.push_back(ControlPlaneEvent::StatusAnswered {
