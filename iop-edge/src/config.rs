@@ -26,7 +26,7 @@
 //! [limits]                           # what slow or hostile peers may cost (defaults shown)
 //! tls_handshake_timeout_sec = 10     # Node listener: the TLS handshake
 //! register_timeout_sec = 10          # Node listener: register and report ready, after accept
-//! max_unauthenticated = 256          # Node connections in their TLS handshake at once
+//! max_unauthenticated = 256          # Node connections in their TLS handshake at once (more wait unaccepted)
 //! max_unauthenticated_per_ip = 32    #   of which from one address (more: closed at once)
 //! stream_buffer_bytes = 4194304      # unread bytes one response may hold for a slow client
 //! slow_consumer_timeout_sec = 30     # unread bytes and no read this long: stream ended

@@ -10,7 +10,7 @@
 //! | `iop_edge_requests_total` | `endpoint` = models, chat_completions, responses, messages, count_tokens; `outcome` = ok, error |
 //! | `iop_edge_request_duration_seconds` (histogram) | `endpoint` |
 //! | `iop_edge_pool_queue_depth`, `iop_edge_pool_in_flight` (gauges, at scrape) | — |
-//! | `iop_edge_node_connections_refused_total` | `reason` = capacity, per_ip, handshake_timeout, handshake_failed |
+//! | `iop_edge_node_connections_refused_total` | `reason` = capacity (kept for dashboards: the global handshake cap now pauses accepting instead of refusing, so it stays 0), per_ip, handshake_timeout, handshake_failed |
 //! | `iop_edge_accept_errors_total` | `listener` = nodes, http |
 //! | `iop_edge_slow_consumers_total` | — (streams ended because their reader fell behind) |
 //! | `iop_edge_http_connections_refused_total` | — (over the HTTP connection cap) |
@@ -90,7 +90,9 @@ impl Endpoint {
 /// Why a Node connection was refused before registration (a bounded label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Refusal {
-    /// Too many connections in their TLS handshake.
+    /// Too many connections in their TLS handshake. No longer counted: at the global cap the
+    /// transport stops accepting (connections wait in the listen backlog); the series stays
+    /// so that dashboards and alerts keep their label set.
     Capacity,
     /// Too many from one source address.
     PerIp,

@@ -51,9 +51,12 @@
 //!   connection being closed gets 2 s to write what was queued before the close (a refusal's
 //!   reason); a peer that does not read it is dropped then regardless.
 //! - **Connections**: at most [`TransportConfig::max_unauthenticated`] connections in their
-//!   TLS handshake, and [`TransportConfig::max_unauthenticated_per_ip`] per source address;
-//!   more are closed at once. Accept errors (e.g. out of file descriptors) back off and are
-//!   logged at most once per 10 s with a count.
+//!   TLS handshake: while all are taken nothing more is accepted, and new connections wait in
+//!   the kernel's listen backlog (no descriptor, no state; a restarted Edge's reconnect storm
+//!   is served at the handshake rate instead of in retry waves). At most
+//!   [`TransportConfig::max_unauthenticated_per_ip`] of them per source address; more are
+//!   closed at once. Accept errors (e.g. out of file descriptors) back off and are logged at
+//!   most once per 10 s with a count.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -103,7 +106,8 @@ pub struct TransportConfig {
     pub metrics: Arc<Metrics>,
     /// Limit on a Node connection's TLS handshake.
     pub handshake_timeout: Duration,
-    /// Connections in their TLS handshake at once; more are closed at once.
+    /// Connections in their TLS handshake at once; more wait in the listen backlog (not
+    /// accepted until a handshake ends).
     pub max_unauthenticated: usize,
     /// Of which from one source address.
     pub max_unauthenticated_per_ip: usize,
@@ -815,13 +819,30 @@ impl EdgeHandle {
     }
 }
 
+/// The Node listener's backlog: connections beyond the handshake cap wait here (the kernel
+/// caps it at `net.core.somaxconn`, 4096 on current Linux), so a whole fleet reconnecting at
+/// once is queued rather than dropped into SYN retransmits.
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restarted Edge rebinds while old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Binds the listener and starts the transport: an accept task (returned; abort it to stop
 /// accepting), one task per connection, and the timer task. The machine lives while any
 /// [`EdgeHandle`] or connection does.
 pub async fn bind(
     config: TransportConfig,
 ) -> std::io::Result<(EdgeHandle, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind(config.listen).await?;
+    let listener = listen(config.listen)?;
     let local_addr = listener.local_addr()?;
     let mut registry = Registry::new(config.registry.clone());
     for (node_id, payload) in &config.node_configs {
@@ -919,16 +940,13 @@ impl Handshakes {
         }
     }
 
-    /// Takes a slot for a connection from `ip`, or `None` (cap reached).
+    /// Takes a slot for a connection from `ip` with a global `permit` the accept loop waited
+    /// for, or the refusal (the per-address cap reached).
     fn admit(
         self: &Arc<Self>,
+        permit: tokio::sync::OwnedSemaphorePermit,
         ip: std::net::IpAddr,
     ) -> Result<HandshakeSlot, crate::metrics::Refusal> {
-        let permit = self
-            .permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| crate::metrics::Refusal::Capacity)?;
         let mut per_ip = self
             .per_ip
             .lock()
@@ -972,6 +990,14 @@ impl Drop for HandshakeSlot {
 async fn accept_loop(listener: TcpListener, limits: Arc<Handshakes>, shared: Weak<Shared>) {
     let mut errors = crate::ratelog::RateLimited::new(Duration::from_secs(10));
     loop {
+        // Backpressure at the global cap: no connection is accepted while every handshake slot
+        // is taken, so the rest wait in the kernel's listen backlog (no descriptor, no state)
+        // instead of being closed and retrying a whole reconnect interval later (a restarted
+        // Edge's reconnect storm came in retry waves: 0.63× the raw handshake rate, 0.81×
+        // with the wait; benches/README.md, mesh_load storm).
+        let Ok(permit) = limits.permits.clone().acquire_owned().await else {
+            return;
+        };
         let (tcp, peer_addr) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
@@ -987,7 +1013,7 @@ async fn accept_loop(listener: TcpListener, limits: Arc<Handshakes>, shared: Wea
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        let slot = match limits.admit(peer_addr.ip()) {
+        let slot = match limits.admit(permit, peer_addr.ip()) {
             Ok(slot) => slot,
             Err(reason) => {
                 // Closed at once: a flood of silent connections costs no handshake state and

@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release -p iop-benches --bin mesh_load            # all three parts
 //! cargo run --release -p iop-benches --bin mesh_load -- latency # or: throughput, idle
+//! cargo run --release -p iop-benches --bin mesh_load -- storm   # not in the default set
 //! ```
 //!
 //! - **latency**: small streamed chat completions (6 SSE events) at a fixed rate, through
@@ -14,6 +15,11 @@
 //! - **idle**: memory per idle connected Node at the Edge: the Edge runs in a child process
 //!   (this binary with `--edge-child`) and its RSS is read from `/proc` before and after N Nodes
 //!   (default 1000) connect and become ready.
+//! - **storm**: a restarted Edge's reconnect storm: `MESH_LOAD_NODES` (default 5000) Nodes with
+//!   their own supervisors (`STORM_INTERVAL` s, default 1, 20 % jitter) connected to an Edge
+//!   child, which is killed and restarted on the same port; time until all are ready again,
+//!   double registrations and fences, RSS, against the raw mTLS handshake rate (8 concurrent,
+//!   the same certificates, a child process doing only handshakes) measured in the same run.
 //!
 //! Everything runs on 127.0.0.1 and stops by itself.
 #![allow(
@@ -354,21 +360,9 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 async fn idle(ca: &Ca, nodes: usize) {
-    let dir = std::env::temp_dir().join(format!("mesh-load-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
-    std::fs::write(dir.join("edge.pem"), &leaf.cert_pem).unwrap();
-    std::fs::write(dir.join("edge.key"), &leaf.key_pem).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .arg("--edge-child")
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let dir = child_dir(ca, "idle");
+    let (mut child, lines, addr) = spawn_child("--edge-child", &dir, 0);
     let pid = child.id();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr: SocketAddr = lines.next().unwrap().unwrap().parse().unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = rss_kib(pid);
     let shutdown = CancellationToken::new();
@@ -416,8 +410,30 @@ async fn idle(ca: &Ca, nodes: usize) {
     );
 }
 
-/// The Edge child process of `idle`: prints its address, then `ready N` on every ready Node.
-async fn edge_child(dir: &std::path::Path) {
+/// The server side of the storm's baseline, in its own process like the Edge: accepts on
+/// `port`, completes the mTLS handshake with the Edge's own server config, drops the
+/// connection. Prints its address.
+async fn tls_child(dir: &std::path::Path, port: u16) {
+    let tls = child_tls(dir);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    println!("{}", listener.local_addr().unwrap());
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            let _ = acceptor.accept(tcp).await;
+        });
+    }
+}
+
+/// The Edge's server TLS config from the files `idle` and `storm` write.
+fn child_tls(dir: &std::path::Path) -> Arc<rustls::ServerConfig> {
     use rustls_pki_types::pem::PemObject as _;
     let ca = std::fs::read(dir.join("ca.pem")).unwrap();
     let mut roots = rustls::RootCertStore::empty();
@@ -434,24 +450,231 @@ async fn edge_child(dir: &std::path::Path) {
         ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
     )
     .unwrap();
-    let tls = Arc::new(identity::server_config(chain, key, verifier).unwrap());
-    let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+    Arc::new(identity::server_config(chain, key, verifier).unwrap())
+}
+
+/// Writes the CA and the Edge's certificate and key for a child process.
+fn child_dir(ca: &Ca, name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("mesh-load-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let leaf = ca.workload(role::EDGE, "edge-1", true);
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.join("edge.pem"), &leaf.cert_pem).unwrap();
+    std::fs::write(dir.join("edge.key"), &leaf.key_pem).unwrap();
+    dir
+}
+
+/// Starts this binary as a child (`mode`, `dir`, `port`) and reads the address it prints.
+fn spawn_child(
+    mode: &str,
+    dir: &std::path::Path,
+    port: u16,
+) -> (
+    std::process::Child,
+    std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    SocketAddr,
+) {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .arg(mode)
+        .arg(dir)
+        .arg(port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = lines.next().unwrap().unwrap().parse().unwrap();
+    (child, lines, addr)
+}
+
+/// Reconnect storm: `nodes` Nodes (their own supervisors: `interval_sec` = `STORM_INTERVAL`,
+/// default 1, the default 20 % downward jitter, unlimited attempts) connected to an Edge in a
+/// child process; the Edge is killed (SIGKILL) and restarted on the same port; time until every
+/// Node is ready again, against the raw mTLS handshake rate (8 concurrent, same certificates,
+/// server in a child process) measured in the same run.
+async fn storm(ca: &Ca, nodes: usize) {
+    let interval: i64 = std::env::var("STORM_INTERVAL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let dir = child_dir(ca, "storm");
+    // Baseline: raw mTLS handshakes per second, 8 at a time.
+    let (mut tls, _tls_lines, tls_addr) = spawn_child("--tls-child", &dir, 0);
+    let client = node_tls(ca, "node-0");
+    let connector = tokio_rustls::TlsConnector::from(client);
+    let count = std::sync::atomic::AtomicUsize::new(0);
+    let count = Arc::new(count);
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let connector = connector.clone();
+        let count = count.clone();
+        tasks.push(tokio::spawn(async move {
+            while count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < nodes {
+                let tcp = tokio::net::TcpStream::connect(tls_addr).await.unwrap();
+                let _ = tcp.set_nodelay(true);
+                let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+                let _tls = connector.connect(name, tcp).await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let raw_rate = nodes as f64 / t.elapsed().as_secs_f64();
+    tls.kill().ok();
+    tls.wait().ok();
+
+    let port = iop_benches::load::free_port();
+    let (mut edge, lines, addr) = spawn_child("--edge-child", &dir, port);
+    let shutdown = CancellationToken::new();
+    let policy = iop_node::ReconnectPolicy::from_config(Some(interval), Some(0)).unwrap();
+    for i in 0..nodes {
+        let name = format!("node-{i}");
+        let opts = NodeOptions::new(&name, &addr.to_string(), "localhost", node_tls(ca, &name))
+            .unwrap()
+            .with_reconnect(policy);
+        tokio::spawn(run_node(opts, shutdown.clone()));
+    }
+    let t = Instant::now();
+    let first = wait_ready(lines, nodes).await;
+    let first_connect = t.elapsed();
+    assert_eq!(first.dups, 0, "double registrations on the first connect");
+
+    // The restart.
+    edge.kill().ok();
+    edge.wait().ok();
+    let killed = Instant::now();
+    let (mut edge, lines, _) = spawn_child("--edge-child", &dir, port);
+    let listening = killed.elapsed();
+    let after = wait_ready(lines, nodes).await;
+    let all_ready = killed.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss = rss_kib(edge.id());
+    edge.kill().ok();
+    edge.wait().ok();
+    shutdown.cancel();
+    let storm = after.last.saturating_sub(after.first);
+    println!(
+        "\n## reconnect storm ({nodes} Nodes, Edge killed and restarted, interval {interval} s, jitter 20 %)\n"
+    );
+    println!("| measure | value |");
+    println!("|---|---:|");
+    println!(
+        "| raw mTLS handshakes (baseline, 8 concurrent) | {raw_rate:.0}/s ({:.2} s for {nodes}) |",
+        nodes as f64 / raw_rate
+    );
+    println!(
+        "| first connect of all {nodes} | {:.2} s ({:.0} Nodes/s) |",
+        first_connect.as_secs_f64(),
+        nodes as f64 / first_connect.as_secs_f64()
+    );
+    println!(
+        "| restarted Edge listening after the kill | {:.2} s |",
+        listening.as_secs_f64()
+    );
+    println!(
+        "| all ready after the kill | **{:.2} s** |",
+        all_ready.as_secs_f64()
+    );
+    println!(
+        "| first to last ready of the storm | {:.2} s ({:.0} Nodes/s, **{:.2}× the raw handshake rate**) |",
+        storm.as_secs_f64(),
+        nodes as f64 / storm.as_secs_f64().max(1e-9),
+        nodes as f64 / storm.as_secs_f64().max(1e-9) / raw_rate
+    );
+    println!(
+        "| double registrations / Nodes fenced during the storm | {} / {} |",
+        after.dups, after.gone
+    );
+    println!(
+        "| Edge RSS with {nodes} ready Nodes | {:.1} MiB ({:.1} KiB per Node) |",
+        rss as f64 / 1024.0,
+        rss as f64 / nodes as f64
+    );
+}
+
+/// What an Edge child reported until every Node was ready.
+struct Ready {
+    /// From the call to the first and the last `ready`.
+    first: Duration,
+    last: Duration,
+    /// `Connected` of a Node id already connected (a second registration of it).
+    dups: usize,
+    /// `Disconnected` events (a ready generation fenced).
+    gone: usize,
+}
+
+async fn wait_ready(
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    nodes: usize,
+) -> Ready {
+    tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        let mut out = Ready {
+            first: Duration::ZERO,
+            last: Duration::ZERO,
+            dups: 0,
+            gone: 0,
+        };
+        for line in lines {
+            let line = line.unwrap();
+            if let Some(n) = line.strip_prefix("ready ") {
+                if n == "1" {
+                    out.first = t.elapsed();
+                }
+                if n == nodes.to_string() {
+                    out.last = t.elapsed();
+                    return out;
+                }
+            } else if line.starts_with("dup ") {
+                out.dups += 1;
+            } else if line.starts_with("gone") {
+                out.gone += 1;
+            }
+        }
+        panic!("the Edge child ended before every Node was ready");
+    })
+    .await
+    .unwrap()
+}
+
+/// The Edge child process of `idle` and `storm`: prints its address, then `ready N` on every
+/// ready Node (`dup ID` when a Node id already connected connects again, `gone` on a fence).
+async fn edge_child(dir: &std::path::Path, port: u16) {
+    let tls = child_tls(dir);
+    let mut cfg = TransportConfig::new(SocketAddr::from(([127, 0, 0, 1], port)), tls);
     cfg.registry = RegistryConfig {
         default_node_config: Some(NodeConfigPayload::default()),
         ..Default::default()
     };
+    // Every Node dials from 127.0.0.1 here; the per-address handshake cap is meant for one
+    // host, so the whole cap is allowed to this one address.
+    if let Some(n) = std::env::var("STORM_MAX_HANDSHAKES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        cfg.max_unauthenticated = n;
+    }
+    cfg.max_unauthenticated_per_ip = cfg.max_unauthenticated;
     let edge = bind(cfg).await.unwrap().0;
     let mut life = edge.subscribe();
     println!("{}", edge.local_addr());
     let mut ready = 0usize;
+    let mut seen = std::collections::HashSet::new();
     loop {
         match life.recv().await {
-            Ok(Lifecycle::Connected { .. }) => {
+            Ok(Lifecycle::Connected { node_id, .. }) => {
                 ready += 1;
+                if !seen.insert(node_id.clone()) {
+                    println!("dup {node_id}");
+                }
                 println!("ready {ready}");
             }
-            Ok(Lifecycle::Disconnected { .. }) => ready -= 1,
-            Err(_) => {}
+            Ok(Lifecycle::Disconnected { .. }) => {
+                ready -= 1;
+                println!("gone");
+            }
+            Err(e) => println!("lagged {e}"),
         }
     }
 }
@@ -459,8 +682,13 @@ async fn edge_child(dir: &std::path::Path) {
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
+    let port = || args.get(3).and_then(|p| p.parse().ok()).unwrap_or(0);
     if args.get(1).map(String::as_str) == Some("--edge-child") {
-        edge_child(std::path::Path::new(&args[2])).await;
+        edge_child(std::path::Path::new(&args[2]), port()).await;
+        return;
+    }
+    if args.get(1).map(String::as_str) == Some("--tls-child") {
+        tls_child(std::path::Path::new(&args[2]), port()).await;
         return;
     }
     // The baseline's plain HTTP client (reqwest with rustls-no-provider) needs a process-wide
@@ -481,5 +709,12 @@ async fn main() {
     }
     if which.is_empty() || which == "idle" {
         idle(&ca, nodes).await;
+    }
+    if which == "storm" {
+        let nodes = std::env::var("MESH_LOAD_NODES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(5000);
+        storm(&ca, nodes).await;
     }
 }
