@@ -10,7 +10,10 @@
 //! runs, cancel them, open provider tunnels (frames checked by `iop_wire::tunnel`), send
 //! commands and push config refreshes to ready Nodes; a tunnel may carry a response-wait
 //! timeout, and a caller that goes away (drops its stream) or times out makes the Edge send
-//! `CancelRequest`.
+//! `CancelRequest`. [`start_unbound`] starts it without a listener and
+//! [`EdgeHandle::serve_connection`] serves a Node connection accepted elsewhere under the same
+//! caps and handshake (another listener type, or `turmoil`'s simulated network in
+//! `tests/tests/mesh_sim.rs`).
 //!
 //! [`pool`] (re-exported from `iop-edge-core`) is the provider pool and queue as a pure state
 //! machine: model groups of provider candidates, provider leases keyed by
@@ -85,5 +88,5 @@ pub mod transport;
 
 pub use transport::{
     Admission, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
-    TransportConfig, TunnelEvent, TunnelStream, bind,
+    TransportConfig, TunnelEvent, TunnelStream, bind, start_unbound,
 };

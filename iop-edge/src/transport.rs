@@ -552,9 +552,35 @@ pub struct EdgeHandle {
     pool_config: Option<Arc<PoolConfig>>,
     shared: Arc<Shared>,
     local_addr: SocketAddr,
+    limits: Arc<Handshakes>,
 }
 
 impl EdgeHandle {
+    /// Serves a Node connection accepted elsewhere ([`start_unbound`]), exactly as the
+    /// Edge's own listener does: it waits for a handshake slot, applies the per-address cap,
+    /// the TLS handshake and its timeout, then runs the session (spawned; this returns once
+    /// the connection has its slot or was refused).
+    pub async fn serve_connection<S>(&self, stream: S, peer: SocketAddr)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let Ok(permit) = self.limits.permits.clone().acquire_owned().await else {
+            return;
+        };
+        match self.limits.admit(permit, peer.ip()) {
+            Ok(slot) => {
+                tokio::spawn(serve(
+                    stream,
+                    peer,
+                    slot,
+                    self.limits.clone(),
+                    self.shared.clone(),
+                ));
+            }
+            Err(reason) => self.limits.refused(reason, peer, "connection cap reached"),
+        }
+    }
+
     /// The address the listener is bound to.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
@@ -844,6 +870,23 @@ pub async fn bind(
 ) -> std::io::Result<(EdgeHandle, tokio::task::JoinHandle<()>)> {
     let listener = listen(config.listen)?;
     let local_addr = listener.local_addr()?;
+    let handle = start_unbound(TransportConfig {
+        listen: local_addr,
+        ..config
+    });
+    let accept = tokio::spawn(accept_loop(
+        listener,
+        handle.limits.clone(),
+        Arc::downgrade(&handle.shared),
+    ));
+    Ok((handle, accept))
+}
+
+/// Starts the transport without a listener: Node connections accepted elsewhere (another kind
+/// of listener, socket activation, a simulated network) are handed to
+/// [`EdgeHandle::serve_connection`]. [`EdgeHandle::local_addr`] is `config.listen`.
+pub fn start_unbound(config: TransportConfig) -> EdgeHandle {
+    let local_addr = config.listen;
     let mut registry = Registry::new(config.registry.clone());
     for (node_id, payload) in &config.node_configs {
         registry.set_node_config(node_id, Some(payload.clone()));
@@ -857,16 +900,14 @@ pub async fn bind(
         },
         config.metrics.clone(),
     );
-    let handle = EdgeHandle {
+    EdgeHandle {
         metrics: config.metrics.clone(),
         configured: Arc::new(config.node_configs.clone()),
         pool_config: config.pool.clone().map(Arc::new),
-        shared: shared.clone(),
+        shared,
         local_addr,
-    };
-    let limits = Arc::new(Handshakes::new(&config));
-    let accept = tokio::spawn(accept_loop(listener, limits, Arc::downgrade(&shared)));
-    Ok((handle, accept))
+        limits: Arc::new(Handshakes::new(&config)),
+    }
 }
 
 /// The machine, its lock and its timer task.
@@ -905,6 +946,16 @@ struct Handshakes {
     outbound_frames: usize,
     metrics: Arc<Metrics>,
     refusals: Mutex<crate::ratelog::RateLimited>,
+}
+
+impl std::fmt::Debug for Handshakes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handshakes")
+            .field("timeout", &self.timeout)
+            .field("available", &self.permits.available_permits())
+            .field("per_ip_max", &self.per_ip_max)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Handshakes {
@@ -1023,43 +1074,53 @@ async fn accept_loop(listener: TcpListener, limits: Arc<Handshakes>, shared: Wea
                 continue;
             }
         };
-        let limits = limits.clone();
-        tokio::spawn(async move {
-            if tcp.set_nodelay(true).is_err() {
-                return;
-            }
-            let tls = match tokio::time::timeout(limits.timeout, limits.acceptor.accept(tcp)).await
-            {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    let detail = e.to_string();
-                    limits.refused(crate::metrics::Refusal::HandshakeFailed, peer_addr, &detail);
-                    return;
-                }
-                Err(_) => {
-                    limits.refused(
-                        crate::metrics::Refusal::HandshakeTimeout,
-                        peer_addr,
-                        "tls handshake timed out",
-                    );
-                    return;
-                }
-            };
-            // Authenticated: registration has its own deadline (the registry's).
-            drop(slot);
-            let Ok(peer) = peer_identity(tls.get_ref().1) else {
-                return;
-            };
-            connection(
-                tls,
-                peer.name().to_owned(),
-                limits.codec,
-                limits.outbound_frames,
-                shared,
-            )
-            .await;
-        });
+        if tcp.set_nodelay(true).is_err() {
+            continue;
+        }
+        tokio::spawn(serve(tcp, peer_addr, slot, limits.clone(), shared));
     }
+}
+
+/// One accepted connection: the TLS handshake (within the limit, holding its slot), then the
+/// session.
+async fn serve<S>(
+    tcp: S,
+    peer_addr: SocketAddr,
+    slot: HandshakeSlot,
+    limits: Arc<Handshakes>,
+    shared: Arc<Shared>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let tls = match tokio::time::timeout(limits.timeout, limits.acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            let detail = e.to_string();
+            limits.refused(crate::metrics::Refusal::HandshakeFailed, peer_addr, &detail);
+            return;
+        }
+        Err(_) => {
+            limits.refused(
+                crate::metrics::Refusal::HandshakeTimeout,
+                peer_addr,
+                "tls handshake timed out",
+            );
+            return;
+        }
+    };
+    // Authenticated: registration has its own deadline (the registry's).
+    drop(slot);
+    let Ok(peer) = peer_identity(tls.get_ref().1) else {
+        return;
+    };
+    connection(
+        tls,
+        peer.name().to_owned(),
+        limits.codec,
+        limits.outbound_frames,
+        shared,
+    )
+    .await;
 }
 
 /// One connection's I/O: frames in to the machine (routed in this task), frames out from it.

@@ -6,7 +6,8 @@
 //!
 //! # Design
 //!
-//! - [`run_node`] is the supervisor: one task doing the initial dial and every reconnect under
+//! - [`run_node`] is the supervisor ([`run_node_with`] the same over connections the caller
+//!   dials: another transport, or `turmoil`'s simulated network in `tests/tests/mesh_sim.rs`): one task doing the initial dial and every reconnect under
 //!   one `iop_wire::reconnect` policy. Startup does not need the Edge to be reachable. It ends
 //!   with an [`Exit`]: `Shutdown` (exit code 0) when the caller's token is cancelled,
 //!   `Exhausted` (1) when a finite budget runs out, `Fatal` (1) for local errors.
@@ -133,6 +134,9 @@ pub struct NodeOptions {
     pub local_keys: std::collections::HashMap<String, credential::LocalKey>,
     /// Limit on TCP connect plus TLS handshake.
     pub connect_timeout: Duration,
+    /// `None` (the default): reconnect jitter from the OS. `Some(seed)`: a sequence from the
+    /// seed, so that a simulated run replays exactly (`tests/tests/mesh_sim.rs`).
+    pub jitter_seed: Option<u64>,
     /// After a response stall, how long the aborted provider call may take to return before
     /// the terminal reports an unconfirmed fence.
     pub close_grace: Duration,
@@ -195,6 +199,7 @@ impl NodeOptions {
             credentials: None,
             local_keys: std::collections::HashMap::new(),
             connect_timeout: Duration::from_secs(10),
+            jitter_seed: None,
             close_grace: DEFAULT_CLOSE_GRACE,
         })
     }
@@ -229,22 +234,59 @@ impl NodeOptions {
     }
 }
 
-async fn dial(opts: &NodeOptions) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
-    let tcp = TcpStream::connect(&opts.edge_address).await?;
+/// Opens the TCP connection to the Edge's address (the default dialer of [`run_node`]).
+async fn dial_tcp(address: String) -> std::io::Result<TcpStream> {
+    let tcp = TcpStream::connect(&address).await?;
     tcp.set_nodelay(true)?;
-    TlsConnector::from(opts.tls.clone())
-        .connect(opts.server_name.clone(), tcp)
-        .await
+    Ok(tcp)
 }
 
-fn jitter() -> u32 {
-    // Jitter only spreads a fleet's reconnects; without OS randomness, no jitter.
-    getrandom::u32().unwrap_or(0)
+/// Where reconnect jitter comes from: the OS, or a seeded sequence (simulations replay a run
+/// by its seed).
+struct Jitter(Option<u64>);
+
+impl Jitter {
+    fn next(&mut self) -> u32 {
+        match &mut self.0 {
+            // Jitter only spreads a fleet's reconnects; without OS randomness, no jitter.
+            None => getrandom::u32().unwrap_or(0),
+            // splitmix64.
+            Some(state) => {
+                *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = *state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                u32::try_from((z ^ (z >> 31)) >> 32).unwrap_or(0)
+            }
+        }
+    }
 }
 
 /// Runs the Node until `shutdown` is cancelled, the reconnect budget is exhausted, or a fatal
 /// local error. Returns the outcome; [`Exit::exit_code`] maps it to a process exit code.
 pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
+    let address = opts.edge_address.clone();
+    run_node_with(opts, shutdown, move || dial_tcp(address.clone())).await
+}
+
+/// [`run_node`] over connections `dial` opens (another transport, a simulated network): each
+/// attempt calls it for a byte stream to the Edge, then does the TLS handshake with
+/// `opts.tls` and runs the session on it, under the same supervisor. `edge_address` is not
+/// used. [`NodeOptions::jitter_seed`] makes the reconnect jitter a seeded sequence.
+pub async fn run_node_with<D, F, S>(opts: NodeOptions, shutdown: CancellationToken, dial: D) -> Exit
+where
+    D: Fn() -> F,
+    F: Future<Output = std::io::Result<S>>,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
+{
+    let mut jitter = Jitter(opts.jitter_seed);
+    let tls = TlsConnector::from(opts.tls.clone());
+    let connect = || {
+        let tcp = dial();
+        let tls = tls.clone();
+        let name = opts.server_name.clone();
+        async move { tls.connect(name, tcp.await?).await }
+    };
     if opts.credentials.is_some() && !opts.local_keys.is_empty() {
         // One source of truth: a managed Node takes credentials only from leases.
         tracing::error!(
@@ -263,7 +305,7 @@ pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
                         supervisor.handle_shutdown();
                         continue;
                     }
-                    r = tokio::time::timeout(opts.connect_timeout, dial(&opts)) => r,
+                    r = tokio::time::timeout(opts.connect_timeout, connect()) => r,
                 };
                 match dialed {
                     Ok(Ok(stream)) => {
@@ -277,16 +319,16 @@ pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
                             supervisor.handle_shutdown();
                         } else {
                             tracing::info!(reason = ?outcome.reason, "session ended; reconnecting under policy");
-                            supervisor.handle_failure(now, Failure::Retryable, jitter());
+                            supervisor.handle_failure(now, Failure::Retryable, jitter.next());
                         }
                     }
                     Ok(Err(e)) => {
                         tracing::info!(attempt, error = %e, "dial failed");
-                        supervisor.handle_failure(now, Failure::Retryable, jitter());
+                        supervisor.handle_failure(now, Failure::Retryable, jitter.next());
                     }
                     Err(_) => {
                         tracing::info!(attempt, "dial timed out");
-                        supervisor.handle_failure(now, Failure::Retryable, jitter());
+                        supervisor.handle_failure(now, Failure::Retryable, jitter.next());
                     }
                 }
             }
