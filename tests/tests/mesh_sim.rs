@@ -2,8 +2,9 @@
 //! (`iop_edge::start_unbound`, its connections served by `EdgeHandle::serve_connection`) and
 //! three real Nodes (`iop_node::run_node_with`: the supervisor, mTLS, the session driver and
 //! the demo adapter) as simulated hosts on a simulated network and clock. Each seed drives the
-//! network's latencies, the workload (which Node each run goes to, when links are partitioned
-//! and repaired, when a Node host is killed and restarted) and the Nodes' reconnect jitter
+//! network's latencies, the workload (which Node each run goes to, directly or through the
+//! provider pool with its queue, when links are partitioned, held (a slow link: messages wait)
+//! and repaired, which Node host is killed and when it restarts) and the Nodes' reconnect jitter
 //! (`NodeOptions::jitter_seed`), so a seed replays its run.
 //!
 //! Checked on every run:
@@ -14,7 +15,9 @@
 //! - **recovery**: after the faults stop, every Node is ready again within 60 s of simulated
 //!   time, and a run on each completes (retried when it lands on a half-open generation that
 //!   the Edge then fences for silence, which is the seed's rule, not a loss);
-//! - **no double ownership**: a Node's ready generation only moves forward across the run.
+//! - **no double ownership**: a Node's ready generation only moves forward across the run;
+//! - **every lease released, capacity restored**: at the end the pool holds no lease, queues
+//!   nobody, and every provider is available with its configured capacity and nothing in flight.
 //!
 //! `MESH_SIM_SEEDS` sets how many seeds run (default 200, ≈0.4 s each in a debug build); `MESH_SIM_SEED=N` replays one. A
 //! failure names its seed.
@@ -29,7 +32,8 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::Duration;
 
-use iop_edge::{EdgeHandle, TransportConfig, start_unbound};
+use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge::{Dispatched, EdgeHandle, PoolRequest, TransportConfig, start_unbound};
 use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node_with};
 use iop_tests::pki::Ca;
 use iop_wire::identity::role;
@@ -80,6 +84,38 @@ fn run(id: &str) -> RunRequest {
         credential: None,
     }
 }
+
+/// Model `m` on one demo provider per Node (capacity 2), a queue of 8.
+fn pool() -> PoolConfig {
+    let providers: Vec<ProviderSpec> = NODES
+        .iter()
+        .map(|n| ProviderSpec {
+            key: ProviderKey {
+                node_id: (*n).to_owned(),
+                provider_id: format!("{n}-demo"),
+            },
+            adapter: "demo-a".into(),
+            target: "demo-model".into(),
+            kind: ProviderKind::Native,
+            category: "local_inference".into(),
+            capacity: POOL_CAPACITY,
+            long_context_capacity: 0,
+            response_stall_timeout: Duration::from_secs(120),
+            enabled: true,
+        })
+        .collect();
+    let models = vec![(
+        "m".to_owned(),
+        providers.iter().map(|p| p.key.clone()).collect(),
+    )];
+    PoolConfig {
+        providers,
+        models,
+        max_queue: 8,
+    }
+}
+
+const POOL_CAPACITY: u32 = 2;
 
 /// A small deterministic generator for the workload (splitmix64).
 struct Rng(u64);
@@ -168,6 +204,7 @@ fn simulate(seed: u64) -> Outcome {
             .iter()
             .map(|n| ((*n).to_owned(), demo_config()))
             .collect();
+        cfg.pool = Some(pool());
         let edge = start_unbound(cfg);
         let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
         let server = edge.clone();
@@ -202,10 +239,24 @@ fn simulate(seed: u64) -> Outcome {
                 }
                 _ => {
                     let n = NODES[rng.below(3) as usize];
+                    let through_pool = rng.below(2) == 0;
                     let edge = edge.clone();
                     let id = format!("run-{step}");
                     runs.push(tokio::task::spawn_local(async move {
-                        match edge.run(n, run(&id)).await {
+                        let stream = if through_pool {
+                            let wait = Duration::from_secs(5);
+                            match edge
+                                .dispatch("m", false, wait, PoolRequest::Run(run(&id)))
+                                .await
+                            {
+                                Ok(Dispatched::Run(s)) => Ok(s),
+                                Ok(Dispatched::Tunnel(_)) => unreachable!("runs only"),
+                                Err(e) => Err(e),
+                            }
+                        } else {
+                            edge.run(n, run(&id)).await
+                        };
+                        match stream {
                             Err(_) => None,
                             Ok(mut stream) => {
                                 let mut events = Vec::new();
@@ -294,11 +345,46 @@ fn simulate(seed: u64) -> Outcome {
                 recovered &= done;
             }
         }
+        // The pool is back to its configured capacity: no lease held, nobody queued, every
+        // provider live with nothing in flight.
+        let (queued, leases) = edge.pool_stats().await.unwrap();
+        let snapshot = edge.snapshot().await.unwrap();
+        let whole = queued == 0
+            && leases == 0
+            && snapshot.len() == NODES.len()
+            && snapshot.iter().all(|p| {
+                p.in_flight == 0 && p.capacity == POOL_CAPACITY && p.status == "available"
+            });
+        if !whole {
+            result.borrow_mut().broken.push(format!(
+                "pool not restored: queue {queued}, leases {leases}, {snapshot:?}"
+            ));
+        }
         result.borrow_mut().recovered = recovered;
         Ok(())
     });
-    sim.run()
-        .unwrap_or_else(|e| panic!("seed {seed}: the simulation failed: {e}"));
+    // One Node host is killed and later restarted (its software starts again from scratch).
+    let mut rng = Rng(seed ^ 0x5EED);
+    let victim = NODES[rng.below(3) as usize];
+    let kill_at = Duration::from_millis(2_000 + rng.below(28_000));
+    let back_at = kill_at + Duration::from_millis(1_000 + rng.below(9_000));
+    let (mut killed, mut back) = (false, false);
+    loop {
+        let done = sim
+            .step()
+            .unwrap_or_else(|e| panic!("seed {seed}: the simulation failed: {e}"));
+        if done {
+            break;
+        }
+        if !killed && sim.elapsed() >= kill_at {
+            sim.crash(victim);
+            killed = true;
+        }
+        if killed && !back && sim.elapsed() >= back_at {
+            sim.bounce(victim);
+            back = true;
+        }
+    }
     Rc::try_unwrap(out)
         .map(RefCell::into_inner)
         .unwrap_or_default()
