@@ -46,20 +46,23 @@
 //! holding 2 and the new session's hello brings 2 again, which it installs a second time.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
+mod common;
+use common::{binding, config, projection};
+
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use iop_wire::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeHelloRequest,
-    EdgeStatusResponse, PrincipalProjection,
+    EdgeStatusResponse,
 };
 use iop_wire::control_session::{
-    ControlPlaneEvent, ControlPlaneSession, ControlSessionConfig, ControlSessionError,
-    EdgeControlEvent, EdgeControlSession,
+    ControlPlaneEvent, ControlPlaneSession, ControlSessionError, EdgeControlEvent,
+    EdgeControlSession,
 };
-use iop_wire::runtime::{CredentialLease, CredentialLeaseBinding};
+use iop_wire::runtime::CredentialLease;
 use stateright::{Checker, Model, Property};
 
 const EDGE: &str = "edge-1";
@@ -91,20 +94,6 @@ impl Bounds {
         cuts: 2,
         ticks: 2,
     };
-}
-
-fn config() -> ControlSessionConfig {
-    ControlSessionConfig {
-        handshake_timeout: Duration::from_secs(10),
-        heartbeat: Duration::from_secs(5),
-    }
-}
-
-fn projection(generation: u64) -> PrincipalProjection {
-    PrincipalProjection {
-        generation,
-        ..Default::default()
-    }
 }
 
 fn hello() -> EdgeHelloRequest {
@@ -463,18 +452,7 @@ impl Model for ControlModel {
                 w.lease_count += 1;
                 let generation = w.edge.projection_generation();
                 let request = AcquireLeaseRequest {
-                    binding: CredentialLeaseBinding {
-                        principal_id: "p".into(),
-                        slot_id: "s".into(),
-                        route_id: "r".into(),
-                        profile: "openai".into(),
-                        upstream_target: "m".into(),
-                        node_id: "node-1".into(),
-                        recipient_key_id: "k".into(),
-                        credential_revision: 1,
-                        route_revision: 1,
-                        projection_generation: generation,
-                    },
+                    binding: binding(generation),
                     recipient_public_key: [7; 32],
                 };
                 let ticket = w.edge.acquire_lease(now, request).expect("connected");

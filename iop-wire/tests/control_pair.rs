@@ -4,6 +4,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
+mod common;
+use common::{binding, config, projection};
+
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -13,10 +16,9 @@ use iop_wire::control::{
     EdgeCommandResponse, EdgeHelloRequest, EdgeStatusResponse, PrincipalProjection,
 };
 use iop_wire::control_session::{
-    ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionConfig,
-    ControlSessionError, EdgeControlEvent, EdgeControlSession,
+    ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionError,
+    EdgeControlEvent, EdgeControlSession,
 };
-use iop_wire::runtime::CredentialLeaseBinding;
 
 struct Pair {
     now: Instant,
@@ -27,28 +29,6 @@ struct Pair {
     cp_events: Vec<ControlPlaneEvent>,
     /// Frames from the Edge are lost (a half-dead link).
     edge_mute: bool,
-}
-
-fn config() -> ControlSessionConfig {
-    ControlSessionConfig {
-        handshake_timeout: Duration::from_secs(10),
-        heartbeat: Duration::from_secs(5),
-    }
-}
-
-fn binding() -> CredentialLeaseBinding {
-    CredentialLeaseBinding {
-        principal_id: "p".into(),
-        slot_id: "s".into(),
-        route_id: "r".into(),
-        profile: "openai".into(),
-        upstream_target: "m".into(),
-        node_id: "node-1".into(),
-        recipient_key_id: "k".into(),
-        credential_revision: 1,
-        route_revision: 1,
-        projection_generation: 1,
-    }
 }
 
 fn command() -> EdgeCommandRequest {
@@ -71,13 +51,6 @@ fn status() -> EdgeStatusResponse {
     EdgeStatusResponse {
         edge_id: "edge-1".into(),
         nodes: Vec::new(),
-    }
-}
-
-fn projection(generation: u64) -> PrincipalProjection {
-    PrincipalProjection {
-        generation,
-        ..Default::default()
     }
 }
 
@@ -263,7 +236,7 @@ fn lease_answers_are_matched_and_pending_requests_fail_on_close() {
     p.accept(Some(projection(1)));
     p.edge_events.clear();
     let req = AcquireLeaseRequest {
-        binding: binding(),
+        binding: binding(1),
         recipient_public_key: [7; 32],
     };
     let a = p.edge.acquire_lease(p.now, req.clone()).unwrap();
@@ -309,7 +282,7 @@ fn lease_answers_are_matched_and_pending_requests_fail_on_close() {
         p.edge.acquire_lease(
             p.now,
             AcquireLeaseRequest {
-                binding: binding(),
+                binding: binding(1),
                 recipient_public_key: [0; 32],
             }
         ),
@@ -425,7 +398,7 @@ fn out_of_place_messages_close_the_session() {
         ControlFrame::correlated(
             3,
             ControlMessage::AcquireLeaseRequest(AcquireLeaseRequest {
-                binding: binding(),
+                binding: binding(1),
                 recipient_public_key: [0; 32],
             }),
         ),

@@ -333,35 +333,16 @@ impl RedisStore {
         inv
     }
 
-    /// Reads a worker's session (tests and the crash-test model check).
+    /// Reads a worker's session and its report sequence fence (tests and the crash-test model
+    /// check): [`RedisStore::record`]'s.
     pub async fn session(
         &self,
         worker_id: &str,
     ) -> Result<Option<(Session, Option<u64>)>, StoreError> {
-        let mut conn = self.conn.clone();
-        let map: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
-            .arg(self.key("session", worker_id))
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
-        if map.is_empty() {
-            return Ok(None);
-        }
-        let get = |k: &str| map.get(k).map(String::as_str).unwrap_or_default();
-        let num = |k: &str| get(k).parse::<u64>().unwrap_or(0);
-        let session = Session {
-            worker_id: worker_id.to_owned(),
-            instance_id: get("inst").to_owned(),
-            session_id: unhex::<16>(get("sid")).ok_or(StoreError::Unavailable)?,
-            acked: SnapshotTuple {
-                ownership_epoch: num("ae"),
-                version: num("av"),
-            },
-            acked_checksum: unhex::<32>(get("ac")).unwrap_or([0; 32]),
-            runtime_enabled: get("rt") == "1",
-        };
-        let seq = get("seq").parse::<u64>().ok();
-        Ok(Some((session, seq)))
+        let record = self.record(worker_id).await?;
+        Ok(record
+            .session
+            .map(|s| (s, record.fence.map(|(seq, _)| seq))))
     }
 
     /// Reads everything held for a worker (the differential test against the reference store):
@@ -425,38 +406,26 @@ impl RedisStore {
             });
         }
         if let Some(blob) = blob {
-            let mut lines = blob.lines();
-            let seq = lines.next().and_then(|l| l.parse().ok());
-            let observed = lines.next().and_then(|l| l.parse().ok());
-            let (Some(seq), Some(observed), Some((_, counters))) =
-                (seq, observed, decode_runtime(&blob))
-            else {
-                return Err(StoreError::Unavailable);
-            };
-            out.runtime = Some((seq, observed, counters));
+            out.runtime = Some(decode_runtime(&blob).ok_or(StoreError::Unavailable)?);
         }
         Ok(out)
     }
 
-    /// Reads a worker's stored runtime: `(sequence, counters)`.
+    /// Reads a worker's stored runtime: `(sequence, counters)`, [`RedisStore::record`]'s.
     pub async fn runtime(
         &self,
         worker_id: &str,
     ) -> Result<Option<(u64, Vec<Counter>)>, StoreError> {
-        let mut conn = self.conn.clone();
-        let blob: Option<String> = redis::cmd("GET")
-            .arg(self.key("runtime", worker_id))
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| backend(&e))?;
-        Ok(blob.and_then(|b| decode_runtime(&b)))
+        let record = self.record(worker_id).await?;
+        Ok(record.runtime.map(|(seq, _, counters)| (seq, counters)))
     }
 }
 
-fn decode_runtime(blob: &str) -> Option<(u64, Vec<Counter>)> {
+/// `seq\nobserved_at\n` + canonical counters, as the report script stores it.
+fn decode_runtime(blob: &str) -> Option<(u64, i64, Vec<Counter>)> {
     let mut lines = blob.lines();
     let seq = lines.next()?.parse().ok()?;
-    let _observed: i64 = lines.next()?.parse().ok()?;
+    let observed: i64 = lines.next()?.parse().ok()?;
     let counters = lines
         .map(|l| {
             let mut p = l.split(' ');
@@ -467,7 +436,7 @@ fn decode_runtime(blob: &str) -> Option<(u64, Vec<Counter>)> {
             })
         })
         .collect::<Option<Vec<_>>>()?;
-    Some((seq, counters))
+    Some((seq, observed, counters))
 }
 
 #[async_trait]
