@@ -148,7 +148,9 @@ struct Cp {
     logs: Arc<Mutex<String>>,
 }
 
-async fn start_cp(dir: &Path, ca: &Ca, store_poll_ms: u64) -> Cp {
+/// `iop-cp serve`, managed; `store_watch: false` leaves CLI mutations unseen for
+/// `store_poll_ms`.
+async fn start_cp(dir: &Path, ca: &Ca, store_poll_ms: u64, store_watch: bool) -> Cp {
     let leaf = ca.workload(role::CONTROL_PLANE, "cp-1", true);
     let ca_pem = write(dir, "ca.pem", &ca.pem());
     let cert = write(dir, "cp.pem", &leaf.cert_pem);
@@ -171,6 +173,7 @@ async fn start_cp(dir: &Path, ca: &Ca, store_poll_ms: u64) -> Cp {
         .arg(&key)
         .args(["--trust-domain", pki::TRUST_DOMAIN, "--credential-plane"])
         .args(["--store-poll-ms", &store_poll_ms.to_string()])
+        .args(["--store-watch", &store_watch.to_string()])
         .env("RUST_LOG", "debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -229,7 +232,7 @@ fn provider(node: &str) -> ProviderSpec {
 }
 
 fn recipient(issuer_pem: &str, key_id: &str) -> Recipient {
-    let issuer = IssuerPublicKey::from_pem("cp-issuer-1", issuer_pem).unwrap();
+    let issuer = IssuerPublicKey::from_pem_derived(issuer_pem).unwrap();
     let trusted: TrustedIssuers = [issuer].into_iter().collect();
     Recipient::new(
         RecipientSecretKey::generate(key_id).unwrap(),
@@ -307,7 +310,17 @@ async fn managed_credentials_end_to_end() {
         let secret = format!("sk-live-{:016x}", rand_u64());
         let secret2 = format!("sk-rotated-{:016x}", rand_u64());
 
-        // Admin with the CLI, before the server runs.
+        // Admin with the CLI, before the server runs (a store that does not exist is refused
+        // until `init` creates it).
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_iop-cp"))
+            .args(["principal", "create", "team-a", "--data-dir"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("init"), "{out:?}");
+        assert!(!data.exists(), "nothing was created");
+        cli(&data, &["init"], &[]);
         cli(&data, &["principal", "create", "team-a", "--name", "Team A"], &[]);
         cli(&data, &["principal", "create", "team-b"], &[]);
         let out = cli(&data, &["token", "create", "--principal", "team-a"], &[]);
@@ -333,10 +346,11 @@ async fn managed_credentials_end_to_end() {
         );
         assert!(!store_bytes.windows(token.len()).any(|w| w == token.as_bytes()));
 
-        // The Control Plane, managed; a long store poll so that CLI mutations stay unseen by
-        // the Edge until we want them seen (the "between projection and dispatch" window).
+        // The Control Plane, managed; no store watch and a long poll so that CLI mutations
+        // stay unseen by the Edge until we want them seen (the "between projection and
+        // dispatch" window).
         let ca = Ca::new("e2e CA");
-        let mut cp = start_cp(&dir, &ca, 60_000).await;
+        let mut cp = start_cp(&dir, &ca, 60_000, false).await;
 
         // Edge: Node transport with the pool, Control Plane connector, HTTP surface.
         let seen: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -468,8 +482,10 @@ async fn managed_credentials_end_to_end() {
         assert_eq!(seen.lock().unwrap().len(), 2, "only the first use reached the upstream");
 
         // 3. Between projection and dispatch: the CLI rotates the slot; the Edge still holds
-        // the old projection (the server has not polled), so its binding names a stale
-        // generation and revision; the Control Plane re-reads and refuses. Fail closed.
+        // the old projection (this server does not watch the store and has not polled), so
+        // its binding names a stale generation; the Control Plane re-reads and refuses. The
+        // Edge waits for the newer projection, none comes, and it fails closed with 503 +
+        // Retry-After (a change is propagating), never with the old credential.
         cli(
             &data,
             &["slot", "put", "openai-prod", "--profile", "openai", "--credential-env", "THE_SECRET"],
@@ -477,14 +493,15 @@ async fn managed_credentials_end_to_end() {
         );
         assert_eq!(control.projection().unwrap().generation(), g0);
         let r = chat(&token).await.unwrap();
-        assert_eq!(r.status(), 403);
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers().get("retry-after").unwrap(), "1");
         let text = r.text().await.unwrap();
-        assert!(text.contains("stale_generation"), "{text}");
+        assert!(text.contains("applying a change"), "{text}");
         error_bodies.push_str(&text);
         // Revoking the token in that window fails closed the same way.
         cli(&data, &["token", "revoke", &token_id], &[]);
         let r = chat(&token).await.unwrap();
-        assert_eq!(r.status(), 403);
+        assert_eq!(r.status(), 503);
         error_bodies.push_str(&r.text().await.unwrap());
         assert_eq!(seen.lock().unwrap().len(), 2, "nothing reached the upstream");
 

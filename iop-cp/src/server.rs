@@ -82,9 +82,14 @@ pub struct ServerConfig {
     pub heartbeat: Duration,
     /// Largest frame accepted or sent.
     pub max_frame_len: usize,
-    /// How often the store's generation is read, so that mutations made elsewhere (the CLI on
-    /// the same SQLite file, another replica on PostgreSQL) are pushed to Edges too.
+    /// How often the store's generation is read at the latest, so that mutations made
+    /// elsewhere (the CLI on the same SQLite file, another replica on PostgreSQL) are pushed
+    /// to Edges too.
     pub store_poll: Duration,
+    /// Whether to notice such mutations at once ([`crate::store::Store::wait_change`]: SQLite
+    /// `data_version`, PostgreSQL `LISTEN/NOTIFY`) rather than only every `store_poll`. On by
+    /// default; off only to hold a stale projection on purpose (tests).
+    pub store_watch: bool,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -107,6 +112,7 @@ impl ServerConfig {
             heartbeat: DEFAULT_HEARTBEAT,
             max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
             store_poll: DEFAULT_STORE_POLL,
+            store_watch: true,
         }
     }
 }
@@ -292,11 +298,16 @@ pub async fn serve(
     let task_cp = cp.clone();
     let poll_admin = admin.clone();
     let poll_every = config.store_poll;
+    let watch = config.store_watch;
     let poller = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(poll_every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
+            // Returns at once when another process or replica committed (SQLite
+            // `data_version`, PostgreSQL `NOTIFY`); `poll_every` is the safety net.
+            if watch {
+                poll_admin.store().wait_change(poll_every).await;
+            } else {
+                tokio::time::sleep(poll_every).await;
+            }
             match poll_admin.store().generation().await {
                 Ok(g) => poll_admin.observe(g),
                 Err(e) => tracing::warn!(error = %e, "store generation poll failed"),

@@ -369,6 +369,14 @@ pub trait Store: Send + Sync + 'static {
         after_generation: u64,
         limit: u32,
     ) -> Result<Vec<Revision>, StoreError>;
+    /// Returns when the store may have been changed by another process or replica (the CLI,
+    /// a second `iop-cp serve`), or after `limit` at the latest; the server then reads the
+    /// generation. Spurious returns are harmless. The default just waits `limit` (a plain
+    /// poll); SQLite watches `PRAGMA data_version`, PostgreSQL `LISTEN`s for the `NOTIFY`
+    /// every mutation sends.
+    async fn wait_change(&self, limit: std::time::Duration) {
+        tokio::time::sleep(limit).await;
+    }
 }
 
 /// Now, in Unix milliseconds (revision timestamps, lease windows).

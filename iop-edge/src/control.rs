@@ -254,6 +254,9 @@ struct Shared {
     projection: RwLock<Option<Arc<ProjectionIndex>>>,
     link: Mutex<Option<Link>>,
     state: watch::Sender<SessionState>,
+    /// The generation of the installed projection (0 before the first), for callers that wait
+    /// for a newer one.
+    generation: watch::Sender<u64>,
 }
 
 /// The running connector. Cheap to clone.
@@ -293,6 +296,7 @@ impl ControlConnector {
             projection: RwLock::new(None),
             link: Mutex::new(None),
             state: watch::channel(SessionState::Connecting).0,
+            generation: watch::channel(0).0,
         });
         tokio::spawn(run(shared.clone(), shutdown));
         Ok(Self { shared })
@@ -315,6 +319,48 @@ impl ControlConnector {
     /// Session state changes (connected, refused and why, failures).
     pub fn state(&self) -> watch::Receiver<SessionState> {
         self.shared.state.subscribe()
+    }
+
+    /// Waits at most `limit` for a projection newer than `generation` and returns it; `None`
+    /// when none arrived in time. A request whose binding the Control Plane found stale waits
+    /// here for the projection that made it stale (see `iop_edge::http`, managed mode).
+    pub async fn projection_after(
+        &self,
+        generation: u64,
+        limit: Duration,
+    ) -> Option<Arc<ProjectionIndex>> {
+        let mut rx = self.shared.generation.subscribe();
+        tokio::time::timeout(limit, rx.wait_for(|g| *g > generation))
+            .await
+            .ok()?
+            .ok()?;
+        self.projection().filter(|p| p.generation() > generation)
+    }
+
+    /// Managed mode: why this Edge cannot serve managed requests right now (no live Control
+    /// Plane session, or no projection yet); `None` when it can, and always in legacy mode
+    /// (requests there do not depend on the Control Plane). `/readyz` answers 503 with this.
+    pub fn unready_reason(&self) -> Option<String> {
+        if !self.shared.config.managed {
+            return None;
+        }
+        match &*self.shared.state.borrow() {
+            SessionState::Connected => {}
+            SessionState::Connecting => return Some("control plane not connected".into()),
+            SessionState::Rejected(r) => {
+                return Some(format!("control plane refused this edge: {r}"));
+            }
+            SessionState::MissingProjection => {
+                return Some("control plane sent no projection".into());
+            }
+            SessionState::Failed(why) => {
+                return Some(format!("control plane unreachable ({why})"));
+            }
+        }
+        if self.projection().is_none() {
+            return Some("no principal projection yet".into());
+        }
+        None
     }
 
     /// Asks the Control Plane for a lease for exactly `binding`, sealed to
@@ -380,10 +426,12 @@ fn reconnect_policy() -> Backoff {
 async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut retries = Retries::new(reconnect_policy());
     loop {
-        let result = tokio::select! {
-            () = shutdown.cancelled() => return,
-            r = session(&shared) => r,
-        };
+        // The session watches `shutdown` itself, to close its TLS stream cleanly.
+        let result = session(&shared, &shutdown).await;
+        if shutdown.is_cancelled() {
+            *lock(&shared.link) = None;
+            return;
+        }
         *lock(&shared.link) = None;
         match result {
             Ok(()) => {
@@ -430,6 +478,7 @@ fn install_projection(shared: &Shared, p: PrincipalProjection) {
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner) =
         Some(Arc::new(ProjectionIndex::new(p)));
+    shared.generation.send_replace(generation);
     tracing::info!(target: "iop_edge", event = "edge_projection_applied", generation, "projection applied");
 }
 
@@ -439,11 +488,15 @@ fn now() -> std::time::Instant {
 
 /// One session: the driver of `iop_wire::control_session::EdgeControlSession`. `Ok` when it
 /// ended after being accepted.
-async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
+async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(), SessionState> {
     let mut lifecycle = shared.edge.subscribe();
-    let mut io = match tokio::time::timeout(CONNECT_TIMEOUT, connect(shared)).await {
-        Ok(r) => r?,
-        Err(_) => return Err(SessionState::Failed("timeout".into())),
+    let connecting = tokio::time::timeout(CONNECT_TIMEOUT, connect(shared));
+    let mut io = tokio::select! {
+        () = shutdown.cancelled() => return Ok(()),
+        r = connecting => match r {
+            Ok(r) => r?,
+            Err(_) => return Err(SessionState::Failed("timeout".into())),
+        },
     };
     let held = shared
         .projection
@@ -538,6 +591,12 @@ async fn session(shared: &Arc<Shared>) -> Result<(), SessionState> {
         }
         let deadline = s.poll_timeout().map(tokio::time::Instant::from_std);
         tokio::select! {
+            () = shutdown.cancelled() => {
+                // A clean stop: TLS close_notify, so the Control Plane logs a close, not an
+                // error. Bounded: a peer that reads nothing does not hold the shutdown.
+                let _ = tokio::time::timeout(Duration::from_secs(1), io.close()).await;
+                return Ok(());
+            }
             frame = io.next() => match frame {
                 Some(Ok(frame)) => s.handle_frame(now(), frame),
                 _ => s.handle_transport_closed(),

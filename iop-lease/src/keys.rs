@@ -84,6 +84,22 @@ fn pem(label: &str, der: &[u8]) -> String {
     out
 }
 
+/// The key id derived from an issuer public key: `p256:` and the first 8 bytes of the
+/// SHA-256 of its SEC1 uncompressed point, in lowercase hex (`p256:3f2a…`, 21 characters).
+///
+/// The Control Plane signs with this id and a Node computes it from the PEM it pins, so the
+/// two agree without an operator copying an id around; a different key has a different id.
+pub fn issuer_key_id(point: &[u8; 65]) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, point);
+    let mut id = String::with_capacity(21);
+    id.push_str("p256:");
+    for b in &d.as_ref()[..8] {
+        id.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+        id.push(char::from(b"0123456789abcdef"[usize::from(b & 0xf)]));
+    }
+    id
+}
+
 // === impl IssuerSigningKey ===
 
 /// The Control Plane's lease-signing key (ECDSA P-256, SHA-256).
@@ -137,6 +153,21 @@ impl IssuerSigningKey {
     /// The PEM `PRIVATE KEY` (PKCS#8) text, zeroized on drop.
     pub fn to_pem(&self) -> Zeroizing<String> {
         Zeroizing::new(pem("PRIVATE KEY", &self.pkcs8))
+    }
+
+    /// Generates a new key whose id is [`issuer_key_id`] of its public key.
+    pub fn generate_derived() -> Result<Self, KeyError> {
+        Self::generate("pending").map(Self::with_derived_id)
+    }
+
+    /// Loads a PEM `PRIVATE KEY` (PKCS#8) with the id [`issuer_key_id`] of its public key.
+    pub fn from_pem_derived(pem_text: &str) -> Result<Self, KeyError> {
+        Self::from_pem("pending", pem_text).map(Self::with_derived_id)
+    }
+
+    fn with_derived_id(mut self) -> Self {
+        self.key_id = issuer_key_id(self.public_key().sec1());
+        self
     }
 
     /// The key id.
@@ -203,6 +234,13 @@ impl IssuerPublicKey {
         let der = SubjectPublicKeyInfoDer::from_pem_slice(pem_text.as_bytes())
             .map_err(|_| KeyError::Pem("PUBLIC KEY"))?;
         Self::from_spki_der(key_id, der.as_ref())
+    }
+
+    /// From a PEM `PUBLIC KEY`, with the id [`issuer_key_id`] of the key.
+    pub fn from_pem_derived(pem_text: &str) -> Result<Self, KeyError> {
+        let mut key = Self::from_pem("pending", pem_text)?;
+        key.key_id = issuer_key_id(&key.point);
+        Ok(key)
     }
 
     /// The PEM `PUBLIC KEY` text.
@@ -459,6 +497,24 @@ impl RecipientPublicKey {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn derived_issuer_ids_agree_between_the_private_and_the_public_pem_and_differ_per_key() {
+        let a = IssuerSigningKey::generate_derived().unwrap();
+        let b = IssuerSigningKey::generate_derived().unwrap();
+        assert!(
+            a.key_id().starts_with("p256:") && a.key_id().len() == 21,
+            "{}",
+            a.key_id()
+        );
+        assert_ne!(a.key_id(), b.key_id());
+        let public = IssuerPublicKey::from_pem_derived(&a.public_key().to_pem()).unwrap();
+        assert_eq!(public.key_id(), a.key_id());
+        let reloaded = IssuerSigningKey::from_pem_derived(&a.to_pem()).unwrap();
+        assert_eq!(reloaded.key_id(), a.key_id());
+        check_key_id(a.key_id()).unwrap();
+    }
+
     use super::*;
 
     #[test]

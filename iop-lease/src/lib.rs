@@ -100,7 +100,7 @@ pub use envelope::{
 };
 pub use keys::{
     IssuerPublicKey, IssuerSigningKey, KeyError, RecipientPublicKey, RecipientSecretKey,
-    TrustedIssuers,
+    TrustedIssuers, issuer_key_id,
 };
 pub use replay::{DEFAULT_REPLAY_CAPACITY, MemoryReplayGuard, ReplayError, ReplayGuard};
 pub use secret::{

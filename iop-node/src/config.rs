@@ -28,8 +28,8 @@
 //! recipient_key = "/var/lib/iop/node-1.x25519.pem" # X25519 PKCS#8 PEM; created (0600) if missing
 //! recipient_key_id = "node-1-key-1"                # announced at registration, bound in leases
 //! [[credential_plane.issuers]]  # the Control Plane's lease issuer keys (several for rotation)
-//! key_id = "cp-issuer-1"
 //! public_key = "/etc/iop/cp-issuer.pub.pem"        # `iop-cp issuer-key` prints it
+//! # key_id = "p256:…"   optional: derived from the key; if given it must match
 //!
 //! [[credentials]]               # legacy mode only: upstream keys this Node holds itself
 //! adapter = "openai"            # the adapter instance name in the Edge's config
@@ -142,8 +142,11 @@ pub struct CredentialPlaneSection {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IssuerEntry {
-    /// `key_id`.
-    pub key_id: String,
+    /// `key_id`: optional. The id is derived from the key (`iop_lease::issuer_key_id`, what
+    /// `iop-cp issuer-key` prints); when given it must equal that id, so a key pinned under
+    /// the wrong id is refused at startup instead of failing every lease.
+    #[serde(default)]
+    pub key_id: Option<String>,
     /// `public_key`: a PEM file.
     pub public_key: PathBuf,
 }
@@ -197,8 +200,18 @@ impl CredentialPlaneSection {
                     format!("cannot read {}: {e}", issuer.public_key.display()),
                 )
             })?;
-            let k = iop_lease::IssuerPublicKey::from_pem(&issuer.key_id, &pem)
+            let k = iop_lease::IssuerPublicKey::from_pem_derived(&pem)
                 .map_err(|e| invalid("credential_plane.issuers.public_key", e.to_string()))?;
+            if let Some(id) = issuer.key_id.as_deref().filter(|id| *id != k.key_id()) {
+                return Err(invalid(
+                    "credential_plane.issuers.key_id",
+                    format!(
+                        "{id:?} is not the id of {} (its id is {:?}, as `iop-cp issuer-key` prints); remove key_id or set it to that",
+                        issuer.public_key.display(),
+                        k.key_id()
+                    ),
+                ));
+            }
             trusted.insert(k);
         }
         Ok(Some(iop_lease::Recipient::new(
@@ -484,11 +497,27 @@ mod tests {
         );
         let e = section(&base).recipient().unwrap_err().to_string();
         assert!(e.starts_with("credential_plane.issuers:"), "{e}");
-        let issuer = iop_lease::IssuerSigningKey::generate("cp-issuer-1").unwrap();
+        let issuer = iop_lease::IssuerSigningKey::generate_derived().unwrap();
         let issuer_pem = dir.join("issuer.pub.pem");
         std::fs::write(&issuer_pem, issuer.public_key().to_pem()).unwrap();
-        let full = format!(
+        // An id that is not the key's is refused at startup, naming the right one.
+        let wrong = format!(
             "{base}[[issuers]]\nkey_id = \"cp-issuer-1\"\npublic_key = {:?}\n",
+            issuer_pem.display().to_string()
+        );
+        let e = section(&wrong).recipient().unwrap_err().to_string();
+        assert!(
+            e.starts_with("credential_plane.issuers.key_id:") && e.contains(issuer.key_id()),
+            "{e}"
+        );
+        let explicit = format!(
+            "{base}[[issuers]]\nkey_id = {:?}\npublic_key = {:?}\n",
+            issuer.key_id(),
+            issuer_pem.display().to_string()
+        );
+        section(&explicit).recipient().unwrap().unwrap();
+        let full = format!(
+            "{base}[[issuers]]\npublic_key = {:?}\n",
             issuer_pem.display().to_string()
         );
         let first = section(&full).recipient().unwrap().unwrap().public_key();

@@ -1,6 +1,7 @@
 //! `iop-cp`: the IOP Control Plane binary — the Edge wire server and the admin CLI.
 //!
 //! ```text
+//! iop-cp --data-dir DIR init                                     # store, master and issuer keys
 //! iop-cp --data-dir DIR serve --tls-ca ca.pem --tls-cert cp.pem --tls-key cp.key \
 //!        --trust-domain iop.local --credential-plane
 //! iop-cp --data-dir DIR principal create team-a --name "Team A"
@@ -9,15 +10,26 @@
 //!        --credential-env IOP_CREDENTIAL
 //! iop-cp --data-dir DIR route put r1 --principal team-a --model gpt-4o-mini \
 //!        --slot openai-prod --target gpt-4o-mini
-//! iop-cp --data-dir DIR issuer-key                                # the PEM Nodes pin
+//! iop-cp --data-dir DIR issuer-key > cp-issuer.pub.pem           # the PEM Nodes pin
 //! ```
 //!
-//! The data directory holds the SQLite store (`iop-cp.sqlite3`, unless `--postgres URL`), the
-//! at-rest master key (`master.key`) and the lease issuer key (`issuer.pem`; its public half
-//! is written to `issuer.pub.pem`), all created on first use with mode 0600. CLI commands write
-//! the store directly; a running server notices the new generation within its poll interval
-//! and pushes the projection to every Edge. Credentials are never taken on the command line
-//! (other users can read it): use `--credential-env`, `--credential-file` or stdin.
+//! The data directory (`--data-dir`, before or after the subcommand; default
+//! `$XDG_DATA_HOME/iop-cp` or `~/.local/share/iop-cp`) holds the SQLite store
+//! (`iop-cp.sqlite3`, unless `--postgres URL`), the at-rest master key (`master.key`) and the
+//! lease issuer key (`issuer.pem`; its public half is written to `issuer.pub.pem`), created
+//! with mode 0600 by `init` or `serve`. Every other command refuses a directory without them,
+//! so a CLI run from elsewhere never writes to a new, empty store by accident.
+//!
+//! The issuer key's id is derived from the key (`iop_lease::issuer_key_id`, `p256:` + 16 hex
+//! digits); `issuer-key` prints it, and a Node derives the same id from the PEM it pins.
+//!
+//! CLI commands write the store directly; a running server notices at once (SQLite
+//! `PRAGMA data_version` every 20 ms, PostgreSQL `LISTEN/NOTIFY`; `--store-poll-ms` is the
+//! safety net) and pushes the projection to every Edge. An Edge whose lease is refused as
+//! stale meanwhile waits for that projection and re-binds once (`iop_edge::http`), so a
+//! mutation never fails a request it does not concern. Credentials are never taken on the
+//! command line (other users can read it): use `--credential-env`, `--credential-file` or
+//! stdin.
 //!
 //! Exit codes: 0 success, 1 runtime failure, 2 invalid arguments or configuration.
 #![allow(
@@ -46,9 +58,6 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
 use zeroize::Zeroizing;
 
-/// Key id of the issuer key kept in `issuer.pem`.
-const ISSUER_KEY_ID: &str = "cp-issuer-1";
-
 #[derive(Parser, Debug)]
 #[command(
     name = "iop-cp",
@@ -56,12 +65,14 @@ const ISSUER_KEY_ID: &str = "cp-issuer-1";
     about = "IOP Control Plane: Edge wire server and admin CLI"
 )]
 struct Cli {
-    /// Data directory (store, master key, issuer key).
-    #[arg(long, env = "IOP_CP_DATA_DIR", default_value = "iop-cp-data")]
-    data_dir: PathBuf,
+    /// Data directory (store, master key, issuer key). Default: `$XDG_DATA_HOME/iop-cp`, else
+    /// `$HOME/.local/share/iop-cp` — the same directory from wherever the CLI runs. Accepted
+    /// before or after the subcommand.
+    #[arg(long, env = "IOP_CP_DATA_DIR", global = true)]
+    data_dir: Option<PathBuf>,
     /// Use this PostgreSQL database (`postgres://user@host:port/db`) instead of the SQLite file;
-    /// for several replicas.
-    #[arg(long, env = "IOP_CP_POSTGRES")]
+    /// for several replicas. Accepted before or after the subcommand.
+    #[arg(long, env = "IOP_CP_POSTGRES", global = true, hide_env_values = true)]
     postgres: Option<String>,
     #[command(subcommand)]
     command: Command,
@@ -69,7 +80,10 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run the Edge wire server and the loopback admin API.
+    /// Create the data directory, the store, the master key and the issuer key (idempotent);
+    /// every other command but `serve` needs an existing store.
+    Init,
+    /// Run the Edge wire server and the loopback admin API (creates the store if needed).
     Serve(ServeArgs),
     /// Principals.
     #[command(subcommand)]
@@ -83,7 +97,8 @@ enum Command {
     /// Routes.
     #[command(subcommand)]
     Route(RouteCmd),
-    /// Print the lease issuer's public key (PEM) for Nodes to pin.
+    /// Print the lease issuer's public key (PEM, on stdout) for Nodes to pin; its key id and
+    /// a Node config snippet go to stderr.
     IssuerKey,
     /// Print the mutation log.
     Revisions {
@@ -133,10 +148,15 @@ struct ServeArgs {
     /// Heartbeat interval told to Edges, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     heartbeat_ms: u64,
-    /// How often the store generation is read to notice mutations made by the CLI or another
-    /// replica, in milliseconds.
+    /// How often the store generation is read at the latest to notice mutations made by the
+    /// CLI or another replica, in milliseconds (a safety net: they are noticed at once, see
+    /// --store-watch).
     #[arg(long, default_value_t = 500)]
     store_poll_ms: u64,
+    /// Notice mutations made by the CLI or another replica at once (SQLite `data_version`
+    /// checked every 20 ms, PostgreSQL LISTEN/NOTIFY); `false` leaves only --store-poll-ms.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    store_watch: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -255,13 +275,34 @@ async fn main() {
     }
 }
 
+/// The data directory: `--data-dir`, else `$XDG_DATA_HOME/iop-cp`, else
+/// `$HOME/.local/share/iop-cp`.
+fn data_dir(cli: &Cli) -> Result<PathBuf, Failure> {
+    if let Some(d) = &cli.data_dir {
+        return Ok(d.clone());
+    }
+    let base = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+                .map(|h| h.join(".local/share"))
+        })
+        .ok_or_else(|| usage("no --data-dir given and neither XDG_DATA_HOME nor HOME is set"))?;
+    Ok(base.join("iop-cp"))
+}
+
+/// The issuer key in `dir/issuer.pem` (created on first use); its id is derived from the key
+/// (`iop_lease::issuer_key_id`), so the id Nodes derive from the PEM they pin is the same.
 fn issuer_key(dir: &Path) -> Result<IssuerSigningKey, Failure> {
     let path = dir.join("issuer.pem");
     let key = match std::fs::read_to_string(&path) {
-        Ok(pem) => IssuerSigningKey::from_pem(ISSUER_KEY_ID, &pem)
+        Ok(pem) => IssuerSigningKey::from_pem_derived(&pem)
             .map_err(|e| runtime(format!("{}: {e}", path.display())))?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let key = IssuerSigningKey::generate(ISSUER_KEY_ID)
+            let key = IssuerSigningKey::generate_derived()
                 .map_err(|e| runtime(format!("issuer key: {e}")))?;
             write_private(&path, key.to_pem().as_bytes())
                 .map_err(|e| runtime(format!("{}: {e}", path.display())))?;
@@ -275,21 +316,30 @@ fn issuer_key(dir: &Path) -> Result<IssuerSigningKey, Failure> {
     Ok(key)
 }
 
-async fn open(cli: &Cli) -> Result<Admin, Failure> {
-    std::fs::create_dir_all(&cli.data_dir)
-        .map_err(|e| runtime(format!("{}: {e}", cli.data_dir.display())))?;
+async fn open(cli: &Cli, dir: &Path) -> Result<Admin, Failure> {
+    let creates = matches!(cli.command, Command::Init | Command::Serve(_));
+    let sqlite = dir.join("iop-cp.sqlite3");
+    if !creates && (!dir.join("master.key").exists() || cli.postgres.is_none() && !sqlite.exists())
+    {
+        // Never an empty store created by accident (a CLI run from elsewhere, a typo).
+        return Err(usage(format!(
+            "no Control Plane data in {} (run `iop-cp --data-dir {} init` first, or pass the --data-dir `iop-cp serve` uses)",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| runtime(format!("{}: {e}", dir.display())))?;
     let store: Arc<dyn Store> = match &cli.postgres {
         Some(url) => Arc::new(
             PgStore::connect(url)
                 .await
                 .map_err(|e| runtime(format!("postgres: {e}")))?,
         ),
-        None => Arc::new(
-            SqliteStore::open(&cli.data_dir.join("iop-cp.sqlite3"))
-                .map_err(|e| runtime(format!("sqlite store: {e}")))?,
-        ),
+        None => {
+            Arc::new(SqliteStore::open(&sqlite).map_err(|e| runtime(format!("sqlite store: {e}")))?)
+        }
     };
-    let key = MasterKey::load_or_create(&cli.data_dir.join("master.key"))
+    let key = MasterKey::load_or_create(&dir.join("master.key"))
         .map_err(|e| runtime(format!("master key: {e}")))?;
     let generation = store
         .generation()
@@ -326,10 +376,25 @@ fn read_credential(env: Option<&str>, file: Option<&Path>) -> Result<Zeroizing<V
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    let admin = open(&cli).await?;
+    let dir = data_dir(&cli)?;
+    let admin = open(&cli, &dir).await?;
     let fail = |e: iop_cp::admin::AdminError| runtime(e.to_string());
     match &cli.command {
-        Command::Serve(args) => serve(&cli, admin, args).await,
+        Command::Init => {
+            let key = issuer_key(&dir)?;
+            println!(
+                "iop-cp: data in {} (generation {}); issuer key id {}",
+                dir.display(),
+                admin
+                    .store()
+                    .generation()
+                    .await
+                    .map_err(|e| runtime(e.to_string()))?,
+                key.key_id()
+            );
+            Ok(())
+        }
+        Command::Serve(args) => serve(&dir, admin, args).await,
         Command::Principal(PrincipalCmd::Create { id, name }) => {
             let g = admin.create_principal(id, name).await.map_err(fail)?;
             println!("principal {id} created (generation {g})");
@@ -414,8 +479,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::IssuerKey => {
-            let key = issuer_key(&cli.data_dir)?;
+            let key = issuer_key(&dir)?;
             print!("{}", key.public_key().to_pem());
+            eprintln!("key id: {}", key.key_id());
+            eprintln!(
+                "Save the PEM above on each Node (e.g. `iop-cp issuer-key > /etc/iop/cp-issuer.pub.pem`) and pin it in the Node's config:\n\n[credential_plane]\nenabled = true\nrecipient_key = \"/var/lib/iop/node.x25519.pem\"\nrecipient_key_id = \"node-key-1\"\n[[credential_plane.issuers]]\npublic_key = \"/etc/iop/cp-issuer.pub.pem\"\n# key_id = \"{}\"   (optional: derived from the key)",
+                key.key_id()
+            );
             Ok(())
         }
         Command::Revisions { after } => {
@@ -492,7 +562,7 @@ fn tls_config(args: &ServeArgs) -> Result<Arc<rustls::ServerConfig>, Failure> {
     Ok(Arc::new(config))
 }
 
-async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure> {
+async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure> {
     if !args.admin_listen.ip().is_loopback() && !args.admin_allow_remote {
         return Err(usage(
             "--admin-listen must be a loopback address (or pass --admin-allow-remote)",
@@ -507,7 +577,7 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
     }
     let tls = tls_config(args)?;
     let leases = if args.credential_plane {
-        let issuer = iop_lease::Issuer::new(issuer_key(&cli.data_dir)?, DEFAULT_MAX_TTL)
+        let issuer = iop_lease::Issuer::new(issuer_key(dir)?, DEFAULT_MAX_TTL)
             .map_err(|e| runtime(format!("issuer: {e}")))?;
         Some(Arc::new(LeaseService::new(
             admin.store().clone(),
@@ -521,6 +591,11 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
     let mut config = ServerConfig::new(args.listen, tls, args.credential_plane);
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(100));
     config.store_poll = Duration::from_millis(args.store_poll_ms.max(10));
+    config.store_watch = args.store_watch;
+    let issuer_id = leases
+        .as_ref()
+        .map(|l| l.issuer().key_id().to_owned())
+        .unwrap_or_default();
     let (cp, task) = server::serve(config, admin.clone(), leases)
         .await
         .map_err(|e| runtime(format!("listen {}: {e}", args.listen)))?;
@@ -538,8 +613,9 @@ async fn serve(cli: &Cli, admin: Admin, args: &ServeArgs) -> Result<(), Failure>
     println!("iop-cp: admin API on http://{admin_addr}");
     if args.credential_plane {
         println!(
-            "iop-cp: lease issuer public key in {}",
-            cli.data_dir.join("issuer.pub.pem").display()
+            "iop-cp: lease issuer key id {} (public key in {})",
+            issuer_id,
+            dir.join("issuer.pub.pem").display()
         );
     }
     let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());

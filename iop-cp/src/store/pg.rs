@@ -6,8 +6,10 @@
 //! The connection is plain TCP (`NoTls`): run PostgreSQL on loopback or a private network.
 //! TLS to PostgreSQL is not implemented yet.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, IsolationLevel, NoTls, Row, Transaction};
 
@@ -45,6 +47,61 @@ const SCHEMA_LOCK: i64 = 0x494f_505f_4350; // "IOP_CP"
 #[derive(Debug)]
 pub struct PgStore {
     client: Mutex<Client>,
+    /// Woken by the `NOTIFY` of every committed mutation, from any replica or the CLI (one
+    /// waiter, the server's poller: `notify_one` keeps a wake-up that came between waits).
+    changed: Arc<Notify>,
+    /// `NOTIFY <channel>`, sent inside every mutation's transaction (delivered on commit).
+    notify: String,
+    /// The `LISTEN` connection's task (aborted with the store).
+    _listener: AbortOnDrop,
+}
+
+/// Aborts the task when dropped.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The notification channel of a deployment: one per schema, so deployments sharing a
+/// database do not wake each other.
+fn channel(schema: Option<&str>) -> String {
+    format!("iop_cp_{}", schema.unwrap_or("public"))
+}
+
+/// Keeps a `LISTEN` connection open (reconnecting every second after a failure) and wakes
+/// `changed` on each notification, and once after every reconnect (a change may have been
+/// missed meanwhile).
+async fn listen(url: String, channel: String, changed: Arc<Notify>) {
+    loop {
+        if let Ok((client, mut connection)) = tokio_postgres::connect(&url, NoTls).await {
+            let messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+            let wake = changed.clone();
+            let reader = tokio::spawn(async move {
+                futures_util::pin_mut!(messages);
+                while let Some(Ok(m)) = futures_util::StreamExt::next(&mut messages).await {
+                    if matches!(m, tokio_postgres::AsyncMessage::Notification(_)) {
+                        wake.notify_one();
+                    }
+                }
+            });
+            let mut reader = AbortOnDrop(reader);
+            // `channel` is `iop_cp_` + a checked lowercase identifier.
+            if client
+                .batch_execute(&format!("LISTEN {channel}"))
+                .await
+                .is_ok()
+            {
+                changed.notify_one();
+                let _ = (&mut reader.0).await;
+            }
+            tracing::info!("postgres change listener lost its connection; reconnecting");
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
 }
 
 fn backend(e: &tokio_postgres::Error) -> StoreError {
@@ -106,8 +163,14 @@ impl PgStore {
         }
         tx.batch_execute(SCHEMA).await.map_err(|e| backend(&e))?;
         tx.commit().await.map_err(|e| backend(&e))?;
+        let changed = Arc::new(Notify::new());
+        let channel = channel(schema);
+        let listener = tokio::spawn(listen(url.to_owned(), channel.clone(), changed.clone()));
         Ok(Self {
             client: Mutex::new(client),
+            notify: format!("NOTIFY {channel}"),
+            changed,
+            _listener: AbortOnDrop(listener),
         })
     }
 }
@@ -347,8 +410,15 @@ impl Store for PgStore {
         )
         .await
         .map_err(|e| backend(&e))?;
+        tx.batch_execute(&self.notify)
+            .await
+            .map_err(|e| backend(&e))?;
         tx.commit().await.map_err(|e| backend(&e))?;
         Ok(to_u64(generation))
+    }
+
+    async fn wait_change(&self, limit: std::time::Duration) {
+        let _ = tokio::time::timeout(limit, self.changed.notified()).await;
     }
 
     async fn generation(&self) -> Result<u64, StoreError> {

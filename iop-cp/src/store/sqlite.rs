@@ -3,6 +3,7 @@
 //! writers serialize on the database lock and the generation bump is atomic with the change.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -35,10 +36,17 @@ CREATE TABLE IF NOT EXISTS revisions (
   at_unix_ms INTEGER NOT NULL);
 ";
 
+/// How often [`Store::wait_change`] reads `PRAGMA data_version`: a mutation made by the CLI
+/// reaches the Edges within about this long.
+const CHANGE_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// The SQLite store.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
+    /// The `data_version` [`Store::wait_change`] last returned on (`i64::MIN`: none yet), so
+    /// a commit between two waits is not missed.
+    seen_version: Arc<AtomicI64>,
 }
 
 fn backend(e: &rusqlite::Error) -> StoreError {
@@ -78,6 +86,7 @@ impl SqliteStore {
         conn.execute_batch(SCHEMA).map_err(|e| backend(&e))?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
+            seen_version: Arc::new(AtomicI64::new(i64::MIN)),
         })
     }
 
@@ -332,6 +341,35 @@ impl Store for SqliteStore {
 
     async fn generation(&self) -> Result<u64, StoreError> {
         self.with(|conn| generation(conn)).await
+    }
+
+    /// `PRAGMA data_version` (it changes when another connection, e.g. the CLI, commits) read
+    /// every [`CHANGE_CHECK`]: a few microseconds each, on the blocking pool.
+    async fn wait_change(&self, limit: std::time::Duration) {
+        let version = || {
+            self.with(|conn| {
+                conn.query_row("PRAGMA data_version", [], |r| r.get::<_, i64>(0))
+                    .map_err(|e| backend(&e))
+            })
+        };
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut seen = self.seen_version.load(Ordering::Relaxed);
+        loop {
+            if let Ok(v) = version().await {
+                if seen == i64::MIN {
+                    seen = v;
+                    self.seen_version.store(v, Ordering::Relaxed);
+                } else if v != seen {
+                    self.seen_version.store(v, Ordering::Relaxed);
+                    return;
+                }
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline.min(now + CHANGE_CHECK)).await;
+        }
     }
 
     async fn snapshot(&self) -> Result<Snapshot, StoreError> {

@@ -59,6 +59,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use tokio::time::Instant;
+
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -696,8 +698,41 @@ async fn send(
         .map_err(|e| render::dispatch_error(dialect, e, model))
 }
 
+/// How long, in all, a request whose binding the Control Plane found stale waits for newer
+/// projections and re-binds before it is refused with 503 + `Retry-After`.
+pub const STALE_BINDING_WAIT: Duration = Duration::from_secs(1);
+
+/// Lease refusals that mean "this Edge's projection is behind the store" (a mutation is
+/// propagating), not "this principal lost access".
+fn is_propagation(reason: &str) -> bool {
+    matches!(reason, "stale_generation" | "stale_revision")
+}
+
+/// 503 with `Retry-After: 1`: a change is propagating; the same request will succeed.
+fn propagating(dialect: Dialect) -> Response {
+    let mut r = render::overloaded(
+        dialect,
+        "the credential plane is applying a change; retry the request",
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    r
+}
+
 /// Managed mode: binds `request` to the selected Node, acquires the credential lease, and
 /// checks the binding before acquisition and again right before dispatch.
+///
+/// No refusal windows: a mutation elsewhere in the store moves its generation, so the Control
+/// Plane refuses a binding made from the projection before it (`stale_generation`, seed
+/// `001`'s fence). The request then waits for the newer projection, resolves its route again
+/// and re-binds; the same happens when the projection changed between the lease and the
+/// dispatch. It does so as long as each round brings a newer projection and
+/// [`STALE_BINDING_WAIT`] has not passed since the first refusal (one round is enough for one
+/// change; a burst of changes, 50 CLI mutations in 0.7 s in `bins/tests/walkthrough.rs`, can
+/// make a binding stale again before its lease is asked). Only then is it refused: 503 +
+/// `Retry-After` while a change is still propagating (or the route moved to another upstream
+/// target than the admitted provider serves: a retry is admitted afresh), 403 when the new
+/// projection no longer gives this token the route (the principal lost access).
 async fn bind_managed(
     dialect: Dialect,
     caller: &Caller,
@@ -714,52 +749,94 @@ async fn bind_managed(
     else {
         return Ok(request);
     };
-    let route = index
-        .route(principal, model)
-        .ok_or_else(|| render::not_found_model(dialect, model))?;
     let lease = admission.lease();
     let refuse = |msg: &str| render::error(dialect, StatusCode::BAD_GATEWAY, msg);
-    if lease.kind != ProviderKind::OpenAiCompat || lease.target != route.upstream_target {
-        // A bound route is served only by its own upstream target; no fallback.
+    let forbidden = |msg: &str| render::error(dialect, StatusCode::FORBIDDEN, msg);
+    if lease.kind != ProviderKind::OpenAiCompat {
         return Err(refuse("no provider serves this route's upstream target"));
     }
     let Some(recipient) = admission.recipient().cloned() else {
         return Err(refuse("selected node has no credential recipient key"));
     };
-    let binding = iop_wire::runtime::CredentialLeaseBinding {
-        principal_id: principal.clone(),
-        slot_id: route.slot_id.clone(),
-        route_id: route.route_id.clone(),
-        profile: route.profile.clone(),
-        upstream_target: route.upstream_target.clone(),
-        node_id: lease.key.node_id.clone(),
-        recipient_key_id: recipient.key_id.clone(),
-        credential_revision: route.credential_revision,
-        route_revision: route.route_revision,
-        projection_generation: index.generation(),
-    };
-    let forbidden = |msg: &str| render::error(dialect, StatusCode::FORBIDDEN, msg);
-    if !index.admits(token, model, &binding) {
-        return Err(forbidden("request scope changed"));
-    }
-    let credential = match control
-        .acquire_lease(binding.clone(), recipient.public_key)
-        .await
-    {
-        Ok(lease) => lease,
-        Err(crate::control::LeaseError::Refused(reason)) => {
-            return Err(forbidden(&format!("credential lease refused: {reason}")));
+    let mut index = index.clone();
+    let mut rebound = false;
+    let mut deadline = None;
+    let (binding, credential) = loop {
+        let route = match index.route(principal, model) {
+            Some(r) => r,
+            None if rebound => return Err(forbidden("access to this model was withdrawn")),
+            None => return Err(render::not_found_model(dialect, model)),
+        };
+        if lease.target != route.upstream_target {
+            // A bound route is served only by its own upstream target; no fallback. After a
+            // re-bind this is a route moved to another target: a retry is admitted afresh.
+            return Err(if rebound {
+                propagating(dialect)
+            } else {
+                refuse("no provider serves this route's upstream target")
+            });
         }
-        Err(_) => return Err(render::overloaded(dialect, "control plane unavailable")),
+        let binding = iop_wire::runtime::CredentialLeaseBinding {
+            principal_id: principal.clone(),
+            slot_id: route.slot_id.clone(),
+            route_id: route.route_id.clone(),
+            profile: route.profile.clone(),
+            upstream_target: route.upstream_target.clone(),
+            node_id: lease.key.node_id.clone(),
+            recipient_key_id: recipient.key_id.clone(),
+            credential_revision: route.credential_revision,
+            route_revision: route.route_revision,
+            projection_generation: index.generation(),
+        };
+        if !index.admits(token, model, &binding) {
+            return Err(forbidden(if rebound {
+                "access to this model was withdrawn"
+            } else {
+                "request scope changed"
+            }));
+        }
+        let newer = match control
+            .acquire_lease(binding.clone(), recipient.public_key)
+            .await
+        {
+            Ok(credential) => {
+                // Immediately before dispatch: the current projection must still admit the
+                // binding (a token revoked or a slot rotated meanwhile fails closed).
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + STALE_BINDING_WAIT);
+                match control.projection() {
+                    Some(current) if current.admits(token, model, &binding) => {
+                        break (binding, credential);
+                    }
+                    Some(current)
+                        if current.generation() > index.generation()
+                            && Instant::now() < deadline =>
+                    {
+                        current
+                    }
+                    _ => return Err(forbidden("credentials changed; request refused")),
+                }
+            }
+            Err(crate::control::LeaseError::Refused(reason)) if is_propagation(&reason) => {
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + STALE_BINDING_WAIT);
+                let left = deadline.saturating_duration_since(Instant::now());
+                match control.projection_after(index.generation(), left).await {
+                    Some(newer) => newer,
+                    None => return Err(propagating(dialect)),
+                }
+            }
+            Err(crate::control::LeaseError::Refused(reason)) => {
+                return Err(forbidden(&format!("credential lease refused: {reason}")));
+            }
+            Err(_) => return Err(render::overloaded(dialect, "control plane unavailable")),
+        };
+        // The new projection must still authenticate the token (a revoked token or a disabled
+        // principal is refused as at the door).
+        if newer.authenticate(token) != Some(principal.as_str()) {
+            return Err(forbidden("access to this model was withdrawn"));
+        }
+        index = newer;
+        rebound = true;
     };
-    // Immediately before dispatch: the current projection must still admit the
-    // binding (a token revoked or a slot rotated meanwhile fails closed).
-    if !control
-        .projection()
-        .is_some_and(|current| current.admits(token, model, &binding))
-    {
-        return Err(forbidden("credentials changed; request refused"));
-    }
     Ok(match request {
         PoolRequest::Tunnel(mut req) => {
             req.credential = Some(iop_wire::runtime::ManagedCredential {
@@ -1038,6 +1115,16 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
+    // Managed mode: no Control Plane session or no projection means every managed request
+    // would be refused, so the Edge is not ready (a load balancer sends traffic elsewhere).
+    if let Some(why) = state
+        .config
+        .control
+        .as_ref()
+        .and_then(|c| c.unready_reason())
+    {
+        return render::error(Dialect::Chat, StatusCode::SERVICE_UNAVAILABLE, &why);
+    }
     match state.edge.ready_nodes().await {
         Ok(nodes) if !nodes.is_empty() => "ready".into_response(),
         _ => render::error(
