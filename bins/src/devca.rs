@@ -78,4 +78,30 @@ impl DevCa {
             .map_err(err)?;
         Ok(Arc::new(config))
     }
+
+    /// A Control Plane's server TLS: identity `control-plane/<name>`, accepting any Edge of
+    /// this CA.
+    pub fn control_plane_tls(&self, name: &str) -> Result<Arc<rustls::ServerConfig>, DevCaError> {
+        let expected = ExpectedPeer::any_name(TRUST_DOMAIN, role::EDGE).map_err(err)?;
+        let config = self
+            .material(role::CONTROL_PLANE, name)?
+            .server_config(expected)
+            .map_err(err)?;
+        Ok(Arc::new(config))
+    }
+
+    /// An Edge's client TLS to its Control Plane: identity `edge/<name>`, expecting
+    /// `control-plane/<cp>`.
+    pub fn edge_client_tls(
+        &self,
+        name: &str,
+        cp: &str,
+    ) -> Result<Arc<rustls::ClientConfig>, DevCaError> {
+        let expected = ExpectedPeer::exact(TRUST_DOMAIN, role::CONTROL_PLANE, cp).map_err(err)?;
+        let config = self
+            .material(role::EDGE, name)?
+            .client_config(expected)
+            .map_err(err)?;
+        Ok(Arc::new(config))
+    }
 }

@@ -211,3 +211,81 @@ fn iop_mesh_refuses_a_public_listener_without_a_key() {
         "{err}"
     );
 }
+
+/// `iop-mesh --managed`: the embedded Control Plane leases the upstream key; the official SDKs
+/// use the token the mesh prints. The upstream sees exactly the slot's key on every request
+/// and never the token; neither appears in the mesh's log (at debug level) or its metrics.
+#[test]
+fn official_sdks_through_iop_mesh_managed_with_its_printed_token() {
+    support::require_sdks();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let upstream = rt.block_on(Upstream::start(Kind::ChatOnly, UPSTREAM_KEY, "fake-model"));
+    let dir = TempDir::new("mesh-managed");
+    let port = support::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let url = upstream.base_url();
+    let mesh = Proc::spawn(
+        env!("CARGO_BIN_EXE_iop-mesh"),
+        &[
+            "--managed",
+            "--listen",
+            &listen,
+            "--openai-url",
+            &url,
+            "--model",
+            "mesh-model",
+            "--upstream-model",
+            "fake-model",
+            "--upstream-api-key-env",
+            "UPSTREAM_KEY",
+        ],
+        &[("RUST_LOG", "debug"), ("UPSTREAM_KEY", UPSTREAM_KEY)],
+        dir.path(),
+        "mesh",
+    );
+    wait_until("iop-mesh to serve", LIMIT, || {
+        mesh.log_text().contains("base URL")
+    });
+    let log = mesh.log_text();
+    let token = log
+        .lines()
+        .find_map(|l| l.strip_prefix("iop-mesh: token: "))
+        .expect("the mesh prints a token")
+        .trim()
+        .to_owned();
+    assert!(
+        log.contains(&format!("authorization: Bearer {token}")),
+        "a ready curl:\n{log}"
+    );
+    let root = format!("http://{listen}");
+    let out = support::python(SCRIPT, &[&root, &token, "mesh-model"]);
+    println!("{}", out.trim());
+    let seen = upstream.seen();
+    assert!(seen.iter().any(|s| s.path == "/v1/chat/completions"));
+    for s in &seen {
+        assert_eq!(
+            s.header("authorization"),
+            Some(format!("Bearer {UPSTREAM_KEY}").as_str()),
+            "{} {:?}",
+            s.path,
+            s.headers
+        );
+        for (name, v) in &s.headers {
+            assert!(!v.contains(&token), "the token was sent upstream in {name}");
+        }
+    }
+    let (status, metrics) = support::http_get(&format!("{root}/metrics"), &[]);
+    assert_eq!(status, 200);
+    // Everything after the token line: the mesh prints the token once, on purpose.
+    let after = log
+        .split_once(&format!("token: {token}"))
+        .map_or("", |(_, rest)| rest);
+    let after = after.replace(&format!("Bearer {token}'"), "");
+    for (what, text) in [("log", after.as_str()), ("metrics", metrics.as_str())] {
+        assert!(
+            !text.contains(UPSTREAM_KEY),
+            "the upstream key is in the {what}"
+        );
+        assert!(!text.contains(&token), "the token is in the {what}");
+    }
+}

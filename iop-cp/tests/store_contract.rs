@@ -319,6 +319,31 @@ async fn concurrent_writers_get_distinct_generations<B: Backend>() {
     assert_eq!(a.revisions(0, 1000).await.unwrap().len(), 24);
 }
 
+/// A mutation through one handle (the CLI, another replica) ends the other's `wait_change`
+/// long before its limit, and that handle then reads the new generation. The default
+/// implementation (sleep the whole limit) fails this.
+async fn a_change_elsewhere_ends_the_wait<B: Backend>() {
+    let (a, b) = B::pair().await;
+    b.wait_change(std::time::Duration::ZERO).await;
+    let waiter = tokio::spawn(async move {
+        // A spurious wake-up (e.g. the PostgreSQL listener's after it connected) only loops.
+        for _ in 0..100 {
+            b.wait_change(std::time::Duration::from_secs(3600)).await;
+            let g = b.generation().await.unwrap();
+            if g > 1 {
+                return g;
+            }
+        }
+        panic!("woken 100 times without a change");
+    });
+    let g = a.apply(principal("elsewhere")).await.unwrap();
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(30), waiter)
+        .await
+        .expect("the change ended the wait")
+        .unwrap();
+    assert_eq!(seen, g);
+}
+
 macro_rules! contract {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -339,4 +364,5 @@ contract!(
     refused_mutations_change_nothing,
     tokens_slots_routes_and_revisions,
     concurrent_writers_get_distinct_generations,
+    a_change_elsewhere_ends_the_wait,
 );

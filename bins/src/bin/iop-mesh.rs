@@ -28,6 +28,13 @@ use tokio_util::sync::CancellationToken;
 /// `x-api-key`); without one the mesh accepts every request and refuses to listen beyond
 /// loopback. An upstream that needs a key gets the one in `--upstream-api-key-env`, held by
 /// the Nodes only.
+///
+/// Managed (`--managed`, with --openai-url or --anthropic-url and --upstream-api-key-env): an
+/// embedded Control Plane (SQLite in a temporary directory, removed at exit) holds the upstream
+/// key in a credential slot and leases it to the Node of each request, sealed to that Node; the
+/// Edge authenticates clients with the Control Plane's tokens. The mesh creates a principal
+/// `mesh`, a route for the model and a token, and prints the token with a ready `curl`; the
+/// Control Plane's admin API (more principals, tokens, slots, routes) listens on loopback.
 #[derive(Debug, Parser)]
 #[command(name = "iop-mesh", version, about, long_about)]
 struct Args {
@@ -101,6 +108,13 @@ struct Args {
     /// Time to send the whole request body (then 408).
     #[arg(long, default_value_t = iop_edge::http::DEFAULT_BODY_TIMEOUT.as_secs())]
     http_body_timeout_sec: u64,
+    /// Managed credential plane: an embedded Control Plane leases the upstream key
+    /// (--upstream-api-key-env) per request; clients use the token it prints.
+    #[arg(long, conflicts_with_all = ["api_keys", "ollama_url"], requires = "upstream_api_key_env")]
+    managed: bool,
+    /// With --managed: the Control Plane's admin API address (loopback).
+    #[arg(long, default_value = "127.0.0.1:0", requires = "managed")]
+    cp_admin_listen: SocketAddr,
 }
 
 fn adapter(args: &Args, target: &str) -> Result<(AdapterConfig, ProviderKind), String> {
@@ -162,18 +176,23 @@ fn adapter(args: &Args, target: &str) -> Result<(AdapterConfig, ProviderKind), S
 }
 
 async fn run(args: Args) -> Result<(), String> {
-    if args.api_keys.is_empty() && !args.listen.ip().is_loopback() {
+    if args.api_keys.is_empty() && !args.managed && !args.listen.ip().is_loopback() {
         return Err(format!(
             "refusing to listen on {} without a key: anyone who can reach it could use the upstream; give --api-key (or IOP_MESH_API_KEYS), or listen on 127.0.0.1",
             args.listen
         ));
     }
     let api_keys = (!args.api_keys.is_empty()).then(|| Arc::new(ApiKeys::new(&args.api_keys)));
+    if args.managed && args.openai_url.is_none() && args.anthropic_url.is_none() {
+        return Err(
+            "--managed leases an upstream key: give --openai-url or --anthropic-url with --upstream-api-key-env".into(),
+        );
+    }
     let local_key = match &args.upstream_api_key_env {
-        None => None,
-        Some(var) => {
+        Some(var) if !args.managed => {
             Some(LocalKey::from_env(var).map_err(|e| format!("--upstream-api-key-env: {e}"))?)
         }
+        _ => None,
     };
     let ca = DevCa::new().map_err(|e| e.to_string())?;
     let target = args
@@ -236,6 +255,11 @@ async fn run(args: Args) -> Result<(), String> {
     let mut life = edge.subscribe();
 
     let shutdown = CancellationToken::new();
+    let managed = if args.managed {
+        Some(managed::start(&args, &ca, &edge, &adapter, &target, shutdown.clone()).await?)
+    } else {
+        None
+    };
     let mut node_tasks = Vec::new();
     for name in &names {
         let tls = ca.node_tls(name, "edge-1").map_err(|e| e.to_string())?;
@@ -244,6 +268,9 @@ async fn run(args: Args) -> Result<(), String> {
             .with_adapters(AdapterRegistry::with_builtins());
         if let Some(key) = &local_key {
             opts = opts.with_local_key(&adapter.name, key.clone());
+        }
+        if let Some(m) = &managed {
+            opts = opts.with_credential_plane(m.recipient(name)?);
         }
         node_tasks.push(tokio::spawn(run_node(opts, shutdown.clone())));
     }
@@ -267,6 +294,7 @@ async fn run(args: Args) -> Result<(), String> {
         edge.clone(),
         HttpConfig {
             api_keys,
+            control: managed.as_ref().map(|m| m.control.clone()),
             body_timeout: Duration::from_secs(args.http_body_timeout_sec.max(1)),
             ..HttpConfig::new(
                 vec![args.model.clone()],
@@ -290,7 +318,17 @@ async fn run(args: Args) -> Result<(), String> {
     println!(
         "iop-mesh: routes: /v1/models, /v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens"
     );
-    let auth = if args.api_keys.is_empty() {
+    let auth = if let Some(m) = &managed {
+        println!(
+            "iop-mesh: managed: an embedded Control Plane leases the upstream key; principal `mesh`, token (shown once):"
+        );
+        println!("iop-mesh: token: {}", m.token.as_str());
+        println!(
+            "iop-mesh: Control Plane admin API on http://{} (POST /admin/v1/tokens, …; see iop_cp::admin_http)",
+            m.admin_addr
+        );
+        format!(" -H 'authorization: Bearer {}'", m.token.as_str())
+    } else if args.api_keys.is_empty() {
         String::new()
     } else {
         " -H 'authorization: Bearer <your --api-key>'".to_owned()
@@ -317,8 +355,185 @@ async fn run(args: Args) -> Result<(), String> {
     for t in node_tasks {
         let _ = t.await;
     }
+    drop(managed);
     println!("iop-mesh: stopped");
     Ok(())
+}
+
+mod managed {
+    //! `--managed`: the embedded Control Plane and what the mesh needs from it.
+
+    use std::net::SocketAddr;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use iop_bins::devca::DevCa;
+    use iop_cp::admin::Admin;
+    use iop_cp::lease::LeaseService;
+    use iop_cp::seal::MasterKey;
+    use iop_cp::server::{self, ServerConfig};
+    use iop_cp::store::{SqliteStore, Store};
+    use iop_edge::EdgeHandle;
+    use iop_edge::control::{ControlConfig, ControlConnector, SessionState};
+    use iop_lease::{
+        DEFAULT_MAX_TTL, IssuerPublicKey, IssuerSigningKey, OpenPolicy, Recipient,
+        RecipientSecretKey, TrustedIssuers,
+    };
+    use iop_wire::runtime::{AdapterConfig, AdapterSettings};
+    use tokio_util::sync::CancellationToken;
+    use zeroize::Zeroizing;
+
+    use super::Args;
+
+    /// The running Control Plane: the Edge's connector, the token printed for the user, and
+    /// the temporary directory (removed on drop).
+    pub(super) struct Managed {
+        pub(super) control: ControlConnector,
+        pub(super) token: Zeroizing<String>,
+        pub(super) admin_addr: SocketAddr,
+        issuer: IssuerPublicKey,
+        dir: PathBuf,
+        cp: server::ControlPlane,
+    }
+
+    impl Drop for Managed {
+        fn drop(&mut self) {
+            self.cp.shutdown();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    impl Managed {
+        /// A fresh recipient key for Node `name`, trusting this Control Plane's issuer key.
+        pub(super) fn recipient(&self, name: &str) -> Result<Recipient, String> {
+            let key = RecipientSecretKey::generate(&format!("{name}-key"))
+                .map_err(|e| format!("recipient key: {e}"))?;
+            let trusted: TrustedIssuers = [self.issuer.clone()].into_iter().collect();
+            Ok(Recipient::new(key, trusted, OpenPolicy::default()))
+        }
+    }
+
+    /// Starts the Control Plane (SQLite in a new temporary directory), stores the upstream key
+    /// in slot `upstream` with the adapter's profile and auth header, creates principal `mesh`
+    /// with a route for the model and a token, and connects the Edge to it in managed mode.
+    pub(super) async fn start(
+        args: &Args,
+        ca: &DevCa,
+        edge: &EdgeHandle,
+        adapter: &AdapterConfig,
+        target: &str,
+        shutdown: CancellationToken,
+    ) -> Result<Managed, String> {
+        let var = args.upstream_api_key_env.as_deref().unwrap_or_default();
+        let credential = Zeroizing::new(
+            std::env::var(var)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| format!("--upstream-api-key-env: {var} is not set or empty"))?,
+        );
+        let AdapterSettings::OpenAiCompat(settings) = &adapter.settings else {
+            return Err("--managed needs --openai-url or --anthropic-url".into());
+        };
+        let profile = &settings.protocol_profile;
+        let (header, prefix) = if profile.auth_header.is_empty() {
+            ("authorization", "Bearer ")
+        } else {
+            (profile.auth_header.as_str(), profile.auth_prefix.as_str())
+        };
+        let dir = std::env::temp_dir().join(format!("iop-mesh-cp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let fail = |what: &str, e: &dyn std::fmt::Display| format!("control plane {what}: {e}");
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open(&dir.join("iop-cp.sqlite3")).map_err(|e| fail("store", &e))?,
+        );
+        let master =
+            MasterKey::load_or_create(&dir.join("master.key")).map_err(|e| fail("key", &e))?;
+        let generation = store.generation().await.map_err(|e| fail("store", &e))?;
+        let admin = Admin::new(store.clone(), Arc::new(master), generation);
+        let issuer_key = IssuerSigningKey::generate_derived().map_err(|e| fail("issuer", &e))?;
+        let issuer = issuer_key.public_key();
+        let leases = LeaseService::new(
+            store,
+            admin.master_key().clone(),
+            iop_lease::Issuer::new(issuer_key, DEFAULT_MAX_TTL).map_err(|e| fail("issuer", &e))?,
+            iop_cp::lease::DEFAULT_LEASE_TTL,
+        );
+        let admin_err = |e: iop_cp::admin::AdminError| fail("setup", &e);
+        admin
+            .put_slot(
+                "upstream",
+                &profile.name,
+                header,
+                prefix,
+                credential.as_bytes(),
+            )
+            .await
+            .map_err(admin_err)?;
+        drop(credential);
+        admin
+            .create_principal("mesh", "iop-mesh")
+            .await
+            .map_err(admin_err)?;
+        admin
+            .put_route("mesh-route", "mesh", &args.model, "upstream", target, "")
+            .await
+            .map_err(admin_err)?;
+        let token = admin.create_token("mesh").await.map_err(admin_err)?.token;
+        let tls = ca.control_plane_tls("cp-1").map_err(|e| e.to_string())?;
+        let config = ServerConfig::new("127.0.0.1:0".parse().map_err(|_| "address")?, tls, true);
+        let (cp, _task) = server::serve(config, admin.clone(), Some(Arc::new(leases)))
+            .await
+            .map_err(|e| fail("listener", &e))?;
+        let listener = tokio::net::TcpListener::bind(args.cp_admin_listen)
+            .await
+            .map_err(|e| format!("--cp-admin-listen {}: {e}", args.cp_admin_listen))?;
+        if !args.cp_admin_listen.ip().is_loopback() {
+            return Err("--cp-admin-listen must be a loopback address".into());
+        }
+        let admin_addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let app = iop_cp::admin_http::router(admin, Some(cp.clone()), None);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+        });
+        let control = ControlConnector::start(
+            edge.clone(),
+            ControlConfig {
+                address: cp.local_addr().to_string(),
+                server_name: "localhost".try_into().map_err(|_| "server name")?,
+                tls: ca
+                    .edge_client_tls("edge-1", "cp-1")
+                    .map_err(|e| e.to_string())?,
+                edge_id: "edge-1".into(),
+                managed: true,
+                max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+            },
+            shutdown,
+        )
+        .map_err(|e| fail("connector", &e))?;
+        // The hello's projection is installed before the session reports `Connected`.
+        let mut state = control.state();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| *s == SessionState::Connected),
+        )
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .ok_or_else(|| "the Edge did not connect to the embedded Control Plane".to_owned())?;
+        Ok(Managed {
+            control,
+            token: Zeroizing::new(token.as_str().to_owned()),
+            admin_addr,
+            issuer,
+            dir,
+            cp,
+        })
+    }
 }
 
 fn main() -> ExitCode {
