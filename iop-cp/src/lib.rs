@@ -16,9 +16,10 @@
 //! # Choices where the seed is silent
 //!
 //! - A lease binding must name the store's *current* projection generation: any durable
-//!   mutation between the Edge's projection and the lease request fails the request closed
-//!   (the Edge retries nothing; the client sees an error and the next request uses the new
-//!   projection).
+//!   mutation between the Edge's projection and the lease request fails that lease closed
+//!   (`stale_generation`). The Edge then waits for the newer projection and binds again
+//!   (bounded, `iop_edge::http::STALE_BINDING_WAIT`), so the client sees an error only when the
+//!   change concerns its own principal, token or route.
 //! - A route's profile is its slot's profile at the time the route is written; rotating a slot
 //!   to another profile while routes use it is refused.
 //! - Ids are 1–128 bytes of `[A-Za-z0-9-_.:]`; header names are lowercase tokens.
@@ -26,8 +27,12 @@
 //!   mutation adds exactly one.
 //! - Leases live 30 s by default ([`lease::DEFAULT_LEASE_TTL`], at most 60 s).
 //! - Mutations made outside this process (the CLI on the same SQLite file, another replica on
-//!   PostgreSQL) reach Edges within the store poll interval (500 ms by default); mutations
+//!   PostgreSQL) are noticed at once ([`store::Store::wait_change`]: SQLite `PRAGMA
+//!   data_version` read every 20 ms, PostgreSQL `LISTEN/NOTIFY` on `iop_cp_<schema>`) and
+//!   pushed to every Edge; the store poll (500 ms by default) is the safety net. Mutations
 //!   through [`admin::Admin`] in this process are pushed at once.
+//! - The lease issuer key's id is derived from the key (`iop_lease::issuer_key_id`), so a Node
+//!   pinning the PEM derives the same id.
 //! - Tokens are `iop_` + 64 hex digits (256 random bits); the Edge compares SHA-256 digests in
 //!   constant time.
 //! - A managed Control Plane refuses a legacy Edge's hello and vice versa (`managed` in the

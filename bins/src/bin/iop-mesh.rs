@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 /// the Nodes only.
 ///
 /// Managed (`--managed`, with --openai-url or --anthropic-url and --upstream-api-key-env): an
-/// embedded Control Plane (SQLite in a temporary directory, removed at exit) holds the upstream
+/// embedded Control Plane (its store and keys in memory only, gone at exit) holds the upstream
 /// key in a credential slot and leases it to the Node of each request, sealed to that Node; the
 /// Edge authenticates clients with the Control Plane's tokens. The mesh creates a principal
 /// `mesh`, a route for the model and a token, and prints the token with a ready `curl`; the
@@ -364,7 +364,6 @@ mod managed {
     //! `--managed`: the embedded Control Plane and what the mesh needs from it.
 
     use std::net::SocketAddr;
-    use std::path::PathBuf;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -386,21 +385,19 @@ mod managed {
 
     use super::Args;
 
-    /// The running Control Plane: the Edge's connector, the token printed for the user, and
-    /// the temporary directory (removed on drop).
+    /// The running Control Plane (store, master key and issuer key in memory only): the
+    /// Edge's connector and the token printed for the user.
     pub(super) struct Managed {
         pub(super) control: ControlConnector,
         pub(super) token: Zeroizing<String>,
         pub(super) admin_addr: SocketAddr,
         issuer: IssuerPublicKey,
-        dir: PathBuf,
         cp: server::ControlPlane,
     }
 
     impl Drop for Managed {
         fn drop(&mut self) {
             self.cp.shutdown();
-            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 
@@ -414,7 +411,7 @@ mod managed {
         }
     }
 
-    /// Starts the Control Plane (SQLite in a new temporary directory), stores the upstream key
+    /// Starts the Control Plane (an in-memory SQLite store and master key), stores the upstream key
     /// in slot `upstream` with the adapter's profile and auth header, creates principal `mesh`
     /// with a route for the model and a token, and connects the Edge to it in managed mode.
     pub(super) async fn start(
@@ -441,15 +438,11 @@ mod managed {
         } else {
             (profile.auth_header.as_str(), profile.auth_prefix.as_str())
         };
-        let dir = std::env::temp_dir().join(format!("iop-mesh-cp-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let fail = |what: &str, e: &dyn std::fmt::Display| format!("control plane {what}: {e}");
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open(&dir.join("iop-cp.sqlite3")).map_err(|e| fail("store", &e))?,
-        );
-        let master =
-            MasterKey::load_or_create(&dir.join("master.key")).map_err(|e| fail("key", &e))?;
+        let store: Arc<dyn Store> =
+            Arc::new(SqliteStore::in_memory().map_err(|e| fail("store", &e))?);
+        let (master, raw) = MasterKey::generate().map_err(|e| fail("key", &e))?;
+        drop(raw);
         let generation = store.generation().await.map_err(|e| fail("store", &e))?;
         let admin = Admin::new(store.clone(), Arc::new(master), generation);
         let issuer_key = IssuerSigningKey::generate_derived().map_err(|e| fail("issuer", &e))?;
@@ -530,7 +523,6 @@ mod managed {
             token: Zeroizing::new(token.as_str().to_owned()),
             admin_addr,
             issuer,
-            dir,
             cp,
         })
     }

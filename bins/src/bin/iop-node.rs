@@ -26,7 +26,9 @@ struct Args {
     /// [tls] trust_domain, ca, cert, key, reload_sec (the files are re-read this often, 5 by
     /// default, so a rotated certificate needs no restart); [reconnect] interval_sec,
     /// max_attempts; [runtime] close_grace_ms; [credential_plane] enabled, recipient_key,
-    /// recipient_key_id, [[credential_plane.issuers]] key_id, public_key (managed mode);
+    /// recipient_key_id, [[credential_plane.issuers]] public_key (the PEM `iop-cp issuer-key`
+    /// prints) and key_id (optional: derived from the key) (managed mode: the Control Plane
+    /// leases the upstream keys);
     /// [[credentials]] adapter, api_key_env | api_key_file, header, prefix (legacy mode: the
     /// upstream keys this Node holds itself). See the iop_node::config docs for their meaning.
     #[arg(long, short = 'c', value_name = "FILE")]

@@ -21,6 +21,16 @@
 //! provider → (managed: bind and acquire a credential lease for exactly that Node) →
 //! `EdgeHandle::send_admitted` → render.
 //!
+//! Managed mode has no refusal windows: a lease refused because this Edge's projection is
+//! behind the store (`stale_generation`, another change was just made) waits for the newer
+//! projection and is bound again, within [`STALE_BINDING_WAIT`] (see `bind_managed`); the
+//! request fails only when its own principal, token or route lost access (403; 401 once the
+//! projection has it) or the change did not arrive in time (503 + `Retry-After: 1`).
+//!
+//! `/healthz` is liveness only. `/readyz` is 200 when a Node is dispatch-ready and, in managed
+//! mode, the Edge holds a live Control Plane session and a projection; 503 with the reason
+//! otherwise, so a load balancer stops sending traffic an Edge would refuse.
+//!
 //! What is built depends on the selected provider (`Plan`): each OpenAI-compatible adapter
 //! instance declares the operations its upstream serves (its protocol profile, pushed to the
 //! Node in its config; presets in [`crate::profile`]), so the Edge knows without guessing:
@@ -47,7 +57,8 @@
 //! "error": {…}}` on `/v1/messages*` (and on `/v1/models` for Anthropic clients). 400 invalid
 //! body or an operation no provider of the model serves, 401 bad or missing key, 403 managed scope refused, 404 unknown model or path, 405
 //! method, 413 body too large, 429 queue full, 502 provider failure,
-//! 503 (Anthropic: 529 `overloaded_error`) no provider within the wait.
+//! 503 (Anthropic: 529 `overloaded_error`) no provider within the wait, the Control Plane
+//! unreachable (managed), or a change still propagating (with `Retry-After`).
 
 mod anthropic;
 mod auth;
