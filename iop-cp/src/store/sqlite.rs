@@ -344,7 +344,7 @@ impl Store for SqliteStore {
     }
 
     /// `PRAGMA data_version` (it changes when another connection, e.g. the CLI, commits) read
-    /// every [`CHANGE_CHECK`]: a few microseconds each, on the blocking pool.
+    /// every 20 ms (`CHANGE_CHECK`): a few microseconds each, on the blocking pool.
     async fn wait_change(&self, limit: std::time::Duration) {
         let version = || {
             self.with(|conn| {
