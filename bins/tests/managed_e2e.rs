@@ -367,7 +367,7 @@ async fn managed_credentials_end_to_end() {
         let control = ControlConnector::start(
             edge.clone(),
             ControlConfig {
-                address: cp.wire.clone(),
+                addresses: vec![cp.wire.clone()],
                 server_name: "localhost".try_into().unwrap(),
                 tls: pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
                 edge_id: "edge-1".into(),

@@ -56,7 +56,7 @@
 //! response_stall_timeout_sec = 300
 //!
 //! [control_plane]                    # optional
-//! address = "cp.internal:7600"
+//! address = "cp.internal:7600"       # or addresses = ["cp-a:7600", "cp-b:7600"] (replicas)
 //! server_name = "cp.internal"
 //! name = "cp-1"                      # spiffe://<trust_domain>/control-plane/<name>
 //! credential_plane = true            # managed mode: projection auth and leases
@@ -390,8 +390,13 @@ fn stall() -> u64 {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControlPlane {
-    /// `control_plane.address`.
-    pub address: String,
+    /// `control_plane.address`: `host:port`.
+    #[serde(default)]
+    pub address: Option<String>,
+    /// `control_plane.addresses`: several replicas sharing one store (instead of `address`),
+    /// dialled in order from the last that worked.
+    #[serde(default)]
+    pub addresses: Vec<String>,
     /// `control_plane.server_name`.
     pub server_name: String,
     /// `control_plane.name`.
@@ -598,8 +603,18 @@ impl EdgeConfigFile {
                 let client = tls
                     .client_config(expected)
                     .map_err(|e| invalid("tls.ca", e))?;
+                let addresses = match (&cp.address, cp.addresses.is_empty()) {
+                    (Some(a), true) => vec![a.clone()],
+                    (None, false) => cp.addresses.clone(),
+                    _ => {
+                        return Err(invalid(
+                            "control_plane.address",
+                            "give address or addresses (a list of replicas), not both",
+                        ));
+                    }
+                };
                 Some(ControlConfig {
-                    address: cp.address.clone(),
+                    addresses,
                     server_name: rustls_pki_types::ServerName::try_from(cp.server_name.clone())
                         .map_err(|_| {
                             invalid("control_plane.server_name", "not a DNS name or IP")

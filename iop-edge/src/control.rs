@@ -69,8 +69,11 @@ pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
 /// Connector settings.
 #[derive(Clone)]
 pub struct ControlConfig {
-    /// The Control Plane's `host:port`.
-    pub address: String,
+    /// The Control Plane's `host:port`, or several: replicas sharing one store. The connector
+    /// dials them in order, starting from the one it last had a session with, so it fails
+    /// over to the next when one is down (each gets [`CONNECT_TIMEOUT`] divided among them, at
+    /// least 2 s). One `server_name` and one certificate name verify them all.
+    pub addresses: Vec<String>,
     /// Name to verify the Control Plane's certificate against.
     pub server_name: ServerName<'static>,
     /// TLS client config: in managed mode the Edge's workload certificate and a verifier of the
@@ -87,7 +90,7 @@ pub struct ControlConfig {
 impl std::fmt::Debug for ControlConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ControlConfig")
-            .field("address", &self.address)
+            .field("addresses", &self.addresses)
             .field("edge_id", &self.edge_id)
             .field("managed", &self.managed)
             .finish_non_exhaustive()
@@ -105,6 +108,9 @@ pub enum ControlConfigError {
     /// `edge_id` is empty.
     #[error("edge_id is required")]
     MissingEdgeId,
+    /// `addresses` is empty.
+    #[error("a control plane address is required")]
+    NoAddress,
 }
 
 /// Why a lease was not obtained.
@@ -257,6 +263,8 @@ struct Shared {
     /// The generation of the installed projection (0 before the first), for callers that wait
     /// for a newer one.
     generation: watch::Sender<u64>,
+    /// Index into `addresses` of the last one that gave a session (dialled first).
+    preferred: std::sync::atomic::AtomicUsize,
 }
 
 /// The running connector. Cheap to clone.
@@ -287,6 +295,9 @@ impl ControlConnector {
         if config.edge_id.is_empty() {
             return Err(ControlConfigError::MissingEdgeId);
         }
+        if config.addresses.is_empty() {
+            return Err(ControlConfigError::NoAddress);
+        }
         if config.managed && !config.tls.client_auth_cert_resolver.has_certs() {
             return Err(ControlConfigError::ManagedWithoutClientCertificate);
         }
@@ -297,6 +308,7 @@ impl ControlConnector {
             link: Mutex::new(None),
             state: watch::channel(SessionState::Connecting).0,
             generation: watch::channel(0).0,
+            preferred: std::sync::atomic::AtomicUsize::new(0),
         });
         tokio::spawn(run(shared.clone(), shutdown));
         Ok(Self { shared })
@@ -335,6 +347,16 @@ impl ControlConnector {
             .ok()?
             .ok()?;
         self.projection().filter(|p| p.generation() > generation)
+    }
+
+    /// Waits at most `limit` for a live session (at once when there is one); whether there is
+    /// one. A request whose lease found no session (the Control Plane replica it used just
+    /// went away) waits here while the connector fails over.
+    pub async fn connected_within(&self, limit: Duration) -> bool {
+        let mut rx = self.shared.state.subscribe();
+        tokio::time::timeout(limit, rx.wait_for(|s| *s == SessionState::Connected))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// Managed mode: why this Edge cannot serve managed requests right now (no live Control
@@ -432,7 +454,8 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
             *lock(&shared.link) = None;
             return;
         }
-        *lock(&shared.link) = None;
+        // The state first, then the link: a caller that still sees `Connected` finds at worst a
+        // link whose session is gone (its request fails at once), never `Connected` with no link.
         match result {
             Ok(()) => {
                 // A session that was accepted, then ended.
@@ -444,6 +467,7 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
                 shared.state.send_replace(state);
             }
         }
+        *lock(&shared.link) = None;
         let wait = retries.next_delay(random_u32());
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -457,8 +481,32 @@ type Io = Framed<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, TokioCo
 /// TCP and TLS to the Control Plane (the hello is the session machine's).
 async fn connect(shared: &Shared) -> Result<Io, SessionState> {
     let c = &shared.config;
+    let n = c.addresses.len();
+    let each = (CONNECT_TIMEOUT / u32::try_from(n.max(1)).unwrap_or(1)).max(Duration::from_secs(2));
+    let start = shared.preferred.load(std::sync::atomic::Ordering::Relaxed);
+    let mut last = SessionState::Failed("no control plane address".into());
+    for k in 0..n {
+        let i = (start + k) % n;
+        match tokio::time::timeout(each, connect_one(c, &c.addresses[i])).await {
+            Ok(Ok(io)) => {
+                shared
+                    .preferred
+                    .store(i, std::sync::atomic::Ordering::Relaxed);
+                return Ok(io);
+            }
+            Ok(Err(e)) => last = e,
+            Err(_) => last = SessionState::Failed("timeout".into()),
+        }
+        if n > 1 {
+            tracing::info!(target: "iop_edge", event = "edge_control_failover", address = %c.addresses[i], state = ?last, "control plane address unavailable; trying the next");
+        }
+    }
+    Err(last)
+}
+
+async fn connect_one(c: &ControlConfig, address: &str) -> Result<Io, SessionState> {
     let failed = |what: &str| SessionState::Failed(what.to_owned());
-    let tcp = tokio::net::TcpStream::connect(&c.address)
+    let tcp = tokio::net::TcpStream::connect(address)
         .await
         .map_err(|_| failed("connect"))?;
     let _ = tcp.set_nodelay(true);
@@ -490,13 +538,9 @@ fn now() -> std::time::Instant {
 /// ended after being accepted.
 async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(), SessionState> {
     let mut lifecycle = shared.edge.subscribe();
-    let connecting = tokio::time::timeout(CONNECT_TIMEOUT, connect(shared));
     let mut io = tokio::select! {
         () = shutdown.cancelled() => return Ok(()),
-        r = connecting => match r {
-            Ok(r) => r?,
-            Err(_) => return Err(SessionState::Failed("timeout".into())),
-        },
+        r = connect(shared) => r?,
     };
     let held = shared
         .projection

@@ -141,7 +141,7 @@ fn connector_config(
     managed: bool,
 ) -> ControlConfig {
     ControlConfig {
-        address,
+        addresses: vec![address],
         server_name: "localhost".try_into().unwrap(),
         tls,
         edge_id: edge_id.into(),

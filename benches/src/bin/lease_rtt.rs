@@ -88,7 +88,7 @@ async fn main() {
     let connector = ControlConnector::start(
         edge,
         ControlConfig {
-            address: cp.local_addr().to_string(),
+            addresses: vec![cp.local_addr().to_string()],
             server_name: "localhost".try_into().unwrap(),
             tls: pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
             edge_id: "edge-1".into(),

@@ -20,6 +20,10 @@
 //! with mode 0600 by `init` or `serve`. Every other command refuses a directory without them,
 //! so a CLI run from elsewhere never writes to a new, empty store by accident.
 //!
+//! Replicas: `serve --postgres URL` on each, on one database; copy `master.key` and
+//! `issuer.pem` from the first replica's data directory to the others (a replica without them
+//! refuses a store that holds slots). Edges list every replica in `[control_plane] addresses`.
+//!
 //! The issuer key's id is derived from the key (`iop_lease::issuer_key_id`, `p256:` + 16 hex
 //! digits); `issuer-key` prints it, and a Node derives the same id from the PEM it pins.
 //!
@@ -74,6 +78,15 @@ struct Cli {
     /// for several replicas. Accepted before or after the subcommand.
     #[arg(long, env = "IOP_CP_POSTGRES", global = true, hide_env_values = true)]
     postgres: Option<String>,
+    /// With --postgres: keep the tables in this schema (created if needed; lowercase letters,
+    /// digits and `_`), so several deployments can share one database.
+    #[arg(
+        long,
+        env = "IOP_CP_POSTGRES_SCHEMA",
+        global = true,
+        requires = "postgres"
+    )]
+    postgres_schema: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -331,16 +344,34 @@ async fn open(cli: &Cli, dir: &Path) -> Result<Admin, Failure> {
     std::fs::create_dir_all(dir).map_err(|e| runtime(format!("{}: {e}", dir.display())))?;
     let store: Arc<dyn Store> = match &cli.postgres {
         Some(url) => Arc::new(
-            PgStore::connect(url)
-                .await
-                .map_err(|e| runtime(format!("postgres: {e}")))?,
+            match &cli.postgres_schema {
+                Some(schema) => PgStore::connect_with_schema(url, schema).await,
+                None => PgStore::connect(url).await,
+            }
+            .map_err(|e| runtime(format!("postgres: {e}")))?,
         ),
         None => {
             Arc::new(SqliteStore::open(&sqlite).map_err(|e| runtime(format!("sqlite store: {e}")))?)
         }
     };
-    let key = MasterKey::load_or_create(&dir.join("master.key"))
-        .map_err(|e| runtime(format!("master key: {e}")))?;
+    let master = dir.join("master.key");
+    if !master.exists()
+        && !store
+            .snapshot()
+            .await
+            .map_err(|e| runtime(format!("store: {e}")))?
+            .slots
+            .is_empty()
+    {
+        // A second replica started without the first one's keys would seal and open with a
+        // new master key and could never open the slots already stored.
+        return Err(usage(format!(
+            "the store holds sealed slots but {} does not exist: copy master.key and issuer.pem from the data directory of the replica that created them",
+            master.display()
+        )));
+    }
+    let key =
+        MasterKey::load_or_create(&master).map_err(|e| runtime(format!("master key: {e}")))?;
     let generation = store
         .generation()
         .await

@@ -496,7 +496,7 @@ mod managed {
         let control = ControlConnector::start(
             edge.clone(),
             ControlConfig {
-                address: cp.local_addr().to_string(),
+                addresses: vec![cp.local_addr().to_string()],
                 server_name: "localhost".try_into().map_err(|_| "server name")?,
                 tls: ca
                     .edge_client_tls("edge-1", "cp-1")

@@ -838,7 +838,25 @@ async fn bind_managed(
             Err(crate::control::LeaseError::Refused(reason)) => {
                 return Err(forbidden(&format!("credential lease refused: {reason}")));
             }
-            Err(_) => return Err(render::overloaded(dialect, "control plane unavailable")),
+            Err(
+                crate::control::LeaseError::NotConnected | crate::control::LeaseError::NoAnswer,
+            ) => {
+                // The session went away (a Control Plane replica stopped): wait, within the
+                // same bound, for the connector to fail over, then ask again with the
+                // projection it holds then.
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + STALE_BINDING_WAIT);
+                let left = deadline.saturating_duration_since(Instant::now());
+                if !control.connected_within(left).await {
+                    return Err(render::overloaded(dialect, "control plane unavailable"));
+                }
+                match control.projection() {
+                    Some(current) => current,
+                    None => return Err(render::overloaded(dialect, "control plane unavailable")),
+                }
+            }
+            Err(crate::control::LeaseError::Disabled) => {
+                return Err(render::overloaded(dialect, "control plane unavailable"));
+            }
         };
         // The new projection must still authenticate the token (a revoked token or a disabled
         // principal is refused as at the door).
