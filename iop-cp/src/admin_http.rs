@@ -97,7 +97,10 @@ fn check(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        // The scheme is case-insensitive (RFC 9110 §11.1): `bearer x` is `Bearer x`.
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim_start())
         .unwrap_or_default();
     if bool::from(subtle::ConstantTimeEq::ct_eq(
         presented.as_bytes(),
