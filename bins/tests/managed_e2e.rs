@@ -29,7 +29,9 @@ use iop_edge::control::{ControlConfig, ControlConnector, SessionState};
 use iop_edge::http::{self, HttpConfig};
 use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge::{Lifecycle, TransportConfig, TunnelEvent, bind};
-use iop_lease::{IssuerPublicKey, OpenPolicy, Recipient, RecipientSecretKey, TrustedIssuers};
+use iop_lease::{
+    IssuerPublicKey, IssuerSigningKey, OpenPolicy, Recipient, RecipientSecretKey, TrustedIssuers,
+};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{self, Ca};
 use iop_wire::identity::role;
@@ -356,7 +358,11 @@ async fn managed_credentials_end_to_end() {
         let seen: Arc<Mutex<Vec<String>>> = Arc::default();
         let up = upstream(seen.clone()).await;
         let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), pki::edge_server_tls(&ca, "edge-1"));
-        cfg.node_configs = vec![("node-1".into(), node_config(up)), ("node-2".into(), node_config(up))];
+        cfg.node_configs = vec![
+            ("node-1".into(), node_config(up)),
+            ("node-2".into(), node_config(up)),
+            ("node-3".into(), node_config(up)),
+        ];
         cfg.pool = Some(PoolConfig {
             models: vec![(MODEL.into(), vec![provider("node-1").key])],
             providers: vec![provider("node-1")],
@@ -403,6 +409,26 @@ async fn managed_credentials_end_to_end() {
                 ready += 1;
             }
         }
+        // node-3 pins another issuer key than the Control Plane's: refused at registration,
+        // never ready, never selected; the status view names the mismatch.
+        let other = IssuerSigningKey::generate_derived().unwrap();
+        let opts = NodeOptions::new(
+            "node-3",
+            &edge.local_addr().to_string(),
+            "localhost",
+            pki::node_client_tls(&ca, role::NODE, "node-3", "edge-1"),
+        )
+        .unwrap()
+        .with_adapters(AdapterRegistry::with_builtins())
+        .with_credential_plane(recipient(&other.public_key().to_pem(), "node-3-key"));
+        tokio::spawn(run_node(opts, shutdown.clone()));
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while edge.refused("node-3").is_none() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("node-3 is refused");
         let app = http::router(
             edge.clone(),
             HttpConfig {
@@ -535,6 +561,15 @@ async fn managed_credentials_end_to_end() {
             .await
             .unwrap();
         assert!(status.contains("\"node-1\"") && status.contains("\"node-2\""), "{status}");
+        let view: serde_json::Value = serde_json::from_str(&status).unwrap();
+        let node3 = view["nodes"].as_array().unwrap().iter().find(|n| n["node_id"] == "node-3").unwrap();
+        assert_eq!(node3["connected"], false, "{status}");
+        let refused = node3["refused"].as_str().unwrap();
+        assert!(
+            refused.starts_with("issuer key not trusted") && refused.contains(other.key_id()),
+            "{status}"
+        );
+        assert!(!edge.ready_nodes().await.unwrap().iter().any(|(n, _)| n == "node-3"));
         let edges = admin.get(format!("{}/admin/v1/edges", cp.admin)).send().await.unwrap().text().await.unwrap();
         assert!(edges.contains("edge-1"));
         let metrics = client
@@ -554,6 +589,7 @@ async fn managed_credentials_end_to_end() {
         let local_logs = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
         assert!(cp_logs.contains("cp_lease_refused"), "the CP logged the refusal");
         assert!(local_logs.contains("node_credential_rejected"), "the Node logged its refusals");
+        assert!(local_logs.contains("edge_node_refused"), "the Edge logged node-3's refusal");
         for (what, text) in [
             ("control plane logs", &cp_logs),
             ("edge and node logs", &local_logs),

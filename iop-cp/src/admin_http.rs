@@ -314,6 +314,7 @@ async fn edge_status(
                         "config_revision": n.config.revision,
                         "adapters": n.config.adapters,
                         "providers": providers,
+                        "refused": n.refused,
                     })
                 })
                 .collect();

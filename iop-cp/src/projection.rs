@@ -10,12 +10,14 @@ use iop_wire::control::{PrincipalProjection, ProjectedPrincipal, ProjectedRoute,
 
 use crate::store::Snapshot;
 
-/// The projection of `snapshot` (its generation included).
-pub fn build(snapshot: &Snapshot) -> PrincipalProjection {
+/// The projection of `snapshot` (its generation included), naming `issuer_key_id` as the key
+/// leases are signed with (empty in legacy mode).
+pub fn build(snapshot: &Snapshot, issuer_key_id: &str) -> PrincipalProjection {
     let enabled_principal = |id: &str| snapshot.principals.iter().any(|p| p.id == id && p.enabled);
     let slot = |id: &str| snapshot.slots.iter().find(|s| s.id == id && s.enabled);
     PrincipalProjection {
         generation: snapshot.generation,
+        issuer_key_id: issuer_key_id.to_owned(),
         principals: snapshot
             .principals
             .iter()

@@ -454,6 +454,12 @@ async fn connection<S>(
         .filter(|_| config.managed)
         .map(|id| id.name().to_owned());
     let mut s = ControlPlaneSession::new(session, peer, now());
+    // The key leases are signed with, named in every projection (Edges refuse Nodes that do
+    // not trust it).
+    let issuer_key_id = leases
+        .as_ref()
+        .map(|l| l.issuer().key_id().to_owned())
+        .unwrap_or_default();
     let (req_tx, mut req_rx) = mpsc::channel::<Request>(OUTBOUND_FRAMES);
     let lease_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LEASES));
     let acked = Arc::new(AtomicU64::new(0));
@@ -475,8 +481,15 @@ async fn connection<S>(
                     ControlPlaneEvent::Hello(hello) => {
                         // Before the hello's snapshot: a mutation while it is read is pushed.
                         generations.mark_unchanged();
-                        if let Some(id) =
-                            hello_accepted(&mut s, &hello, identity.as_ref(), &config, &admin).await
+                        if let Some(id) = hello_accepted(
+                            &mut s,
+                            &hello,
+                            identity.as_ref(),
+                            &config,
+                            &admin,
+                            &issuer_key_id,
+                        )
+                        .await
                         {
                             drop(handshake_slot.take());
                             registered = Some((id.clone(), register(&cp, &id, &req_tx, &acked)));
@@ -625,7 +638,7 @@ async fn connection<S>(
                 if latest > s.pushed_generation() {
                     match admin.store().snapshot().await {
                         Ok(snap) => {
-                            let _ = s.push_projection(now(), projection::build(&snap));
+                            let _ = s.push_projection(now(), projection::build(&snap, &issuer_key_id));
                         }
                         Err(e) => tracing::warn!(error = %e, "projection snapshot failed"),
                     }
@@ -692,6 +705,7 @@ async fn hello_accepted(
     identity: Option<&iop_wire::identity::WorkloadId>,
     config: &ServerConfig,
     admin: &Admin,
+    issuer_key_id: &str,
 ) -> Option<String> {
     if let Err(reason) = check_hello(config, identity, &hello.edge_id, hello.managed) {
         tracing::info!(target: "iop_cp", event = "cp_edge_hello_refused", reason, "edge hello refused");
@@ -700,7 +714,7 @@ async fn hello_accepted(
     }
     let projection = if config.managed {
         match admin.store().snapshot().await {
-            Ok(snap) => Some(projection::build(&snap)),
+            Ok(snap) => Some(projection::build(&snap, issuer_key_id)),
             Err(_) => {
                 s.reject(now(), "store unavailable");
                 return None;

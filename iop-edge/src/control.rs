@@ -521,6 +521,10 @@ async fn connect_one(c: &ControlConfig, address: &str) -> Result<Io, SessionStat
 /// Installs a projection the session machine accepted (strictly higher generation).
 fn install_projection(shared: &Shared, p: PrincipalProjection) {
     let generation = p.generation;
+    // Nodes that do not trust the key leases are signed with are refused at registration.
+    shared
+        .edge
+        .set_required_issuer(Some(p.issuer_key_id.clone()).filter(|k| !k.is_empty()));
     *shared
         .projection
         .write()
@@ -728,6 +732,7 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
                 .filter(|s| s.node_id == *node_id)
                 .cloned()
                 .collect(),
+            refused: edge.refused(node_id).unwrap_or_default(),
         })
         .collect();
     for node_id in &ready {
@@ -737,6 +742,7 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
                 connected: true,
                 config: EdgeNodeConfigSummary::default(),
                 provider_snapshots: Vec::new(),
+                refused: String::new(),
             });
         }
     }

@@ -827,6 +827,19 @@ impl EdgeHandle {
         Ok(self.shared.lock().core.ready_nodes())
     }
 
+    /// Managed mode: the lease issuer key id a registering Node must trust (the control
+    /// connector sets it from each projection); a Node that names other ids only is refused
+    /// and never selected (see `iop_wire::registry::Registry::set_required_issuer`).
+    pub fn set_required_issuer(&self, key_id: Option<String>) {
+        self.shared.lock().core.set_required_issuer(key_id);
+    }
+
+    /// Why Node `node_id`'s last registration was refused for a configuration disagreement
+    /// (shown in the Control Plane's status view), if it was and it has not been ready since.
+    pub fn refused(&self, node_id: &str) -> Option<String> {
+        self.shared.lock().core.refused(node_id).map(str::to_owned)
+    }
+
     /// Sends a correlated request and registers `reply` for its ticket, in one locked step (so
     /// an answer cannot arrive before its waiter is known).
     fn correlated(

@@ -317,6 +317,11 @@ impl Recipient {
         self.key.public_key()
     }
 
+    /// The issuer keys this recipient trusts.
+    pub fn trusted_issuers(&self) -> &TrustedIssuers {
+        &self.issuers
+    }
+
     /// Replaces the trusted issuer keys (rotation).
     pub fn set_trusted_issuers(&mut self, issuers: TrustedIssuers) {
         self.issuers = issuers;

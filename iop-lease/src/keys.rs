@@ -296,6 +296,11 @@ impl TrustedIssuers {
         self.keys.get(key_id)
     }
 
+    /// The trusted key ids, in order.
+    pub fn ids(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
     /// Number of trusted keys.
     pub fn len(&self) -> usize {
         self.keys.len()

@@ -68,6 +68,15 @@ impl CredentialPlane {
         }
     }
 
+    /// The ids of the issuer keys this Node trusts (announced at registration).
+    pub fn issuer_key_ids(&self) -> Vec<String> {
+        self.recipient
+            .trusted_issuers()
+            .ids()
+            .map(str::to_owned)
+            .collect()
+    }
+
     /// The public key announced at registration.
     pub fn public_key(&self) -> iop_lease::RecipientPublicKey {
         self.recipient.public_key()

@@ -76,6 +76,11 @@ where
         version: env!("CARGO_PKG_VERSION").to_owned(),
         adapter_types: opts.adapters.types(),
         recipient: opts.recipient.clone(),
+        issuer_key_ids: opts
+            .credentials
+            .as_ref()
+            .map(|c| c.issuer_key_ids())
+            .unwrap_or_default(),
     };
     let mut session = NodeSession::new(opts.session, register, now());
     let session_token = CancellationToken::new();

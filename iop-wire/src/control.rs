@@ -397,6 +397,7 @@ impl EdgeStatusResponse {
                         .iter()
                         .map(ProviderSnapshot::to_proto)
                         .collect(),
+                    refused: n.refused.clone(),
                 })
                 .collect(),
         }
@@ -427,6 +428,7 @@ impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
                     validate::optional_id("nodes.config.adapter_names", name)?;
                     validate::id("nodes.config.adapter_types", ty)?;
                 }
+                validate::text("nodes.refused", &n.refused)?;
                 Ok(EdgeNodeSnapshot {
                     node_id: n.node_id,
                     connected: n.connected,
@@ -439,6 +441,7 @@ impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
                         .into_iter()
                         .map(ProviderSnapshot::try_from)
                         .collect::<Result<_, _>>()?,
+                    refused: n.refused,
                 })
             })
             .collect::<Result<_, InvalidMessage>>()?;
@@ -460,6 +463,9 @@ pub struct EdgeNodeSnapshot {
     pub config: EdgeNodeConfigSummary,
     /// Provider snapshots (offline figures when not connected).
     pub provider_snapshots: Vec<ProviderSnapshot>,
+    /// Why the Node's last registration was refused, when its configuration disagrees with
+    /// the Edge's or the Control Plane's; empty otherwise.
+    pub refused: String,
 }
 
 /// Observational config summary.
@@ -567,6 +573,9 @@ pub struct PrincipalProjection {
     pub tokens: Vec<ProjectedToken>,
     /// Routes.
     pub routes: Vec<ProjectedRoute>,
+    /// The id of the key the Control Plane signs leases with now (`iop_lease::issuer_key_id`);
+    /// empty from older Control Planes. A managed Edge refuses Nodes that do not trust it.
+    pub issuer_key_id: String,
 }
 
 /// Most entries of each list in one projection.
@@ -654,6 +663,7 @@ impl PrincipalProjection {
                     credential_revision: r.credential_revision,
                 })
                 .collect(),
+            issuer_key_id: self.issuer_key_id.clone(),
         }
     }
 }
@@ -730,11 +740,15 @@ impl TryFrom<pb::PrincipalProjection> for PrincipalProjection {
                 })
             })
             .collect::<Result<_, InvalidMessage>>()?;
+        if !m.issuer_key_id.is_empty() {
+            validate::id("projection.issuer_key_id", &m.issuer_key_id)?;
+        }
         Ok(Self {
             generation: m.generation,
             principals,
             tokens,
             routes,
+            issuer_key_id: m.issuer_key_id,
         })
     }
 }

@@ -68,6 +68,9 @@ pub mod reason {
     pub const SUPERSEDED: &str = "superseded by a newer connection";
     /// Ready from a connection that holds no registration for that Node id.
     pub const NOT_REGISTERED: &str = "not registered on this connection";
+    /// Managed mode: the Node does not trust the key the Control Plane signs leases with
+    /// (the full reason names the key and the ones the Node trusts).
+    pub const ISSUER_KEY_NOT_TRUSTED: &str = "issuer key not trusted";
 }
 
 /// Why a connection is being closed or a generation was fenced.
@@ -169,6 +172,15 @@ pub enum RegistryEvent {
         /// Why.
         cause: FenceCause,
     },
+    /// A registration was refused for a reason the operator must act on (the Node's
+    /// configuration disagrees with the Edge's or the Control Plane's); the same reason went
+    /// to the Node.
+    RegisterRefused {
+        /// The Node id the registration named.
+        node_id: String,
+        /// What disagrees.
+        reason: String,
+    },
 }
 
 /// Why [`Registry::send`] refused a frame.
@@ -265,6 +277,8 @@ pub struct Registry {
     next_conn: u64,
     next_generation: u64,
     next_correlation: u64,
+    /// Managed mode: the lease issuer key id a registering Node must trust, when known.
+    required_issuer: Option<String>,
     /// One entry per (connection, timer kind); re-pushed lazily when it fires early.
     timers: BinaryHeap<Reverse<(Instant, ConnId, TimerKind)>>,
     transmits: VecDeque<(ConnId, RuntimeFrame)>,
@@ -282,6 +296,7 @@ impl Registry {
             next_conn: 1,
             next_generation: 1,
             next_correlation: 1,
+            required_issuer: None,
             timers: BinaryHeap::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
@@ -289,6 +304,21 @@ impl Registry {
     }
 
     // === configuration ===
+
+    /// Managed mode: from now on a registration naming issuer key ids must include `key_id`
+    /// (the key the Control Plane signs leases with), or it is refused with
+    /// [`reason::ISSUER_KEY_NOT_TRUSTED`] and a [`RegistryEvent::RegisterRefused`]: a Node that
+    /// could open none of its leases is never made ready, so it is never selected. A
+    /// registration naming no ids (an older Node, legacy mode) is not checked. Nodes already
+    /// registered are not fenced (their in-flight leases were signed with a key they trust).
+    pub fn set_required_issuer(&mut self, key_id: Option<String>) {
+        self.required_issuer = key_id.filter(|k| !k.is_empty());
+    }
+
+    /// The issuer key id registrations must trust, if any.
+    pub fn required_issuer(&self) -> Option<&str> {
+        self.required_issuer.as_deref()
+    }
 
     /// Sets (or with `None` removes) the config payload a Node id receives on registration.
     /// Takes effect at the next registration; live sessions get a config refresh from the
@@ -550,6 +580,23 @@ impl Registry {
             self.close(conn, FenceCause::Rejected);
             return;
         };
+        if let Some(required) = &self.required_issuer
+            && !req.issuer_key_ids.is_empty()
+            && !req.issuer_key_ids.iter().any(|k| k == required)
+        {
+            let why = format!(
+                "{}: the control plane signs leases with {required}; this node trusts {}; pin the key `iop-cp issuer-key` prints",
+                reason::ISSUER_KEY_NOT_TRUSTED,
+                req.issuer_key_ids.join(", ")
+            );
+            self.transmit(now, conn, rejected_register(&why));
+            self.close(conn, FenceCause::Rejected);
+            self.events.push_back(RegistryEvent::RegisterRefused {
+                node_id: req.node_id,
+                reason: why,
+            });
+            return;
+        }
 
         let generation = Generation(self.next_generation);
         self.next_generation += 1;

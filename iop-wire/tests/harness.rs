@@ -426,6 +426,69 @@ fn registration_must_match_the_peer_identity_and_configuration() {
     assert_eq!(count(&h.take_edge_events(), is_ready_event), 0);
 }
 
+/// Seed 001/000 (managed): a Node that does not trust the key the Control Plane signs leases
+/// with is refused at registration (never ready, so never selected), with a reason naming both
+/// sides and one `RegisterRefused` event; a Node trusting it, or naming no ids (older Nodes),
+/// is served as before.
+#[test]
+fn a_node_that_does_not_trust_the_lease_issuer_key_is_refused_at_registration() {
+    let mut h = Harness::new();
+    h.edge.set_required_issuer(Some("p256:aaaa".into()));
+    let register = |ids: &[&str]| {
+        RuntimeMessage::RegisterRequest(RegisterRequest {
+            node_id: "node-1".into(),
+            issuer_key_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
+            ..Default::default()
+        })
+    };
+    let i = h.connect_silent("node-1");
+    h.inject(i, register(&["p256:bbbb", "p256:cccc"]));
+    let last = h.links[i].received_by_node.last().unwrap();
+    assert!(
+        matches!(
+            &last.message,
+            RuntimeMessage::RegisterResponse(RegisterResponse::Rejected { reason: r })
+                if r.starts_with(reason::ISSUER_KEY_NOT_TRUSTED) && r.contains("p256:aaaa") && r.contains("p256:bbbb, p256:cccc")
+        ),
+        "{last:?}"
+    );
+    let events = h.take_edge_events();
+    assert_eq!(
+        count(
+            &events,
+            |e| matches!(e, RegistryEvent::RegisterRefused { node_id, .. } if node_id == "node-1")
+        ),
+        1,
+        "{events:?}"
+    );
+    assert!(
+        h.edge.pending_generation("node-1").is_none()
+            && h.edge.ready_generation("node-1").is_none()
+    );
+    assert_eq!(count(&events, is_ready_event), 0);
+    // Trusting it (among others), or naming nothing: accepted.
+    for ids in [&["p256:bbbb", "p256:aaaa"][..], &[]] {
+        let j = h.connect_silent("node-1");
+        h.inject(j, register(ids));
+        let last = h.links[j].received_by_node.last().unwrap();
+        assert!(
+            matches!(
+                &last.message,
+                RuntimeMessage::RegisterResponse(RegisterResponse::Accepted { .. })
+            ),
+            "{ids:?}: {last:?}"
+        );
+    }
+    // Without a required key (legacy, or before the first projection) nothing is checked.
+    h.edge.set_required_issuer(None);
+    let k = h.connect_silent("node-1");
+    h.inject(k, register(&["p256:zzzz"]));
+    assert!(matches!(
+        &h.links[k].received_by_node.last().unwrap().message,
+        RuntimeMessage::RegisterResponse(RegisterResponse::Accepted { .. })
+    ));
+}
+
 #[test]
 fn stale_ready_after_supersede_is_refused_and_changes_nothing() {
     let mut h = Harness::new();

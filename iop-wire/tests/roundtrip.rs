@@ -195,6 +195,7 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
                 key_id: "rk-1".into(),
                 public_key: [9; 32],
             }),
+            issuer_key_ids: vec!["p256:0011223344556677".into()],
         })),
         RuntimeFrame::new(RuntimeMessage::RegisterResponse(
             RegisterResponse::Accepted {
@@ -319,6 +320,7 @@ fn every_runtime_message_round_trips() {
 fn every_control_message_round_trips() {
     let projection = PrincipalProjection {
         generation: 3,
+        issuer_key_id: "p256:0011223344556677".into(),
         principals: vec![ProjectedPrincipal {
             principal_id: "p-1".into(),
             display_name: "Team A".into(),
@@ -383,6 +385,8 @@ fn every_control_message_round_trips() {
                         adapters: vec![("openai-a".into(), "openai_compat".into())],
                     },
                     provider_snapshots: vec![snapshot],
+                    refused: "issuer key not trusted: the control plane signs leases with p256:00"
+                        .into(),
                 }],
             }),
         ),

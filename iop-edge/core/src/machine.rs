@@ -415,6 +415,9 @@ pub struct EdgeCore<S: Sinks> {
     next_correlation: u64,
     /// The lease recipient key of each Node's current registration (managed mode).
     recipients: BTreeMap<String, (Generation, Option<RecipientKey>)>,
+    /// Why each Node's last registration was refused for a configuration disagreement (the
+    /// registry's [`RegistryEvent::RegisterRefused`]); cleared when it is ready again.
+    refused: BTreeMap<String, String>,
     config: CoreConfig,
     /// Streams holding unread bytes, by the time to look again, and the read count seen when
     /// the timer was armed.
@@ -455,6 +458,7 @@ where
             next_stream: self.next_stream,
             next_correlation: self.next_correlation,
             recipients: self.recipients.clone(),
+            refused: self.refused.clone(),
             config: self.config,
             slow_timers: self.slow_timers.clone(),
             slow: self.slow.clone(),
@@ -482,6 +486,7 @@ impl<S: Sinks> std::fmt::Debug for StateDebug<'_, S> {
             .field("next_stream", &c.next_stream)
             .field("next_correlation", &c.next_correlation)
             .field("recipients", &c.recipients)
+            .field("refused", &c.refused)
             .field("config", &c.config)
             .field("slow_timers", &c.slow_timers)
             .field("slow", &c.slow)
@@ -518,6 +523,7 @@ impl<S: Sinks> EdgeCore<S> {
             next_stream: 1,
             next_correlation: 1,
             recipients: BTreeMap::new(),
+            refused: BTreeMap::new(),
             config,
             slow_timers: BTreeSet::new(),
             slow: BTreeMap::new(),
@@ -773,6 +779,19 @@ impl<S: Sinks> EdgeCore<S> {
     /// The dispatch-ready Nodes and their generations.
     pub fn ready_nodes(&self) -> Vec<(String, Generation)> {
         self.registry.ready_nodes()
+    }
+
+    /// Managed mode: the lease issuer key id registering Nodes must trust
+    /// (`iop_wire::registry::Registry::set_required_issuer`); the Control Plane names it in
+    /// its projection.
+    pub fn set_required_issuer(&mut self, key_id: Option<String>) {
+        self.registry.set_required_issuer(key_id);
+    }
+
+    /// Why Node `node_id`'s last registration was refused for a configuration disagreement,
+    /// if it was and it has not been ready since.
+    pub fn refused(&self, node_id: &str) -> Option<&str> {
+        self.refused.get(node_id).map(String::as_str)
     }
 
     /// The streams being routed.
@@ -1149,6 +1168,7 @@ impl<S: Sinks> EdgeCore<S> {
                 generation,
                 ..
             } => {
+                self.refused.remove(&node_id);
                 // Activate the generation's resources (and pump waiters) before observers hear.
                 if let Some(pool) = self.pool.as_mut() {
                     pool.node_ready(&node_id, generation);
@@ -1195,6 +1215,12 @@ impl<S: Sinks> EdgeCore<S> {
             RegistryEvent::CloseConnection { conn, cause } => {
                 self.events
                     .push_back(Event::CloseConnection { conn, cause });
+            }
+            RegistryEvent::RegisterRefused { node_id, reason } => {
+                if self.refused.get(&node_id) != Some(&reason) {
+                    tracing::warn!(target: "iop_edge", event = "edge_node_refused", %node_id, %reason, "node registration refused; it is not selected until its configuration is fixed");
+                }
+                self.refused.insert(node_id, reason);
             }
             _ => {}
         }

@@ -109,6 +109,11 @@ pub struct EdgeNodeSnapshot {
     pub provider_snapshots: ::prost::alloc::vec::Vec<
         super::super::runtime::v1::ProviderSnapshot,
     >,
+    /// Why the Node's last registration was refused when its configuration disagrees with the
+    /// Edge's or the Control Plane's (e.g. it does not trust the lease issuer key); empty once it
+    /// is ready again or when nothing was refused. Public text: key ids, never keys.
+    #[prost(string, tag = "5")]
+    pub refused: ::prost::alloc::string::String,
 }
 /// Observational summary of a Node's config payload.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -205,6 +210,10 @@ pub struct PrincipalProjection {
     pub tokens: ::prost::alloc::vec::Vec<ProjectedToken>,
     #[prost(message, repeated, tag = "4")]
     pub routes: ::prost::alloc::vec::Vec<ProjectedRoute>,
+    /// The id of the key the Control Plane signs leases with now (iop_lease::issuer_key_id; a key
+    /// id is public). Empty from older Control Planes (not checked).
+    #[prost(string, tag = "5")]
+    pub issuer_key_id: ::prost::alloc::string::String,
 }
 /// A principal, safe metadata only.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -81,6 +81,12 @@ pub struct RegisterRequest {
     /// Identifier of that recipient key (for rotation). Empty when there is no key.
     #[prost(string, tag = "5")]
     pub recipient_key_id: ::prost::alloc::string::String,
+    /// Managed mode: the ids of the lease issuer keys this Node trusts (iop_lease::issuer_key_id).
+    /// A managed Edge refuses a Node that does not trust the key the Control Plane signs with, so
+    /// it is never selected for a request whose lease it could not open. Empty from older Nodes
+    /// (not checked) and in legacy mode.
+    #[prost(string, repeated, tag = "6")]
+    pub issuer_key_ids: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 /// The Edge's answer to RegisterRequest.
 #[derive(Clone, PartialEq, ::prost::Message)]

@@ -13,7 +13,13 @@ pub struct RegisterRequest {
     pub adapter_types: Vec<String>,
     /// The Node's lease recipient key, when it has one.
     pub recipient: Option<RecipientKey>,
+    /// Managed mode: the ids of the lease issuer keys the Node trusts (at most
+    /// [`MAX_ISSUER_KEY_IDS`]; empty from older Nodes and in legacy mode).
+    pub issuer_key_ids: Vec<String>,
 }
+
+/// Most issuer key ids one registration may name.
+pub const MAX_ISSUER_KEY_IDS: usize = 16;
 
 /// A Node's X25519 lease recipient public key and its id.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,6 +45,7 @@ impl RegisterRequest {
                 .as_ref()
                 .map(|r| r.key_id.clone())
                 .unwrap_or_default(),
+            issuer_key_ids: self.issuer_key_ids.clone(),
         }
     }
 }
@@ -81,11 +88,18 @@ impl TryFrom<pb::RegisterRequest> for RegisterRequest {
                 });
             }
         };
+        if m.issuer_key_ids.len() > MAX_ISSUER_KEY_IDS {
+            return Err(InvalidMessage::TooLong("issuer_key_ids"));
+        }
+        for id in &m.issuer_key_ids {
+            validate::id("issuer_key_ids", id)?;
+        }
         Ok(Self {
             node_id: m.node_id,
             version: m.version,
             adapter_types: m.adapter_types,
             recipient,
+            issuer_key_ids: m.issuer_key_ids,
         })
     }
 }
