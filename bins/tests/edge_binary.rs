@@ -142,12 +142,12 @@ async fn serves_a_node_and_stops_on_sigterm() {
         .await
         .unwrap();
     assert_eq!(v["object"], "chat.completion");
-    assert!(
-        !v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .is_empty()
+    // The demo adapter's reply is deterministic: the last user message, echoed.
+    assert_eq!(
+        v["choices"][0]["message"]["content"], "echo: hello edge",
+        "{v}"
     );
+    assert_eq!(v["model"], "demo", "{v}");
     assert!(
         Command::new("kill")
             .arg("-TERM")

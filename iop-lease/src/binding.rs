@@ -163,15 +163,65 @@ mod tests {
             prop_assert_eq!(decode(&encode(&b)), Some(b));
         }
 
+        /// `b` is `a` with one field replaced by a value from the same tiny alphabet, so about
+        /// a third of the cases are equal bindings and the rest differ in exactly that field:
+        /// both sides of the equivalence are exercised, not only "two random bindings differ".
         #[test]
-        fn different_bindings_never_encode_the_same(a in arb_binding(), b in arb_binding()) {
+        fn different_bindings_never_encode_the_same(
+            a in arb_binding(),
+            field in 0usize..10,
+            text in "[ab]{0,2}",
+            num in 0u64..2,
+        ) {
+            let mut b = a.clone();
+            let names = [
+                "principal_id", "slot_id", "route_id", "profile", "upstream_target", "node_id",
+                "recipient_key_id", "credential_revision", "route_revision", "projection_generation",
+            ];
+            match field {
+                0 => b.principal_id.clone_from(&text),
+                1 => b.slot_id.clone_from(&text),
+                2 => b.route_id.clone_from(&text),
+                3 => b.profile.clone_from(&text),
+                4 => b.upstream_target.clone_from(&text),
+                5 => b.node_id.clone_from(&text),
+                6 => b.recipient_key_id.clone_from(&text),
+                7 => b.credential_revision = num,
+                8 => b.route_revision = num,
+                _ => b.projection_generation = num,
+            }
             prop_assert_eq!(a == b, encode(&a) == encode(&b));
-            prop_assert_eq!(a == b, first_difference(&a, &b).is_none());
+            prop_assert_eq!(first_difference(&a, &b), (a != b).then_some(names[field]));
         }
 
+        /// Arbitrary bytes never panic the parser, and what it accepts is canonical: the
+        /// binding it returns encodes back to exactly those bytes (no second encoding of one
+        /// binding exists, trailing bytes included).
         #[test]
-        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
-            let _ = decode(&bytes);
+        fn decode_accepts_only_canonical_encodings(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            if let Some(b) = decode(&bytes) {
+                prop_assert_eq!(encode(&b), bytes);
+            }
+        }
+
+        /// Mutating one byte of a real encoding yields either a parse failure or a different
+        /// binding whose encoding is the mutated bytes.
+        #[test]
+        fn a_changed_byte_is_refused_or_is_another_binding(
+            a in arb_binding(),
+            at in any::<proptest::sample::Index>(),
+            flip in 1u8..=255,
+        ) {
+            let mut bytes = encode(&a);
+            let i = at.index(bytes.len());
+            bytes[i] ^= flip;
+            match decode(&bytes) {
+                None => {}
+                Some(b) => {
+                    prop_assert_ne!(&b, &a);
+                    prop_assert_eq!(encode(&b), bytes);
+                }
+            }
         }
     }
 

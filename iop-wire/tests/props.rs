@@ -74,7 +74,8 @@ proptest! {
     fn tunnel_ordering_matches_the_model(ops in proptest::collection::vec(tunnel_op(), 0..80)) {
         let mut seq = TunnelSequencer::with_max_streams(16);
         let mut model: HashMap<u8, MStream> = HashMap::new();
-        // Per opened stream: how many terminals (END, ERROR, violation, local close) it got.
+        // Per opening of a stream, as the *sequencer* reported it (not the model): how many
+        // terminals (END, ERROR, violation, local close) it produced.
         let mut terminals: HashMap<(u8, u32), u32> = HashMap::new();
         let mut epoch: HashMap<u8, u32> = HashMap::new();
         for op in ops {
@@ -83,15 +84,20 @@ proptest! {
                     let was_open = model.contains_key(&s);
                     let r = seq.open(u64::from(s));
                     prop_assert_eq!(r.is_ok(), !was_open);
+                    if r.is_ok() {
+                        let e = epoch.entry(s).or_default();
+                        *e += 1;
+                        terminals.insert((s, *e), 0);
+                    }
                     if !was_open {
                         model.insert(s, MStream::default());
-                        *epoch.entry(s).or_default() += 1;
                     }
                 }
                 TOp::Close(s) => {
                     let was_open = model.remove(&s).is_some();
-                    prop_assert_eq!(seq.close(u64::from(s)), was_open);
-                    if was_open {
+                    let closed = seq.close(u64::from(s));
+                    prop_assert_eq!(closed, was_open);
+                    if closed {
                         *terminals.entry((s, epoch[&s])).or_default() += 1;
                     }
                 }
@@ -131,17 +137,26 @@ proptest! {
                             Expect::Deliver { terminal: d.is_terminal() }
                         }
                     };
+                    if matches!(got, Expect::Violation | Expect::Deliver { terminal: true }) {
+                        // Counted from what the sequencer said, before comparing with the model.
+                        let e = epoch.get(&stream).copied().unwrap_or(0);
+                        *terminals.entry((stream, e)).or_default() += 1;
+                    }
                     prop_assert_eq!(&got, &expect);
                     if matches!(got, Expect::Violation | Expect::Deliver { terminal: true }) {
                         model.remove(&stream);
-                        *terminals.entry((stream, epoch[&stream])).or_default() += 1;
                     }
                 }
             }
             prop_assert_eq!(seq.open_streams(), model.len());
         }
-        // Exactly-one-terminal: no opened stream ever got two.
-        prop_assert!(terminals.values().all(|&n| n == 1));
+        // Exactly one terminal per opening: an opening the sequencer still holds open has had
+        // none, every other has had exactly one (a terminal for a stream it never opened would
+        // show as epoch 0).
+        for (&(stream, e), &n) in &terminals {
+            let open_now = e == epoch[&stream] && seq.is_open(u64::from(stream));
+            prop_assert_eq!(n, u32::from(!open_now), "stream {} opening {}", stream, e);
+        }
     }
 
     #[test]
@@ -395,13 +410,76 @@ proptest! {
         prop_assert_eq!(decoded, frames);
     }
 
-    /// Arbitrary bytes never panic the decoder, and never decode as more than they are.
+    /// Arbitrary bytes, on both wires, are exactly one of: a typed error, "incomplete" asking
+    /// for bytes the input does not have, or a frame consuming exactly its prefix's length;
+    /// never a panic, never more than the input.
     #[test]
     fn arbitrary_bytes_are_an_error_or_incomplete_or_a_frame(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let codec = FrameCodec::with_max_frame_len(256);
-        if let Ok(iop_wire::codec::Decoded::Frame { consumed, .. }) = codec.decode_slice::<RuntimeFrame>(&bytes) {
-            prop_assert!(consumed <= bytes.len());
+        let declared = (bytes.len() >= 4)
+            .then(|| u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize);
+        check_decoded(codec.decode_slice::<RuntimeFrame>(&bytes).map(erase), &bytes, declared)?;
+        check_decoded(
+            codec.decode_slice::<iop_wire::control::ControlFrame>(&bytes).map(erase),
+            &bytes,
+            declared,
+        )?;
+    }
+}
+
+/// What [`arbitrary_bytes_are_an_error_or_incomplete_or_a_frame`] requires of one decode.
+fn check_decoded(
+    r: Result<iop_wire::codec::Decoded<()>, iop_wire::error::FrameError>,
+    bytes: &[u8],
+    declared: Option<usize>,
+) -> Result<(), TestCaseError> {
+    use iop_wire::codec::Decoded;
+    match (r, declared) {
+        (Ok(Decoded::Frame { consumed, .. }), Some(len)) => {
+            prop_assert_eq!(
+                consumed,
+                4 + len,
+                "a frame consumes its prefix and its length"
+            );
+            prop_assert!(consumed <= bytes.len() && len <= 256);
         }
-        let _ = codec.decode_slice::<iop_wire::control::ControlFrame>(&bytes);
+        (Ok(Decoded::Frame { .. }), None) => prop_assert!(false, "a frame without a prefix"),
+        (Ok(Decoded::Incomplete { needed }), declared) => {
+            prop_assert!(needed > 0);
+            let whole = declared.map_or(4, |len| 4 + len);
+            prop_assert!(
+                bytes.len() < whole,
+                "incomplete although {} >= {}",
+                bytes.len(),
+                whole
+            );
+            prop_assert!(
+                declared.is_none_or(|len| len <= 256),
+                "incomplete beyond the limit"
+            );
+        }
+        (Err(iop_wire::error::FrameError::TooLarge { declared: d, max }), Some(len)) => {
+            prop_assert_eq!((d, max), (len as u64, 256));
+            prop_assert!(len > 256);
+        }
+        (Err(iop_wire::error::FrameError::Invalid(_)), Some(len)) => {
+            prop_assert!(
+                len <= 256 && bytes.len() >= 4 + len,
+                "invalid only once whole"
+            );
+        }
+        (Err(e), _) => prop_assert!(false, "unexpected {e:?}"),
+    }
+    Ok(())
+}
+
+fn erase<F>(d: iop_wire::codec::Decoded<F>) -> iop_wire::codec::Decoded<()> {
+    use iop_wire::codec::Decoded;
+    match d {
+        Decoded::Frame { consumed, .. } => Decoded::Frame {
+            frame: (),
+            consumed,
+        },
+        Decoded::Incomplete { needed } => Decoded::Incomplete { needed },
     }
 }

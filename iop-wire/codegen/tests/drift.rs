@@ -29,6 +29,31 @@ fn generate(out_dir: &Path) {
     config.compile_fds(fds).expect("prost-build generates code");
 }
 
+/// After `IOP_WIRE_REGENERATE=1` wrote `src/gen`, the same comparison without writing.
+fn generated_code_matches_proto_after_regeneration() {
+    let tmp = std::env::temp_dir().join(format!("iop-wire-codegen-check-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    generate(&tmp);
+    let committed_dir = crate_dir().join("src/gen");
+    let listing = |dir: &Path| -> Vec<(std::ffi::OsString, String)> {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (e.file_name(), std::fs::read_to_string(e.path()).unwrap())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let (fresh, committed) = (listing(&tmp), listing(&committed_dir));
+    std::fs::remove_dir_all(&tmp).ok();
+    assert!(
+        fresh == committed,
+        "src/gen does not match the generator after regenerating"
+    );
+}
+
 #[test]
 fn generated_code_matches_proto() {
     let tmp = std::env::temp_dir().join(format!("iop-wire-codegen-{}", std::process::id()));
@@ -55,7 +80,27 @@ fn generated_code_matches_proto() {
             }
         }
     }
+    // A file in src/gen that the generator no longer writes (a renamed or removed proto
+    // package) is drift too; regenerating removes it.
+    let fresh: std::collections::BTreeSet<_> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    for entry in std::fs::read_dir(&committed_dir).unwrap() {
+        let name = entry.unwrap().file_name();
+        if !fresh.contains(&name) {
+            if regenerate {
+                std::fs::remove_file(committed_dir.join(&name)).unwrap();
+            } else {
+                drift.push(format!("{} (stale)", name.to_string_lossy()));
+            }
+        }
+    }
     std::fs::remove_dir_all(&tmp).ok();
+    if regenerate {
+        // What was just written must now match: the regenerate run checks itself.
+        return generated_code_matches_proto_after_regeneration();
+    }
     assert!(
         drift.is_empty(),
         "generated code in src/gen/ is out of date for {drift:?}; run \
