@@ -547,7 +547,7 @@ impl Pool {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashSet;
 
     use proptest::prelude::*;
 
@@ -599,6 +599,8 @@ mod tests {
         Cancel(usize),
         Ready(usize),
         Fence(usize),
+        Unavailable(usize),
+        Recover(usize),
         Tick(u64),
     }
 
@@ -609,41 +611,65 @@ mod tests {
             1 => (0usize..16).prop_map(Op::Cancel),
             2 => (0usize..3).prop_map(Op::Ready),
             1 => (0usize..3).prop_map(Op::Fence),
+            1 => (0usize..3).prop_map(Op::Unavailable),
+            1 => (0usize..3).prop_map(Op::Recover),
             1 => (0u64..3000).prop_map(Op::Tick),
         ]
+    }
+
+    /// The test's own view of provider `i` (on node `i`): capacity `(total, long)`, the
+    /// candidates of each model, from [`pool`]'s configuration.
+    const CAPACITY: [(u32, u32); 3] = [(2, 1), (1, 0), (3, 2)];
+
+    fn candidates(solo: bool) -> &'static [usize] {
+        if solo { &[1] } else { &[0, 1, 2] }
     }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
+        /// Against the test's own model (not the pool's snapshot): leases are released exactly
+        /// once; a provider is offline exactly when its Node has no ready generation and
+        /// unavailable exactly while an overlay for the current generation is set; no waiter is
+        /// stranded while one of its candidates has room by the model's count; and waiters of
+        /// one kind are served first come, first served.
         #[test]
         fn leases_never_leak_or_double_release_and_no_waiter_is_stranded(ops in proptest::collection::vec(op(), 0..120)) {
             let start = Instant::now();
             let mut now = start;
             let mut p = pool(8);
             let mut generation = [None::<Generation>; 3];
+            let mut unavailable = [false; 3];
             let mut next_gen = 1u64;
-            let mut active: Vec<LeaseId> = Vec::new();
+            // Held leases: id → (provider index, long).
+            let mut active: Vec<(LeaseId, usize, bool)> = Vec::new();
             let mut released: HashSet<LeaseId> = HashSet::new();
-            let mut waiting: Vec<RequestId> = Vec::new();
-            let mut long_of: HashMap<RequestId, (bool, bool)> = HashMap::new();
+            // Waiters in submission order, with their kind.
+            let mut waiting: Vec<(RequestId, bool, bool)> = Vec::new();
+            let index = |key: &ProviderKey| NODES.iter().position(|n| *n == key.node_id).unwrap();
             for op in ops {
+                let mut granted: Vec<(RequestId, bool, bool)> = Vec::new();
                 match op {
                     Op::Submit { solo, long } => {
                         let model = if solo { "solo" } else { "m" };
                         match p.submit(now, model, long, Duration::from_millis(1000)) {
-                            Ok(Submitted::Granted(l)) => active.push(l.id),
-                            Ok(Submitted::Queued(r)) => {
-                                waiting.push(r);
-                                long_of.insert(r, (solo, long));
+                            Ok(Submitted::Granted(l)) => {
+                                // First come, first served: never ahead of a waiter of its kind.
+                                prop_assert!(
+                                    !waiting.iter().any(|w| (w.1, w.2) == (solo, long)),
+                                    "granted ahead of an earlier waiter of its kind"
+                                );
+                                prop_assert!(candidates(solo).contains(&index(&l.key)));
+                                active.push((l.id, index(&l.key), long));
                             }
-                            Err(PoolError::QueueFull) => prop_assert_eq!(p.queue_len(), 8),
+                            Ok(Submitted::Queued(r)) => waiting.push((r, solo, long)),
+                            Err(PoolError::QueueFull) => prop_assert_eq!(waiting.len(), 8),
                             Err(e) => panic!("{e:?}"),
                         }
                     }
                     Op::Release(i) => {
                         if !active.is_empty() {
-                            let id = active.remove(i % active.len());
+                            let (id, _, _) = active.remove(i % active.len());
                             prop_assert!(p.release(id), "first release of a live lease releases it");
                             prop_assert!(!p.release(id), "second release is a no-op");
                             released.insert(id);
@@ -651,35 +677,58 @@ mod tests {
                     }
                     Op::Cancel(i) => {
                         if !waiting.is_empty() {
-                            let r = waiting.remove(i % waiting.len());
+                            let (r, _, _) = waiting.remove(i % waiting.len());
                             prop_assert!(p.cancel(r));
+                            prop_assert!(!p.cancel(r));
                         }
                     }
                     Op::Ready(n) => {
                         if let Some(g) = generation[n] {
                             // A newer connection supersedes: the old generation is fenced first.
                             for id in p.node_fenced(NODES[n], g) {
-                                prop_assert!(active.contains(&id));
-                                active.retain(|a| *a != id);
+                                prop_assert!(active.iter().any(|a| a.0 == id && a.1 == n));
+                                active.retain(|a| a.0 != id);
                                 prop_assert!(released.insert(id));
                             }
                         }
                         let g = Generation(next_gen);
                         next_gen += 1;
                         generation[n] = Some(g);
+                        unavailable[n] = false;
                         p.node_ready(NODES[n], g);
                     }
                     Op::Fence(n) => {
                         if let Some(g) = generation[n].take() {
-                            for id in p.node_fenced(NODES[n], g) {
-                                prop_assert!(active.contains(&id), "fence releases only live leases");
-                                active.retain(|a| *a != id);
+                            let mut expected: Vec<LeaseId> =
+                                active.iter().filter(|a| a.1 == n).map(|a| a.0).collect();
+                            expected.sort();
+                            let got = p.node_fenced(NODES[n], g);
+                            prop_assert_eq!(&got, &expected, "a fence releases exactly that Node's leases");
+                            for id in got {
+                                active.retain(|a| a.0 != id);
                                 prop_assert!(released.insert(id), "no lease is released twice");
                                 prop_assert!(!p.release(id), "the run's own terminal after a fence is a no-op");
                             }
+                            unavailable[n] = false;
                             // A stale fence changes nothing.
                             prop_assert!(p.node_fenced(NODES[n], g).is_empty());
                         }
+                    }
+                    Op::Unavailable(n) => {
+                        let key = ProviderKey { node_id: NODES[n].into(), provider_id: format!("p{n}") };
+                        // Only for the current generation; a stale one is ignored.
+                        let stale = Generation(next_gen + 100);
+                        prop_assert!(!p.set_unavailable(&key, stale));
+                        if let Some(g) = generation[n] {
+                            prop_assert!(p.set_unavailable(&key, g));
+                            unavailable[n] = true;
+                        }
+                    }
+                    Op::Recover(n) => {
+                        let key = ProviderKey { node_id: NODES[n].into(), provider_id: format!("p{n}") };
+                        let cleared = generation[n].is_some_and(|g| p.clear_unavailable(&key, g));
+                        prop_assert_eq!(cleared, unavailable[n] && generation[n].is_some());
+                        unavailable[n] = false;
                     }
                     Op::Tick(ms) => {
                         now += Duration::from_millis(ms);
@@ -689,33 +738,60 @@ mod tests {
                 while let Some(ev) = p.poll_event() {
                     match ev {
                         PoolEvent::Granted { request, lease } => {
-                            prop_assert!(waiting.contains(&request));
-                            waiting.retain(|w| *w != request);
-                            active.push(lease.id);
+                            let Some(at) = waiting.iter().position(|w| w.0 == request) else {
+                                prop_assert!(false, "granted a request that is not waiting");
+                                unreachable!()
+                            };
+                            let (_, solo, long) = waiting.remove(at);
+                            let n = index(&lease.key);
+                            prop_assert!(candidates(solo).contains(&n), "granted outside its model");
+                            prop_assert!(generation[n] == Some(lease.generation) && !unavailable[n]);
+                            active.push((lease.id, n, long));
+                            granted.push((request, solo, long));
                         }
                         PoolEvent::WaitTimedOut { request } => {
-                            prop_assert!(waiting.contains(&request));
-                            waiting.retain(|w| *w != request);
+                            prop_assert!(waiting.iter().any(|w| w.0 == request));
+                            waiting.retain(|w| w.0 != request);
                         }
                     }
                 }
-                // Leases: exactly the ones we hold, and within capacity.
+                // First come, first served within a kind: nobody granted now was behind a waiter
+                // of its kind that is still waiting.
+                for (r, solo, long) in &granted {
+                    prop_assert!(
+                        !waiting.iter().any(|w| (w.1, w.2) == (*solo, *long) && w.0 < *r),
+                        "{:?} granted while an earlier waiter of its kind waits", r
+                    );
+                }
+                // Leases and figures, against the model.
                 prop_assert_eq!(p.lease_count(), active.len());
+                prop_assert_eq!(p.queue_len(), waiting.len());
                 let snap = p.snapshot();
-                let in_flight: u32 = snap.iter().map(|s| s.in_flight).sum();
-                prop_assert_eq!(in_flight as usize, active.len());
-                for s in &snap {
-                    prop_assert!(s.in_flight <= s.capacity && s.long_in_flight <= s.long_context_capacity);
-                    if s.health == "offline" {
-                        prop_assert_eq!((s.capacity, s.in_flight, s.queued, s.long_queued, s.status.as_str()), (0, 0, 0, 0, "unavailable"));
+                let in_flight = |n: usize| -> (u32, u32) {
+                    let held = active.iter().filter(|a| a.1 == n);
+                    (held.clone().count() as u32, held.filter(|a| a.2).count() as u32)
+                };
+                for (n, s) in snap.iter().enumerate() {
+                    let (total, long) = in_flight(n);
+                    prop_assert!(total <= CAPACITY[n].0 && long <= CAPACITY[n].1, "over capacity");
+                    match (generation[n], unavailable[n]) {
+                        (None, _) => {
+                            prop_assert_eq!(total, 0);
+                            prop_assert_eq!((s.health.as_str(), s.status.as_str(), s.capacity, s.in_flight, s.queued), ("offline", "unavailable", 0, 0, 0));
+                        }
+                        (Some(_), true) => prop_assert_eq!((s.health.as_str(), s.status.as_str()), ("unavailable", "unavailable")),
+                        (Some(_), false) => {
+                            prop_assert_eq!((s.health.as_str(), s.status.as_str()), ("healthy", "available"));
+                            prop_assert_eq!((s.capacity, s.in_flight, s.long_in_flight), (CAPACITY[n].0, total, long));
+                        }
                     }
                 }
-                // No waiter stranded while one of its live candidates has room for it.
-                prop_assert_eq!(p.queue_len(), waiting.len());
-                for r in &waiting {
-                    let (solo, long) = long_of[r];
-                    let room = snap.iter().filter(|s| !solo || s.provider_id == "p1").any(|s| {
-                        s.health == "healthy" && s.in_flight < s.capacity && (!long || s.long_in_flight < s.long_context_capacity)
+                // No waiter stranded while one of its live candidates has room for it (by the
+                // model's own count).
+                for (r, solo, long) in &waiting {
+                    let room = candidates(*solo).iter().any(|&n| {
+                        let (total, l) = in_flight(n);
+                        generation[n].is_some() && !unavailable[n] && total < CAPACITY[n].0 && (!long || l < CAPACITY[n].1)
                     });
                     prop_assert!(!room, "waiter {:?} stranded with free capacity", r);
                 }
