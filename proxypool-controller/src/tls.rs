@@ -221,3 +221,59 @@ pub fn incoming(
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
+
+#[cfg(test)]
+mod tests {
+    use rcgen::{CertificateParams, KeyPair, SanType};
+
+    use super::*;
+
+    fn cert(uris: &[&str]) -> CertificateDer<'static> {
+        let mut params = CertificateParams::default();
+        for uri in uris {
+            params
+                .subject_alt_names
+                .push(SanType::URI((*uri).try_into().unwrap()));
+        }
+        params
+            .subject_alt_names
+            .push(SanType::DnsName("worker.example".try_into().unwrap()));
+        let key = KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().clone()
+    }
+
+    #[test]
+    fn the_worker_id_is_the_one_uri_san_of_this_environment() {
+        let id = |uris: &[&str]| worker_id(&cert(uris), "proxypool.test", "staging");
+        assert_eq!(
+            id(&["spiffe://proxypool.test/staging/worker/w-1"]),
+            Ok("w-1".into())
+        );
+        assert_eq!(id(&[]), Err(IdentityError::UriCount));
+        assert_eq!(
+            id(&[
+                "spiffe://proxypool.test/staging/worker/w-1",
+                "spiffe://proxypool.test/staging/worker/w-2",
+            ]),
+            Err(IdentityError::UriCount)
+        );
+        for wrong in [
+            "spiffe://proxypool.test/prod/worker/w-1",
+            "spiffe://other.test/staging/worker/w-1",
+            "spiffe://proxypool.test/staging/gateway/w-1",
+            "spiffe://proxypool.test/staging/worker/",
+            "spiffe://proxypool.test/staging/worker/w 1",
+            "https://proxypool.test/staging/worker/w-1",
+        ] {
+            assert_eq!(id(&[wrong]), Err(IdentityError::Shape), "{wrong}");
+        }
+        assert_eq!(
+            worker_id(
+                &CertificateDer::from(vec![0x30, 0x03, 0x02, 0x01]),
+                "proxypool.test",
+                "staging"
+            ),
+            Err(IdentityError::Parse)
+        );
+    }
+}

@@ -333,6 +333,83 @@ async fn health_readiness_and_shutdown() {
     );
 }
 
+/// A Redis store whose server dies under a running controller: workers get `UNAVAILABLE`
+/// with the fixed message, never the backend's own text (its address, port or error). The
+/// test runs its own `redis-server` (it must die without disturbing the shared one).
+#[tokio::test]
+async fn a_store_failure_reaches_workers_as_unavailable_without_backend_text() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut redis = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server is required (scripts/test-all.sh installs it: apt-get install redis-server)");
+    let url = format!("redis://127.0.0.1:{port}/");
+    let store = loop {
+        match proxypool_controller::redis_store::RedisStore::connect(&url, "grpc-failure").await {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let running = start_with(
+        &config(""),
+        Arc::new(store),
+        async move { s.cancelled().await },
+    )
+    .await
+    .unwrap();
+    let mut c = WorkerControlPlaneClient::connect(format!("http://{}", running.grpc_addr))
+        .await
+        .unwrap();
+    let sid = c
+        .register_worker(register("w1"))
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    redis.kill().unwrap();
+    redis.wait().unwrap();
+    let failures = [
+        c.register_worker(register("w2")).await.unwrap_err(),
+        c.acknowledge_snapshot(ack("w1", &sid, 1))
+            .await
+            .unwrap_err(),
+        c.report_runtime(report("w1", &sid, 1, 1, 0))
+            .await
+            .unwrap_err(),
+    ];
+    for status in failures {
+        assert_eq!(
+            (status.code(), status.message()),
+            (Code::Unavailable, "store unavailable"),
+            "{status:?}"
+        );
+        let details = format!("{status:?}");
+        for leak in [
+            "redis",
+            "127.0.0.1",
+            &port.to_string(),
+            "refused",
+            "onnection",
+        ] {
+            assert!(
+                !details.contains(leak),
+                "backend text {leak:?} in {details}"
+            );
+        }
+    }
+    let metrics = running.metrics.render();
+    assert!(!metrics.contains("127.0.0.1") && !metrics.contains(&port.to_string()));
+    stop.cancel();
+    running.wait().await.unwrap();
+}
+
 #[tokio::test]
 async fn bootstrap_refusals() {
     // Disabled by default: nothing starts.
@@ -358,7 +435,6 @@ async fn bootstrap_refusals() {
         File::parse(text).unwrap().validate().unwrap_err().key,
         "controlPlane.tls.mode"
     );
-    let _ = MemoryStore::default().current_ownership_epoch().await;
 }
 
 mod mtls {
@@ -397,6 +473,24 @@ mod mtls {
             params
                 .subject_alt_names
                 .push(SanType::DnsName("localhost".try_into().unwrap()));
+        }
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &pki.ca).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// A worker certificate with two URI SANs (both well-formed): refused, the identity must be
+    /// unambiguous.
+    fn two_uris(pki: &Pki) -> (String, String) {
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, "leaf");
+        for uri in [
+            "spiffe://proxypool.test/staging/worker/w1",
+            "spiffe://proxypool.test/staging/worker/w2",
+        ] {
+            params
+                .subject_alt_names
+                .push(SanType::URI(uri.try_into().unwrap()));
         }
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &pki.ca).unwrap();
@@ -496,13 +590,26 @@ mod mtls {
                 Some("spiffe://proxypool.test/staging/gateway/w1"),
                 false,
             )),
+            Some(two_uris(&pki)),
         ];
-        for identity in refused {
+        for (i, identity) in refused.into_iter().enumerate() {
             let result = match client(addr, &pki, identity).await {
                 Ok(mut c) => c.register_worker(register("w1")).await.map(|_| ()),
                 Err(e) => Err(tonic::Status::unavailable(e.to_string())),
             };
-            assert!(result.is_err(), "an unauthenticated worker was served");
+            // Refused at the connection, before any RPC is served: a transport error (the
+            // server alerts CertificateRequired, or closes after checking the identity), never
+            // an application status such as PermissionDenied from a handler.
+            let e = result.expect_err("an unauthenticated worker was served");
+            let details = format!("{e:?}");
+            assert!(
+                matches!(e.code(), Code::Unknown | Code::Unavailable)
+                    && details.contains("Transport"),
+                "case {i}: {details}"
+            );
+            if i == 0 {
+                assert!(details.contains("CertificateRequired"), "{details}");
+            }
         }
         stop.cancel();
         running.wait().await.unwrap();
