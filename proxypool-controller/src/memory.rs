@@ -318,6 +318,17 @@ impl MemoryStore {
         let (st, _) = self.lock();
         st.runtime(worker_id).cloned()
     }
+
+    /// How long the worker's session and runtime report live on, if present (Redis `PTTL`;
+    /// tests check TTL renewals by the value instead of by waiting).
+    pub fn ttls(&self, worker_id: &str) -> (Option<Duration>, Option<Duration>) {
+        let (st, now) = self.lock();
+        let left = |at: u64| Duration::from_millis(at.saturating_sub(now));
+        (
+            st.sessions.get(worker_id).map(|e| left(e.expires_at)),
+            st.runtime.get(worker_id).map(|e| left(e.expires_at)),
+        )
+    }
 }
 
 #[async_trait]

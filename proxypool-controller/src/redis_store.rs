@@ -264,6 +264,12 @@ impl RedisStore {
         format!("{}{kind}:{worker_id}", self.prefix)
     }
 
+    /// The Redis key of `kind` (`session`, `snapshot`, `runtime`) for `worker_id` (tests and
+    /// operators inspecting Redis).
+    pub fn key_of(&self, kind: &str, worker_id: &str) -> String {
+        self.key(kind, worker_id)
+    }
+
     /// The epoch key (tests: set a TTL on it to check that reads remove it).
     pub fn epoch_key(&self) -> String {
         format!("{}epoch", self.prefix)

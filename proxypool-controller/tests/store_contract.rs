@@ -26,7 +26,11 @@ trait Backend: Send + Sync {
     fn store(&self) -> &dyn ControlStore;
     async fn session(&self, worker: &str) -> Option<(Session, Option<u64>)>;
     async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)>;
-    async fn advance(&self, by: Duration);
+    /// How long the worker's session and runtime report live on (`PTTL` on Redis).
+    async fn ttls(&self, worker: &str) -> (Option<Duration>, Option<Duration>);
+    /// Expires the worker's session and runtime now, as their TTL running out does (Redis:
+    /// the keys deleted; memory: the clock moved past them), without waiting on real time.
+    async fn expire(&self, worker: &str);
 }
 
 struct Memory {
@@ -45,8 +49,13 @@ impl Backend for Memory {
     async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)> {
         self.store.runtime(worker).map(|r| (r.sequence, r.counters))
     }
-    async fn advance(&self, by: Duration) {
-        self.clock.advance(by);
+    async fn ttls(&self, worker: &str) -> (Option<Duration>, Option<Duration>) {
+        self.store.ttls(worker)
+    }
+    async fn expire(&self, worker: &str) {
+        let (session, runtime) = self.store.ttls(worker);
+        let longest = session.max(runtime).unwrap_or_default();
+        self.clock.advance(longest + Duration::from_millis(1));
     }
 }
 
@@ -65,9 +74,28 @@ impl Backend for Redis {
     async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)> {
         self.store.runtime(worker).await.unwrap()
     }
-    async fn advance(&self, by: Duration) {
-        // Real Redis expiry: real time.
-        tokio::time::sleep(by).await;
+    async fn ttls(&self, worker: &str) -> (Option<Duration>, Option<Duration>) {
+        let mut conn = self.store.connection();
+        let mut pttl = async |kind: &str| -> Option<Duration> {
+            let ms: i64 = redis::cmd("PTTL")
+                .arg(self.store.key_of(kind, worker))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            // -2: no key; -1: no TTL (never for these keys).
+            assert_ne!(ms, -1, "{kind} key without a TTL");
+            u64::try_from(ms).ok().map(Duration::from_millis)
+        };
+        (pttl("session").await, pttl("runtime").await)
+    }
+    async fn expire(&self, worker: &str) {
+        let mut conn = self.store.connection();
+        let _: () = redis::cmd("DEL")
+            .arg(self.store.key_of("session", worker))
+            .arg(self.store.key_of("runtime", worker))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
     }
 }
 
@@ -386,29 +414,47 @@ async fn references_only_move_forward(b: Box<dyn Backend>) {
         .unwrap();
 }
 
+/// Session and report TTLs, checked by their values (no race against real expiry): each step
+/// uses its own TTL, so which step last renewed the session shows in its remaining time; then
+/// the keys expire (deleted on Redis, the clock moved on memory) and the old instance's ACK and
+/// report fail as stale.
 async fn sessions_expire(b: Box<dyn Backend>) {
     let s = b.store();
-    let short = Duration::from_millis(300);
-    s.open_session(&session(1), short).await.unwrap();
+    let (open, acked, renewed, report_ttl) = (
+        Duration::from_secs(100),
+        Duration::from_secs(200),
+        Duration::from_secs(400),
+        Duration::from_secs(800),
+    );
+    // Remaining TTL within (ttl - 10 s, ttl]: generous for a slow machine, far from the others.
+    let about = |got: Option<Duration>, ttl: Duration| {
+        got.is_some_and(|g| g <= ttl && g > ttl - Duration::from_secs(10))
+    };
+    s.open_session(&session(1), open).await.unwrap();
+    assert!(about(b.ttls(W).await.0, open), "{:?}", b.ttls(W).await);
     s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
         .await
         .unwrap();
-    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), short)
+    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), acked)
         .await
         .unwrap();
-    // Reports renew the session.
-    b.advance(Duration::from_millis(200)).await;
-    s.replace_runtime(&report(1, 1, 1, 1, &[]), short, short)
+    assert!(
+        about(b.ttls(W).await.0, acked),
+        "the ACK renews the session: {:?}",
+        b.ttls(W).await
+    );
+    // A report renews the session with its session TTL and stores the runtime with its own.
+    s.replace_runtime(&report(1, 1, 1, 1, &[]), renewed, report_ttl)
         .await
         .unwrap();
-    b.advance(Duration::from_millis(200)).await;
-    s.replace_runtime(&report(1, 2, 1, 1, &[]), short, short)
-        .await
-        .unwrap();
+    let (session_left, runtime_left) = b.ttls(W).await;
+    assert!(about(session_left, renewed), "{session_left:?}");
+    assert!(about(runtime_left, report_ttl), "{runtime_left:?}");
     // Silence past the TTL: the old instance's ACK and report fail.
-    b.advance(Duration::from_millis(450)).await;
+    b.expire(W).await;
     assert!(b.session(W).await.is_none());
     assert!(b.runtime(W).await.is_none());
+    assert_eq!(b.ttls(W).await, (None, None));
     assert_eq!(
         s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL).await,
         Err(StoreError::StaleSession)
