@@ -73,8 +73,10 @@ async fn control_plane(ca: &Ca, managed: bool, listen: &str) -> (ControlPlane, A
             DEFAULT_LEASE_TTL,
         ))
     });
-    let mut config = ServerConfig::new(listen.parse().unwrap(), tls, managed);
-    config.heartbeat = Duration::from_millis(300);
+    let config = ServerConfig::new(listen.parse().unwrap(), tls, managed);
+    // The default heartbeat (10 s, silence limit 30 s): no test here waits on liveness (the
+    // seed 001 machines' pair harness covers it in virtual time), and a short one would drop
+    // sessions whenever a shared machine pauses for a second.
     let (cp, _task) = server::serve(config, admin.clone(), leases).await.unwrap();
     (cp, admin)
 }

@@ -21,7 +21,8 @@ use tokio_util::sync::CancellationToken;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-fn demo_node_config() -> NodeConfigPayload {
+/// A demo adapter of capacity 2 that waits `delay_ms` before each of its 45 words.
+fn demo_node_config(delay_ms: u32) -> NodeConfigPayload {
     NodeConfigPayload {
         adapters: vec![AdapterConfig {
             name: "demo-a".into(),
@@ -33,7 +34,7 @@ fn demo_node_config() -> NodeConfigPayload {
             settings: AdapterSettings::Native(NativeSettings {
                 base_url: String::new(),
                 options: [
-                    ("delay_ms".to_owned(), "10".to_owned()),
+                    ("delay_ms".to_owned(), delay_ms.to_string()),
                     ("repeat".to_owned(), "15".to_owned()),
                 ]
                 .into_iter()
@@ -95,9 +96,12 @@ async fn killing_one_node_mid_load_loses_no_queued_request_and_releases_every_le
             "127.0.0.1:0".parse().unwrap(),
             iop_tests::pki::edge_server_tls(&ca, "edge-1"),
         );
+        // node-1's runs cannot finish within the test (a minute per word), so the two it holds
+        // are still running when it is killed whatever the machine's speed; node-2's take about
+        // 0.9 s each, so the two queued requests stay queued until the kill.
         cfg.node_configs = vec![
-            ("node-1".into(), demo_node_config()),
-            ("node-2".into(), demo_node_config()),
+            ("node-1".into(), demo_node_config(60_000)),
+            ("node-2".into(), demo_node_config(20)),
         ];
         cfg.pool = Some(PoolConfig {
             providers: vec![provider("node-1"), provider("node-2")],

@@ -169,12 +169,21 @@ async fn unconfirmed_fence_keeps_admission_until_the_provider_returns() {
             refused.last().unwrap().execution_failure.is_none(),
             "non-stall failures carry no ExecutionFailure"
         );
-        // ...until the provider call really returns.
+        // ...until the provider call really returns. The permit is released right after the
+        // adapter's future completes, so the first runs after `returned` may still be refused
+        // for capacity: retry on exactly that refusal (the event), never after a fixed sleep.
         while !returned.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let again = all(&edge, request("s-3", 200)).await;
+        let mut attempt = 0;
+        let again = loop {
+            attempt += 1;
+            let events = all(&edge, request(&format!("s-3-{attempt}"), 200)).await;
+            if events.last().unwrap().error != "adapter capacity exhausted" {
+                break events;
+            }
+            tokio::task::yield_now().await;
+        };
         assert_eq!(again.first().unwrap().kind, RunEventKind::Start);
         assert_eq!(again.last().unwrap().error, iop_node::RESPONSE_STALLED);
         shutdown.cancel();
