@@ -187,9 +187,17 @@ pub enum StoreError {
     /// The session was replaced or has expired.
     #[error("stale session")]
     StaleSession,
-    /// The ACK or report does not match the published/acknowledged snapshot; nothing written.
+    /// The ACK or report does not match the published/acknowledged snapshot (ahead of it, or
+    /// the same tuple with another checksum); nothing written.
     #[error("snapshot mismatch")]
     SnapshotMismatch,
+    /// The ACK names an older snapshot than the session's acknowledged bound or the published
+    /// reference (seed 004 §3.3, "旧版本 ACK 必须失败"; §5.2.2 "stale ACK"): it fails, nothing is
+    /// written, and the worker resyncs with a full snapshot. Kept apart from
+    /// [`StoreError::SnapshotMismatch`] in the domain (seed §1: distinct recovery causes);
+    /// both reach the worker as `require_full_snapshot`.
+    #[error("stale acknowledgement")]
+    StaleAck,
     /// The report sequence went back.
     #[error("stale report")]
     StaleReport,
@@ -473,9 +481,10 @@ fn store_error(e: StoreError) -> ServiceError {
         StoreError::StaleSession => ServiceError::StaleSession,
         StoreError::StaleReport => ServiceError::StaleReport,
         StoreError::ConflictingReport => ServiceError::ConflictingReport,
-        StoreError::SnapshotMismatch | StoreError::ReferenceConflict | StoreError::Unavailable => {
-            ServiceError::Unavailable
-        }
+        StoreError::SnapshotMismatch
+        | StoreError::StaleAck
+        | StoreError::ReferenceConflict
+        | StoreError::Unavailable => ServiceError::Unavailable,
     }
 }
 
@@ -679,7 +688,10 @@ fn decision(
 ) -> Result<Decision, ServiceError> {
     match outcome {
         Ok(()) => Ok(Decision::Accepted { ownership_epoch }),
-        Err(StoreError::SnapshotMismatch) => Ok(Decision::RequireFullSnapshot { ownership_epoch }),
+        // A stale ACK failed too, and its recovery is the same: a full snapshot.
+        Err(StoreError::SnapshotMismatch | StoreError::StaleAck) => {
+            Ok(Decision::RequireFullSnapshot { ownership_epoch })
+        }
         Err(e) => Err(store_error(e)),
     }
 }
@@ -694,7 +706,7 @@ pub fn apply_ack(
 ) -> Result<AckEffect, StoreError> {
     // Behind the acknowledged upper bound: a stale ACK.
     if ack.tuple < session.acked {
-        return Err(StoreError::SnapshotMismatch);
+        return Err(StoreError::StaleAck);
     }
     if ack.tuple == session.acked
         && session.acked != SnapshotTuple::default()
@@ -706,6 +718,10 @@ pub fn apply_ack(
     let Some(r) = reference else {
         return Err(StoreError::SnapshotMismatch);
     };
+    // An older version than the one published: stale too.
+    if ack.tuple < r.tuple {
+        return Err(StoreError::StaleAck);
+    }
     if ack.tuple != r.tuple || ack.checksum != r.checksum {
         return Err(StoreError::SnapshotMismatch);
     }

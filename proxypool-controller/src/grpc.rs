@@ -13,6 +13,7 @@
 //! | report sequence went back | `ABORTED` |
 //! | same sequence, different content | `ALREADY_EXISTS` |
 //! | snapshot mismatch (ACK or report) | `OK` with `require_full_snapshot = true`, nothing written |
+//! | stale ACK (an older snapshot than acknowledged or published) | the same: the ACK fails (nothing written) and the worker resyncs with a full snapshot (seed §3.3); not an error status, since every error status means another recovery (`FAILED_PRECONDITION` re-register, `ABORTED` a newer sequence) |
 //! | store unavailable | `UNAVAILABLE` |
 //! | `WatchSnapshots`, `ReportOutcomes` | `UNIMPLEMENTED` |
 

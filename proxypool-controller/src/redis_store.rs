@@ -76,11 +76,13 @@ const ACK: &str = r"
 local s = redis.call('HMGET', KEYS[1], 'sid', 'av', 'ae', 'ac', 'rt')
 if not s[1] or s[1] ~= ARGV[1] then return 'STALE_SESSION' end
 local ct = cmptuple(ARGV[3], ARGV[2], s[3], s[2])
-if ct < 0 then return 'MISMATCH' end
+if ct < 0 then return 'STALE_ACK' end
 if ct == 0 and not (s[2] == '0' and s[3] == '0') and s[4] ~= ARGV[4] then return 'MISMATCH' end
 local r = redis.call('HMGET', KEYS[2], 'v', 'e', 'c')
 if not r[1] then return 'MISMATCH' end
-if cmptuple(ARGV[3], ARGV[2], r[2], r[1]) ~= 0 or r[3] ~= ARGV[4] then return 'MISMATCH' end
+local cr = cmptuple(ARGV[3], ARGV[2], r[2], r[1])
+if cr < 0 then return 'STALE_ACK' end
+if cr ~= 0 or r[3] ~= ARGV[4] then return 'MISMATCH' end
 if ARGV[5] == '1' then
   if ct > 0 then
     redis.call('DEL', KEYS[3])
@@ -192,6 +194,7 @@ fn status(s: &str) -> Result<(), StoreError> {
         "OK" => Ok(()),
         "STALE_SESSION" => Err(StoreError::StaleSession),
         "MISMATCH" => Err(StoreError::SnapshotMismatch),
+        "STALE_ACK" => Err(StoreError::StaleAck),
         "STALE" => Err(StoreError::StaleReport),
         "CONFLICT" => Err(StoreError::ConflictingReport),
         "REGRESS" => Err(StoreError::ReferenceConflict),

@@ -194,6 +194,11 @@ pub async fn start_with(
         ready_rx.clone(),
     ));
     let (graceful_tx, graceful_rx) = tokio::sync::oneshot::channel::<()>();
+    // The hard stop: every accepted connection fails its next read or write once this is
+    // cancelled (tonic's graceful stop has no hard counterpart: its connection tasks would
+    // outlive the server future, holding open streams, in a process that embeds the
+    // controller).
+    let hard_stop = tokio_util::sync::CancellationToken::new();
     let graceful = async move {
         let _ = graceful_rx.await;
     };
@@ -203,6 +208,7 @@ pub async fn start_with(
         TlsMode::Disabled => {
             let incoming =
                 tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = stoppable(incoming, hard_stop.clone());
             Box::pin(router.serve_with_incoming_shutdown(incoming, graceful))
         }
         TlsMode::Mtls {
@@ -231,6 +237,7 @@ pub async fn start_with(
                 trust_domain.clone(),
                 environment.clone(),
             );
+            let incoming = stoppable(incoming, hard_stop.clone());
             Box::pin(router.serve_with_incoming_shutdown(incoming, graceful))
         }
     };
@@ -260,6 +267,8 @@ pub async fn start_with(
     let shutdown_timeout = config.shutdown_timeout;
     let task = tokio::spawn(async move {
         let _monitor = AbortOnDrop(monitor);
+        // However the lifecycle ends, no connection outlives it.
+        let _hard_stop_on_exit = hard_stop.clone().drop_guard();
         let mut server = server;
         let mut admin = admin;
         tokio::select! {
@@ -281,6 +290,7 @@ pub async fn start_with(
             Ok(r) => r.map_err(|e| format!("grpc server: {e}")),
             Err(_) => {
                 tracing::warn!("graceful stop timed out; dropping connections");
+                hard_stop.cancel();
                 Ok(())
             }
         }
@@ -395,5 +405,87 @@ where
             }
             Ok(response)
         })
+    }
+}
+
+/// `incoming` with every connection tied to `stop` (see [`Stoppable`]).
+fn stoppable<S, T, E>(
+    incoming: S,
+    stop: tokio_util::sync::CancellationToken,
+) -> impl tokio_stream::Stream<Item = Result<Stoppable<T>, E>>
+where
+    S: tokio_stream::Stream<Item = Result<T, E>>,
+{
+    tokio_stream::StreamExt::map(incoming, move |r| {
+        r.map(|io| Stoppable {
+            io,
+            stop: Box::pin(stop.clone().cancelled_owned()),
+        })
+    })
+}
+
+/// A connection that fails its next read or write once the hard stop is cancelled. The stop
+/// future is polled on every read and write, so the connection task is woken by the stop itself
+/// even while idle; hyper then closes the connection and resets its streams.
+struct Stoppable<T> {
+    io: T,
+    stop: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+}
+
+impl<T> Stoppable<T> {
+    fn stopped(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        self.stop.as_mut().poll(cx).is_ready()
+    }
+}
+
+fn hard_stopped() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "controller stopped")
+}
+
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Stoppable<T> {
+    type ConnectInfo = T::ConnectInfo;
+    fn connect_info(&self) -> T::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Stoppable<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.stopped(cx) {
+            return std::task::Poll::Ready(Err(hard_stopped()));
+        }
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Stoppable<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if self.stopped(cx) {
+            return std::task::Poll::Ready(Err(hard_stopped()));
+        }
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.stopped(cx) {
+            return std::task::Poll::Ready(Err(hard_stopped()));
+        }
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }

@@ -333,6 +333,55 @@ async fn health_readiness_and_shutdown() {
     );
 }
 
+/// Seed 004: shutdown is graceful for `shutdownTimeout` (2 s here), then hard. A gRPC health
+/// `Watch` stream never ends by itself, so it holds the graceful stop: the controller stops
+/// only after the timeout, and the stream is cut then.
+#[tokio::test]
+async fn shutdown_escalates_to_a_hard_stop_with_a_stream_still_open() {
+    let (running, _store, stop, _c) = plaintext().await;
+    let channel = Channel::from_shared(format!("http://{}", running.grpc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let mut watch = health
+        .watch(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        watch.message().await.unwrap().is_some(),
+        "the stream is open"
+    );
+    let stopping = std::time::Instant::now();
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), running.wait())
+        .await
+        .expect("the hard stop ends the server")
+        .unwrap();
+    assert!(
+        stopping.elapsed() >= Duration::from_secs(2),
+        "the graceful stop waited for the open stream: {:?}",
+        stopping.elapsed()
+    );
+    // The open stream sees NOT_SERVING during the graceful stop, then is cut.
+    let mut ended = false;
+    for _ in 0..10 {
+        match tokio::time::timeout(Duration::from_secs(5), watch.message()).await {
+            Ok(Ok(Some(_))) => continue,
+            Ok(Ok(None) | Err(_)) => {
+                ended = true;
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    assert!(ended, "the stream was cut by the hard stop");
+}
+
 /// A Redis store whose server dies under a running controller: workers get `UNAVAILABLE`
 /// with the fixed message, never the backend's own text (its address, port or error). The
 /// test runs its own `redis-server` (it must die without disturbing the shared one).
@@ -343,11 +392,21 @@ async fn a_store_failure_reaches_workers_as_unavailable_without_backend_text() {
         .local_addr()
         .unwrap()
         .port();
-    let mut redis = std::process::Command::new("redis-server")
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    /// Kills the private server however the test ends (a panic included).
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let redis = std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("redis-server is required (scripts/test-all.sh installs it: apt-get install redis-server)");
+    let mut redis = Killed(redis);
     let url = format!("redis://127.0.0.1:{port}/");
     let store = loop {
         match proxypool_controller::redis_store::RedisStore::connect(&url, "grpc-failure").await {
@@ -373,8 +432,15 @@ async fn a_store_failure_reaches_workers_as_unavailable_without_backend_text() {
         .unwrap()
         .into_inner()
         .session_id;
-    redis.kill().unwrap();
-    redis.wait().unwrap();
+    let readyz = format!("http://{}/readyz", running.admin_addr.unwrap());
+    let http = reqwest::Client::new();
+    assert_eq!(http.get(&readyz).send().await.unwrap().status(), 200);
+    redis.0.kill().unwrap();
+    redis.0.wait().unwrap();
+    // Readiness follows Redis after startup too (seed 004: ready = serving and the store).
+    let r = http.get(&readyz).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.text().await.unwrap(), "redis unavailable");
     let failures = [
         c.register_worker(register("w2")).await.unwrap_err(),
         c.acknowledge_snapshot(ack("w1", &sid, 1))

@@ -204,6 +204,31 @@ async fn protocol_bounds_and_identity() {
             ServiceError::Invalid(field)
         );
     }
+    // Seed 004 bounds at their edges: a label key of 64 bytes and a zone of 128 are accepted,
+    // one byte more is refused naming the field.
+    let at_limit: Vec<(Mutate, Mutate, &str)> = vec![
+        (
+            Box::new(|c| c.labels = [("k".repeat(64), "v".into())].into_iter().collect()),
+            Box::new(|c| c.labels = [("k".repeat(65), "v".into())].into_iter().collect()),
+            "label key",
+        ),
+        (
+            Box::new(|c| c.zone = "z".repeat(128)),
+            Box::new(|c| c.zone = "z".repeat(129)),
+            "zone",
+        ),
+    ];
+    for (ok, over, field) in at_limit {
+        let mut cmd = register_cmd("w1", "i1");
+        ok(&mut cmd);
+        w.service.register(&cmd, None).await.unwrap();
+        let mut cmd = register_cmd("w1", "i1");
+        over(&mut cmd);
+        assert_eq!(
+            w.service.register(&cmd, None).await.unwrap_err(),
+            ServiceError::Invalid(field)
+        );
+    }
     // Empty zone is allowed.
     let mut cmd = register_cmd("w1", "i1");
     cmd.zone = String::new();
@@ -316,6 +341,17 @@ async fn negative_ack_heartbeats_and_reports() {
     );
     let stored = w.store.runtime("w1").unwrap();
     assert_eq!(stored.counters[0].proxy_id, "p1", "canonical order");
+    // An observation time must be positive (seed 004 §5.3.1); nothing is written.
+    for at in [0, -1, i64::MIN] {
+        let mut r = report(9, vec![]);
+        r.observed_at_unix_ms = at;
+        assert_eq!(
+            w.service.report_runtime(r, None).await,
+            Err(ServiceError::Invalid("observed_at")),
+            "{at}"
+        );
+    }
+    assert_eq!(w.store.runtime("w1").unwrap(), stored);
     // Heartbeats (empty reports) keep the 35 s session alive across 30 s gaps.
     for seq in 2..5 {
         w.clock.advance(Duration::from_secs(30));

@@ -203,7 +203,7 @@ async fn ack_must_match_the_published_reference(b: Box<dyn Backend>) {
         (ack(9, 1, 2, 7, true), StoreError::StaleSession),
         (ack(1, 1, 2, 8, true), StoreError::SnapshotMismatch), // checksum
         (ack(1, 1, 3, 7, true), StoreError::SnapshotMismatch), // ahead
-        (ack(1, 1, 1, 7, true), StoreError::SnapshotMismatch), // behind
+        (ack(1, 1, 1, 7, true), StoreError::StaleAck),         // behind the published reference
         (ack(1, 2, 1, 7, true), StoreError::SnapshotMismatch), // ahead by epoch
     ] {
         assert_eq!(s.acknowledge_snapshot(&a, TTL).await, Err(want), "{a:?}");
@@ -390,11 +390,11 @@ async fn references_only_move_forward(b: Box<dyn Backend>) {
     s.record_issued_snapshot(W, reference(3, 1, 3), TTL)
         .await
         .unwrap();
-    // An ACK of an older published reference fails.
+    // An ACK of an older published reference fails, as stale (seed 004 §3.3).
     s.open_session(&session(1), TTL).await.unwrap();
     assert_eq!(
         s.acknowledge_snapshot(&ack(1, 2, 6, 2, true), TTL).await,
-        Err(StoreError::SnapshotMismatch)
+        Err(StoreError::StaleAck)
     );
     s.acknowledge_snapshot(&ack(1, 3, 1, 3, true), TTL)
         .await
@@ -465,6 +465,76 @@ async fn sessions_expire(b: Box<dyn Backend>) {
     );
 }
 
+/// Seed 004 §3.3 "旧版本 ACK 必须失败" and §5.2.2: an ACK of an older snapshot than the
+/// session's acknowledged bound, or than the one published now, is a stale ACK: it fails and
+/// writes nothing (the worker is told to resync with a full snapshot, see `grpc.rs`).
+async fn an_old_version_ack_fails_as_stale(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    s.record_issued_snapshot(W, reference(1, 2, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 2, 7, true), TTL)
+        .await
+        .unwrap();
+    replace(&*b, &report(1, 1, 1, 2, &[("p1", 1)]))
+        .await
+        .unwrap();
+    let before = (b.session(W).await, b.runtime(W).await);
+    // Behind the acknowledged bound.
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL).await,
+        Err(StoreError::StaleAck)
+    );
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 1, 1, 7, false), TTL).await,
+        Err(StoreError::StaleAck),
+        "a negative ACK of an old version is stale too"
+    );
+    assert_eq!((b.session(W).await, b.runtime(W).await), before);
+    // A newer version published: the acknowledged one is now old.
+    s.record_issued_snapshot(W, reference(1, 3, 9), TTL)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.acknowledge_snapshot(&ack(1, 1, 2, 7, true), TTL).await,
+        Err(StoreError::StaleAck)
+    );
+    assert_eq!(
+        (b.session(W).await, b.runtime(W).await),
+        before,
+        "nothing written"
+    );
+    // The current version is accepted.
+    s.acknowledge_snapshot(&ack(1, 1, 3, 9, true), TTL)
+        .await
+        .unwrap();
+}
+
+/// Seed 004 §5.3.3: an identical replayed report is idempotent *and* renews the session and the
+/// report TTLs (checked by value: the replay's TTLs replace the first report's).
+async fn a_replayed_report_renews_both_ttls(b: Box<dyn Backend>) {
+    let s = b.store();
+    s.open_session(&session(1), TTL).await.unwrap();
+    s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
+        .await
+        .unwrap();
+    s.acknowledge_snapshot(&ack(1, 1, 1, 7, true), TTL)
+        .await
+        .unwrap();
+    let r = report(1, 1, 1, 1, &[("p1", 2)]);
+    let (first, replay) = (Duration::from_secs(100), Duration::from_secs(400));
+    s.replace_runtime(&r, first, first * 2).await.unwrap();
+    s.replace_runtime(&r, replay, replay * 2).await.unwrap();
+    let about = |got: Option<Duration>, ttl: Duration| {
+        got.is_some_and(|g| g <= ttl && g > ttl - Duration::from_secs(10))
+    };
+    let (session_left, runtime_left) = b.ttls(W).await;
+    assert!(about(session_left, replay), "{session_left:?}");
+    assert!(about(runtime_left, replay * 2), "{runtime_left:?}");
+    assert_eq!(b.runtime(W).await.unwrap(), (1, r.counters));
+}
+
 macro_rules! contract {
     ($($name:ident),* $(,)?) => {
         mod memory_store {
@@ -487,4 +557,6 @@ contract!(
     same_ack_renews_without_clearing,
     references_only_move_forward,
     sessions_expire,
+    an_old_version_ack_fails_as_stale,
+    a_replayed_report_renews_both_ttls,
 );
