@@ -30,6 +30,7 @@ fn generate(out_dir: &Path) {
 }
 
 /// After `IOP_WIRE_REGENERATE=1` wrote `src/gen`, the same comparison without writing.
+#[allow(clippy::unwrap_used, reason = "a test helper: failed I/O should panic")]
 fn generated_code_matches_proto_after_regeneration() {
     let tmp = std::env::temp_dir().join(format!("iop-wire-codegen-check-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
