@@ -1093,3 +1093,22 @@ fn node_session_admits_run_ids_frames_refusals_and_stamps_evidence() {
     let seqs: Vec<u64> = frames[2..].iter().flat_map(seq_of).collect();
     assert_eq!(seqs, vec![1, 2, 3, 4], "one increasing sequence");
 }
+
+/// Seed 000: `health_observation_seq` is connection-scoped. An unbound (not ready) session
+/// stamps nothing; a ready one counts from one; a new connection of the same Node counts from
+/// one again, however far the previous one got.
+#[test]
+fn health_observation_seq_restarts_at_one_per_connection_and_is_omitted_unbound() {
+    let mut h = Harness::new();
+    let unbound = h.connect("node-2", Some("node-2"), false);
+    assert_eq!(h.links[unbound].node.next_health_observation_seq(), None);
+    assert_eq!(h.links[unbound].node.next_health_observation_seq(), None);
+    let i = h.connect("node-1", Some("node-1"), true);
+    assert_eq!(h.links[i].node.next_health_observation_seq(), Some(1));
+    assert_eq!(h.links[i].node.next_health_observation_seq(), Some(2));
+    assert_eq!(h.links[i].node.next_health_observation_seq(), Some(3));
+    // The Node reconnects (the new connection supersedes the old): its own sequence.
+    let j = h.connect("node-1", Some("node-1"), true);
+    assert!(h.edge.ready_generation("node-1").is_some());
+    assert_eq!(h.links[j].node.next_health_observation_seq(), Some(1));
+}
