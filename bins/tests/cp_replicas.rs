@@ -17,7 +17,7 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use iop_tests::upstream::{Kind, Upstream};
 use support::{Proc, TempDir, iop_ca, wait_until};
@@ -59,31 +59,13 @@ fn field(out: &str, prefix: &str) -> String {
 }
 
 fn chat(port: u16, token: &str) -> u16 {
-    support::http_post(
-        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
-        &[("authorization", &format!("Bearer {token}"))],
-        r#"{"model":"fake-model","messages":[{"role":"user","content":"hi"}]}"#,
-    )
-    .0
+    support::chat(port, token, "hi").0
 }
 
-/// Requests every 50 ms (open loop) until `stop`; their statuses.
+/// [`support::steady`], statuses only.
 fn steady(port: u16, token: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<u16>> {
-    std::thread::spawn(move || {
-        let start = Instant::now();
-        let mut inflight = Vec::new();
-        let mut n = 0u32;
-        while !stop.load(Ordering::Relaxed) {
-            let due = start + Duration::from_millis(50) * n;
-            if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-            let token = token.clone();
-            inflight.push(std::thread::spawn(move || chat(port, &token)));
-            n += 1;
-        }
-        inflight.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    let load = support::steady(port, token, stop);
+    std::thread::spawn(move || load.join().unwrap().into_iter().map(|(s, _)| s).collect())
 }
 
 fn serve(dir: &Path, name: &str, data: &Path, schema: &str, port: u16) -> Proc {

@@ -277,38 +277,7 @@ fn the_readme_deploys_on_three_hosts() {
     run.stop();
 }
 
-/// `(status, body)` of one chat request with `token`.
-fn chat(port: u16, token: &str, text: &str) -> (u16, String) {
-    support::http_post(
-        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
-        &[("authorization", &format!("Bearer {token}"))],
-        &format!(r#"{{"model":"fake-model","messages":[{{"role":"user","content":"{text}"}}]}}"#),
-    )
-}
-
-/// Requests with `token` every 50 ms (20/s, open loop: the next starts on schedule, whatever
-/// the last one took) until `stop`; every `(status, body)`.
-fn steady(
-    port: u16,
-    token: String,
-    stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<Vec<(u16, String)>> {
-    std::thread::spawn(move || {
-        let start = Instant::now();
-        let mut inflight = Vec::new();
-        let mut n = 0u32;
-        while !stop.load(Ordering::Relaxed) {
-            let due = start + Duration::from_millis(50) * n;
-            if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-            let token = token.clone();
-            inflight.push(std::thread::spawn(move || chat(port, &token, "steady")));
-            n += 1;
-        }
-        inflight.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
+use support::{chat, steady};
 
 fn failures(results: &[(u16, String)]) -> Vec<&(u16, String)> {
     results

@@ -123,6 +123,12 @@ async fn redis() -> Box<dyn Backend> {
 }
 
 const TTL: Duration = Duration::from_secs(30);
+
+/// A remaining TTL within (ttl - 10 s, ttl]: generous for a slow machine, and far from the
+/// other TTLs a test uses, so it names the step that set it.
+fn about(got: Option<Duration>, ttl: Duration) -> bool {
+    got.is_some_and(|g| g <= ttl && g > ttl - Duration::from_secs(10))
+}
 const W: &str = "worker-1";
 
 fn session(id: u8) -> Session {
@@ -426,10 +432,6 @@ async fn sessions_expire(b: Box<dyn Backend>) {
         Duration::from_secs(400),
         Duration::from_secs(800),
     );
-    // Remaining TTL within (ttl - 10 s, ttl]: generous for a slow machine, far from the others.
-    let about = |got: Option<Duration>, ttl: Duration| {
-        got.is_some_and(|g| g <= ttl && g > ttl - Duration::from_secs(10))
-    };
     s.open_session(&session(1), open).await.unwrap();
     assert!(about(b.ttls(W).await.0, open), "{:?}", b.ttls(W).await);
     s.record_issued_snapshot(W, reference(1, 1, 7), TTL)
@@ -526,9 +528,6 @@ async fn a_replayed_report_renews_both_ttls(b: Box<dyn Backend>) {
     let (first, replay) = (Duration::from_secs(100), Duration::from_secs(400));
     s.replace_runtime(&r, first, first * 2).await.unwrap();
     s.replace_runtime(&r, replay, replay * 2).await.unwrap();
-    let about = |got: Option<Duration>, ttl: Duration| {
-        got.is_some_and(|g| g <= ttl && g > ttl - Duration::from_secs(10))
-    };
     let (session_left, runtime_left) = b.ttls(W).await;
     assert!(about(session_left, replay), "{session_left:?}");
     assert!(about(runtime_left, replay * 2), "{runtime_left:?}");

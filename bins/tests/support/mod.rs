@@ -386,3 +386,40 @@ pub fn rss_kib(pid: u32) -> u64 {
 pub fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
+
+/// `(status, body)` of one chat request for model `fake-model` with `token`, on the Edge's HTTP
+/// port `port`.
+pub fn chat(port: u16, token: &str, text: &str) -> (u16, String) {
+    http_post(
+        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
+        &[("authorization", &format!("Bearer {token}"))],
+        &format!(r#"{{"model":"fake-model","messages":[{{"role":"user","content":"{text}"}}]}}"#),
+    )
+}
+
+/// [`chat`] with `token` every 50 ms (20/s, open loop: the next starts on schedule, whatever
+/// the last one took) until `stop`; every `(status, body)`.
+pub fn steady(
+    port: u16,
+    token: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Vec<(u16, String)>> {
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let mut inflight = Vec::new();
+        let mut n = 0u32;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let due = start + Duration::from_millis(50) * n;
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            let token = token.clone();
+            inflight.push(std::thread::spawn(move || chat(port, &token, "steady")));
+            n += 1;
+        }
+        inflight
+            .into_iter()
+            .map(|h| h.join().expect("request thread"))
+            .collect()
+    })
+}
