@@ -265,6 +265,8 @@ struct Shared {
     generation: watch::Sender<u64>,
     /// Index into `addresses` of the last one that gave a session (dialled first).
     preferred: std::sync::atomic::AtomicUsize,
+    /// Set when the connector task has ended (its session closed cleanly after `shutdown`).
+    stopped: watch::Sender<bool>,
 }
 
 /// The running connector. Cheap to clone.
@@ -309,8 +311,13 @@ impl ControlConnector {
             state: watch::channel(SessionState::Connecting).0,
             generation: watch::channel(0).0,
             preferred: std::sync::atomic::AtomicUsize::new(0),
+            stopped: watch::channel(false).0,
         });
-        tokio::spawn(run(shared.clone(), shutdown));
+        let task = shared.clone();
+        tokio::spawn(async move {
+            run(task.clone(), shutdown).await;
+            task.stopped.send_replace(true);
+        });
         Ok(Self { shared })
     }
 
@@ -326,6 +333,14 @@ impl ControlConnector {
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
+    }
+
+    /// Resolves once the connector has stopped after its `shutdown` token was cancelled, its
+    /// session closed with TLS close_notify. A process awaits it before exiting, so the Control
+    /// Plane sees a clean close.
+    pub async fn stopped(&self) {
+        let mut rx = self.shared.stopped.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 
     /// Session state changes (connected, refused and why, failures).

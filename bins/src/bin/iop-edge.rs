@@ -92,9 +92,13 @@ async fn main() {
         eprintln!("iop-edge: node listener: {e}");
         std::process::exit(1);
     });
+    let mut connector = None;
     if let Some(c) = control {
         match ControlConnector::start(edge.clone(), c, stop.clone()) {
-            Ok(connector) => http.control = Some(connector),
+            Ok(c) => {
+                connector = Some(c.clone());
+                http.control = Some(c);
+            }
             Err(e) => {
                 eprintln!("iop-edge: control_plane: {e}");
                 std::process::exit(2);
@@ -131,5 +135,9 @@ async fn main() {
         std::process::exit(1);
     }
     stop.cancel();
+    if let Some(c) = connector {
+        // Let the Control Plane session close cleanly (bounded: its close waits 1 s at most).
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), c.stopped()).await;
+    }
     println!("iop-edge: stopped");
 }
