@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use zeroize::Zeroizing;
 
 use crate::seal::{MasterKey, SealError};
-use crate::store::{Mutation, Store, StoreError};
+use crate::store::{IssuerKey, Mutation, Store, StoreError};
 
 /// Prefix of every IOP API token (`iop_` + 64 hex digits of 256 random bits).
 pub const TOKEN_PREFIX: &str = "iop_";
@@ -33,6 +33,13 @@ pub enum AdminError {
     /// The header name or prefix cannot carry a credential.
     #[error("header cannot carry a credential: {0}")]
     Header(iop_lease::CredentialError),
+    /// A stored issuer key does not open with this master key or does not parse (a replica
+    /// started with another replica's store but not its `master.key`).
+    #[error("issuer key {0} cannot be opened with this master key")]
+    IssuerKey(String),
+    /// Generating an issuer key failed.
+    #[error("issuer key generation failed")]
+    KeyGeneration,
 }
 
 /// A token just created: the raw value is shown once and never stored.
@@ -222,4 +229,113 @@ impl Admin {
         })
         .await
     }
+
+    // === lease issuer keys ===
+
+    /// The stored issuer keys (active first, then the staged one) with their public halves.
+    pub async fn issuer_keys(
+        &self,
+    ) -> Result<Vec<(IssuerKey, iop_lease::IssuerPublicKey)>, AdminError> {
+        self.store
+            .issuer_keys()
+            .await?
+            .into_iter()
+            .map(|k| {
+                let key = self.open_issuer(&k)?;
+                let mut meta = k;
+                meta.sealed.clear();
+                Ok((meta, key.public_key()))
+            })
+            .collect()
+    }
+
+    /// The active issuer key; when the store has none yet, `candidate` is installed (a key
+    /// from an older data directory's `issuer.pem`, or a new one). With replicas racing, the
+    /// first install wins and every replica returns that key.
+    pub async fn ensure_issuer_key(
+        &self,
+        candidate: impl FnOnce() -> Result<iop_lease::IssuerSigningKey, AdminError>,
+    ) -> Result<iop_lease::IssuerSigningKey, AdminError> {
+        if let Some(active) = self.active_issuer().await? {
+            return Ok(active);
+        }
+        // Re-derived: the stored id is always the key's digest, whatever `candidate` was named.
+        let key = iop_lease::IssuerSigningKey::from_pem_derived(&candidate()?.to_pem())
+            .map_err(|_| AdminError::KeyGeneration)?;
+        let sealed = self
+            .key
+            .seal_issuer(key.key_id(), key.to_pem().as_bytes())?;
+        match self
+            .apply(Mutation::InstallIssuerKey {
+                id: key.key_id().to_owned(),
+                sealed,
+            })
+            .await
+        {
+            Ok(_) => Ok(key),
+            Err(AdminError::Store(StoreError::Conflict(_))) => self
+                .active_issuer()
+                .await?
+                .ok_or(AdminError::Store(StoreError::Unavailable)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Stages a new issuer key (id derived from the key), to be activated at
+    /// `activates_at_unix_ms` by a running `iop-cp serve` (any replica). Until then leases
+    /// are signed with the active key and the projection names the staged one, so Edges can
+    /// report the Nodes that do not trust it yet. Returns the key's public half and the
+    /// generation.
+    pub async fn stage_issuer_key(
+        &self,
+        activates_at_unix_ms: i64,
+    ) -> Result<(iop_lease::IssuerPublicKey, u64), AdminError> {
+        let key = iop_lease::IssuerSigningKey::generate_derived()
+            .map_err(|_| AdminError::KeyGeneration)?;
+        let sealed = self
+            .key
+            .seal_issuer(key.key_id(), key.to_pem().as_bytes())?;
+        let generation = self
+            .apply(Mutation::StageIssuerKey {
+                id: key.key_id().to_owned(),
+                sealed,
+                activates_at_unix_ms,
+            })
+            .await?;
+        Ok((key.public_key(), generation))
+    }
+
+    /// Activates the staged key `id` now (the old key is deleted: leases it signed stay valid
+    /// at the Nodes that pin it until they expire).
+    pub async fn activate_issuer_key(&self, id: &str) -> Result<u64, AdminError> {
+        self.apply(Mutation::ActivateIssuerKey { id: id.to_owned() })
+            .await
+    }
+
+    async fn active_issuer(&self) -> Result<Option<iop_lease::IssuerSigningKey>, AdminError> {
+        let keys = self.store.issuer_keys().await?;
+        keys.iter()
+            .find(|k| k.active)
+            .map(|k| self.open_issuer(k))
+            .transpose()
+    }
+
+    fn open_issuer(&self, k: &IssuerKey) -> Result<iop_lease::IssuerSigningKey, AdminError> {
+        open_issuer(&self.key, k)
+    }
+}
+
+/// Opens a stored issuer key and checks that its id is the one derived from it.
+pub(crate) fn open_issuer(
+    master: &MasterKey,
+    k: &IssuerKey,
+) -> Result<iop_lease::IssuerSigningKey, AdminError> {
+    let bad = || AdminError::IssuerKey(k.id.clone());
+    let pem = master.open_issuer(&k.id, &k.sealed).map_err(|_| bad())?;
+    let pem = std::str::from_utf8(&pem).map_err(|_| bad())?;
+    let key = iop_lease::IssuerSigningKey::from_pem_derived(pem).map_err(|_| bad())?;
+    if key.key_id() != k.id {
+        return Err(bad());
+    }
+    Ok(key)
 }

@@ -75,9 +75,10 @@ fn admin_error(e: &AdminError) -> Response {
         AdminError::Store(StoreError::Conflict(_) | StoreError::ProfileMismatch) => {
             StatusCode::CONFLICT
         }
-        AdminError::Store(StoreError::Unavailable) | AdminError::Seal(_) => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
+        AdminError::Store(StoreError::Unavailable)
+        | AdminError::Seal(_)
+        | AdminError::IssuerKey(_)
+        | AdminError::KeyGeneration => StatusCode::SERVICE_UNAVAILABLE,
     };
     fail(status, &e.to_string())
 }
@@ -315,6 +316,7 @@ async fn edge_status(
                         "adapters": n.config.adapters,
                         "providers": providers,
                         "refused": n.refused,
+                        "warning": n.warning,
                     })
                 })
                 .collect();

@@ -8,15 +8,15 @@
 //! slot (same as the route's, exists, enabled) → profile → upstream target → route revision →
 //! credential revision → recipient key → decrypt → issue.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_lease::{Credential, HeaderSpec, Issuer, RecipientPublicKey, Secret};
+use iop_lease::{Credential, DEFAULT_MAX_TTL, HeaderSpec, Issuer, RecipientPublicKey, Secret};
 use iop_wire::control::AcquireLeaseRequest;
 use iop_wire::runtime::CredentialLease;
 
 use crate::seal::MasterKey;
-use crate::store::Store;
+use crate::store::{IssuerKey, Store};
 
 /// Default lease lifetime.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
@@ -66,37 +66,53 @@ impl LeaseRefusal {
     }
 }
 
-/// Issues leases.
+/// Issues leases, signed with the store's active issuer key
+/// ([`crate::admin::Admin::ensure_issuer_key`] installs the first one).
 pub struct LeaseService {
     store: Arc<dyn Store>,
     key: Arc<MasterKey>,
-    issuer: Issuer,
+    /// The active key, opened once per key id (a rotation replaces it at the next lease).
+    issuer: Mutex<Option<Arc<Issuer>>>,
     ttl: Duration,
 }
 
 impl std::fmt::Debug for LeaseService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LeaseService")
-            .field("issuer_key_id", &self.issuer.key_id())
             .field("ttl", &self.ttl)
             .finish_non_exhaustive()
     }
 }
 
 impl LeaseService {
-    /// A service issuing with `issuer` for `ttl`.
-    pub fn new(store: Arc<dyn Store>, key: Arc<MasterKey>, issuer: Issuer, ttl: Duration) -> Self {
+    /// A service issuing leases valid for `ttl`, with the key the store names active at the
+    /// request's projection generation.
+    pub fn new(store: Arc<dyn Store>, key: Arc<MasterKey>, ttl: Duration) -> Self {
         Self {
             store,
             key,
-            issuer,
+            issuer: Mutex::new(None),
             ttl,
         }
     }
 
-    /// The issuer (its public key is what Nodes pin).
-    pub fn issuer(&self) -> &Issuer {
-        &self.issuer
+    /// The issuer for the stored active key `k` (opened and cached on first use).
+    fn issuer(&self, k: &IssuerKey) -> Result<Arc<Issuer>, LeaseRefusal> {
+        let mut cached = self
+            .issuer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(i) = cached.as_ref().filter(|i| i.key_id() == k.id) {
+            return Ok(i.clone());
+        }
+        let key = crate::admin::open_issuer(&self.key, k).map_err(|e| {
+            tracing::warn!(target: "iop_cp", error = %e, "lease issuer key unusable");
+            LeaseRefusal::Unavailable
+        })?;
+        let issuer =
+            Arc::new(Issuer::new(key, DEFAULT_MAX_TTL).map_err(|_| LeaseRefusal::Unavailable)?);
+        *cached = Some(issuer.clone());
+        Ok(issuer)
     }
 
     /// Checks `request` against durable state and issues its lease.
@@ -114,6 +130,8 @@ impl LeaseService {
         if view.generation != b.projection_generation {
             return Err(LeaseRefusal::StaleGeneration);
         }
+        // The key the projection of this generation named (one consistent read).
+        let issuer = self.issuer(view.issuer.as_ref().ok_or(LeaseRefusal::Unavailable)?)?;
         let route = view
             .route
             .filter(|r| r.enabled)
@@ -154,8 +172,7 @@ impl LeaseService {
         let credential = Credential::new(header, Secret::new(plaintext.to_vec()))
             .map_err(|_| LeaseRefusal::Unavailable)?;
         drop(plaintext);
-        let envelope = self
-            .issuer
+        let envelope = issuer
             .issue(b, &recipient, &credential, now_unix_ms, self.ttl)
             .map_err(|e| match e {
                 // A low-order or otherwise unusable recipient key fails the HPKE seal.

@@ -32,7 +32,16 @@
 //!   pushed to every Edge; the store poll (500 ms by default) is the safety net. Mutations
 //!   through [`admin::Admin`] in this process are pushed at once.
 //! - The lease issuer key's id is derived from the key (`iop_lease::issuer_key_id`), so a Node
-//!   pinning the PEM derives the same id.
+//!   pinning the PEM derives the same id. The key lives in the store, sealed with the master
+//!   key ([`store::IssuerKey`]), so every replica signs with the same key and a rotation
+//!   reaches them all. Rotation is staged: [`admin::Admin::stage_issuer_key`] publishes the
+//!   next key with an activation time (the overlap); until then leases are signed with the
+//!   old key and every projection names both (`issuer_key_id`, `staged_issuer_key_id`), so
+//!   Edges report the Nodes that do not trust the next key yet. At the activation time the
+//!   first `serve` replica to notice applies [`store::Mutation::ActivateIssuerKey`] (one
+//!   generation bump; the others find it done); from then on Edges stop selecting Nodes that
+//!   do not trust the new key. Leases already signed with the old key stay valid at the
+//!   Nodes for their TTL; remove the old key from the Nodes after that.
 //! - Tokens are `iop_` + 64 hex digits (256 random bits); the Edge compares SHA-256 digests in
 //!   constant time.
 //! - A managed Control Plane refuses a legacy Edge's hello and vice versa (`managed` in the
@@ -50,11 +59,12 @@
 //! let store: Arc<dyn Store> = Arc::new(SqliteStore::open("cp.sqlite3".as_ref())?);
 //! let key = Arc::new(MasterKey::load_or_create("master.key".as_ref())?);
 //! let admin = Admin::new(store.clone(), key.clone(), store.generation().await?);
-//! let issuer = iop_lease::Issuer::new(
-//!     iop_lease::IssuerSigningKey::generate("cp-issuer-1")?,
-//!     iop_lease::DEFAULT_MAX_TTL,
-//! )?;
-//! let leases = Arc::new(LeaseService::new(store, key, issuer, DEFAULT_LEASE_TTL));
+//! // The store's active issuer key (installed now when there is none): Nodes pin its public half.
+//! let issuer = admin
+//!     .ensure_issuer_key(|| Ok(iop_lease::IssuerSigningKey::generate_derived().expect("rng")))
+//!     .await?;
+//! println!("pin {} ({})", issuer.public_key().to_pem(), issuer.key_id());
+//! let leases = Arc::new(LeaseService::new(store, key, DEFAULT_LEASE_TTL));
 //! // `tls` must require Edge client certificates (see `iop_wire::identity`).
 //! let (cp, _task) = serve(ServerConfig::new("0.0.0.0:7600".parse()?, tls, true), admin.clone(), Some(leases)).await?;
 //! admin.create_principal("team-a", "Team A").await?;

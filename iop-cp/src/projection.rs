@@ -10,14 +10,24 @@ use iop_wire::control::{PrincipalProjection, ProjectedPrincipal, ProjectedRoute,
 
 use crate::store::Snapshot;
 
-/// The projection of `snapshot` (its generation included), naming `issuer_key_id` as the key
-/// leases are signed with (empty in legacy mode).
-pub fn build(snapshot: &Snapshot, issuer_key_id: &str) -> PrincipalProjection {
+/// The projection of `snapshot` (its generation included), naming the active issuer key
+/// (leases are signed with it) and the staged one with its activation time, if any.
+pub fn build(snapshot: &Snapshot) -> PrincipalProjection {
     let enabled_principal = |id: &str| snapshot.principals.iter().any(|p| p.id == id && p.enabled);
     let slot = |id: &str| snapshot.slots.iter().find(|s| s.id == id && s.enabled);
     PrincipalProjection {
         generation: snapshot.generation,
-        issuer_key_id: issuer_key_id.to_owned(),
+        issuer_key_id: snapshot
+            .active_issuer()
+            .map(|k| k.id.clone())
+            .unwrap_or_default(),
+        staged_issuer_key_id: snapshot
+            .staged_issuer()
+            .map(|k| k.id.clone())
+            .unwrap_or_default(),
+        staged_issuer_activates_at_unix_ms: snapshot
+            .staged_issuer()
+            .map_or(0, |k| k.activates_at_unix_ms),
         principals: snapshot
             .principals
             .iter()

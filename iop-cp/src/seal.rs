@@ -14,6 +14,8 @@ use zeroize::Zeroizing;
 const VERSION: u8 = 1;
 const NONCE_LEN: usize = 12;
 const AAD_TAG: &[u8] = b"iop-cp/slot/v1\0";
+/// Lease issuer keys are sealed under their own tag: no slot's sealed bytes open as a key.
+const ISSUER_AAD_TAG: &[u8] = b"iop-cp/issuer/v1\0";
 
 /// Sealing failures. They carry nothing from the plaintext or the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -76,6 +78,30 @@ impl MasterKey {
 
     /// Seals `plaintext` for `slot_id`.
     pub fn seal(&self, slot_id: &str, plaintext: &[u8]) -> Result<Vec<u8>, SealError> {
+        self.seal_with(aad(AAD_TAG, slot_id), plaintext)
+    }
+
+    /// Opens what [`MasterKey::seal`] produced for the same `slot_id`.
+    pub fn open(&self, slot_id: &str, sealed: &[u8]) -> Result<Zeroizing<Vec<u8>>, SealError> {
+        self.open_with(aad(AAD_TAG, slot_id), sealed)
+    }
+
+    /// Seals a lease issuer key's PEM for key id `key_id` (a separate associated-data tag from
+    /// slots).
+    pub fn seal_issuer(&self, key_id: &str, pem: &[u8]) -> Result<Vec<u8>, SealError> {
+        self.seal_with(aad(ISSUER_AAD_TAG, key_id), pem)
+    }
+
+    /// Opens what [`MasterKey::seal_issuer`] produced for the same `key_id`.
+    pub fn open_issuer(
+        &self,
+        key_id: &str,
+        sealed: &[u8],
+    ) -> Result<Zeroizing<Vec<u8>>, SealError> {
+        self.open_with(aad(ISSUER_AAD_TAG, key_id), sealed)
+    }
+
+    fn seal_with(&self, aad: Vec<u8>, plaintext: &[u8]) -> Result<Vec<u8>, SealError> {
         let mut nonce = [0u8; NONCE_LEN];
         SystemRandom::new()
             .fill(&mut nonce)
@@ -87,7 +113,7 @@ impl MasterKey {
         self.key
             .seal_in_place_append_tag(
                 Nonce::assume_unique_for_key(nonce),
-                Aad::from(aad(slot_id)),
+                Aad::from(aad),
                 &mut body,
             )
             .map_err(|_| SealError::Open)?;
@@ -95,8 +121,7 @@ impl MasterKey {
         Ok(out)
     }
 
-    /// Opens what [`MasterKey::seal`] produced for the same `slot_id`.
-    pub fn open(&self, slot_id: &str, sealed: &[u8]) -> Result<Zeroizing<Vec<u8>>, SealError> {
+    fn open_with(&self, aad: Vec<u8>, sealed: &[u8]) -> Result<Zeroizing<Vec<u8>>, SealError> {
         let [VERSION, rest @ ..] = sealed else {
             return Err(SealError::Open);
         };
@@ -108,7 +133,7 @@ impl MasterKey {
         let mut buf = Zeroizing::new(body.to_vec());
         let len = self
             .key
-            .open_in_place(nonce, Aad::from(aad(slot_id)), &mut buf)
+            .open_in_place(nonce, Aad::from(aad), &mut buf)
             .map_err(|_| SealError::Open)?
             .len();
         buf.truncate(len);
@@ -116,9 +141,9 @@ impl MasterKey {
     }
 }
 
-fn aad(slot_id: &str) -> Vec<u8> {
-    let mut a = AAD_TAG.to_vec();
-    a.extend_from_slice(slot_id.as_bytes());
+fn aad(tag: &[u8], id: &str) -> Vec<u8> {
+    let mut a = tag.to_vec();
+    a.extend_from_slice(id.as_bytes());
     a
 }
 

@@ -299,14 +299,21 @@ pub async fn serve(
     let poll_admin = admin.clone();
     let poll_every = config.store_poll;
     let watch = config.store_watch;
+    let rotates = config.managed;
     let poller = tokio::spawn(async move {
         loop {
+            // A staged issuer key is activated at its time by whichever replica gets there
+            // first (the others' attempt finds no staged key and changes nothing).
+            let mut wait = poll_every;
+            if rotates {
+                wait = wait.min(activate_due_issuer(&poll_admin).await);
+            }
             // Returns at once when another process or replica committed (SQLite
             // `data_version`, PostgreSQL `NOTIFY`); `poll_every` is the safety net.
             if watch {
-                poll_admin.store().wait_change(poll_every).await;
+                poll_admin.store().wait_change(wait).await;
             } else {
-                tokio::time::sleep(poll_every).await;
+                tokio::time::sleep(wait).await;
             }
             match poll_admin.store().generation().await {
                 Ok(g) => poll_admin.observe(g),
@@ -454,12 +461,6 @@ async fn connection<S>(
         .filter(|_| config.managed)
         .map(|id| id.name().to_owned());
     let mut s = ControlPlaneSession::new(session, peer, now());
-    // The key leases are signed with, named in every projection (Edges refuse Nodes that do
-    // not trust it).
-    let issuer_key_id = leases
-        .as_ref()
-        .map(|l| l.issuer().key_id().to_owned())
-        .unwrap_or_default();
     let (req_tx, mut req_rx) = mpsc::channel::<Request>(OUTBOUND_FRAMES);
     let lease_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LEASES));
     let acked = Arc::new(AtomicU64::new(0));
@@ -481,15 +482,8 @@ async fn connection<S>(
                     ControlPlaneEvent::Hello(hello) => {
                         // Before the hello's snapshot: a mutation while it is read is pushed.
                         generations.mark_unchanged();
-                        if let Some(id) = hello_accepted(
-                            &mut s,
-                            &hello,
-                            identity.as_ref(),
-                            &config,
-                            &admin,
-                            &issuer_key_id,
-                        )
-                        .await
+                        if let Some(id) =
+                            hello_accepted(&mut s, &hello, identity.as_ref(), &config, &admin).await
                         {
                             drop(handshake_slot.take());
                             registered = Some((id.clone(), register(&cp, &id, &req_tx, &acked)));
@@ -638,7 +632,7 @@ async fn connection<S>(
                 if latest > s.pushed_generation() {
                     match admin.store().snapshot().await {
                         Ok(snap) => {
-                            let _ = s.push_projection(now(), projection::build(&snap, &issuer_key_id));
+                            let _ = s.push_projection(now(), projection::build(&snap));
                         }
                         Err(e) => tracing::warn!(error = %e, "projection snapshot failed"),
                     }
@@ -694,6 +688,35 @@ async fn connection<S>(
     }
 }
 
+/// Activates the staged issuer key when its time has come; how long until it is due (at most
+/// an hour) otherwise.
+async fn activate_due_issuer(admin: &Admin) -> Duration {
+    const IDLE: Duration = Duration::from_secs(3600);
+    let staged = match admin.store().issuer_keys().await {
+        Ok(keys) => keys.into_iter().find(|k| !k.active),
+        Err(e) => {
+            tracing::warn!(error = %e, "issuer key read failed");
+            return IDLE;
+        }
+    };
+    let Some(staged) = staged else {
+        return IDLE;
+    };
+    let due_in = staged.activates_at_unix_ms - crate::store::unix_ms();
+    if due_in > 0 {
+        // Woken a little late rather than early (a millisecond early would spin).
+        return Duration::from_millis(u64::try_from(due_in).unwrap_or(0) + 1);
+    }
+    match admin.activate_issuer_key(&staged.id).await {
+        Ok(generation) => {
+            tracing::info!(target: "iop_cp", event = "cp_issuer_key_activated", key_id = %staged.id, generation, "staged issuer key activated: leases are signed with it from now on");
+        }
+        Err(crate::admin::AdminError::Store(crate::store::StoreError::NotFound(_))) => {}
+        Err(e) => tracing::warn!(error = %e, key_id = %staged.id, "issuer key activation failed"),
+    }
+    Duration::ZERO
+}
+
 /// How long the closing step may spend writing its last frames and the TLS close.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -705,7 +728,6 @@ async fn hello_accepted(
     identity: Option<&iop_wire::identity::WorkloadId>,
     config: &ServerConfig,
     admin: &Admin,
-    issuer_key_id: &str,
 ) -> Option<String> {
     if let Err(reason) = check_hello(config, identity, &hello.edge_id, hello.managed) {
         tracing::info!(target: "iop_cp", event = "cp_edge_hello_refused", reason, "edge hello refused");
@@ -714,7 +736,7 @@ async fn hello_accepted(
     }
     let projection = if config.managed {
         match admin.store().snapshot().await {
-            Ok(snap) => Some(projection::build(&snap, issuer_key_id)),
+            Ok(snap) => Some(projection::build(&snap)),
             Err(_) => {
                 s.reject(now(), "store unavailable");
                 return None;

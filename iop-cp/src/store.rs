@@ -12,6 +12,8 @@
 //! - Tokens are stored only as SHA-256 verifier digests; slot credentials only sealed
 //!   ([`crate::seal`]). Nothing here ever sees a raw token or provider credential.
 //! - Re-putting a slot (rotation) or a route bumps its own revision.
+//! - Lease issuer keys are sealed like slots; at most one is active and one staged
+//!   ([`IssuerKey`]). Every replica of a shared store signs with the same active key.
 //! - [`Store::snapshot`] and [`Store::lease_view`] are consistent reads of one generation.
 //! - Errors are typed and carry no stored values; backend error text is logged at `debug`
 //!   and replaced by a stable message.
@@ -109,6 +111,34 @@ pub struct Route {
     pub enabled: bool,
 }
 
+/// A lease issuer signing key, sealed at rest with the master key (AAD `issuer:` + id).
+///
+/// A store holds at most two: the **active** key (leases are signed with it; the projection
+/// names it) and at most one **staged** key (published ahead of time so Nodes can pin it;
+/// [`Mutation::ActivateIssuerKey`] makes it the active one and deletes the old one).
+#[derive(Clone, PartialEq, Eq)]
+pub struct IssuerKey {
+    /// The key id (`iop_lease::issuer_key_id`, derived from the key).
+    pub id: String,
+    /// The sealed PKCS#8 PEM ([`crate::seal`]); empty in a [`Snapshot`].
+    pub sealed: Vec<u8>,
+    /// Whether leases are signed with it now.
+    pub active: bool,
+    /// A staged key: when the Control Plane activates it (Unix ms). The active key: when it
+    /// was installed or activated.
+    pub activates_at_unix_ms: i64,
+}
+
+impl std::fmt::Debug for IssuerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuerKey")
+            .field("id", &self.id)
+            .field("active", &self.active)
+            .field("activates_at_unix_ms", &self.activates_at_unix_ms)
+            .finish_non_exhaustive()
+    }
+}
+
 /// One durable mutation. Each is applied in its own transaction with a generation bump.
 #[derive(Clone, Debug)]
 pub enum Mutation {
@@ -182,6 +212,32 @@ pub enum Mutation {
         /// New state.
         enabled: bool,
     },
+    /// Installs the first lease issuer key, active at once. [`StoreError::Conflict`] when
+    /// the store already has an active key (another replica installed its own first).
+    InstallIssuerKey {
+        /// Key id (derived from the key).
+        id: String,
+        /// Sealed PKCS#8 PEM.
+        sealed: Vec<u8>,
+    },
+    /// Stages the next lease issuer key, to be activated at `activates_at_unix_ms`
+    /// ([`StoreError::NotFound`] without an active key, [`StoreError::Conflict`] when one is
+    /// already staged or the id exists).
+    StageIssuerKey {
+        /// Key id (derived from the key).
+        id: String,
+        /// Sealed PKCS#8 PEM.
+        sealed: Vec<u8>,
+        /// When a Control Plane activates it.
+        activates_at_unix_ms: i64,
+    },
+    /// Makes the staged key `id` the active one and deletes the previously active key.
+    /// [`StoreError::NotFound`] when `id` is not the staged key (e.g. another replica
+    /// activated it first).
+    ActivateIssuerKey {
+        /// The staged key's id.
+        id: String,
+    },
 }
 
 impl Mutation {
@@ -196,6 +252,9 @@ impl Mutation {
             Self::SetSlotEnabled { id, .. } => ("set_slot_enabled", id),
             Self::PutRoute { id, .. } => ("put_route", id),
             Self::SetRouteEnabled { id, .. } => ("set_route_enabled", id),
+            Self::InstallIssuerKey { id, .. } => ("install_issuer_key", id),
+            Self::StageIssuerKey { id, .. } => ("stage_issuer_key", id),
+            Self::ActivateIssuerKey { id } => ("activate_issuer_key", id),
         }
     }
 
@@ -286,6 +345,15 @@ impl Mutation {
                 target(selector, "selector", false)
             }
             Self::SetRouteEnabled { id: i, .. } => id(i, "route id"),
+            Self::InstallIssuerKey { id: i, sealed }
+            | Self::StageIssuerKey { id: i, sealed, .. } => {
+                id(i, "issuer key id")?;
+                if sealed.is_empty() || sealed.len() > 64 * 1024 {
+                    return Err(StoreError::Invalid("sealed issuer key"));
+                }
+                Ok(())
+            }
+            Self::ActivateIssuerKey { id: i } => id(i, "issuer key id"),
         }
     }
 }
@@ -303,6 +371,20 @@ pub struct Snapshot {
     pub slots: Vec<Slot>,
     /// All routes.
     pub routes: Vec<Route>,
+    /// The lease issuer keys (active first, then the staged one), `sealed` emptied.
+    pub issuer_keys: Vec<IssuerKey>,
+}
+
+impl Snapshot {
+    /// The active issuer key, if one is installed.
+    pub fn active_issuer(&self) -> Option<&IssuerKey> {
+        self.issuer_keys.iter().find(|k| k.active)
+    }
+
+    /// The staged issuer key, if any.
+    pub fn staged_issuer(&self) -> Option<&IssuerKey> {
+        self.issuer_keys.iter().find(|k| !k.active)
+    }
 }
 
 /// What the lease service re-reads before decrypting, at one generation.
@@ -316,6 +398,8 @@ pub struct LeaseView {
     pub slot: Option<Slot>,
     /// The route's principal, if it exists.
     pub principal: Option<Principal>,
+    /// The active issuer key (with its sealed PEM), if one is installed.
+    pub issuer: Option<IssuerKey>,
 }
 
 /// One row of the mutation log.
@@ -363,6 +447,8 @@ pub trait Store: Send + Sync + 'static {
     /// A consistent read of one route, one slot (with its sealed credential) and the route's
     /// principal, with the generation they belong to.
     async fn lease_view(&self, route_id: &str, slot_id: &str) -> Result<LeaseView, StoreError>;
+    /// The issuer keys with their sealed PEMs (active first, then the staged one).
+    async fn issuer_keys(&self) -> Result<Vec<IssuerKey>, StoreError>;
     /// The mutation log after `after_generation`, oldest first, at most `limit` rows.
     async fn revisions(
         &self,

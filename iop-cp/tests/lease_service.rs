@@ -15,8 +15,7 @@ use iop_cp::lease::{LeaseRefusal, LeaseService};
 use iop_cp::seal::MasterKey;
 use iop_cp::store::{Mutation, SqliteStore, Store};
 use iop_lease::{
-    Issuer, IssuerSigningKey, MemoryReplayGuard, OpenPolicy, Recipient, RecipientSecretKey,
-    TrustedIssuers,
+    IssuerSigningKey, MemoryReplayGuard, OpenPolicy, Recipient, RecipientSecretKey, TrustedIssuers,
 };
 use iop_wire::control::AcquireLeaseRequest;
 use iop_wire::runtime::{CredentialLeaseBinding, ManagedCredential};
@@ -30,23 +29,17 @@ struct World {
 async fn world() -> World {
     let store: Arc<dyn Store> = Arc::new(SqliteStore::in_memory().unwrap());
     let admin = Admin::new(store.clone(), Arc::new(MasterKey::generate().unwrap().0), 1);
-    let issuer = Issuer::new(
-        IssuerSigningKey::generate("iss-1").unwrap(),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let issuer = admin
+        .ensure_issuer_key(|| Ok(IssuerSigningKey::generate_derived().unwrap()))
+        .await
+        .unwrap();
     let trusted: TrustedIssuers = [issuer.public_key()].into_iter().collect();
     let node = Recipient::new(
         RecipientSecretKey::generate("node-1-key").unwrap(),
         trusted,
         OpenPolicy::default(),
     );
-    let leases = LeaseService::new(
-        store,
-        admin.master_key().clone(),
-        issuer,
-        Duration::from_secs(30),
-    );
+    let leases = LeaseService::new(store, admin.master_key().clone(), Duration::from_secs(30));
     admin.create_principal("team-a", "A").await.unwrap();
     admin.create_principal("team-b", "B").await.unwrap();
     admin

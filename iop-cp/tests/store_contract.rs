@@ -344,6 +344,95 @@ async fn a_change_elsewhere_ends_the_wait<B: Backend>() {
     assert_eq!(seen, g);
 }
 
+/// Issuer keys: the first install is active; a second install (another replica racing) is
+/// refused and changes nothing; a staged key needs an active one and is alone; activation
+/// swaps them in one generation, deletes the old key, and only the first of two replicas'
+/// activations succeeds. Snapshots never carry the sealed bytes; the lease view carries the
+/// active key's.
+async fn issuer_keys_install_stage_and_activate<B: Backend>() {
+    let (a, b) = B::pair().await;
+    let stage = |id: &str, at: i64| Mutation::StageIssuerKey {
+        id: id.into(),
+        sealed: format!("sealed-{id}").into_bytes(),
+        activates_at_unix_ms: at,
+    };
+    let install = |id: &str| Mutation::InstallIssuerKey {
+        id: id.into(),
+        sealed: format!("sealed-{id}").into_bytes(),
+    };
+    assert_eq!(
+        a.apply(stage("p256:aa", 5)).await,
+        Err(StoreError::NotFound("active issuer key"))
+    );
+    let g1 = a.apply(install("p256:aa")).await.unwrap();
+    assert_eq!(
+        b.apply(install("p256:bb")).await,
+        Err(StoreError::Conflict("active issuer key"))
+    );
+    assert_eq!(
+        b.apply(install("p256:aa")).await,
+        Err(StoreError::Conflict("issuer key"))
+    );
+    assert_eq!(b.generation().await.unwrap(), g1);
+    let g2 = b.apply(stage("p256:cc", 1_900_000_000_000)).await.unwrap();
+    assert_eq!(g2, g1 + 1);
+    assert_eq!(
+        a.apply(stage("p256:dd", 7)).await,
+        Err(StoreError::Conflict("staged issuer key"))
+    );
+    let snap = a.snapshot().await.unwrap();
+    assert_eq!(snap.generation, g2);
+    assert_eq!(snap.active_issuer().map(|k| k.id.as_str()), Some("p256:aa"));
+    let staged = snap.staged_issuer().unwrap();
+    assert_eq!(
+        (staged.id.as_str(), staged.activates_at_unix_ms),
+        ("p256:cc", 1_900_000_000_000)
+    );
+    assert!(snap.issuer_keys.iter().all(|k| k.sealed.is_empty()));
+    let view = a.lease_view("none", "none").await.unwrap();
+    assert_eq!(view.issuer.as_ref().unwrap().sealed, b"sealed-p256:aa");
+    assert_eq!(
+        a.apply(Mutation::ActivateIssuerKey {
+            id: "p256:aa".into()
+        })
+        .await,
+        Err(StoreError::NotFound("staged issuer key"))
+    );
+    let g3 = a
+        .apply(Mutation::ActivateIssuerKey {
+            id: "p256:cc".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(g3, g2 + 1);
+    assert_eq!(
+        b.apply(Mutation::ActivateIssuerKey {
+            id: "p256:cc".into()
+        })
+        .await,
+        Err(StoreError::NotFound("staged issuer key"))
+    );
+    let keys = b.issuer_keys().await.unwrap();
+    assert_eq!(keys.len(), 1, "the old key is deleted: {keys:?}");
+    assert!(keys[0].active && keys[0].id == "p256:cc" && keys[0].sealed == b"sealed-p256:cc");
+    assert_eq!(b.generation().await.unwrap(), g3);
+    let log: Vec<String> = b
+        .revisions(0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| format!("{}:{}", r.kind, r.object_id))
+        .collect();
+    assert_eq!(
+        log,
+        [
+            "install_issuer_key:p256:aa",
+            "stage_issuer_key:p256:cc",
+            "activate_issuer_key:p256:cc"
+        ]
+    );
+}
+
 macro_rules! contract {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -365,4 +454,5 @@ contract!(
     tokens_slots_routes_and_revisions,
     concurrent_writers_get_distinct_generations,
     a_change_elsewhere_ends_the_wait,
+    issuer_keys_install_stage_and_activate,
 );

@@ -536,10 +536,14 @@ async fn connect_one(c: &ControlConfig, address: &str) -> Result<Io, SessionStat
 /// Installs a projection the session machine accepted (strictly higher generation).
 fn install_projection(shared: &Shared, p: PrincipalProjection) {
     let generation = p.generation;
-    // Nodes that do not trust the key leases are signed with are refused at registration.
-    shared
-        .edge
-        .set_required_issuer(Some(p.issuer_key_id.clone()).filter(|k| !k.is_empty()));
+    // Nodes that do not trust the key leases are signed with are refused at registration and
+    // no longer selected; those that do not trust the staged key are warned about.
+    shared.edge.set_issuers(iop_edge_core::Issuers {
+        active: Some(p.issuer_key_id.clone()).filter(|k| !k.is_empty()),
+        staged: Some(p.staged_issuer_key_id.clone())
+            .filter(|k| !k.is_empty())
+            .map(|k| (k, p.staged_issuer_activates_at_unix_ms)),
+    });
     *shared
         .projection
         .write()
@@ -748,6 +752,7 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
                 .cloned()
                 .collect(),
             refused: edge.refused(node_id).unwrap_or_default(),
+            warning: edge.warning(node_id).unwrap_or_default(),
         })
         .collect();
     for node_id in &ready {
@@ -758,6 +763,7 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
                 config: EdgeNodeConfigSummary::default(),
                 provider_snapshots: Vec::new(),
                 refused: String::new(),
+                warning: String::new(),
             });
         }
     }

@@ -827,11 +827,18 @@ impl EdgeHandle {
         Ok(self.shared.lock().core.ready_nodes())
     }
 
-    /// Managed mode: the lease issuer key id a registering Node must trust (the control
-    /// connector sets it from each projection); a Node that names other ids only is refused
-    /// and never selected (see `iop_wire::registry::Registry::set_required_issuer`).
-    pub fn set_required_issuer(&self, key_id: Option<String>) {
-        self.shared.lock().core.set_required_issuer(key_id);
+    /// Managed mode: the lease issuer keys (the control connector sets them from each
+    /// projection). A Node that does not trust the active key is refused at registration, or
+    /// no longer selected once registered; one that does not trust the staged key gets a
+    /// warning (see `iop_edge_core::EdgeCore::set_issuers`).
+    pub fn set_issuers(&self, issuers: iop_edge_core::Issuers) {
+        self.shared.with(|core, now| core.set_issuers(now, issuers));
+    }
+
+    /// What will stop Node `node_id` being selected (it does not trust the staged issuer
+    /// key), for the status view.
+    pub fn warning(&self, node_id: &str) -> Option<String> {
+        self.shared.lock().core.warning(node_id).map(str::to_owned)
     }
 
     /// Why Node `node_id`'s last registration was refused for a configuration disagreement

@@ -398,6 +398,7 @@ impl EdgeStatusResponse {
                         .map(ProviderSnapshot::to_proto)
                         .collect(),
                     refused: n.refused.clone(),
+                    warning: n.warning.clone(),
                 })
                 .collect(),
         }
@@ -429,6 +430,7 @@ impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
                     validate::id("nodes.config.adapter_types", ty)?;
                 }
                 validate::text("nodes.refused", &n.refused)?;
+                validate::text("nodes.warning", &n.warning)?;
                 Ok(EdgeNodeSnapshot {
                     node_id: n.node_id,
                     connected: n.connected,
@@ -442,6 +444,7 @@ impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
                         .map(ProviderSnapshot::try_from)
                         .collect::<Result<_, _>>()?,
                     refused: n.refused,
+                    warning: n.warning,
                 })
             })
             .collect::<Result<_, InvalidMessage>>()?;
@@ -464,8 +467,12 @@ pub struct EdgeNodeSnapshot {
     /// Provider snapshots (offline figures when not connected).
     pub provider_snapshots: Vec<ProviderSnapshot>,
     /// Why the Node's last registration was refused, when its configuration disagrees with
-    /// the Edge's or the Control Plane's; empty otherwise.
+    /// the Edge's or the Control Plane's, or why it is not selected now (it does not trust
+    /// the current lease issuer key); empty otherwise.
     pub refused: String,
+    /// What will stop the Node being selected (it does not trust the staged lease issuer
+    /// key); empty otherwise.
+    pub warning: String,
 }
 
 /// Observational config summary.
@@ -576,6 +583,11 @@ pub struct PrincipalProjection {
     /// The id of the key the Control Plane signs leases with now (`iop_lease::issuer_key_id`);
     /// empty from older Control Planes. A managed Edge refuses Nodes that do not trust it.
     pub issuer_key_id: String,
+    /// The key staged to replace it (empty when none): Nodes should pin it before
+    /// `staged_issuer_activates_at_unix_ms`; a managed Edge reports those that do not.
+    pub staged_issuer_key_id: String,
+    /// When the staged key becomes the signing key (Unix ms; 0 when none is staged).
+    pub staged_issuer_activates_at_unix_ms: i64,
 }
 
 /// Most entries of each list in one projection.
@@ -664,6 +676,8 @@ impl PrincipalProjection {
                 })
                 .collect(),
             issuer_key_id: self.issuer_key_id.clone(),
+            staged_issuer_key_id: self.staged_issuer_key_id.clone(),
+            staged_issuer_activates_at_unix_ms: self.staged_issuer_activates_at_unix_ms,
         }
     }
 }
@@ -743,12 +757,25 @@ impl TryFrom<pb::PrincipalProjection> for PrincipalProjection {
         if !m.issuer_key_id.is_empty() {
             validate::id("projection.issuer_key_id", &m.issuer_key_id)?;
         }
+        if !m.staged_issuer_key_id.is_empty() {
+            validate::id("projection.staged_issuer_key_id", &m.staged_issuer_key_id)?;
+        }
+        if m.staged_issuer_activates_at_unix_ms < 0
+            || m.staged_issuer_key_id.is_empty() != (m.staged_issuer_activates_at_unix_ms == 0)
+        {
+            return Err(InvalidMessage::InvalidValue {
+                field: "projection.staged_issuer_activates_at_unix_ms",
+                rule: "positive exactly when a staged key is named",
+            });
+        }
         Ok(Self {
             generation: m.generation,
             principals,
             tokens,
             routes,
             issuer_key_id: m.issuer_key_id,
+            staged_issuer_key_id: m.staged_issuer_key_id,
+            staged_issuer_activates_at_unix_ms: m.staged_issuer_activates_at_unix_ms,
         })
     }
 }

@@ -131,6 +131,8 @@ pub enum RegistryEvent {
         /// The lease recipient key the Node announced in this registration (managed mode):
         /// learned over the authenticated connection, valid for this generation only.
         recipient: Option<RecipientKey>,
+        /// The lease issuer key ids the Node pins (empty: not announced, not checked).
+        issuer_key_ids: Vec<String>,
     },
     /// First ready transition of the current owner: activate the generation's provider
     /// resources, pump stranded waiters, publish `node.connected`.
@@ -310,7 +312,8 @@ impl Registry {
     /// [`reason::ISSUER_KEY_NOT_TRUSTED`] and a [`RegistryEvent::RegisterRefused`]: a Node that
     /// could open none of its leases is never made ready, so it is never selected. A
     /// registration naming no ids (an older Node, legacy mode) is not checked. Nodes already
-    /// registered are not fenced (their in-flight leases were signed with a key they trust).
+    /// registered are not fenced here (their in-flight leases were signed with a key they
+    /// trust); the Edge stops selecting them (`iop_edge_core::EdgeCore::set_issuers`).
     pub fn set_required_issuer(&mut self, key_id: Option<String>) {
         self.required_issuer = key_id.filter(|k| !k.is_empty());
     }
@@ -602,6 +605,7 @@ impl Registry {
         self.next_generation += 1;
         let node_id = req.node_id;
         let recipient = req.recipient;
+        let issuer_key_ids = req.issuer_key_ids;
         let previous = self.owners.insert(
             node_id.clone(),
             Owner {
@@ -641,6 +645,7 @@ impl Registry {
             node_id: node_id.clone(),
             generation,
             recipient,
+            issuer_key_ids,
         });
         let accepted = RegisterResponse::Accepted {
             node_id,

@@ -321,6 +321,8 @@ fn every_control_message_round_trips() {
     let projection = PrincipalProjection {
         generation: 3,
         issuer_key_id: "p256:0011223344556677".into(),
+        staged_issuer_key_id: "p256:8899aabbccddeeff".into(),
+        staged_issuer_activates_at_unix_ms: 1_780_000_000_000,
         principals: vec![ProjectedPrincipal {
             principal_id: "p-1".into(),
             display_name: "Team A".into(),
@@ -387,6 +389,7 @@ fn every_control_message_round_trips() {
                     provider_snapshots: vec![snapshot],
                     refused: "issuer key not trusted: the control plane signs leases with p256:00"
                         .into(),
+                    warning: "does not trust the staged issuer key p256:11".into(),
                 }],
             }),
         ),

@@ -60,16 +60,16 @@ async fn control_plane(ca: &Ca, managed: bool, listen: &str) -> (ControlPlane, A
             .unwrap(),
         )
     };
+    if managed {
+        admin
+            .ensure_issuer_key(|| Ok(iop_lease::IssuerSigningKey::generate_derived().unwrap()))
+            .await
+            .unwrap();
+    }
     let leases = managed.then(|| {
-        let issuer = iop_lease::Issuer::new(
-            iop_lease::IssuerSigningKey::generate("cp-issuer-1").unwrap(),
-            iop_lease::DEFAULT_MAX_TTL,
-        )
-        .unwrap();
         Arc::new(LeaseService::new(
             admin.store().clone(),
             admin.master_key().clone(),
-            issuer,
             DEFAULT_LEASE_TTL,
         ))
     });

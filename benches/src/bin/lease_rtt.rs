@@ -60,15 +60,13 @@ async fn main() {
         .put_route("r1", "team-a", "gpt", "slot-1", "gpt-4o-mini", "")
         .await
         .unwrap();
-    let issuer = iop_lease::Issuer::new(
-        iop_lease::IssuerSigningKey::generate("cp-issuer-1").unwrap(),
-        iop_lease::DEFAULT_MAX_TTL,
-    )
-    .unwrap();
+    admin
+        .ensure_issuer_key(|| Ok(iop_lease::IssuerSigningKey::generate_derived().unwrap()))
+        .await
+        .unwrap();
     let leases = Arc::new(LeaseService::new(
         store.clone(),
         admin.master_key().clone(),
-        issuer,
         DEFAULT_LEASE_TTL,
     ));
     let config = ServerConfig::new(

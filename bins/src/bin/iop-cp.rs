@@ -11,21 +11,26 @@
 //! iop-cp --data-dir DIR route put r1 --principal team-a --model gpt-4o-mini \
 //!        --slot openai-prod --target gpt-4o-mini
 //! iop-cp --data-dir DIR issuer-key > cp-issuer.pub.pem           # the PEM Nodes pin
+//! iop-cp --data-dir DIR issuer-key rotate --overlap-secs 86400 > cp-issuer-next.pub.pem
 //! ```
 //!
 //! The data directory (`--data-dir`, before or after the subcommand; default
 //! `$XDG_DATA_HOME/iop-cp` or `~/.local/share/iop-cp`) holds the SQLite store
-//! (`iop-cp.sqlite3`, unless `--postgres URL`), the at-rest master key (`master.key`) and the
-//! lease issuer key (`issuer.pem`; its public half is written to `issuer.pub.pem`), created
-//! with mode 0600 by `init` or `serve`. Every other command refuses a directory without them,
-//! so a CLI run from elsewhere never writes to a new, empty store by accident.
+//! (`iop-cp.sqlite3`, unless `--postgres URL`) and the at-rest master key (`master.key`, mode
+//! 0600), created by `init` or `serve`. Every other command refuses a directory without them,
+//! so a CLI run from elsewhere never writes to a new, empty store by accident. The lease
+//! issuer key lives in the store, sealed with the master key (an older data directory's
+//! `issuer.pem` is imported once).
 //!
-//! Replicas: `serve --postgres URL` on each, on one database; copy `master.key` and
-//! `issuer.pem` from the first replica's data directory to the others (a replica without them
-//! refuses a store that holds slots). Edges list every replica in `[control_plane] addresses`.
+//! Replicas: `serve --postgres URL` on each, on one database; copy `master.key` from the first
+//! replica's data directory to the others (a replica without it refuses a store that holds
+//! slots or issuer keys). Edges list every replica in `[control_plane] addresses`.
 //!
 //! The issuer key's id is derived from the key (`iop_lease::issuer_key_id`, `p256:` + 16 hex
 //! digits); `issuer-key` prints it, and a Node derives the same id from the PEM it pins.
+//! Rotation is staged: `issuer-key rotate --overlap-secs N` publishes the next key, leases
+//! stay signed with the current one for N seconds (pin the new key on the Nodes meanwhile),
+//! then a running `serve` activates it; `issuer-key activate` switches at once.
 //!
 //! CLI commands write the store directly; a running server notices at once (SQLite
 //! `PRAGMA data_version` every 20 ms, PostgreSQL `LISTEN/NOTIFY`; `--store-poll-ms` is the
@@ -51,7 +56,7 @@ use clap::{Parser, Subcommand};
 use iop_bins::tls_reload::{self, TlsPaths};
 use iop_cp::admin::Admin;
 use iop_cp::lease::LeaseService;
-use iop_cp::seal::{MasterKey, write_private};
+use iop_cp::seal::MasterKey;
 use iop_cp::server::{self, ServerConfig};
 use iop_cp::store::{Mutation, PgStore, SqliteStore, Store};
 use iop_lease::{DEFAULT_MAX_TTL, IssuerSigningKey};
@@ -111,14 +116,44 @@ enum Command {
     #[command(subcommand)]
     Route(RouteCmd),
     /// Print the lease issuer's public key (PEM, on stdout) for Nodes to pin; its key id and
-    /// a Node config snippet go to stderr.
-    IssuerKey,
+    /// a Node config snippet go to stderr. `rotate` stages a new key with an overlap,
+    /// `activate` switches to the staged key now, `list` shows both.
+    IssuerKey(IssuerKeyArgs),
     /// Print the mutation log.
     Revisions {
         /// Only after this generation.
         #[arg(long, default_value_t = 0)]
         after: u64,
     },
+}
+
+#[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+struct IssuerKeyArgs {
+    /// Print the staged key (the one `rotate` published) instead of the active one.
+    #[arg(long)]
+    staged: bool,
+    #[command(subcommand)]
+    action: Option<IssuerKeyCmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum IssuerKeyCmd {
+    /// Stage a new issuer key and print its public key (PEM, stdout). Leases stay signed with
+    /// the current key for `--overlap-secs`; pin the new key on every Node meanwhile (Edges
+    /// report the Nodes that do not trust it). Then a running `iop-cp serve` (any replica)
+    /// activates it: from then on Edges stop selecting Nodes that do not trust it.
+    Rotate {
+        /// How long the current key keeps signing before the new one takes over (seconds;
+        /// 0 switches at once, for a compromised key).
+        #[arg(long)]
+        overlap_secs: u64,
+    },
+    /// Activate the staged key now, without waiting for the end of the overlap.
+    Activate,
+    /// List the active and the staged key: state, key id, and when it was or will be
+    /// activated (Unix ms).
+    List,
 }
 
 #[derive(clap::Args, Debug)]
@@ -307,26 +342,34 @@ fn data_dir(cli: &Cli) -> Result<PathBuf, Failure> {
     Ok(base.join("iop-cp"))
 }
 
-/// The issuer key in `dir/issuer.pem` (created on first use); its id is derived from the key
+/// The store's active issuer key, installed on first use: the key of an older data
+/// directory's `issuer.pem` if there is one, else a new key. Its id is derived from the key
 /// (`iop_lease::issuer_key_id`), so the id Nodes derive from the PEM they pin is the same.
-fn issuer_key(dir: &Path) -> Result<IssuerSigningKey, Failure> {
-    let path = dir.join("issuer.pem");
-    let key = match std::fs::read_to_string(&path) {
-        Ok(pem) => IssuerSigningKey::from_pem_derived(&pem)
-            .map_err(|e| runtime(format!("{}: {e}", path.display())))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let key = IssuerSigningKey::generate_derived()
-                .map_err(|e| runtime(format!("issuer key: {e}")))?;
-            write_private(&path, key.to_pem().as_bytes())
-                .map_err(|e| runtime(format!("{}: {e}", path.display())))?;
-            key
-        }
-        Err(e) => return Err(runtime(format!("{}: {e}", path.display()))),
-    };
-    let public = dir.join("issuer.pub.pem");
-    std::fs::write(&public, key.public_key().to_pem())
-        .map_err(|e| runtime(format!("{}: {e}", public.display())))?;
-    Ok(key)
+async fn issuer_key(admin: &Admin, dir: &Path) -> Result<IssuerSigningKey, Failure> {
+    let legacy = dir.join("issuer.pem");
+    admin
+        .ensure_issuer_key(|| {
+            match std::fs::read_to_string(&legacy) {
+                Ok(pem) => IssuerSigningKey::from_pem_derived(&pem),
+                Err(_) => IssuerSigningKey::generate_derived(),
+            }
+            .map_err(|_| iop_cp::admin::AdminError::KeyGeneration)
+        })
+        .await
+        .map_err(|e| runtime(format!("issuer key: {e}")))
+}
+
+/// The Node config lines pinning `paths` (one `[[credential_plane.issuers]]` each).
+fn node_snippet(pins: &[(&str, &str)]) -> String {
+    let mut s = String::from(
+        "[credential_plane]\nenabled = true\nrecipient_key = \"/var/lib/iop/node.x25519.pem\"\nrecipient_key_id = \"node-key-1\"\n",
+    );
+    for (path, id) in pins {
+        s.push_str(&format!(
+            "[[credential_plane.issuers]]\npublic_key = \"{path}\"\n# key_id = \"{id}\"   (optional: derived from the key)\n"
+        ));
+    }
+    s
 }
 
 async fn open(cli: &Cli, dir: &Path) -> Result<Admin, Failure> {
@@ -355,18 +398,18 @@ async fn open(cli: &Cli, dir: &Path) -> Result<Admin, Failure> {
         }
     };
     let master = dir.join("master.key");
-    if !master.exists()
-        && !store
+    let sealed_inside = {
+        let snap = store
             .snapshot()
             .await
-            .map_err(|e| runtime(format!("store: {e}")))?
-            .slots
-            .is_empty()
-    {
+            .map_err(|e| runtime(format!("store: {e}")))?;
+        !snap.slots.is_empty() || !snap.issuer_keys.is_empty()
+    };
+    if !master.exists() && sealed_inside {
         // A second replica started without the first one's keys would seal and open with a
         // new master key and could never open the slots already stored.
         return Err(usage(format!(
-            "the store holds sealed slots but {} does not exist: copy master.key and issuer.pem from the data directory of the replica that created them",
+            "the store holds sealed slots or issuer keys but {} does not exist: copy master.key from the data directory of the replica that created them",
             master.display()
         )));
     }
@@ -412,7 +455,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let fail = |e: iop_cp::admin::AdminError| runtime(e.to_string());
     match &cli.command {
         Command::Init => {
-            let key = issuer_key(&dir)?;
+            let key = issuer_key(&admin, &dir).await?;
             println!(
                 "iop-cp: data in {} (generation {}); issuer key id {}",
                 dir.display(),
@@ -509,16 +552,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             println!("route {id} disabled (generation {g})");
             Ok(())
         }
-        Command::IssuerKey => {
-            let key = issuer_key(&dir)?;
-            print!("{}", key.public_key().to_pem());
-            eprintln!("key id: {}", key.key_id());
-            eprintln!(
-                "Save the PEM above on each Node (e.g. `iop-cp issuer-key > /etc/iop/cp-issuer.pub.pem`) and pin it in the Node's config:\n\n[credential_plane]\nenabled = true\nrecipient_key = \"/var/lib/iop/node.x25519.pem\"\nrecipient_key_id = \"node-key-1\"\n[[credential_plane.issuers]]\npublic_key = \"/etc/iop/cp-issuer.pub.pem\"\n# key_id = \"{}\"   (optional: derived from the key)",
-                key.key_id()
-            );
-            Ok(())
-        }
+        Command::IssuerKey(args) => issuer_key_cmd(&admin, &dir, args).await,
         Command::Revisions { after } => {
             let rows = admin
                 .store()
@@ -593,6 +627,108 @@ fn tls_config(args: &ServeArgs) -> Result<Arc<rustls::ServerConfig>, Failure> {
     Ok(Arc::new(config))
 }
 
+async fn issuer_key_cmd(admin: &Admin, dir: &Path, args: &IssuerKeyArgs) -> Result<(), Failure> {
+    let active = issuer_key(admin, dir).await?;
+    let fail = |e: iop_cp::admin::AdminError| runtime(e.to_string());
+    let keys = admin.issuer_keys().await.map_err(fail)?;
+    let staged = keys.iter().find(|(k, _)| !k.active);
+    let in_secs =
+        |at_ms: i64| (at_ms - iop_wire::time::unix_ms(std::time::SystemTime::now())).max(0) / 1000;
+    match &args.action {
+        None if args.staged => {
+            let (meta, key) = staged.ok_or_else(|| {
+                usage("no issuer key is staged (stage one with `iop-cp issuer-key rotate`)")
+            })?;
+            print!("{}", key.to_pem());
+            eprintln!(
+                "staged key id: {} (activates in {} s; the active key is {})",
+                meta.id,
+                in_secs(meta.activates_at_unix_ms),
+                active.key_id()
+            );
+            Ok(())
+        }
+        None => {
+            print!("{}", active.public_key().to_pem());
+            eprintln!("key id: {}", active.key_id());
+            eprintln!(
+                "Save the PEM above on each Node (e.g. `iop-cp issuer-key > /etc/iop/cp-issuer.pub.pem`) and pin it in the Node's config:\n\n{}",
+                node_snippet(&[("/etc/iop/cp-issuer.pub.pem", active.key_id())])
+            );
+            if let Some((meta, _)) = staged {
+                eprintln!(
+                    "A new key {} is staged and activates in {} s: print it with `iop-cp issuer-key --staged` and pin it too.",
+                    meta.id,
+                    in_secs(meta.activates_at_unix_ms)
+                );
+            }
+            Ok(())
+        }
+        Some(IssuerKeyCmd::List) => {
+            for (meta, _) in &keys {
+                println!(
+                    "{}\t{}\t{}",
+                    if meta.active { "active" } else { "staged" },
+                    meta.id,
+                    meta.activates_at_unix_ms
+                );
+            }
+            Ok(())
+        }
+        Some(IssuerKeyCmd::Rotate { overlap_secs }) => {
+            if let Some((meta, _)) = staged {
+                return Err(usage(format!(
+                    "key {} is already staged (activates in {} s); `iop-cp issuer-key activate` switches to it now",
+                    meta.id,
+                    in_secs(meta.activates_at_unix_ms)
+                )));
+            }
+            let overlap_ms = i64::try_from(overlap_secs.saturating_mul(1000))
+                .map_err(|_| usage("--overlap-secs is too large"))?;
+            let at =
+                iop_wire::time::unix_ms(std::time::SystemTime::now()).saturating_add(overlap_ms);
+            let (key, generation) = admin.stage_issuer_key(at.max(1)).await.map_err(fail)?;
+            if *overlap_secs == 0 {
+                let g = admin
+                    .activate_issuer_key(key.key_id())
+                    .await
+                    .map_err(fail)?;
+                print!("{}", key.to_pem());
+                eprintln!(
+                    "issuer key {} is active now (generation {g}); {} no longer signs. Edges stop selecting Nodes that do not pin the new key: pin it on every Node (config below) and restart them.\n\n{}",
+                    key.key_id(),
+                    active.key_id(),
+                    node_snippet(&[("/etc/iop/cp-issuer.pub.pem", key.key_id())])
+                );
+                return Ok(());
+            }
+            print!("{}", key.to_pem());
+            eprintln!(
+                "staged issuer key {} (generation {generation}); leases stay signed with {} for {overlap_secs} s, then a running `iop-cp serve` activates the new key.\n\
+                 Now: save the PEM above on every Node (e.g. as /etc/iop/cp-issuer-next.pub.pem), pin it beside the current key, and restart the Node:\n\n{}\n\
+                 Edges log `edge_node_issuer_staged_untrusted` for the Nodes that do not trust it yet; after activation they are not selected. Remove the old key from the Nodes once the new one is active.",
+                key.key_id(),
+                active.key_id(),
+                node_snippet(&[
+                    ("/etc/iop/cp-issuer.pub.pem", active.key_id()),
+                    ("/etc/iop/cp-issuer-next.pub.pem", key.key_id()),
+                ])
+            );
+            Ok(())
+        }
+        Some(IssuerKeyCmd::Activate) => {
+            let (meta, _) = staged.ok_or_else(|| usage("no issuer key is staged"))?;
+            let g = admin.activate_issuer_key(&meta.id).await.map_err(fail)?;
+            println!(
+                "issuer key {} is active (generation {g}); {} no longer signs",
+                meta.id,
+                active.key_id()
+            );
+            Ok(())
+        }
+    }
+}
+
 async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure> {
     if !args.admin_listen.ip().is_loopback() && !args.admin_allow_remote {
         return Err(usage(
@@ -607,26 +743,23 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
         )));
     }
     let tls = tls_config(args)?;
-    let leases = if args.credential_plane {
-        let issuer = iop_lease::Issuer::new(issuer_key(dir)?, DEFAULT_MAX_TTL)
-            .map_err(|e| runtime(format!("issuer: {e}")))?;
-        Some(Arc::new(LeaseService::new(
-            admin.store().clone(),
-            admin.master_key().clone(),
-            issuer,
-            ttl,
-        )))
+    let (leases, issuer_id) = if args.credential_plane {
+        let issuer = issuer_key(&admin, dir).await?;
+        (
+            Some(Arc::new(LeaseService::new(
+                admin.store().clone(),
+                admin.master_key().clone(),
+                ttl,
+            ))),
+            issuer.key_id().to_owned(),
+        )
     } else {
-        None
+        (None, String::new())
     };
     let mut config = ServerConfig::new(args.listen, tls, args.credential_plane);
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(100));
     config.store_poll = Duration::from_millis(args.store_poll_ms.max(10));
     config.store_watch = args.store_watch;
-    let issuer_id = leases
-        .as_ref()
-        .map(|l| l.issuer().key_id().to_owned())
-        .unwrap_or_default();
     let (cp, task) = server::serve(config, admin.clone(), leases)
         .await
         .map_err(|e| runtime(format!("listen {}: {e}", args.listen)))?;
@@ -644,9 +777,7 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
     println!("iop-cp: admin API on http://{admin_addr}");
     if args.credential_plane {
         println!(
-            "iop-cp: lease issuer key id {} (public key in {})",
-            issuer_id,
-            dir.join("issuer.pub.pem").display()
+            "iop-cp: lease issuer key id {issuer_id} (`iop-cp issuer-key` prints its public key)"
         );
     }
     let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());

@@ -376,8 +376,8 @@ mod managed {
     use iop_edge::EdgeHandle;
     use iop_edge::control::{ControlConfig, ControlConnector, SessionState};
     use iop_lease::{
-        DEFAULT_MAX_TTL, IssuerPublicKey, IssuerSigningKey, OpenPolicy, Recipient,
-        RecipientSecretKey, TrustedIssuers,
+        IssuerPublicKey, IssuerSigningKey, OpenPolicy, Recipient, RecipientSecretKey,
+        TrustedIssuers,
     };
     use iop_wire::runtime::{AdapterConfig, AdapterSettings};
     use tokio_util::sync::CancellationToken;
@@ -445,12 +445,17 @@ mod managed {
         drop(raw);
         let generation = store.generation().await.map_err(|e| fail("store", &e))?;
         let admin = Admin::new(store.clone(), Arc::new(master), generation);
-        let issuer_key = IssuerSigningKey::generate_derived().map_err(|e| fail("issuer", &e))?;
-        let issuer = issuer_key.public_key();
+        let issuer = admin
+            .ensure_issuer_key(|| {
+                IssuerSigningKey::generate_derived()
+                    .map_err(|_| iop_cp::admin::AdminError::KeyGeneration)
+            })
+            .await
+            .map_err(|e| fail("issuer", &e))?
+            .public_key();
         let leases = LeaseService::new(
             store,
             admin.master_key().clone(),
-            iop_lease::Issuer::new(issuer_key, DEFAULT_MAX_TTL).map_err(|e| fail("issuer", &e))?,
             iop_cp::lease::DEFAULT_LEASE_TTL,
         );
         let admin_err = |e: iop_cp::admin::AdminError| fail("setup", &e);

@@ -14,8 +14,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, IsolationLevel, NoTls, Row, Transaction};
 
 use super::{
-    LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError, Token,
-    digest_array, to_i64, to_u64, unix_ms,
+    IssuerKey, LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError,
+    Token, digest_array, to_i64, to_u64, unix_ms,
 };
 
 const SCHEMA: &str = "
@@ -35,6 +35,9 @@ CREATE TABLE IF NOT EXISTS routes (
   model TEXT NOT NULL, slot_id TEXT NOT NULL REFERENCES slots(id), profile TEXT NOT NULL,
   upstream_target TEXT NOT NULL, selector TEXT NOT NULL, revision BIGINT NOT NULL,
   enabled BOOLEAN NOT NULL, UNIQUE (principal_id, model));
+CREATE TABLE IF NOT EXISTS issuer_keys (
+  id TEXT PRIMARY KEY, sealed BYTEA NOT NULL, active BOOLEAN NOT NULL,
+  activates_at_unix_ms BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS revisions (
   generation BIGINT PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
   at_unix_ms BIGINT NOT NULL);
@@ -339,8 +342,99 @@ async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError>
                 .map_err(|e| backend(&e))?;
             changed(n, "route")?;
         }
+        Mutation::InstallIssuerKey { id, sealed } => {
+            // Serialized with every other mutation by the generation row lock taken first.
+            if exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE active AND id <> $1",
+                id,
+            )
+            .await?
+            {
+                return Err(StoreError::Conflict("active issuer key"));
+            }
+            tx.execute(
+                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
+                 VALUES ($1, $2, TRUE, $3)",
+                &[id, sealed, &unix_ms()],
+            )
+            .await
+            .map_err(|e| unique(&e, "issuer key"))?;
+        }
+        Mutation::StageIssuerKey {
+            id,
+            sealed,
+            activates_at_unix_ms,
+        } => {
+            if !exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE active AND id <> $1",
+                id,
+            )
+            .await?
+            {
+                return Err(StoreError::NotFound("active issuer key"));
+            }
+            if exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE NOT active AND id <> $1",
+                id,
+            )
+            .await?
+            {
+                return Err(StoreError::Conflict("staged issuer key"));
+            }
+            tx.execute(
+                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
+                 VALUES ($1, $2, FALSE, $3)",
+                &[id, sealed, activates_at_unix_ms],
+            )
+            .await
+            .map_err(|e| unique(&e, "issuer key"))?;
+        }
+        Mutation::ActivateIssuerKey { id } => {
+            if !exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE id = $1 AND NOT active",
+                id,
+            )
+            .await?
+            {
+                return Err(StoreError::NotFound("staged issuer key"));
+            }
+            tx.execute("DELETE FROM issuer_keys WHERE active", &[])
+                .await
+                .map_err(|e| backend(&e))?;
+            tx.execute(
+                "UPDATE issuer_keys SET active = TRUE, activates_at_unix_ms = $2 WHERE id = $1",
+                &[id, &unix_ms()],
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        }
     }
     Ok(())
+}
+
+async fn issuer_keys(tx: &Transaction<'_>, sealed: bool) -> Result<Vec<IssuerKey>, StoreError> {
+    let sql = if sealed {
+        "SELECT id, sealed, active, activates_at_unix_ms FROM issuer_keys ORDER BY active DESC, id"
+    } else {
+        "SELECT id, ''::bytea, active, activates_at_unix_ms FROM issuer_keys \
+         ORDER BY active DESC, id"
+    };
+    Ok(tx
+        .query(sql, &[])
+        .await
+        .map_err(|e| backend(&e))?
+        .iter()
+        .map(|r| IssuerKey {
+            id: r.get(0),
+            sealed: r.get(1),
+            active: r.get(2),
+            activates_at_unix_ms: r.get(3),
+        })
+        .collect())
 }
 
 fn principal(r: &Row) -> Principal {
@@ -475,6 +569,7 @@ impl Store for PgStore {
             .iter()
             .map(route)
             .collect();
+        let issuer_keys = issuer_keys(&tx, false).await?;
         tx.commit().await.map_err(|e| backend(&e))?;
         Ok(Snapshot {
             generation,
@@ -482,6 +577,7 @@ impl Store for PgStore {
             tokens,
             slots,
             routes,
+            issuer_keys,
         })
     }
 
@@ -526,13 +622,29 @@ impl Store for PgStore {
                 .map(principal),
             None => None,
         };
+        let issuer = issuer_keys(&tx, true).await?.into_iter().find(|k| k.active);
         tx.commit().await.map_err(|e| backend(&e))?;
         Ok(LeaseView {
             generation,
             route,
             slot,
             principal,
+            issuer,
         })
+    }
+
+    async fn issuer_keys(&self) -> Result<Vec<IssuerKey>, StoreError> {
+        let mut client = self.client.lock().await;
+        let tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(|e| backend(&e))?;
+        let keys = issuer_keys(&tx, true).await?;
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(keys)
     }
 
     async fn revisions(

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use rusqlite::{Connection, ErrorCode, OptionalExtension as _, TransactionBehavior, params};
 
 use super::{
-    LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError, Token,
-    digest_array, to_i64, to_u64, unix_ms,
+    IssuerKey, LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError,
+    Token, digest_array, to_i64, to_u64, unix_ms,
 };
 
 const SCHEMA: &str = "
@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS routes (
   model TEXT NOT NULL, slot_id TEXT NOT NULL REFERENCES slots(id), profile TEXT NOT NULL,
   upstream_target TEXT NOT NULL, selector TEXT NOT NULL, revision INTEGER NOT NULL,
   enabled INTEGER NOT NULL, UNIQUE (principal_id, model));
+CREATE TABLE IF NOT EXISTS issuer_keys (
+  id TEXT PRIMARY KEY, sealed BLOB NOT NULL, active INTEGER NOT NULL,
+  activates_at_unix_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS revisions (
   generation INTEGER PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
   at_unix_ms INTEGER NOT NULL);
@@ -261,8 +264,85 @@ fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreEr
                 .map_err(|e| backend(&e))?;
             changed(n, "route")?;
         }
+        Mutation::InstallIssuerKey { id, sealed } => {
+            if exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE active = 1 AND id <> ?1",
+                id,
+            )? {
+                return Err(StoreError::Conflict("active issuer key"));
+            }
+            tx.execute(
+                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
+                 VALUES (?1, ?2, 1, ?3)",
+                params![id, sealed, unix_ms()],
+            )
+            .map_err(|e| unique(e, "issuer key"))?;
+        }
+        Mutation::StageIssuerKey {
+            id,
+            sealed,
+            activates_at_unix_ms,
+        } => {
+            if !exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE active = 1 AND id <> ?1",
+                id,
+            )? {
+                return Err(StoreError::NotFound("active issuer key"));
+            }
+            if exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE active = 0 AND id <> ?1",
+                id,
+            )? {
+                return Err(StoreError::Conflict("staged issuer key"));
+            }
+            tx.execute(
+                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
+                 VALUES (?1, ?2, 0, ?3)",
+                params![id, sealed, activates_at_unix_ms],
+            )
+            .map_err(|e| unique(e, "issuer key"))?;
+        }
+        Mutation::ActivateIssuerKey { id } => {
+            if !exists(
+                tx,
+                "SELECT 1 FROM issuer_keys WHERE id = ?1 AND active = 0",
+                id,
+            )? {
+                return Err(StoreError::NotFound("staged issuer key"));
+            }
+            tx.execute("DELETE FROM issuer_keys WHERE active = 1", [])
+                .map_err(|e| backend(&e))?;
+            tx.execute(
+                "UPDATE issuer_keys SET active = 1, activates_at_unix_ms = ?2 WHERE id = ?1",
+                params![id, unix_ms()],
+            )
+            .map_err(|e| backend(&e))?;
+        }
     }
     Ok(())
+}
+
+fn issuer_keys(conn: &Connection, sealed: bool) -> Result<Vec<IssuerKey>, StoreError> {
+    let sql = if sealed {
+        "SELECT id, sealed, active, activates_at_unix_ms FROM issuer_keys ORDER BY active DESC, id"
+    } else {
+        "SELECT id, x'', active, activates_at_unix_ms FROM issuer_keys ORDER BY active DESC, id"
+    };
+    let mut st = conn.prepare(sql).map_err(|e| backend(&e))?;
+    st.query_map([], |r| {
+        Ok(IssuerKey {
+            id: r.get(0)?,
+            sealed: r.get(1)?,
+            active: r.get(2)?,
+            activates_at_unix_ms: r.get(3)?,
+        })
+    })
+    .map_err(|e| backend(&e))?
+    .collect::<Result<Vec<_>, _>>()
+    .map_err(|e| backend(&e))
 }
 
 fn principal(r: &rusqlite::Row<'_>) -> rusqlite::Result<Principal> {
@@ -430,6 +510,7 @@ impl Store for SqliteStore {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| backend(&e))?;
             drop(st);
+            let issuer_keys = issuer_keys(&tx, false)?;
             tx.commit().map_err(|e| backend(&e))?;
             Ok(Snapshot {
                 generation,
@@ -437,6 +518,7 @@ impl Store for SqliteStore {
                 tokens,
                 slots,
                 routes,
+                issuer_keys,
             })
         })
         .await
@@ -475,15 +557,21 @@ impl Store for SqliteStore {
                     .map_err(|e| backend(&e))?,
                 None => None,
             };
+            let issuer = issuer_keys(&tx, true)?.into_iter().find(|k| k.active);
             tx.commit().map_err(|e| backend(&e))?;
             Ok(LeaseView {
                 generation,
                 route,
                 slot,
                 principal,
+                issuer,
             })
         })
         .await
+    }
+
+    async fn issuer_keys(&self) -> Result<Vec<IssuerKey>, StoreError> {
+        self.with(|conn| issuer_keys(conn, true)).await
     }
 
     async fn revisions(

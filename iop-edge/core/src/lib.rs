@@ -90,7 +90,7 @@ mod machine;
 pub mod pool;
 
 pub use machine::{
-    Admit, Admitted, Answer, CoreConfig, DispatchError, EdgeCore, Event, Level, Lifecycle,
+    Admit, Admitted, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,
     NODE_DISCONNECTED, NoObserver, Observer, Open, Opened, SLOW_CONSUMER, Sinks, StreamSink,
     TunnelEvent,
 };

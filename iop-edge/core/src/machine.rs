@@ -102,6 +102,16 @@ impl TunnelEvent {
     }
 }
 
+/// The lease issuer keys a managed Edge holds Nodes to ([`EdgeCore::set_issuers`]), from the
+/// Control Plane's projection.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Issuers {
+    /// The key leases are signed with now.
+    pub active: Option<String>,
+    /// The staged key and when it becomes the active one (Unix ms).
+    pub staged: Option<(String, i64)>,
+}
+
 /// Why a dispatch was refused or failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -418,6 +428,12 @@ pub struct EdgeCore<S: Sinks> {
     /// Why each Node's last registration was refused for a configuration disagreement (the
     /// registry's [`RegistryEvent::RegisterRefused`]); cleared when it is ready again.
     refused: BTreeMap<String, String>,
+    /// The lease issuer key ids each Node's current registration pins (managed mode).
+    pins: BTreeMap<String, (Generation, Vec<String>)>,
+    /// The key leases are signed with now and the staged one (from the projection).
+    issuers: Issuers,
+    /// Nodes that do not trust the staged issuer key, and what the status view says of it.
+    warnings: BTreeMap<String, String>,
     config: CoreConfig,
     /// Streams holding unread bytes, by the time to look again, and the read count seen when
     /// the timer was armed.
@@ -459,6 +475,9 @@ where
             next_correlation: self.next_correlation,
             recipients: self.recipients.clone(),
             refused: self.refused.clone(),
+            pins: self.pins.clone(),
+            issuers: self.issuers.clone(),
+            warnings: self.warnings.clone(),
             config: self.config,
             slow_timers: self.slow_timers.clone(),
             slow: self.slow.clone(),
@@ -524,6 +543,9 @@ impl<S: Sinks> EdgeCore<S> {
             next_correlation: 1,
             recipients: BTreeMap::new(),
             refused: BTreeMap::new(),
+            pins: BTreeMap::new(),
+            issuers: Issuers::default(),
+            warnings: BTreeMap::new(),
             config,
             slow_timers: BTreeSet::new(),
             slow: BTreeMap::new(),
@@ -781,17 +803,99 @@ impl<S: Sinks> EdgeCore<S> {
         self.registry.ready_nodes()
     }
 
-    /// Managed mode: the lease issuer key id registering Nodes must trust
-    /// (`iop_wire::registry::Registry::set_required_issuer`); the Control Plane names it in
-    /// its projection.
-    pub fn set_required_issuer(&mut self, key_id: Option<String>) {
-        self.registry.set_required_issuer(key_id);
+    /// Managed mode: the lease issuer keys the Control Plane names in its projection. A Node
+    /// registering without trusting the active key is refused
+    /// (`iop_wire::registry::Registry::set_required_issuer`); a registered Node that does not
+    /// trust it (the key was just rotated) is no longer selected, its running work finishing
+    /// ([`Pool::set_node_excluded`]), until it registers again trusting it; a Node that does
+    /// not trust the staged key gets a warning (log and status) before the switch. Nodes
+    /// that announce no key ids (legacy) are not checked.
+    pub fn set_issuers(&mut self, now: Instant, issuers: Issuers) {
+        self.registry.set_required_issuer(issuers.active.clone());
+        if self.issuers == issuers {
+            return;
+        }
+        self.issuers = issuers;
+        let nodes: Vec<String> = self.pins.keys().cloned().collect();
+        for node_id in nodes {
+            self.check_issuers(&node_id);
+        }
+        // Taking a Node back in may have granted waiters.
+        self.settle(now);
     }
 
     /// Why Node `node_id`'s last registration was refused for a configuration disagreement,
-    /// if it was and it has not been ready since.
+    /// if it was and it has not been ready since, or why it is not selected now.
     pub fn refused(&self, node_id: &str) -> Option<&str> {
         self.refused.get(node_id).map(String::as_str)
+    }
+
+    /// What will stop Node `node_id` being selected (it does not trust the staged issuer key).
+    pub fn warning(&self, node_id: &str) -> Option<&str> {
+        self.warnings.get(node_id).map(String::as_str)
+    }
+
+    /// Applies the issuer rules of [`EdgeCore::set_issuers`] to one registered Node.
+    fn check_issuers(&mut self, node_id: &str) {
+        let Some((_, pins)) = self.pins.get(node_id) else {
+            return;
+        };
+        if pins.is_empty() {
+            return;
+        }
+        let untrusted = self
+            .issuers
+            .active
+            .as_ref()
+            .filter(|a| !pins.contains(a))
+            .map(|a| {
+                format!(
+                    "{}: the control plane signs leases with {a} now; this node trusts {}; pin the key `iop-cp issuer-key` prints and restart the node",
+                    iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED,
+                    pins.join(", ")
+                )
+            });
+        let warning = self
+            .issuers
+            .staged
+            .as_ref()
+            .filter(|(s, _)| !pins.contains(s))
+            .map(|(s, at)| {
+                format!(
+                    "does not trust the staged issuer key {s}, which the control plane signs with from {at} (Unix ms); it will not be selected then: pin the key `iop-cp issuer-key --staged` prints"
+                )
+            });
+        let excluded = untrusted.is_some();
+        let changed = self
+            .pool
+            .as_mut()
+            .is_some_and(|p| p.set_node_excluded(node_id, excluded));
+        match untrusted {
+            Some(reason) => {
+                if changed {
+                    tracing::warn!(target: "iop_edge", event = "edge_node_issuer_untrusted", %node_id, %reason, "node not selected: it cannot verify the key leases are signed with");
+                }
+                self.refused.insert(node_id.to_owned(), reason);
+            }
+            None => {
+                if self.refused.get(node_id).is_some_and(|r| {
+                    r.starts_with(iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED)
+                }) {
+                    self.refused.remove(node_id);
+                }
+            }
+        }
+        match warning {
+            Some(w) => {
+                if self.warnings.get(node_id) != Some(&w) {
+                    tracing::warn!(target: "iop_edge", event = "edge_node_issuer_staged_untrusted", %node_id, warning = %w, "node does not trust the staged lease issuer key");
+                }
+                self.warnings.insert(node_id.to_owned(), w);
+            }
+            None => {
+                self.warnings.remove(node_id);
+            }
+        }
     }
 
     /// The streams being routed.
@@ -1159,9 +1263,12 @@ impl<S: Sinks> EdgeCore<S> {
                 node_id,
                 generation,
                 recipient,
+                issuer_key_ids,
                 ..
             } => {
-                self.recipients.insert(node_id, (generation, recipient));
+                self.recipients
+                    .insert(node_id.clone(), (generation, recipient));
+                self.pins.insert(node_id, (generation, issuer_key_ids));
             }
             RegistryEvent::NodeReady {
                 node_id,
@@ -1173,6 +1280,8 @@ impl<S: Sinks> EdgeCore<S> {
                 if let Some(pool) = self.pool.as_mut() {
                     pool.node_ready(&node_id, generation);
                 }
+                // The active key may have changed since the registration was checked.
+                self.check_issuers(&node_id);
                 self.events
                     .push_back(Event::Lifecycle(Lifecycle::Connected {
                         node_id,
@@ -1196,6 +1305,14 @@ impl<S: Sinks> EdgeCore<S> {
                     .is_some_and(|(g, _)| *g == generation)
                 {
                     self.recipients.remove(&node_id);
+                }
+                if self
+                    .pins
+                    .get(&node_id)
+                    .is_some_and(|(g, _)| *g == generation)
+                {
+                    self.pins.remove(&node_id);
+                    self.warnings.remove(&node_id);
                 }
                 self.fence(&node_id, generation);
                 self.events

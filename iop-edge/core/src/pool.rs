@@ -144,13 +144,16 @@ struct Provider {
     generation: Option<Generation>,
     /// Runtime-unavailable overlay, for the generation it was set on.
     overlay: Option<Generation>,
+    /// Not selected while its Node cannot verify the current lease issuer key (managed mode);
+    /// its leases run to their end.
+    excluded: bool,
     in_flight: u32,
     long_in_flight: u32,
 }
 
 impl Provider {
     fn live(&self) -> bool {
-        self.spec.enabled && self.generation.is_some() && self.overlay.is_none()
+        self.spec.enabled && self.generation.is_some() && self.overlay.is_none() && !self.excluded
     }
 
     fn has_room(&self, long: bool) -> bool {
@@ -208,6 +211,7 @@ impl Pool {
                         spec,
                         generation: None,
                         overlay: None,
+                        excluded: false,
                         in_flight: 0,
                         long_in_flight: 0,
                     },
@@ -322,8 +326,29 @@ impl Pool {
         {
             p.generation = Some(generation);
             p.overlay = None;
+            p.excluded = false;
         }
         self.pump();
+    }
+
+    /// Excludes `node_id`'s providers from selection (its Node cannot verify the key leases
+    /// are signed with now), or takes them back (and pumps waiters). Leases already granted
+    /// run to their end; a new generation ([`Pool::node_ready`]) starts included. Returns
+    /// whether anything changed.
+    pub fn set_node_excluded(&mut self, node_id: &str, excluded: bool) -> bool {
+        let mut changed = false;
+        for p in self
+            .providers
+            .values_mut()
+            .filter(|p| p.spec.key.node_id == node_id && p.excluded != excluded)
+        {
+            p.excluded = excluded;
+            changed = true;
+        }
+        if changed && !excluded {
+            self.pump();
+        }
+        changed
     }
 
     /// `node_id`'s `generation` was fenced: its leases are released (exactly once: a later
@@ -461,7 +486,7 @@ impl Pool {
                 if p.generation.is_none() {
                     s.status = "unavailable".into();
                     s.health = "offline".into();
-                } else if p.overlay.is_some() {
+                } else if p.overlay.is_some() || p.excluded {
                     s.status = "unavailable".into();
                     s.health = "unavailable".into();
                 } else {

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use iop_edge_core::{
-    Admit, Answer, CoreConfig, DispatchError, EdgeCore, Event, Level, Lifecycle, NODE_DISCONNECTED,
-    Observer, Open, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
+    Admit, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,
+    NODE_DISCONNECTED, Observer, Open, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
 };
 use iop_wire::codec::FrameCodec;
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
@@ -205,9 +205,15 @@ impl Pair {
 
     /// `node_id` dials (its certificate names it), registers and becomes ready.
     fn connect(&mut self, node_id: &str) -> usize {
+        self.connect_pinning(node_id, &[])
+    }
+
+    /// Like [`Pair::connect`], the registration naming the lease issuer keys the Node pins.
+    fn connect_pinning(&mut self, node_id: &str, issuers: &[&str]) -> usize {
         let conn = self.edge.accept(self.now, node_id);
         let register = RegisterRequest {
             node_id: node_id.to_owned(),
+            issuer_key_ids: issuers.iter().map(|s| (*s).to_owned()).collect(),
             ..Default::default()
         };
         let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
@@ -940,6 +946,91 @@ fn queued_admissions_are_granted_on_release_and_time_out() {
     p.edge.release(p.now, granted.lease.id);
     p.edge.release(p.now, granted.lease.id);
     assert_eq!(p.leases(), 1);
+}
+
+/// Issuer key rotation (managed mode): once the Control Plane signs with a new key, a ready
+/// Node that does not trust it is no longer selected while the lease it holds runs to its
+/// end; a Node pinning both keys keeps serving; not trusting the staged key is a warning only;
+/// the excluded Node registering again with the new key pinned is selected again (and takes
+/// the waiter queued meanwhile).
+#[test]
+fn a_rotated_issuer_key_stops_selecting_nodes_that_do_not_trust_it() {
+    let mut p = Pair::new();
+    let n1 = p.connect_pinning("node-1", &["p256:old"]);
+    let _n2 = p.connect_pinning("node-2", &["p256:old", "p256:new"]);
+    p.edge.set_issuers(
+        p.now,
+        Issuers {
+            active: Some("p256:old".into()),
+            staged: Some(("p256:new".into(), 1_900_000_000_000)),
+        },
+    );
+    assert!(
+        p.edge
+            .warning("node-1")
+            .is_some_and(|w| w.contains("p256:new")),
+        "{:?}",
+        p.edge.warning("node-1")
+    );
+    assert_eq!(p.edge.warning("node-2"), None);
+    assert_eq!(p.edge.refused("node-1"), None, "a warning only");
+    let wait = Duration::from_secs(5);
+    let mut granted = Vec::new();
+    for _ in 0..2 {
+        let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+            panic!("both nodes are selectable before the switch")
+        };
+        granted.push(a.lease);
+    }
+    let on = |node: &str| granted.iter().find(|l| l.key.node_id == node).unwrap().id;
+    let (l1, l2) = (on("node-1"), on("node-2"));
+
+    // The switch: node-1 trusts only the old key.
+    p.edge.set_issuers(
+        p.now,
+        Issuers {
+            active: Some("p256:new".into()),
+            staged: None,
+        },
+    );
+    let refused = p.edge.refused("node-1").expect("node-1 is not selected");
+    assert!(
+        refused.starts_with(iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED)
+            && refused.contains("p256:new")
+            && refused.contains("p256:old"),
+        "{refused}"
+    );
+    assert_eq!(p.edge.refused("node-2"), None);
+    assert_eq!(p.edge.warning("node-1"), None, "nothing is staged any more");
+    assert_eq!(p.leases(), 2, "node-1's lease runs to its end");
+    p.edge.release(p.now, l1);
+    p.edge.release(p.now, l2);
+    let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("node-2 has room")
+    };
+    assert_eq!(a.lease.key.node_id, "node-2");
+    let Admit::Queued(waiter) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("node-1 has room but must not be selected")
+    };
+    let snap = p.edge.snapshot();
+    let n1_snap = snap.iter().find(|s| s.node_id == "node-1").unwrap();
+    assert_eq!(
+        (n1_snap.status.as_str(), n1_snap.queued),
+        ("unavailable", 0)
+    );
+
+    // node-1 comes back pinning the new key: selected again, and it takes the waiter.
+    p.cut(n1);
+    p.take_events();
+    let _n1 = p.connect_pinning("node-1", &["p256:new"]);
+    let events = p.take_events();
+    assert!(
+        events.iter().any(|e| matches!(e,
+            Event::Admitted { request, result: Ok(adm) }
+                if *request == waiter && adm.lease.key.node_id == "node-1")),
+        "{events:?}"
+    );
+    assert_eq!(p.edge.refused("node-1"), None);
 }
 
 /// Without a ready provider a request waits — never hangs — and times out at its deadline; the

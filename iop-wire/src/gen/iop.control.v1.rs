@@ -114,6 +114,10 @@ pub struct EdgeNodeSnapshot {
     /// is ready again or when nothing was refused. Public text: key ids, never keys.
     #[prost(string, tag = "5")]
     pub refused: ::prost::alloc::string::String,
+    /// What will stop the Node being selected if nothing changes (e.g. it does not trust the
+    /// staged lease issuer key); empty otherwise. Public text.
+    #[prost(string, tag = "6")]
+    pub warning: ::prost::alloc::string::String,
 }
 /// Observational summary of a Node's config payload.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -214,6 +218,13 @@ pub struct PrincipalProjection {
     /// id is public). Empty from older Control Planes (not checked).
     #[prost(string, tag = "5")]
     pub issuer_key_id: ::prost::alloc::string::String,
+    /// The key staged to replace it (empty when none): Nodes should pin it before the activation
+    /// time; a managed Edge reports the Nodes that do not.
+    #[prost(string, tag = "6")]
+    pub staged_issuer_key_id: ::prost::alloc::string::String,
+    /// When the staged key becomes the signing key (Unix ms); 0 exactly when none is staged.
+    #[prost(int64, tag = "7")]
+    pub staged_issuer_activates_at_unix_ms: i64,
 }
 /// A principal, safe metadata only.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
