@@ -626,6 +626,7 @@ mod tests {
         Fence(usize),
         Unavailable(usize),
         Recover(usize),
+        Exclude(usize, bool),
         Tick(u64),
     }
 
@@ -638,6 +639,7 @@ mod tests {
             1 => (0usize..3).prop_map(Op::Fence),
             1 => (0usize..3).prop_map(Op::Unavailable),
             1 => (0usize..3).prop_map(Op::Recover),
+            1 => (0usize..3, any::<bool>()).prop_map(|(n, e)| Op::Exclude(n, e)),
             1 => (0u64..3000).prop_map(Op::Tick),
         ]
     }
@@ -655,7 +657,8 @@ mod tests {
 
         /// Against the test's own model (not the pool's snapshot): leases are released exactly
         /// once; a provider is offline exactly when its Node has no ready generation and
-        /// unavailable exactly while an overlay for the current generation is set; no waiter is
+        /// unavailable exactly while an overlay for the current generation is set or its Node is
+        /// excluded (until its next ready generation); no waiter is
         /// stranded while one of its candidates has room by the model's count; and waiters of
         /// one kind are served first come, first served.
         #[test]
@@ -665,6 +668,7 @@ mod tests {
             let mut p = pool(8);
             let mut generation = [None::<Generation>; 3];
             let mut unavailable = [false; 3];
+            let mut excluded = [false; 3];
             let mut next_gen = 1u64;
             // Held leases: id → (provider index, long).
             let mut active: Vec<(LeaseId, usize, bool)> = Vec::new();
@@ -685,6 +689,7 @@ mod tests {
                                     "granted ahead of an earlier waiter of its kind"
                                 );
                                 prop_assert!(candidates(solo).contains(&index(&l.key)));
+                                prop_assert!(!excluded[index(&l.key)], "granted on an excluded Node");
                                 active.push((l.id, index(&l.key), long));
                             }
                             Ok(Submitted::Queued(r)) => waiting.push((r, solo, long)),
@@ -720,6 +725,7 @@ mod tests {
                         next_gen += 1;
                         generation[n] = Some(g);
                         unavailable[n] = false;
+                        excluded[n] = false;
                         p.node_ready(NODES[n], g);
                     }
                     Op::Fence(n) => {
@@ -755,6 +761,10 @@ mod tests {
                         prop_assert_eq!(cleared, unavailable[n] && generation[n].is_some());
                         unavailable[n] = false;
                     }
+                    Op::Exclude(n, e) => {
+                        prop_assert_eq!(p.set_node_excluded(NODES[n], e), excluded[n] != e);
+                        excluded[n] = e;
+                    }
                     Op::Tick(ms) => {
                         now += Duration::from_millis(ms);
                         p.handle_timeout(now);
@@ -770,7 +780,7 @@ mod tests {
                             let (_, solo, long) = waiting.remove(at);
                             let n = index(&lease.key);
                             prop_assert!(candidates(solo).contains(&n), "granted outside its model");
-                            prop_assert!(generation[n] == Some(lease.generation) && !unavailable[n]);
+                            prop_assert!(generation[n] == Some(lease.generation) && !unavailable[n] && !excluded[n]);
                             active.push((lease.id, n, long));
                             granted.push((request, solo, long));
                         }
@@ -799,7 +809,7 @@ mod tests {
                 for (n, s) in snap.iter().enumerate() {
                     let (total, long) = in_flight(n);
                     prop_assert!(total <= CAPACITY[n].0 && long <= CAPACITY[n].1, "over capacity");
-                    match (generation[n], unavailable[n]) {
+                    match (generation[n], unavailable[n] || excluded[n]) {
                         (None, _) => {
                             prop_assert_eq!(total, 0);
                             prop_assert_eq!((s.health.as_str(), s.status.as_str(), s.capacity, s.in_flight, s.queued), ("offline", "unavailable", 0, 0, 0));
@@ -816,7 +826,7 @@ mod tests {
                 for (r, solo, long) in &waiting {
                     let room = candidates(*solo).iter().any(|&n| {
                         let (total, l) = in_flight(n);
-                        generation[n].is_some() && !unavailable[n] && total < CAPACITY[n].0 && (!long || l < CAPACITY[n].1)
+                        generation[n].is_some() && !unavailable[n] && !excluded[n] && total < CAPACITY[n].0 && (!long || l < CAPACITY[n].1)
                     });
                     prop_assert!(!room, "waiter {:?} stranded with free capacity", r);
                 }
