@@ -3,5 +3,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod net;
 pub mod pki;
 pub mod upstream;

@@ -20,7 +20,7 @@ use iop_wire::runtime::{
     NodeCommandRequest, NodeConfigPayload, ProviderStatus, RunEvent, RunEventKind, RunRequest,
 };
 use iop_wire::validate::ResponseStallTimeout;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
@@ -237,43 +237,13 @@ async fn caller_cancel_ends_the_run_with_cancelled() {
     .expect("scenario finishes");
 }
 
-/// A loopback TCP proxy whose live connections can be cut (simulating a network failure).
-struct Proxy {
-    addr: SocketAddr,
-    cut: Arc<tokio::sync::Notify>,
-}
-
-async fn proxy(to: SocketAddr) -> Proxy {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cut = Arc::new(tokio::sync::Notify::new());
-    let cut2 = cut.clone();
-    tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = listener.accept().await {
-            let cut = cut2.clone();
-            tokio::spawn(async move {
-                let Ok(mut outbound) = TcpStream::connect(to).await else {
-                    return;
-                };
-                inbound.set_nodelay(true).unwrap();
-                outbound.set_nodelay(true).unwrap();
-                tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                    () = cut.notified() => {}
-                }
-            });
-        }
-    });
-    Proxy { addr, cut }
-}
-
 #[tokio::test]
 async fn network_cut_mid_stream_fences_once_and_the_node_reconnects_on_a_new_generation() {
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
         let edge = start_edge(&ca, demo_config(20, 1000)).await;
         let mut life = edge.subscribe();
-        let net = proxy(edge.local_addr()).await;
+        let net = iop_tests::net::Proxy::start(edge.local_addr()).await;
         let policy = ReconnectPolicy::from_config(Some(0), Some(5)).unwrap();
         let shutdown = CancellationToken::new();
         let node = tokio::spawn(run_node(
@@ -285,7 +255,7 @@ async fn network_cut_mid_stream_fences_once_and_the_node_reconnects_on_a_new_gen
         let mut stream = edge.run("node-1", run("mid-1", "x y z")).await.unwrap();
         assert_eq!(stream.next().await.unwrap().kind, RunEventKind::Start);
         assert_eq!(stream.next().await.unwrap().kind, RunEventKind::Delta);
-        net.cut.notify_waiters();
+        net.cut();
 
         // The caller gets exactly one terminal: the Edge's synthetic one for the fenced generation.
         let rest = collect(&mut stream).await;

@@ -18,13 +18,13 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
-use iop_node::{AdapterRegistry, NodeOptions, run_node};
+use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node};
 use iop_tests::pki::Ca;
 use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Fence, Header, HealthEvidence,
-    NodeCommandKind, NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings, Operation,
-    ProviderStatus, ProviderTunnelRequest, Usage,
+    NativeSettings, NodeCommandKind, NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings,
+    Operation, ProviderStatus, ProviderTunnelRequest, RunEventKind, RunRequest, Usage,
 };
 use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
@@ -539,6 +539,123 @@ async fn a_response_that_started_in_time_is_not_cut_by_the_wait_timeout() {
             }
         }
         drop(stream);
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+/// `in_flight=N` of each adapter, from the Node's PROVIDER_LIFECYCLE answer.
+async fn in_flight(edge: &EdgeHandle) -> Option<(String, String)> {
+    let r = edge
+        .command(
+            "node-1",
+            NodeCommandRequest {
+                kind: NodeCommandKind::ProviderLifecycle,
+                adapter: String::new(),
+                target: String::new(),
+            },
+        )
+        .await
+        .ok()?;
+    let field = |k: &str| r.result.get(k).and_then(|v| v.split(' ').next().map(str::to_owned));
+    Some((field("openai-a")?, field("demo-a")?))
+}
+
+/// Seed 000 ("precedence and ownership"): a session lifetime context cancels the active run
+/// and tunnel handlers on disconnect. The network between Node and Edge is cut (neither side
+/// sends a cancel): the Node drops its upstream request (the provider sees its client go) and
+/// frees both adapters' capacity; nothing runs on after the session that asked for it. (A
+/// Node that kept the handlers would keep the upstream stream open and report `in_flight=1`
+/// for the demo run, which lasts hours.)
+#[tokio::test]
+async fn a_disconnect_cancels_the_nodes_run_and_tunnel_handlers() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let mut config = node_config(p.addr);
+        config.adapters.push(AdapterConfig {
+            name: "demo-a".into(),
+            adapter_type: "demo".into(),
+            enabled: true,
+            capacity: 4,
+            long_context_capacity: 0,
+            targets: vec!["demo-model".into()],
+            settings: AdapterSettings::Native(NativeSettings {
+                base_url: String::new(),
+                options: [
+                    ("delay_ms".to_owned(), "100".to_owned()),
+                    ("repeat".to_owned(), "1000000".to_owned()),
+                ]
+                .into_iter()
+                .collect(),
+            }),
+        });
+        let tls = iop_tests::pki::edge_server_tls(&ca, "edge-1");
+        let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+        cfg.node_configs = vec![("node-1".into(), config)];
+        let edge = bind(cfg).await.unwrap().0;
+        let mut life = edge.subscribe();
+        let net = iop_tests::net::Proxy::start(edge.local_addr()).await;
+        let node_tls = iop_tests::pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
+        let opts = NodeOptions::new("node-1", &net.addr.to_string(), "localhost", node_tls)
+            .unwrap()
+            .with_adapters(AdapterRegistry::with_builtins())
+            .with_reconnect(ReconnectPolicy::from_config(Some(0), Some(5)).unwrap());
+        let shutdown = CancellationToken::new();
+        tokio::spawn(run_node(opts, shutdown.clone()));
+        while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+
+        let mut tunnel = edge
+            .tunnel("node-1", chat("slow-cut", None, "/slow"))
+            .await
+            .unwrap();
+        assert!(matches!(
+            tunnel.next().await.unwrap(),
+            TunnelEvent::Frame(Delivery::Start { .. })
+        ));
+        let mut run = edge
+            .run(
+                "node-1",
+                RunRequest {
+                    run_id: "demo-cut".into(),
+                    adapter: "demo-a".into(),
+                    target: "demo-model".into(),
+                    input: Bytes::from_static(b"a b c"),
+                    metadata: Default::default(),
+                    response_stall_timeout: ResponseStallTimeout::DEFAULT,
+                    timeout: None,
+                    long_context: false,
+                    credential: None,
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(run.next().await.unwrap().kind, RunEventKind::Start);
+        assert_eq!(
+            in_flight(&edge).await,
+            Some(("in_flight=1".into(), "in_flight=1".into())),
+            "both handlers hold their adapter's capacity"
+        );
+
+        let dropped = p.slow_dropped.notified();
+        net.cut();
+        tokio::time::timeout(Duration::from_secs(10), dropped)
+            .await
+            .expect("the Node dropped its upstream request when the session ended");
+        // Back on a new session: both adapters idle.
+        while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+        let idle = Some(("in_flight=0".to_owned(), "in_flight=0".to_owned()));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut last = None;
+        while tokio::time::Instant::now() < deadline {
+            last = in_flight(&edge).await;
+            if last == idle {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(last, idle, "the run and tunnel handlers were cancelled");
         shutdown.cancel();
     })
     .await
