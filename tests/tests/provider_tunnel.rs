@@ -558,7 +558,11 @@ async fn in_flight(edge: &EdgeHandle) -> Option<(String, String)> {
         )
         .await
         .ok()?;
-    let field = |k: &str| r.result.get(k).and_then(|v| v.split(' ').next().map(str::to_owned));
+    let field = |k: &str| {
+        r.result
+            .get(k)
+            .and_then(|v| v.split(' ').next().map(str::to_owned))
+    };
     Some((field("openai-a")?, field("demo-a")?))
 }
 
