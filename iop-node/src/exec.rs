@@ -304,4 +304,48 @@ mod tests {
         // The permit stays with the attempt that has not returned.
         assert_eq!(gate.available_permits(), 0);
     }
+
+    /// Seed 000 precedence: the request's hard deadline (`timeout_sec`) keeps its boundary when
+    /// it expires before the stall watchdog: the execution ends `Deadline` at exactly the
+    /// deadline, no stall is declared, the health probe never starts, and the permit is free
+    /// (the silent work was dropped). When both fall due at the same instant the deadline still
+    /// wins.
+    #[tokio::test(start_paused = true)]
+    async fn a_hard_deadline_that_expires_first_wins_over_the_stall_watchdog() {
+        for deadline_after in [STALL - Duration::from_millis(30), STALL] {
+            let gate = Arc::new(Semaphore::new(1));
+            let (_tx, items) = mpsc::channel::<u32>(4);
+            let (out, _rx) = mpsc::channel::<u32>(4);
+            let cancel = CancellationToken::new();
+            let probed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let start = Instant::now();
+            let mut w = watch(&cancel);
+            w.deadline = Some(start + deadline_after);
+            let fence = w.fence.clone();
+            let p = permit(&gate).await;
+            let flag = probed.clone();
+            let ended = supervise::<u32, (), u32, _, _>(
+                work(std::future::pending()),
+                items,
+                Some,
+                &out,
+                w,
+                p,
+                || async move {
+                    flag.store(true, Ordering::SeqCst);
+                    ProviderStatus::Unavailable
+                },
+                ident(),
+            )
+            .await;
+            assert!(
+                matches!(ended, Ended::Deadline),
+                "deadline after {deadline_after:?}"
+            );
+            assert_eq!(start.elapsed(), deadline_after);
+            assert!(!probed.load(Ordering::SeqCst), "no stall probe");
+            assert!(!fence.is_cancelled(), "no stall fence");
+            assert_eq!(gate.available_permits(), 1);
+        }
+    }
 }

@@ -17,7 +17,15 @@
 //! - [`Adapter`] is the trait embedders implement; [`AdapterRegistry`] builds instances by type
 //!   from the Edge's `NodeConfigPayload` (`AdapterConfig.name` is the instance identity; empty
 //!   means the legacy single instance). The built-in `demo` adapter needs no network.
-//! - A per-instance [`CapacityGate`] admits runs (defense in depth behind the Edge's leases).
+//! - A per-instance [`CapacityGate`] admits runs and tunnels alike (one gate per adapter
+//!   instance, defense in depth behind the Edge's leases).
+//! - A config refresh (`NodeConfigRefreshRequest`) is `Applied` or `Failed`, never
+//!   `RestartRequired`: the Node rebuilds every adapter instance from the payload on the live
+//!   session (executions in flight keep the instance they started on until they end), and the
+//!   payload's only other field, `runtime.concurrency`, is legacy metadata the Node does not
+//!   use. What could need a restart (the Node's identity, TLS material, its credential plane
+//!   keys) comes from the Node's own configuration, never from the Edge's payload. The wire
+//!   still carries `RestartRequired` for other Node implementations, and the Edge relays it.
 //! - The driver, not the adapter, sends `START` and exactly one terminal (`COMPLETE`, `ERROR`,
 //!   `CANCELLED`); a hard deadline, a `CancelRequest` and a disconnect each end the run with
 //!   their own outcome, and the adapter's future is dropped (aborting its upstream I/O).

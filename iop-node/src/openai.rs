@@ -16,7 +16,7 @@
 //! response, which closes the upstream connection.
 //!
 //! HTTPS upstreams are verified against the platform's roots with rustls and the ring provider
-//! (the client is [`crate::provider_http`]). A provider's redirect is relayed to the caller, not
+//! (the client is `provider_http`). A provider's redirect is relayed to the caller, not
 //! followed.
 
 use std::time::Duration;

@@ -347,6 +347,9 @@ fn admit(
     Ok((instance, permit, token))
 }
 
+/// Applies a refresh by rebuilding every adapter instance: `Applied`, or `Failed` with the old
+/// instances kept. Nothing in a `NodeConfigPayload` needs a restart here (see the crate docs),
+/// so this Node never answers `RestartRequired`.
 fn refresh(
     config: &NodeConfigPayload,
     instances: &mut Instances,

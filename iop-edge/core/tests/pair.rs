@@ -180,8 +180,12 @@ impl Pair {
     /// An Edge knowing `node-1` and `node-2`, with model `m` served by one tunnel provider on
     /// each (capacity 1) and a queue of 4.
     fn new() -> Self {
+        Self::with_pool(common::pool(4))
+    }
+
+    /// The same Edge with another provider pool.
+    fn with_pool(pool: iop_edge_core::pool::Pool) -> Self {
         let registry = common::registry();
-        let pool = common::pool(4);
         let counts = Arc::new(Counts::default());
         let edge = EdgeCore::new(
             registry,
@@ -1238,6 +1242,315 @@ fn a_validated_stall_sets_the_overlay_and_only_a_fresher_probe_clears_it() {
         );
     }
     assert_eq!(p.counts.cleared.load(Ordering::Relaxed), 1);
+}
+
+/// Opens a tunnel on a fresh lease for model `m`; the lease, its sink and the stream id.
+fn tunnel_on_lease(
+    p: &mut Pair,
+    run_id: &str,
+) -> (iop_edge_core::pool::Lease, Buf<TunnelEvent>, u64) {
+    let Admit::Granted(a) = p
+        .edge
+        .admit(p.now, "m", false, Duration::from_secs(5))
+        .unwrap()
+    else {
+        panic!("capacity")
+    };
+    let buf = Buf::new();
+    let o = p
+        .edge
+        .send_admitted(
+            p.now,
+            &a.lease,
+            Open::Tunnel {
+                request: tunnel_request(run_id),
+                sink: buf.clone(),
+                response_wait: None,
+            },
+        )
+        .unwrap();
+    p.settle();
+    (a.lease, buf, o.stream_id)
+}
+
+fn stall_terminal(stream_id: u64, evidence: FailureEvidence) -> RuntimeFrame {
+    tunnel_frame(
+        stream_id,
+        1,
+        TunnelPayload::Error {
+            error: "stalled".into(),
+            execution_failure: Some(evidence),
+        },
+    )
+}
+
+/// `provider_id`'s status in the Edge's snapshot.
+fn status_of(p: &Pair, provider_id: &str) -> String {
+    p.edge
+        .snapshot()
+        .into_iter()
+        .find(|s| s.provider_id == provider_id)
+        .map(|s| s.status)
+        .unwrap_or_default()
+}
+
+/// Seed 000 terminal handoff: a stall terminal whose evidence names another adapter or
+/// target, whose evidence is rejected when decoded, or that arrives on a superseded
+/// connection gets no handoff metadata and lowers no overlay; its provider lease is still
+/// released exactly once (at the terminal, or by the fence that ended the stream).
+#[test]
+fn a_handoff_that_does_not_match_its_lease_changes_no_health_and_releases_once() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    // Valid on the Node's side, but an empty run id is rejected when the Edge decodes it.
+    let rejected = {
+        let FailureEvidence::Valid(mut f) = stall_evidence("p1-adapter", "p1-target", 5) else {
+            unreachable!()
+        };
+        f.run_id = String::new();
+        FailureEvidence::Valid(f)
+    };
+    for (what, evidence) in [
+        (
+            "another adapter",
+            stall_evidence("other-adapter", "p1-target", 5),
+        ),
+        (
+            "another target",
+            stall_evidence("p1-adapter", "other-target", 6),
+        ),
+        ("rejected evidence", rejected),
+    ] {
+        let (lease, buf, stream) = tunnel_on_lease(&mut p, "s1");
+        assert_eq!(p.leases(), 1);
+        p.inject(n1, stall_terminal(stream, evidence));
+        let got = buf.read_all();
+        let [TunnelEvent::Frame(Delivery::Error { metadata, .. })] = got.as_slice() else {
+            panic!("{what}: one error terminal, got {got:?}")
+        };
+        for key in ["recovery_handoff", "provider_id", "provider_health"] {
+            assert!(!metadata.contains_key(key), "{what}: {key} in {metadata:?}");
+        }
+        assert_eq!(p.leases(), 0, "{what}: released at the terminal");
+        p.edge.release(p.now, lease.id);
+        assert_eq!(p.leases(), 0, "{what}: the caller's release is a no-op");
+        assert_eq!(
+            p.counts.set_unavailable.load(Ordering::Relaxed),
+            0,
+            "{what}"
+        );
+        assert_eq!(status_of(&p, "p1"), "available", "{what}");
+    }
+
+    // A superseded connection's terminal: the fence released the lease; the late terminal
+    // (matching evidence, a fresh sequence) reaches nothing and lowers nothing.
+    let (lease, buf, stream) = tunnel_on_lease(&mut p, "s2");
+    let _n1b = p.connect("node-1");
+    assert_eq!(buf.read_all(), vec![TunnelEvent::NodeDisconnected]);
+    assert_eq!(p.leases(), 0, "released by the fence");
+    p.inject(
+        n1,
+        stall_terminal(stream, stall_evidence("p1-adapter", "p1-target", 50)),
+    );
+    p.edge.release(p.now, lease.id);
+    assert_eq!(p.leases(), 0);
+    assert_eq!(p.counts.set_unavailable.load(Ordering::Relaxed), 0);
+    assert_eq!(status_of(&p, "p1"), "available");
+    // The new generation has its whole capacity.
+    assert!(matches!(
+        p.edge.admit(p.now, "m", false, Duration::from_secs(5)),
+        Ok(Admit::Granted(_))
+    ));
+}
+
+/// Sends a CAPABILITIES recovery probe to link `i` and answers it with `answer`; what the
+/// Edge made of it.
+fn recovery(p: &mut Pair, i: usize, answer: NodeCommandResponse) -> Answer {
+    let ticket = p.edge.recover(p.now, "node-1").unwrap();
+    p.settle();
+    let probe = p.inbox(i).pop().unwrap();
+    p.take_events();
+    p.node_send(
+        i,
+        RuntimeFrame::correlated(
+            probe.correlation_id,
+            RuntimeMessage::NodeCommandResponse(answer),
+        ),
+    );
+    p.take_events()
+        .into_iter()
+        .find_map(|e| match e {
+            Event::Answered { ticket: t, answer } if t == ticket => Some(answer),
+            _ => None,
+        })
+        .expect("the probe was answered")
+}
+
+fn capability(adapter: &str, target: &str, status: ProviderStatus, seq: u64) -> Capability {
+    Capability {
+        adapter_key: adapter.into(),
+        target: target.into(),
+        provider_status: status,
+        health_observation_seq: seq,
+        adapter: "openai_compat".into(),
+        instance_key: adapter.into(),
+    }
+}
+
+fn answer(ok: bool, capabilities: Vec<Capability>) -> NodeCommandResponse {
+    NodeCommandResponse {
+        ok,
+        error: if ok {
+            String::new()
+        } else {
+            "probe failed".into()
+        },
+        capabilities,
+        result: BTreeMap::new(),
+    }
+}
+
+/// Seed 000 CAPABILITIES recovery: empty, failed, mismatched (adapter or target), stale,
+/// unknown and unavailable answers never clear an overlay; only a fresher `available` answer
+/// naming exactly one provider of the Node does (the control at the end).
+#[test]
+fn only_a_fresh_exact_available_answer_clears_an_overlay() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let (_, _, stream) = tunnel_on_lease(&mut p, "s1");
+    p.node_send(
+        n1,
+        stall_terminal(stream, stall_evidence("p1-adapter", "p1-target", 5)),
+    );
+    assert_eq!(status_of(&p, "p1"), "unavailable");
+    let available = ProviderStatus::Available;
+    for (what, resp) in [
+        ("empty", answer(true, vec![])),
+        (
+            "failed",
+            answer(
+                false,
+                vec![capability("p1-adapter", "p1-target", available, 6)],
+            ),
+        ),
+        (
+            "another adapter",
+            answer(
+                true,
+                vec![capability("p2-adapter", "p1-target", available, 7)],
+            ),
+        ),
+        (
+            "another target",
+            answer(
+                true,
+                vec![capability("p1-adapter", "p2-target", available, 8)],
+            ),
+        ),
+        (
+            "stale",
+            answer(
+                true,
+                vec![capability("p1-adapter", "p1-target", available, 5)],
+            ),
+        ),
+        (
+            "unknown",
+            answer(
+                true,
+                vec![capability(
+                    "p1-adapter",
+                    "p1-target",
+                    ProviderStatus::Unknown,
+                    9,
+                )],
+            ),
+        ),
+        (
+            "unavailable",
+            answer(
+                true,
+                vec![capability(
+                    "p1-adapter",
+                    "p1-target",
+                    ProviderStatus::Unavailable,
+                    10,
+                )],
+            ),
+        ),
+        // Stale again: 10 was seen by the unavailable answer.
+        (
+            "stale after unavailable",
+            answer(
+                true,
+                vec![capability("p1-adapter", "p1-target", available, 10)],
+            ),
+        ),
+    ] {
+        let got = recovery(&mut p, n1, resp);
+        assert!(
+            matches!(got, Answer::Recovered(Ok(0)) | Answer::Recovered(Err(_))),
+            "{what}: {got:?}"
+        );
+        assert_eq!(p.counts.cleared.load(Ordering::Relaxed), 0, "{what}");
+        assert_eq!(status_of(&p, "p1"), "unavailable", "{what}");
+    }
+    let got = recovery(
+        &mut p,
+        n1,
+        answer(
+            true,
+            vec![capability("p1-adapter", "p1-target", available, 11)],
+        ),
+    );
+    assert_eq!(got, Answer::Recovered(Ok(1)));
+    assert_eq!(status_of(&p, "p1"), "available");
+}
+
+/// An answer that matches two providers of the Node (same adapter instance and target) is
+/// ambiguous and clears neither overlay.
+#[test]
+fn an_ambiguous_recovery_answer_clears_nothing() {
+    use iop_edge_core::pool::{PoolConfig, ProviderKind};
+    let mut twin = common::provider("node-1", "p1b", ProviderKind::OpenAiCompat);
+    twin.adapter = "p1-adapter".into();
+    twin.target = "p1-target".into();
+    let providers = vec![
+        common::provider("node-1", "p1", ProviderKind::OpenAiCompat),
+        twin,
+    ];
+    let models = vec![(
+        "m".to_owned(),
+        providers.iter().map(|p| p.key.clone()).collect(),
+    )];
+    let mut p = Pair::with_pool(iop_edge_core::pool::Pool::new(PoolConfig {
+        providers,
+        models,
+        max_queue: 4,
+    }));
+    let n1 = p.connect("node-1");
+    let (_, _, stream) = tunnel_on_lease(&mut p, "s1");
+    p.node_send(
+        n1,
+        stall_terminal(stream, stall_evidence("p1-adapter", "p1-target", 5)),
+    );
+    assert_eq!(status_of(&p, "p1"), "unavailable");
+    let got = recovery(
+        &mut p,
+        n1,
+        answer(
+            true,
+            vec![capability(
+                "p1-adapter",
+                "p1-target",
+                ProviderStatus::Available,
+                6,
+            )],
+        ),
+    );
+    assert_eq!(got, Answer::Recovered(Ok(0)));
+    assert_eq!(p.counts.cleared.load(Ordering::Relaxed), 0);
+    assert_eq!(status_of(&p, "p1"), "unavailable");
 }
 
 /// Command and refresh correlation: an answer with an unknown correlation id, or of the other
