@@ -190,6 +190,11 @@ impl ProjectionIndex {
         self.projection.generation
     }
 
+    /// The key leases of this generation are signed with (empty from older Control Planes).
+    pub fn issuer_key_id(&self) -> &str {
+        &self.projection.issuer_key_id
+    }
+
     /// The principal a raw bearer token authenticates as: SHA-256 of the token, compared in
     /// constant time with the projected digests; disabled principals authenticate nothing.
     pub fn authenticate(&self, token: &str) -> Option<&str> {

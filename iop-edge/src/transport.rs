@@ -835,6 +835,12 @@ impl EdgeHandle {
         self.shared.with(|core, now| core.set_issuers(now, issuers));
     }
 
+    /// Whether Node `node_id`'s registration of `generation` pins lease issuer key `key_id`
+    /// (see `iop_edge_core::EdgeCore::trusts`).
+    pub fn node_trusts(&self, node_id: &str, generation: Generation, key_id: &str) -> bool {
+        self.shared.lock().core.trusts(node_id, generation, key_id)
+    }
+
     /// What will stop Node `node_id` being selected (it does not trust the staged issuer
     /// key), for the status view.
     pub fn warning(&self, node_id: &str) -> Option<String> {

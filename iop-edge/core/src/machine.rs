@@ -830,6 +830,16 @@ impl<S: Sinks> EdgeCore<S> {
         self.refused.get(node_id).map(String::as_str)
     }
 
+    /// Whether Node `node_id`'s registration of `generation` pins issuer key `key_id` (true when
+    /// it announced no ids, `key_id` is empty, or that generation is gone: its dispatch fails
+    /// on its own).
+    pub fn trusts(&self, node_id: &str, generation: Generation, key_id: &str) -> bool {
+        key_id.is_empty()
+            || self.pins.get(node_id).is_none_or(|(g, pins)| {
+                *g != generation || pins.is_empty() || pins.iter().any(|p| p == key_id)
+            })
+    }
+
     /// What will stop Node `node_id` being selected (it does not trust the staged issuer key).
     pub fn warning(&self, node_id: &str) -> Option<&str> {
         self.warnings.get(node_id).map(String::as_str)

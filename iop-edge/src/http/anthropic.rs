@@ -121,6 +121,7 @@ pub(super) async fn count_tokens(
                     &state,
                     dialect,
                     &caller,
+                    &group,
                     &parsed.model,
                     admission,
                     request,

@@ -687,19 +687,59 @@ async fn admit(
 /// Sends a request built for `admission`; in managed mode binds it to the selected Node,
 /// acquires the credential lease and checks the binding before acquisition and again right
 /// before dispatch.
+///
+/// An issuer key rotation can land between admission and binding: the projection the request
+/// binds under names a key the admitted Node does not pin (the Edge stops selecting such Nodes
+/// when the projection arrives, but this request was admitted before). The admission is then
+/// given back and the request admitted once more (the Node is no longer a candidate); if the
+/// new provider would need another request (another kind, target or protocol profile) the
+/// answer is 503 + `Retry-After`, as for any change still propagating.
 async fn send(
     state: &AppState,
     dialect: Dialect,
     caller: &Caller,
+    group: &str,
     model: &str,
     admission: Admission,
     request: PoolRequest,
 ) -> Result<Dispatched, Response> {
+    let mut admission = admission;
     let request = match caller {
         Caller::Open => request,
-        // Boxed: the lease round trip's state is large and only managed requests need it.
         Caller::Managed { .. } => {
-            Box::pin(bind_managed(dialect, caller, model, &admission, request)).await?
+            let mut request = request;
+            let mut readmitted = false;
+            loop {
+                // Boxed: the lease round trip's state is large and only managed requests
+                // need it.
+                match Box::pin(bind_managed(
+                    dialect,
+                    caller,
+                    model,
+                    &admission,
+                    request,
+                    &state.edge,
+                ))
+                .await?
+                {
+                    Bound::Ready(r) => break r,
+                    Bound::Untrusted(r) if !readmitted => {
+                        let shape = |a: &Admission| {
+                            let l = a.lease();
+                            (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
+                        };
+                        let before = shape(&admission);
+                        drop(admission);
+                        admission = admit(state, dialect, group, model).await?;
+                        if shape(&admission) != before {
+                            return Err(propagating(dialect));
+                        }
+                        readmitted = true;
+                        request = r;
+                    }
+                    Bound::Untrusted(_) => return Err(propagating(dialect)),
+                }
+            }
         }
     };
     state
@@ -750,7 +790,8 @@ async fn bind_managed(
     model: &str,
     admission: &Admission,
     request: PoolRequest,
-) -> Result<PoolRequest, Response> {
+    edge: &EdgeHandle,
+) -> Result<Bound, Response> {
     let Caller::Managed {
         control,
         index,
@@ -758,7 +799,7 @@ async fn bind_managed(
         token,
     } = caller
     else {
-        return Ok(request);
+        return Ok(Bound::Ready(request));
     };
     let lease = admission.lease();
     let refuse = |msg: &str| render::error(dialect, StatusCode::BAD_GATEWAY, msg);
@@ -799,6 +840,10 @@ async fn bind_managed(
             route_revision: route.route_revision,
             projection_generation: index.generation(),
         };
+        if !edge.node_trusts(&lease.key.node_id, lease.generation, index.issuer_key_id()) {
+            // Its lease would be signed with a key the Node cannot verify.
+            return Ok(Bound::Untrusted(request));
+        }
         if !index.admits(token, model, &binding) {
             return Err(forbidden(if rebound {
                 "access to this model was withdrawn"
@@ -866,7 +911,7 @@ async fn bind_managed(
         index = newer;
         rebound = true;
     };
-    Ok(match request {
+    Ok(Bound::Ready(match request {
         PoolRequest::Tunnel(mut req) => {
             req.credential = Some(iop_wire::runtime::ManagedCredential {
                 lease: credential,
@@ -875,7 +920,15 @@ async fn bind_managed(
             PoolRequest::Tunnel(req)
         }
         other => other,
-    })
+    }))
+}
+
+/// What [`bind_managed`] made of a request.
+enum Bound {
+    /// Bound, with its lease: dispatch it.
+    Ready(PoolRequest),
+    /// The admitted Node does not pin the key the lease would be signed with: admit again.
+    Untrusted(PoolRequest),
 }
 
 /// A tunnel request for `operation` with `body` (the pool fills in adapter, target and the
@@ -1040,7 +1093,16 @@ async fn serve_route(
                         created: unix_now(),
                     };
                     let client = (route.client)(&parsed.json, meta, parsed.stream);
-                    return match send(state, dialect, &caller, &parsed.model, admission, run).await
+                    return match send(
+                        state,
+                        dialect,
+                        &caller,
+                        &group,
+                        &parsed.model,
+                        admission,
+                        run,
+                    )
+                    .await
                     {
                         Ok(Dispatched::Run(s)) => {
                             let events = render::NativeEvents::new(tools, parsed.stream);
@@ -1055,7 +1117,17 @@ async fn serve_route(
             }
         }
     };
-    let dispatched = match send(state, dialect, &caller, &parsed.model, admission, request).await {
+    let dispatched = match send(
+        state,
+        dialect,
+        &caller,
+        &group,
+        &parsed.model,
+        admission,
+        request,
+    )
+    .await
+    {
         Ok(Dispatched::Tunnel(s)) => s,
         Ok(_) => return render::error(dialect, StatusCode::BAD_GATEWAY, render::PROVIDER_FAILED),
         Err(r) => return r,
