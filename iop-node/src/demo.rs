@@ -5,7 +5,9 @@
 //! message's `content` is used — it streams `echo: <text>` word by word, `repeat` times, waiting
 //! `delay_ms` before each word. Options (from `NativeAdapterConfig.options`): `delay_ms`
 //! (default 0), `repeat` (default 1, at most 10000), `healthy` (`"false"` makes probes report
-//! `unavailable`).
+//! `unavailable`), `stall_on` (an input equal to it streams its first word and then goes
+//! silent until the Node fences the attempt: a provider stall, for the watchdog's tests and
+//! the mesh simulation).
 
 use std::time::Duration;
 
@@ -21,6 +23,7 @@ pub struct DemoAdapter {
     delay: Duration,
     repeat: u32,
     healthy: bool,
+    stall_on: Option<String>,
     targets: Vec<String>,
 }
 
@@ -39,6 +42,7 @@ impl DemoAdapter {
                 .unwrap_or(1)
                 .clamp(1, 10_000),
             healthy: opt("healthy").as_deref() != Some("false"),
+            stall_on: opt("stall_on").filter(|s| !s.is_empty()),
             targets: config.targets.clone(),
         }
     }
@@ -74,8 +78,15 @@ impl Adapter for DemoAdapter {
             });
         let input = last_message.as_deref().unwrap_or(raw);
         let deltas = Self::reply(input, self.repeat);
+        let stalls = self.stall_on.as_deref() == Some(input);
         let mut completion_tokens = 0u64;
         for d in deltas {
+            if stalls && completion_tokens == 1 {
+                // Silence until the watchdog fences the attempt; then return at once (the
+                // fence is confirmed).
+                events.cancelled().await;
+                return Err(AdapterError::Provider("fenced".into()));
+            }
             if !self.delay.is_zero() {
                 tokio::select! {
                     () = events.cancelled() => return Err(AdapterError::Provider("fenced".into())),

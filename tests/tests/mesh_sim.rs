@@ -4,14 +4,18 @@
 //! the demo adapter) as simulated hosts on a simulated network and clock. Each seed drives the
 //! network's latencies, the workload (which Node each run goes to, directly or through the
 //! provider pool with its queue, when links are partitioned, held (a slow link: messages wait)
-//! and repaired, which Node host is killed and when it restarts) and the Nodes' reconnect jitter
-//! (`NodeOptions::jitter_seed`), so a seed replays its run.
+//! and repaired, which Node host is killed and when it restarts, which runs meet a provider
+//! stall: the demo provider goes silent after one word and the Node's response-stall watchdog,
+//! 3 s of simulated time, ends it) and the Nodes' reconnect jitter (`NodeOptions::jitter_seed`),
+//! so a seed replays its run.
 //!
 //! Checked on every run:
 //!
 //! - **no run lost without a terminal**: every dispatched run either is refused at dispatch
 //!   (`NotReady`/`Disconnected`) or its stream ends with exactly one terminal event (the Node's
-//!   `Complete`, or the Edge's own error when its generation is fenced);
+//!   `Complete`, the Node's `response_stalled` error with its `ExecutionFailure` for a run that
+//!   met a stall and only for such a run, or the Edge's own error when its generation is
+//!   fenced); a stalled run never completes;
 //! - **recovery**: after the faults stop, every Node is ready again within 60 s of simulated
 //!   time, and a run on each completes (retried when it lands on a half-open generation that
 //!   the Edge then fences for silence, which is the seed's rule, not a loss);
@@ -21,7 +25,10 @@
 //!
 //! Does it catch a bug? With `EdgeCore`'s fence made to drop a fenced generation's routes
 //! without their terminal (`route.sink.disconnected()` removed; made, run, reverted), seed 1
-//! failed at once: three runs ended with 0 terminals.
+//! failed at once: three runs ended with 0 terminals. With the Node's stall terminal sent
+//! without its `ExecutionFailure` (made, run, reverted), seed 1 failed at once too: two runs
+//! ended with an unexpected terminal (any terminal other than `Complete`, the stall's, and the
+//! Edge's `node disconnected` is a failure).
 //!
 //! `MESH_SIM_SEEDS` sets how many seeds run (default 200, ≈0.4 s each in a debug build); `MESH_SIM_SEED=N` replays one. A
 //! failure names its seed.
@@ -65,6 +72,8 @@ fn demo_config() -> NodeConfigPayload {
                 options: [
                     ("delay_ms".to_owned(), "20".to_owned()),
                     ("repeat".to_owned(), "3".to_owned()),
+                    // A run whose input is `stall` stalls after its first word.
+                    ("stall_on".to_owned(), "stall".to_owned()),
                 ]
                 .into_iter()
                 .collect(),
@@ -75,14 +84,22 @@ fn demo_config() -> NodeConfigPayload {
     }
 }
 
+/// The response-stall timeout of every run (direct, and the pool's providers').
+const STALL: Duration = Duration::from_secs(3);
+
 fn run(id: &str) -> RunRequest {
+    run_with(id, "hello")
+}
+
+/// A run with `input` (`stall` makes the demo provider stall).
+fn run_with(id: &str, input: &'static str) -> RunRequest {
     RunRequest {
         run_id: id.into(),
         adapter: "demo-a".into(),
         target: "demo-model".into(),
-        input: bytes::Bytes::from_static(b"hello"),
+        input: bytes::Bytes::from_static(input.as_bytes()),
         metadata: Default::default(),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        response_stall_timeout: ResponseStallTimeout::from_duration(STALL).unwrap(),
         timeout: None,
         long_context: false,
         credential: None,
@@ -104,7 +121,7 @@ fn pool() -> PoolConfig {
             category: "local_inference".into(),
             capacity: POOL_CAPACITY,
             long_context_capacity: 0,
-            response_stall_timeout: Duration::from_secs(120),
+            response_stall_timeout: STALL,
             enabled: true,
         })
         .collect();
@@ -144,6 +161,8 @@ struct Outcome {
     refused: usize,
     completed: usize,
     edge_terminals: usize,
+    /// Runs on a stalling provider that ended with the Node's `response_stalled` terminal.
+    stalled: usize,
     /// Runs whose stream did not end with exactly one terminal (with why).
     broken: Vec<String>,
     /// Highest ready generation seen per Node.
@@ -244,33 +263,44 @@ fn simulate(seed: u64) -> Outcome {
                 _ => {
                     let n = NODES[rng.below(3) as usize];
                     let through_pool = rng.below(2) == 0;
+                    // One run in five meets a provider stall.
+                    let stalls = rng.below(5) == 0;
+                    let input = if stalls { "stall" } else { "hello" };
                     let edge = edge.clone();
                     let id = format!("run-{step}");
-                    runs.push(tokio::task::spawn_local(async move {
-                        let stream = if through_pool {
-                            let wait = Duration::from_secs(5);
-                            match edge
-                                .dispatch("m", false, wait, PoolRequest::Run(run(&id)))
-                                .await
-                            {
-                                Ok(Dispatched::Run(s)) => Ok(s),
-                                Ok(Dispatched::Tunnel(_)) => unreachable!("runs only"),
-                                Err(e) => Err(e),
-                            }
-                        } else {
-                            edge.run(n, run(&id)).await
-                        };
-                        match stream {
-                            Err(_) => None,
-                            Ok(mut stream) => {
-                                let mut events = Vec::new();
-                                while let Some(ev) = stream.next().await {
-                                    events.push(ev);
+                    runs.push((
+                        stalls,
+                        tokio::task::spawn_local(async move {
+                            let stream = if through_pool {
+                                let wait = Duration::from_secs(5);
+                                match edge
+                                    .dispatch(
+                                        "m",
+                                        false,
+                                        wait,
+                                        PoolRequest::Run(run_with(&id, input)),
+                                    )
+                                    .await
+                                {
+                                    Ok(Dispatched::Run(s)) => Ok(s),
+                                    Ok(Dispatched::Tunnel(_)) => unreachable!("runs only"),
+                                    Err(e) => Err(e),
                                 }
-                                Some(events)
+                            } else {
+                                edge.run(n, run_with(&id, input)).await
+                            };
+                            match stream {
+                                Err(_) => None,
+                                Ok(mut stream) => {
+                                    let mut events = Vec::new();
+                                    while let Some(ev) = stream.next().await {
+                                        events.push(ev);
+                                    }
+                                    Some(events)
+                                }
                             }
-                        }
-                    }));
+                        }),
+                    ));
                 }
             }
             tokio::time::sleep(Duration::from_millis(100 + rng.below(3000))).await;
@@ -280,7 +310,7 @@ fn simulate(seed: u64) -> Outcome {
             turmoil::release("edge", n);
             turmoil::repair("edge", n);
         }
-        for r in runs {
+        for (stalls, r) in runs {
             let events = r.await.unwrap();
             let mut o = result.borrow_mut();
             o.dispatched += 1;
@@ -290,13 +320,28 @@ fn simulate(seed: u64) -> Outcome {
             };
             let terminals = events.iter().filter(|e| e.kind.is_terminal()).count();
             let last_terminal = events.last().is_some_and(|e| e.kind.is_terminal());
+            let last = events.last();
             if terminals != 1 || !last_terminal {
                 o.broken
                     .push(format!("a run ended with {terminals} terminals"));
-            } else if events.last().unwrap().kind == RunEventKind::Complete {
+            } else if last.unwrap().kind == RunEventKind::Complete {
+                if stalls {
+                    o.broken.push("a stalled run completed".into());
+                }
                 o.completed += 1;
-            } else {
+            } else if last.is_some_and(|e| {
+                e.error == iop_node::RESPONSE_STALLED && e.execution_failure.is_some()
+            }) {
+                if !stalls {
+                    o.broken
+                        .push("a run that never stalled ended stalled".into());
+                }
+                o.stalled += 1;
+            } else if last.is_some_and(|e| e.error == iop_edge::transport::NODE_DISCONNECTED) {
                 o.edge_terminals += 1;
+            } else {
+                o.broken
+                    .push(format!("an unexpected terminal: {:?}", last.unwrap()));
             }
         }
         // Recovery: every Node ready again, and a run on each completes.
@@ -406,7 +451,8 @@ fn seeded_runs_of_the_whole_mesh_keep_every_run_terminal_and_recover() {
             (1..=n).collect()
         }
     };
-    let (mut dispatched, mut completed, mut fenced, mut refused) = (0, 0, 0, 0);
+    let (mut dispatched, mut completed, mut fenced, mut refused, mut stalled) = (0, 0, 0, 0, 0);
+    let many = seeds.len() >= 20;
     for seed in seeds {
         let o = simulate(seed);
         assert!(
@@ -418,12 +464,16 @@ fn seeded_runs_of_the_whole_mesh_keep_every_run_terminal_and_recover() {
         completed += o.completed;
         fenced += o.edge_terminals;
         refused += o.refused;
+        stalled += o.stalled;
     }
     eprintln!(
-        "mesh sim: {dispatched} runs: {completed} completed, {fenced} ended by the Edge (fence), \
-         {refused} refused at dispatch"
+        "mesh sim: {dispatched} runs: {completed} completed, {stalled} ended stalled, {fenced} \
+         ended by the Edge (fence), {refused} refused at dispatch"
     );
     assert!(completed > 0);
+    if many {
+        assert!(stalled > 0, "the provider stalls were exercised");
+    }
 }
 
 #[test]
