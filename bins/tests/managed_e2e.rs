@@ -379,6 +379,8 @@ async fn managed_credentials_end_to_end() {
                 edge_id: "edge-1".into(),
                 managed: true,
                 max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+                dialer: None,
+                jitter_seed: None,
             },
             shutdown.clone(),
         )

@@ -26,6 +26,9 @@
 //! accepted (managed/legacy agreement, the certificate's role), the projection to send, the
 //! lease answers.
 //!
+//! [`serve`] binds a TCP listener; [`serve_unbound`] serves connections its embedder accepts
+//! (the deterministic simulation in `tests/tests/control_sim.rs` runs it on `turmoil`).
+//!
 //! The Control Plane never dials a Node or an Edge.
 
 use std::collections::HashMap;
@@ -280,22 +283,146 @@ pub async fn serve(
     admin: Admin,
     leases: Option<Arc<LeaseService>>,
 ) -> std::io::Result<(ControlPlane, tokio::task::JoinHandle<()>)> {
+    check_config(&config, leases.as_ref())?;
+    let listener = TcpListener::bind(config.listen).await?;
+    let local_addr = listener.local_addr()?;
+    let unbound = start(config, admin, leases, local_addr);
+    let cp = unbound.control_plane().clone();
+    let task = tokio::spawn(async move {
+        let mut log = RateLimited::default();
+        loop {
+            let accepted = tokio::select! {
+                () = unbound.acceptor.cp.stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    if log.hit() {
+                        tracing::warn!(error = %e, "control plane accept failed; backing off");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            unbound.serve_connection(tcp, peer);
+        }
+    });
+    Ok((cp, task))
+}
+
+/// A Control Plane serving Edge connections its embedder accepts itself (another transport,
+/// or `turmoil`'s simulated network in `tests/tests/control_sim.rs`): the store poller and
+/// issuer-key activation run as with [`serve`]; each accepted byte stream goes to
+/// [`UnboundControlPlane::serve_connection`]. Dropping it stops the poller.
+pub fn serve_unbound(
+    config: ServerConfig,
+    admin: Admin,
+    leases: Option<Arc<LeaseService>>,
+) -> std::io::Result<UnboundControlPlane> {
+    check_config(&config, leases.as_ref())?;
+    let listen = config.listen;
+    Ok(start(config, admin, leases, listen))
+}
+
+fn check_config(config: &ServerConfig, leases: Option<&Arc<LeaseService>>) -> std::io::Result<()> {
     if config.managed && leases.is_none() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             "managed mode needs a lease service",
         ));
     }
-    let listener = TcpListener::bind(config.listen).await?;
-    let local_addr = listener.local_addr()?;
+    Ok(())
+}
+
+/// See [`serve_unbound`].
+pub struct UnboundControlPlane {
+    acceptor: Acceptor,
+    _poller: AbortOnDrop,
+}
+
+impl std::fmt::Debug for UnboundControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnboundControlPlane")
+            .field("cp", &self.acceptor.cp)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UnboundControlPlane {
+    /// The handle for status, commands and node events.
+    pub fn control_plane(&self) -> &ControlPlane {
+        &self.acceptor.cp
+    }
+
+    /// Serves one accepted connection (TLS handshake, hello, session) on a task of its own,
+    /// under the same handshake cap and timeouts as [`serve`]'s listener.
+    pub fn serve_connection<S>(&self, stream: S, peer: SocketAddr)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        self.acceptor.accept(stream, peer);
+    }
+}
+
+/// What every accepted connection needs.
+#[derive(Clone)]
+struct Acceptor {
+    tls: TlsAcceptor,
+    cp: ControlPlane,
+    admin: Admin,
+    leases: Option<Arc<LeaseService>>,
+    config: ServerConfig,
+    handshakes: Arc<tokio::sync::Semaphore>,
+    refusals: Arc<Mutex<RateLimited>>,
+    log: Arc<Mutex<RateLimited>>,
+}
+
+impl Acceptor {
+    fn accept<S>(&self, stream: S, peer: SocketAddr)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let Ok(slot) = self.handshakes.clone().try_acquire_owned() else {
+            drop(stream);
+            if lock(&self.log).hit() {
+                tracing::warn!(%peer, "too many edge handshakes in progress; closing new connections");
+            }
+            return;
+        };
+        let a = self.clone();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HELLO_TIMEOUT, a.tls.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    if lock(&a.refusals).hit() {
+                        tracing::info!(%peer, error = %e, "edge TLS handshake refused (logged at most once per 10 s)");
+                    }
+                    return;
+                }
+                Err(_) => return,
+            };
+            let identity = peer_identity(tls.get_ref().1).ok();
+            connection(tls, identity, a.cp, a.admin, a.leases, a.config, slot).await;
+        });
+    }
+}
+
+/// The handle, the store poller (it also activates a staged issuer key when its time comes)
+/// and the acceptor.
+fn start(
+    config: ServerConfig,
+    admin: Admin,
+    leases: Option<Arc<LeaseService>>,
+    local_addr: SocketAddr,
+) -> UnboundControlPlane {
     let cp = ControlPlane {
         shared: Arc::default(),
         stop: tokio_util::sync::CancellationToken::new(),
         events: broadcast::channel(1024).0,
         local_addr,
     };
-    let acceptor = TlsAcceptor::from(config.tls.clone());
-    let task_cp = cp.clone();
     let poll_admin = admin.clone();
     let poll_every = config.store_poll;
     let watch = config.store_watch;
@@ -321,59 +448,19 @@ pub async fn serve(
             }
         }
     });
-    let task = tokio::spawn(async move {
-        let _poller = AbortOnDrop(poller);
-        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-        let mut log = RateLimited::default();
-        let refusals = Arc::new(Mutex::new(RateLimited::default()));
-        loop {
-            let accepted = tokio::select! {
-                () = task_cp.stop.cancelled() => return,
-                a = listener.accept() => a,
-            };
-            let (tcp, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    if log.hit() {
-                        tracing::warn!(error = %e, "control plane accept failed; backing off");
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = handshakes.clone().try_acquire_owned() else {
-                drop(tcp);
-                if log.hit() {
-                    tracing::warn!(%peer, "too many edge handshakes in progress; closing new connections");
-                }
-                continue;
-            };
-            let _ = tcp.set_nodelay(true);
-            let (acceptor, cp, admin, leases, config, refusals) = (
-                acceptor.clone(),
-                task_cp.clone(),
-                admin.clone(),
-                leases.clone(),
-                config.clone(),
-                refusals.clone(),
-            );
-            tokio::spawn(async move {
-                let tls = match tokio::time::timeout(HELLO_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => {
-                        if lock(&refusals).hit() {
-                            tracing::info!(%peer, error = %e, "edge TLS handshake refused (logged at most once per 10 s)");
-                        }
-                        return;
-                    }
-                    Err(_) => return,
-                };
-                let identity = peer_identity(tls.get_ref().1).ok();
-                connection(tls, identity, cp, admin, leases, config, slot).await;
-            });
-        }
-    });
-    Ok((cp, task))
+    UnboundControlPlane {
+        acceptor: Acceptor {
+            tls: TlsAcceptor::from(config.tls.clone()),
+            cp,
+            admin,
+            leases,
+            config,
+            handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
+            refusals: Arc::new(Mutex::new(RateLimited::default())),
+            log: Arc::new(Mutex::new(RateLimited::default())),
+        },
+        _poller: AbortOnDrop(poller),
+    }
 }
 
 /// At most one log line per 10 s for a repeated failure.

@@ -623,6 +623,8 @@ impl EdgeConfigFile {
                     edge_id: self.edge_id.clone(),
                     managed: cp.credential_plane,
                     max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+                    dialer: None,
+                    jitter_seed: None,
                 })
             }
         };

@@ -85,7 +85,28 @@ pub struct ControlConfig {
     pub managed: bool,
     /// Largest frame accepted or sent.
     pub max_frame_len: usize,
+    /// How to reach an address: `None` dials TCP. A custom dialer carries the connection over
+    /// another transport (`turmoil`'s simulated network in `tests/tests/control_sim.rs`); TLS
+    /// and everything above it stay the connector's.
+    pub dialer: Option<Dialer>,
+    /// Seeds the reconnect jitter (a splitmix64 sequence) instead of the OS random source, so
+    /// a simulation replays exactly; `None` in production.
+    pub jitter_seed: Option<u64>,
 }
+
+/// A byte stream to a Control Plane, as a [`Dialer`] returns it.
+pub trait ControlStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> ControlStream for T {}
+
+/// Opens a byte stream to one Control Plane address (see [`ControlConfig::dialer`]).
+pub type Dialer = Arc<
+    dyn Fn(
+            String,
+        ) -> std::pin::Pin<
+            Box<dyn Future<Output = std::io::Result<Box<dyn ControlStream>>> + Send>,
+        > + Send
+        + Sync,
+>;
 
 impl std::fmt::Debug for ControlConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -450,8 +471,16 @@ impl ControlConnector {
     }
 }
 
-/// A uniform random value for the backoff's jitter.
-fn random_u32() -> u32 {
+/// A uniform random value for the backoff's jitter: from the OS, or the next of a seeded
+/// splitmix64 sequence ([`ControlConfig::jitter_seed`]).
+fn random_u32(seeded: &mut Option<u64>) -> u32 {
+    if let Some(state) = seeded {
+        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        return u32::try_from((z ^ (z >> 31)) >> 32).unwrap_or(0);
+    }
     let mut b = [0u8; 4];
     let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
     u32::from_le_bytes(b)
@@ -467,6 +496,7 @@ fn reconnect_policy() -> Backoff {
 
 async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut retries = Retries::new(reconnect_policy());
+    let mut seeded = shared.config.jitter_seed;
     loop {
         // The session watches `shutdown` itself, to close its TLS stream cleanly.
         let result = session(&shared, &shutdown).await;
@@ -488,7 +518,7 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
             }
         }
         *lock(&shared.link) = None;
-        let wait = retries.next_delay(random_u32());
+        let wait = retries.next_delay(random_u32(&mut seeded));
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(wait) => {}
@@ -496,7 +526,7 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
     }
 }
 
-type Io = Framed<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, TokioCodec<ControlFrame>>;
+type Io = Framed<tokio_rustls::client::TlsStream<Box<dyn ControlStream>>, TokioCodec<ControlFrame>>;
 
 /// TCP and TLS to the Control Plane (the hello is the session machine's).
 async fn connect(shared: &Shared) -> Result<Io, SessionState> {
@@ -526,10 +556,18 @@ async fn connect(shared: &Shared) -> Result<Io, SessionState> {
 
 async fn connect_one(c: &ControlConfig, address: &str) -> Result<Io, SessionState> {
     let failed = |what: &str| SessionState::Failed(what.to_owned());
-    let tcp = tokio::net::TcpStream::connect(address)
-        .await
-        .map_err(|_| failed("connect"))?;
-    let _ = tcp.set_nodelay(true);
+    let tcp: Box<dyn ControlStream> = match &c.dialer {
+        Some(dial) => dial(address.to_owned())
+            .await
+            .map_err(|_| failed("connect"))?,
+        None => {
+            let tcp = tokio::net::TcpStream::connect(address)
+                .await
+                .map_err(|_| failed("connect"))?;
+            let _ = tcp.set_nodelay(true);
+            Box::new(tcp)
+        }
+    };
     let tls = TlsConnector::from(c.tls.clone())
         .connect(c.server_name.clone(), tcp)
         .await

@@ -149,6 +149,8 @@ fn connector_config(
         edge_id: edge_id.into(),
         managed,
         max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+        dialer: None,
+        jitter_seed: None,
     }
 }
 

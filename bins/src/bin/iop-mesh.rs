@@ -509,6 +509,8 @@ mod managed {
                 edge_id: "edge-1".into(),
                 managed: true,
                 max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+                dialer: None,
+                jitter_seed: None,
             },
             shutdown,
         )

@@ -50,6 +50,9 @@ pub struct SqliteStore {
     /// The `data_version` [`Store::wait_change`] last returned on (`i64::MIN`: none yet), so
     /// a commit between two waits is not missed.
     seen_version: Arc<AtomicI64>,
+    /// Run each call on the caller's thread instead of the blocking pool
+    /// ([`SqliteStore::in_memory_inline`]).
+    inline: bool,
 }
 
 fn backend(e: &rusqlite::Error) -> StoreError {
@@ -79,6 +82,16 @@ impl SqliteStore {
         Self::init(conn)
     }
 
+    /// An in-memory database whose calls run on the calling task's thread, not the blocking
+    /// pool: for deterministic simulations (`turmoil`), where a result arriving from another
+    /// thread at a moment of its own would make a seed replay differently. Each call blocks
+    /// its runtime thread for as long as SQLite takes (microseconds in memory).
+    pub fn in_memory_inline() -> Result<Self, StoreError> {
+        let mut store = Self::in_memory()?;
+        store.inline = true;
+        Ok(store)
+    }
+
     fn init(conn: Connection) -> Result<Self, StoreError> {
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(|e| backend(&e))?;
@@ -90,6 +103,7 @@ impl SqliteStore {
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             seen_version: Arc::new(AtomicI64::new(i64::MIN)),
+            inline: false,
         })
     }
 
@@ -98,6 +112,10 @@ impl SqliteStore {
         f: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let conn = self.conn.clone();
+        if self.inline {
+            let mut guard = conn.lock().map_err(|_| StoreError::Unavailable)?;
+            return f(&mut guard);
+        }
         tokio::task::spawn_blocking(move || {
             let mut guard = conn.lock().map_err(|_| StoreError::Unavailable)?;
             f(&mut guard)
