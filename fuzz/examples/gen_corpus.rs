@@ -20,7 +20,10 @@ use bytes::Bytes;
 use iop_fuzz::seed::{self, ToSeed};
 use iop_fuzz::{frame_decoder, registry_ops, tunnel_sequencer};
 use iop_wire::codec::{FrameCodec, WireFrame};
-use iop_wire::control::{ControlFrame, ControlMessage, EdgeHelloRequest};
+use iop_wire::control::{
+    ControlFrame, ControlMessage, EdgeHelloRequest, EdgeNodeSnapshot, EdgeStatusResponse,
+    PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken,
+};
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, CancelRequest, ExecutionFailure, FailureEvidence, Fence,
     Header, HealthEvidence, NodeConfigPayload, NodeReadyRequest, NodeReadyResponse,
@@ -325,6 +328,63 @@ fn frame_seeds(dir: &Path) {
     frame(
         "control_ping",
         &ControlFrame::correlated(3, ControlMessage::Ping),
+    );
+    // A projection during an issuer key rotation (the staged key and its activation time).
+    let projection = PrincipalProjection {
+        generation: 42,
+        principals: vec![ProjectedPrincipal {
+            principal_id: "team-a".into(),
+            display_name: "Team A".into(),
+            enabled: true,
+        }],
+        tokens: vec![ProjectedToken {
+            token_id: "tok_0011223344556677".into(),
+            principal_id: "team-a".into(),
+            sha256_digest: [7; 32],
+        }],
+        routes: vec![ProjectedRoute {
+            route_id: "r1".into(),
+            principal_id: "team-a".into(),
+            model: "gpt-4o-mini".into(),
+            slot_id: "openai-prod".into(),
+            profile: "openai".into(),
+            upstream_target: "gpt-4o-mini".into(),
+            selector: String::new(),
+            route_revision: 3,
+            credential_revision: 5,
+        }],
+        issuer_key_id: "p256:0011223344556677".into(),
+        staged_issuer_key_id: "p256:8899aabbccddeeff".into(),
+        staged_issuer_activates_at_unix_ms: 1_780_000_000_000,
+    };
+    frame(
+        "control_projection_staged_issuer",
+        &ControlFrame::correlated(
+            4,
+            ControlMessage::PrincipalProjectionApplyRequest(projection),
+        ),
+    );
+    // A status answer naming a refused Node and a warned one.
+    let status = EdgeStatusResponse {
+        edge_id: "edge-1".into(),
+        nodes: vec![
+            EdgeNodeSnapshot {
+                node_id: "node-1".into(),
+                connected: true,
+                refused: "issuer key not trusted: the control plane signs leases with p256:8899aabbccddeeff now".into(),
+                ..Default::default()
+            },
+            EdgeNodeSnapshot {
+                node_id: "node-2".into(),
+                connected: true,
+                warning: "does not trust the staged issuer key p256:8899aabbccddeeff".into(),
+                ..Default::default()
+            },
+        ],
+    };
+    frame(
+        "control_status_response",
+        &ControlFrame::correlated(5, ControlMessage::EdgeStatusResponse(status)),
     );
 }
 

@@ -74,7 +74,7 @@ use zeroize::Zeroizing;
     about = "IOP Control Plane: Edge wire server and admin CLI"
 )]
 struct Cli {
-    /// Data directory (store, master key, issuer key). Default: `$XDG_DATA_HOME/iop-cp`, else
+    /// Data directory (the SQLite store and the master key). Default: `$XDG_DATA_HOME/iop-cp`, else
     /// `$HOME/.local/share/iop-cp` — the same directory from wherever the CLI runs. Accepted
     /// before or after the subcommand.
     #[arg(long, env = "IOP_CP_DATA_DIR", global = true)]
