@@ -5,8 +5,9 @@
 //!   old one, and the Edge reports (status `warning`) the Nodes that do not pin the new key.
 //! - node-2 is restarted pinning both keys (its warning clears); node-1 is left alone.
 //! - `iop-cp issuer-key activate` under a steady load: no request fails. node-1 (old key
-//!   only) is no longer selected (status `refused`, `edge_node_issuer_untrusted`) and node-2
-//!   serves with leases signed by the new key.
+//!   only) is no longer selected (status `refused`, `edge_node_issuer_untrusted`); requests
+//!   after the switch succeed, and with node-1 out and only the new key signing, each is a
+//!   lease node-2 verified with the new key (node-1 never logs "unknown issuer").
 //! - node-1 restarted with the new key is selected again; a rotation with a 2 s overlap is
 //!   activated by `serve` itself at its time (`cp_issuer_key_activated`), after which neither
 //!   Node (neither pins the newest key) is selected.
@@ -297,6 +298,15 @@ name = "fake-model"
         let r = text(&status(admin, 1), "refused");
         r.contains("issuer key not trusted") && r.contains(&new_id)
     });
+    // From here on the Control Plane signs only with the new key and node-1 is not selected:
+    // each of these is a lease node-2 verified with the new key.
+    for i in 0..5 {
+        assert_eq!(
+            support::chat(http, &token, "after the switch").0,
+            200,
+            "request {i} after the switch"
+        );
+    }
     std::thread::sleep(Duration::from_millis(1500));
     stop.store(true, Ordering::Relaxed);
     let results = load.join().unwrap();

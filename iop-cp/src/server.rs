@@ -428,12 +428,13 @@ fn start(
     let watch = config.store_watch;
     let rotates = config.managed;
     let poller = tokio::spawn(async move {
+        let mut activation_log = RateLimited::default();
         loop {
             // A staged issuer key is activated at its time by whichever replica gets there
             // first (the others' attempt finds no staged key and changes nothing).
             let mut wait = poll_every;
             if rotates {
-                wait = wait.min(activate_due_issuer(&poll_admin).await);
+                wait = wait.min(activate_due_issuer(&poll_admin, &mut activation_log).await);
             }
             // Returns at once when another process or replica committed (SQLite
             // `data_version`, PostgreSQL `NOTIFY`); `poll_every` is the safety net.
@@ -776,14 +777,18 @@ async fn connection<S>(
 }
 
 /// Activates the staged issuer key when its time has come; how long until it is due (at most
-/// an hour) otherwise.
-async fn activate_due_issuer(admin: &Admin) -> Duration {
+/// an hour) otherwise, or until the next attempt after a failure (1 s; failures are logged at
+/// most once per 10 s).
+async fn activate_due_issuer(admin: &Admin, log: &mut RateLimited) -> Duration {
     const IDLE: Duration = Duration::from_secs(3600);
+    const RETRY: Duration = Duration::from_secs(1);
     let staged = match admin.store().issuer_keys().await {
         Ok(keys) => keys.into_iter().find(|k| !k.active),
         Err(e) => {
-            tracing::warn!(error = %e, "issuer key read failed");
-            return IDLE;
+            if log.hit() {
+                tracing::warn!(error = %e, "issuer key read failed");
+            }
+            return RETRY;
         }
     };
     let Some(staged) = staged else {
@@ -792,14 +797,19 @@ async fn activate_due_issuer(admin: &Admin) -> Duration {
     let due_in = staged.activates_at_unix_ms - crate::store::unix_ms();
     if due_in > 0 {
         // Woken a little late rather than early (a millisecond early would spin).
-        return Duration::from_millis(u64::try_from(due_in).unwrap_or(0) + 1);
+        return Duration::from_millis(u64::try_from(due_in).unwrap_or(0) + 1).min(IDLE);
     }
     match admin.activate_issuer_key(&staged.id).await {
         Ok(generation) => {
             tracing::info!(target: "iop_cp", event = "cp_issuer_key_activated", key_id = %staged.id, generation, "staged issuer key activated: leases are signed with it from now on");
         }
         Err(crate::admin::AdminError::Store(crate::store::StoreError::NotFound(_))) => {}
-        Err(e) => tracing::warn!(error = %e, key_id = %staged.id, "issuer key activation failed"),
+        Err(e) => {
+            if log.hit() {
+                tracing::warn!(error = %e, key_id = %staged.id, "issuer key activation failed; retrying");
+            }
+            return RETRY;
+        }
     }
     Duration::ZERO
 }

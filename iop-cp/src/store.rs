@@ -220,9 +220,9 @@ pub enum Mutation {
         /// Sealed PKCS#8 PEM.
         sealed: Vec<u8>,
     },
-    /// Stages the next lease issuer key, to be activated at `activates_at_unix_ms`
-    /// ([`StoreError::NotFound`] without an active key, [`StoreError::Conflict`] when one is
-    /// already staged or the id exists).
+    /// Stages the next lease issuer key, to be activated at `activates_at_unix_ms` (positive).
+    /// [`StoreError::Conflict`] when the id exists or a key is already staged,
+    /// [`StoreError::NotFound`] without an active key.
     StageIssuerKey {
         /// Key id (derived from the key).
         id: String,
@@ -350,6 +350,15 @@ impl Mutation {
                 id(i, "issuer key id")?;
                 if sealed.is_empty() || sealed.len() > 64 * 1024 {
                     return Err(StoreError::Invalid("sealed issuer key"));
+                }
+                // The wire names a staged key only with a positive activation time.
+                if let Self::StageIssuerKey {
+                    activates_at_unix_ms,
+                    ..
+                } = self
+                    && *activates_at_unix_ms <= 0
+                {
+                    return Err(StoreError::Invalid("issuer key activation time"));
                 }
                 Ok(())
             }

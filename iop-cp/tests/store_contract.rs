@@ -374,6 +374,15 @@ async fn issuer_keys_install_stage_and_activate<B: Backend>() {
         Err(StoreError::Conflict("issuer key"))
     );
     assert_eq!(b.generation().await.unwrap(), g1);
+    assert_eq!(
+        b.apply(stage("p256:aa", 5)).await,
+        Err(StoreError::Conflict("issuer key")),
+        "the active key's own id"
+    );
+    assert_eq!(
+        b.apply(stage("p256:cc", 0)).await,
+        Err(StoreError::Invalid("issuer key activation time"))
+    );
     let g2 = b.apply(stage("p256:cc", 1_900_000_000_000)).await.unwrap();
     assert_eq!(g2, g1 + 1);
     assert_eq!(

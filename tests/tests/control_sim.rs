@@ -10,17 +10,21 @@
 //! repaired, when the Control Plane host is restarted (its software starts again: sessions
 //! cut, the poller and the lease service new) or crashed and brought back later, the admin
 //! mutations the Control Plane makes meanwhile (new tokens; slot rotations, which move the
-//! credential revision a binding must name), and when the Edge asks for leases.
+//! credential revision a binding must name; issuer keys staged and activated), and when the
+//! Edge asks for leases.
 //!
 //! Checked on every run:
 //!
-//! - **projection generations only move forward** at the Edge (seed 001), across restarts;
+//! - **projection generations only move forward** at the Edge (seed 001), across restarts
+//!   (checked at every observation: before and after each workload step, and every 100–500 ms
+//!   at the end);
 //! - **no lease request hangs**: each answers within the connector's `LEASE_TIMEOUT` (plus
 //!   the simulated network's slack), with a lease or a typed refusal;
-//! - **a granted lease is valid for exactly what was asked**: it opens at the Node's
-//!   recipient (signature by the active issuer key, recipient, the exact binding, validity) and
-//!   the only refusals are the propagation ones (`stale_generation`, `stale_revision`) or no
-//!   session;
+//! - **a granted lease is valid for exactly what was asked**: it is signed with the issuer key
+//!   the projection of its binding's generation names (the Control Plane also stages and
+//!   activates new issuer keys as it runs; the Node pins every key the store has held), it opens
+//!   at the Node's recipient (signature, recipient, the exact binding, validity), and the only
+//!   refusals are the propagation ones (`stale_generation`, `stale_revision`) or no session;
 //! - **convergence**: after the faults stop, within 60 s of simulated time the Edge has a
 //!   session, its projection is the store's current generation, and a lease for it is granted;
 //!   then each of three more mutations reaches the Edge on that session within 3 s (pushed:
@@ -30,7 +34,9 @@
 //! branch of the connection loop made never to fire; made, run, reverted), seed 1 failed: the
 //! Edge only moved on with each new session's hello, and the three final mutations never
 //! reached it. (Before the final-mutation check was added, that break passed: reconnects
-//! alone carried the Edge to the current generation by luck.) `CONTROL_SIM_SEEDS` sets how many seeds run (default
+//! alone carried the Edge to the current generation by luck.) With the lease service keeping
+//! the first issuer key it opened whatever the store names active (made, run, reverted), seed
+//! 1 failed: leases signed with a retired key for projections naming the new one. `CONTROL_SIM_SEEDS` sets how many seeds run (default
 //! 60, ≈0.5 s each in a debug build); `CONTROL_SIM_SEED=N` replays one. A failure names its seed.
 #![allow(
     clippy::unwrap_used,
@@ -77,6 +83,8 @@ impl Rng {
 #[derive(Debug, Default)]
 struct Outcome {
     granted: usize,
+    /// The issuer keys the granted leases were signed with.
+    signers: std::collections::BTreeSet<String>,
     refused_stale: usize,
     no_session: usize,
     broken: Vec<String>,
@@ -100,11 +108,12 @@ fn observe(c: &ControlConnector, out: &Rc<RefCell<Outcome>>) {
     }
 }
 
-/// The binding for team A's route under the connector's current projection.
-fn binding(c: &ControlConnector) -> Option<CredentialLeaseBinding> {
+/// The binding for team A's route under the connector's current projection, and the issuer
+/// key that projection names.
+fn binding(c: &ControlConnector) -> Option<(CredentialLeaseBinding, String)> {
     let p = c.projection()?;
     let route = p.route("team-a", "gpt")?;
-    Some(CredentialLeaseBinding {
+    let binding = CredentialLeaseBinding {
         principal_id: "team-a".into(),
         slot_id: route.slot_id.clone(),
         route_id: route.route_id.clone(),
@@ -115,37 +124,62 @@ fn binding(c: &ControlConnector) -> Option<CredentialLeaseBinding> {
         credential_revision: route.credential_revision,
         route_revision: route.route_revision,
         projection_generation: p.generation(),
-    })
+    };
+    Some((binding, p.issuer_key_id().to_owned()))
+}
+
+/// The Node's side: its recipient, its replay guard, and an admin view of the store from
+/// which it pins every issuer key the store has held (as an operator pins a staged key).
+struct Node {
+    recipient: Recipient,
+    replay: MemoryReplayGuard,
+    trusted: TrustedIssuers,
+    store: Admin,
 }
 
 /// One lease request, judged. `true` when a lease was granted (and opened).
 async fn lease_once(
     c: &ControlConnector,
-    node: &Rc<RefCell<(Recipient, MemoryReplayGuard)>>,
+    node: &Rc<RefCell<Node>>,
     out: &Rc<RefCell<Outcome>>,
 ) -> bool {
-    let Some(b) = binding(c) else {
+    let Some((b, named)) = binding(c) else {
         out.borrow_mut().no_session += 1;
         return false;
     };
-    let public = *node.borrow().0.public_key().as_bytes();
+    let public = *node.borrow().recipient.public_key().as_bytes();
     let started = tokio::time::Instant::now();
     let answer = c.acquire_lease(b.clone(), public).await;
     let took = started.elapsed();
+    // The keys the Node pins: every key the store has held (read before judging, so no borrow
+    // is held across the read).
+    let admin = node.borrow().store.clone();
+    let keys = admin.issuer_keys().await.unwrap();
     let mut o = out.borrow_mut();
     if took > iop_edge::control::LEASE_TIMEOUT + Duration::from_secs(1) {
         o.broken.push(format!("a lease request took {took:?}"));
     }
     match answer {
         Ok(lease) => {
+            o.signers.insert(lease.issuer_key_id.clone());
+            if lease.issuer_key_id != named {
+                o.broken.push(format!(
+                    "a lease for generation {} is signed with {}, its projection named {named}",
+                    b.projection_generation, lease.issuer_key_id
+                ));
+            }
             let envelope = ManagedCredential {
                 lease,
                 binding: b.clone(),
             };
             let now = iop_wire::time::unix_ms(std::time::SystemTime::now());
             let mut n = node.borrow_mut();
-            let (recipient, replay) = &mut *n;
-            match recipient.open(&envelope, &b, now, replay) {
+            let n = &mut *n;
+            for (_, public) in keys {
+                n.trusted.insert(public);
+            }
+            n.recipient.set_trusted_issuers(n.trusted.clone());
+            match n.recipient.open(&envelope, &b, now, &mut n.replay) {
                 Ok(_) => {
                     o.granted += 1;
                     return true;
@@ -200,10 +234,12 @@ fn simulate(seed: u64) -> Outcome {
         .unwrap()
         .block_on(setup);
     let trusted: TrustedIssuers = [issuer_public].into_iter().collect();
-    let node = Rc::new(RefCell::new((
-        Recipient::new(node_key, trusted, OpenPolicy::default()),
-        MemoryReplayGuard::with_capacity(4096),
-    )));
+    let node = Rc::new(RefCell::new(Node {
+        recipient: Recipient::new(node_key, trusted.clone(), OpenPolicy::default()),
+        replay: MemoryReplayGuard::with_capacity(4096),
+        trusted,
+        store: Admin::new(store.clone(), master.clone(), 1),
+    }));
 
     let cp_tls = pki::server_tls(&ca, role::CONTROL_PLANE, "cp-1", role::EDGE);
     {
@@ -228,12 +264,33 @@ fn simulate(seed: u64) -> Outcome {
                 let mut rng = Rng(seed ^ 0xC0DE ^ admin.store().generation().await?);
                 loop {
                     tokio::time::sleep(Duration::from_millis(200 + rng.below(1500))).await;
-                    if rng.below(4) == 0 {
-                        admin
-                            .put_slot("slot-1", "openai", "authorization", "Bearer ", b"sk-sim")
-                            .await?;
-                    } else {
-                        admin.create_token("team-a").await?;
+                    match rng.below(8) {
+                        0 | 1 => {
+                            admin
+                                .put_slot("slot-1", "openai", "authorization", "Bearer ", b"sk-sim")
+                                .await?;
+                        }
+                        2 => {
+                            // Rotate the issuer key: stage one (due far in the future, so the
+                            // poller never activates it on the wall clock), or activate the
+                            // staged one.
+                            let staged = admin
+                                .issuer_keys()
+                                .await?
+                                .into_iter()
+                                .find(|(k, _)| !k.active);
+                            match staged {
+                                Some((k, _)) => {
+                                    admin.activate_issuer_key(&k.id).await?;
+                                }
+                                None => {
+                                    admin.stage_issuer_key(4_000_000_000_000).await?;
+                                }
+                            }
+                        }
+                        _ => {
+                            admin.create_token("team-a").await?;
+                        }
                     }
                 }
             }
@@ -377,6 +434,7 @@ fn seeded_control_plane_restarts_keep_projections_forward_and_leases_valid() {
     };
     let many = seeds.len() >= 20;
     let (mut granted, mut stale, mut no_session, mut generations) = (0, 0, 0, 0);
+    let mut rotated = 0;
     for seed in seeds {
         let o = simulate(seed);
         assert!(
@@ -388,25 +446,33 @@ fn seeded_control_plane_restarts_keep_projections_forward_and_leases_valid() {
         stale += o.refused_stale;
         no_session += o.no_session;
         generations += o.generations.len();
+        rotated += usize::from(o.signers.len() > 1);
     }
     eprintln!(
         "control sim: {granted} leases granted and opened, {stale} refused as stale \
          (propagation), {no_session} without a session; {generations} projection generations \
-         applied"
+         applied; {rotated} seeds granted leases under more than one issuer key"
     );
     if many {
         assert!(
             granted > 0 && stale > 0 && no_session > 0,
             "every outcome occurred"
         );
+        assert!(rotated > 0, "issuer keys were rotated under way");
     }
 }
 
 #[test]
 fn a_control_seed_replays_its_run() {
     for seed in [3, 11] {
-        let a = format!("{:?}", simulate(seed));
-        let b = format!("{:?}", simulate(seed));
+        // Key ids are random per run; their number is not.
+        let replayable = |mut o: Outcome| {
+            let signers = o.signers.len();
+            o.signers.clear();
+            format!("{signers} signers, {o:?}")
+        };
+        let a = replayable(simulate(seed));
+        let b = replayable(simulate(seed));
         assert_eq!(a, b, "seed {seed} ran differently");
     }
 }

@@ -30,7 +30,8 @@
 //! digits); `issuer-key` prints it, and a Node derives the same id from the PEM it pins.
 //! Rotation is staged: `issuer-key rotate --overlap-secs N` publishes the next key, leases
 //! stay signed with the current one for N seconds (pin the new key on the Nodes meanwhile),
-//! then a running `serve` activates it; `issuer-key activate` switches at once.
+//! then a running `serve --credential-plane` activates it; `issuer-key activate` switches at
+//! once.
 //!
 //! CLI commands write the store directly; a running server notices at once (SQLite
 //! `PRAGMA data_version` every 20 ms, PostgreSQL `LISTEN/NOTIFY`; `--store-poll-ms` is the
@@ -141,8 +142,9 @@ struct IssuerKeyArgs {
 enum IssuerKeyCmd {
     /// Stage a new issuer key and print its public key (PEM, stdout). Leases stay signed with
     /// the current key for `--overlap-secs`; pin the new key on every Node meanwhile (Edges
-    /// report the Nodes that do not trust it). Then a running `iop-cp serve` (any replica)
-    /// activates it: from then on Edges stop selecting Nodes that do not trust it.
+    /// report the Nodes that do not trust it). Then a running `iop-cp serve
+    /// --credential-plane` (any replica) activates it: from then on Edges stop selecting Nodes
+    /// that do not trust it.
     Rotate {
         /// How long the current key keeps signing before the new one takes over (seconds;
         /// 0 switches at once, for a compromised key).
@@ -345,18 +347,37 @@ fn data_dir(cli: &Cli) -> Result<PathBuf, Failure> {
 /// The store's active issuer key, installed on first use: the key of an older data
 /// directory's `issuer.pem` if there is one, else a new key. Its id is derived from the key
 /// (`iop_lease::issuer_key_id`), so the id Nodes derive from the PEM they pin is the same.
+///
+/// Only a missing `issuer.pem` means "make a new key": a file that cannot be read or parsed is
+/// an error naming it (a new key would lock out every Node that pins the old one). Once the
+/// store holds the key, a leftover `issuer.pem` is reported: it is a private key in plaintext
+/// that nothing reads any more.
 async fn issuer_key(admin: &Admin, dir: &Path) -> Result<IssuerSigningKey, Failure> {
     let legacy = dir.join("issuer.pem");
-    admin
-        .ensure_issuer_key(|| {
-            match std::fs::read_to_string(&legacy) {
-                Ok(pem) => IssuerSigningKey::from_pem_derived(&pem),
-                Err(_) => IssuerSigningKey::generate_derived(),
-            }
-            .map_err(|_| iop_cp::admin::AdminError::KeyGeneration)
+    let legacy_key = match std::fs::read_to_string(&legacy) {
+        Ok(pem) => Some(
+            IssuerSigningKey::from_pem_derived(&pem)
+                .map_err(|e| usage(format!("{}: {e}", legacy.display())))?,
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(runtime(format!("{}: {e}", legacy.display()))),
+    };
+    let present = legacy_key.is_some();
+    let key = admin
+        .ensure_issuer_key(|| match legacy_key {
+            Some(k) => Ok(k),
+            None => IssuerSigningKey::generate_derived()
+                .map_err(|_| iop_cp::admin::AdminError::KeyGeneration),
         })
         .await
-        .map_err(|e| runtime(format!("issuer key: {e}")))
+        .map_err(|e| runtime(format!("issuer key: {e}")))?;
+    if present {
+        eprintln!(
+            "iop-cp: note: {} is no longer read (the issuer key lives in the store, sealed with master.key); delete it",
+            legacy.display()
+        );
+    }
+    Ok(key)
 }
 
 /// The Node config lines pinning `paths` (one `[[credential_plane.issuers]]` each).
@@ -689,10 +710,26 @@ async fn issuer_key_cmd(admin: &Admin, dir: &Path, args: &IssuerKeyArgs) -> Resu
                 iop_wire::time::unix_ms(std::time::SystemTime::now()).saturating_add(overlap_ms);
             let (key, generation) = admin.stage_issuer_key(at.max(1)).await.map_err(fail)?;
             if *overlap_secs == 0 {
-                let g = admin
-                    .activate_issuer_key(key.key_id())
-                    .await
-                    .map_err(fail)?;
+                // A running `serve` may activate the key (due at once) before this does.
+                let g = match admin.activate_issuer_key(key.key_id()).await {
+                    Ok(g) => g,
+                    Err(iop_cp::admin::AdminError::Store(iop_cp::store::StoreError::NotFound(
+                        _,
+                    ))) if admin
+                        .issuer_keys()
+                        .await
+                        .map_err(fail)?
+                        .iter()
+                        .any(|(k, _)| k.active && k.id == key.key_id()) =>
+                    {
+                        admin
+                            .store()
+                            .generation()
+                            .await
+                            .map_err(|e| runtime(e.to_string()))?
+                    }
+                    Err(e) => return Err(fail(e)),
+                };
                 print!("{}", key.to_pem());
                 eprintln!(
                     "issuer key {} is active now (generation {g}); {} no longer signs. Edges stop selecting Nodes that do not pin the new key: pin it on every Node (config below) and restart them.\n\n{}",

@@ -366,6 +366,9 @@ async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError>
             sealed,
             activates_at_unix_ms,
         } => {
+            if exists(tx, "SELECT 1 FROM issuer_keys WHERE id = $1", id).await? {
+                return Err(StoreError::Conflict("issuer key"));
+            }
             if !exists(
                 tx,
                 "SELECT 1 FROM issuer_keys WHERE active AND id <> $1",

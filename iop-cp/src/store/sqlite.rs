@@ -302,6 +302,9 @@ fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreEr
             sealed,
             activates_at_unix_ms,
         } => {
+            if exists(tx, "SELECT 1 FROM issuer_keys WHERE id = ?1", id)? {
+                return Err(StoreError::Conflict("issuer key"));
+            }
             if !exists(
                 tx,
                 "SELECT 1 FROM issuer_keys WHERE active = 1 AND id <> ?1",

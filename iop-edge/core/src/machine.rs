@@ -845,16 +845,13 @@ impl<S: Sinks> EdgeCore<S> {
         self.warnings.get(node_id).map(String::as_str)
     }
 
-    /// Applies the issuer rules of [`EdgeCore::set_issuers`] to one registered Node.
-    fn check_issuers(&mut self, node_id: &str) {
-        let Some((_, pins)) = self.pins.get(node_id) else {
-            return;
-        };
+    /// Why registered Node `node_id` must not be selected (it does not pin the active key).
+    fn untrusted(&self, node_id: &str) -> Option<String> {
+        let (_, pins) = self.pins.get(node_id)?;
         if pins.is_empty() {
-            return;
+            return None;
         }
-        let untrusted = self
-            .issuers
+        self.issuers
             .active
             .as_ref()
             .filter(|a| !pins.contains(a))
@@ -864,7 +861,21 @@ impl<S: Sinks> EdgeCore<S> {
                     iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED,
                     pins.join(", ")
                 )
-            });
+            })
+    }
+
+    /// Applies the issuer rules of [`EdgeCore::set_issuers`] to one registered Node.
+    fn check_issuers(&mut self, node_id: &str) {
+        let Some((_, pins)) = self.pins.get(node_id) else {
+            return;
+        };
+        if pins.is_empty() {
+            return;
+        }
+        let untrusted = self.untrusted(node_id);
+        let Some((_, pins)) = self.pins.get(node_id) else {
+            return;
+        };
         let warning = self
             .issuers
             .staged
@@ -882,7 +893,7 @@ impl<S: Sinks> EdgeCore<S> {
             .is_some_and(|p| p.set_node_excluded(node_id, excluded));
         match untrusted {
             Some(reason) => {
-                if changed {
+                if changed || self.refused.get(node_id) != Some(&reason) {
                     tracing::warn!(target: "iop_edge", event = "edge_node_issuer_untrusted", %node_id, %reason, "node not selected: it cannot verify the key leases are signed with");
                 }
                 self.refused.insert(node_id.to_owned(), reason);
@@ -1286,11 +1297,14 @@ impl<S: Sinks> EdgeCore<S> {
                 ..
             } => {
                 self.refused.remove(&node_id);
+                // The active key may have changed since the registration was checked: decide
+                // the exclusion in the same step as the activation, before any waiter is
+                // pumped to this Node.
+                let excluded = self.untrusted(&node_id).is_some();
                 // Activate the generation's resources (and pump waiters) before observers hear.
                 if let Some(pool) = self.pool.as_mut() {
-                    pool.node_ready(&node_id, generation);
+                    pool.node_ready_excluded(&node_id, generation, excluded);
                 }
-                // The active key may have changed since the registration was checked.
                 self.check_issuers(&node_id);
                 self.events
                     .push_back(Event::Lifecycle(Lifecycle::Connected {

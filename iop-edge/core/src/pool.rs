@@ -18,7 +18,10 @@
 //! - [`Pool::snapshot`] reports the seed's figures: `in_flight`/`long_in_flight` from leases,
 //!   `queued`/`long_queued` as candidate pressure (a waiter counts on every live candidate of its
 //!   model), offline providers with status `unavailable`, health `offline` and every figure
-//!   zero, overlaid providers with status and health `unavailable` and every figure zero.
+//!   zero, overlaid providers with status and health `unavailable` and every figure zero. A
+//!   provider excluded because its Node does not pin the current lease issuer key (managed
+//!   mode, [`Pool::set_node_excluded`]) shows status and health `unavailable` with its
+//!   running requests still counted in `in_flight`.
 //!
 //! Drive it like the other machines: call the `handle`-style methods, then drain
 //! [`Pool::poll_event`] (grants to waiters, wait timeouts) and re-arm [`Pool::poll_timeout`].
@@ -319,6 +322,12 @@ impl Pool {
     /// `node_id` became dispatch-ready on `generation`: its providers come online with their
     /// configured capacity (a previous generation's overlay is not inherited); waiters are pumped.
     pub fn node_ready(&mut self, node_id: &str, generation: Generation) {
+        self.node_ready_excluded(node_id, generation, false);
+    }
+
+    /// [`Pool::node_ready`] with the exclusion of [`Pool::set_node_excluded`] decided in the
+    /// same step, so a Node that is excluded from the start is never granted a waiter.
+    pub fn node_ready_excluded(&mut self, node_id: &str, generation: Generation, excluded: bool) {
         for p in self
             .providers
             .values_mut()
@@ -326,7 +335,7 @@ impl Pool {
         {
             p.generation = Some(generation);
             p.overlay = None;
-            p.excluded = false;
+            p.excluded = excluded;
         }
         self.pump();
     }
@@ -486,9 +495,16 @@ impl Pool {
                 if p.generation.is_none() {
                     s.status = "unavailable".into();
                     s.health = "offline".into();
-                } else if p.overlay.is_some() || p.excluded {
+                } else if p.overlay.is_some() {
                     s.status = "unavailable".into();
                     s.health = "unavailable".into();
+                } else if p.excluded {
+                    // Not selected, but its running requests are still counted, so an operator
+                    // can see when it has drained.
+                    s.status = "unavailable".into();
+                    s.health = "unavailable".into();
+                    s.in_flight = p.in_flight;
+                    s.long_in_flight = p.long_in_flight;
                 } else {
                     let (queued, long_queued) =
                         pressure.get(&p.spec.key).copied().unwrap_or_default();
@@ -814,7 +830,12 @@ mod tests {
                             prop_assert_eq!(total, 0);
                             prop_assert_eq!((s.health.as_str(), s.status.as_str(), s.capacity, s.in_flight, s.queued), ("offline", "unavailable", 0, 0, 0));
                         }
-                        (Some(_), true) => prop_assert_eq!((s.health.as_str(), s.status.as_str()), ("unavailable", "unavailable")),
+                        (Some(_), true) => {
+                            prop_assert_eq!((s.health.as_str(), s.status.as_str()), ("unavailable", "unavailable"));
+                            if excluded[n] && !unavailable[n] {
+                                prop_assert_eq!((s.in_flight, s.long_in_flight), (total, long), "an excluded Node's running requests are shown");
+                            }
+                        }
                         (Some(_), false) => {
                             prop_assert_eq!((s.health.as_str(), s.status.as_str()), ("healthy", "available"));
                             prop_assert_eq!((s.capacity, s.in_flight, s.long_in_flight), (CAPACITY[n].0, total, long));

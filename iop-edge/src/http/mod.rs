@@ -709,6 +709,7 @@ async fn send(
         Caller::Managed { .. } => {
             let mut request = request;
             let mut readmitted = false;
+            let mut from = None;
             loop {
                 // Boxed: the lease round trip's state is large and only managed requests
                 // need it.
@@ -719,11 +720,12 @@ async fn send(
                     &admission,
                     request,
                     &state.edge,
+                    from.take(),
                 ))
                 .await?
                 {
                     Bound::Ready(r) => break r,
-                    Bound::Untrusted(r) if !readmitted => {
+                    Bound::Untrusted(r, newer) if !readmitted => {
                         let shape = |a: &Admission| {
                             let l = a.lease();
                             (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
@@ -736,8 +738,11 @@ async fn send(
                         }
                         readmitted = true;
                         request = r;
+                        // Bind again under the projection that found the Node untrusted, not
+                        // the one the request authenticated with.
+                        from = Some(newer);
                     }
-                    Bound::Untrusted(_) => return Err(propagating(dialect)),
+                    Bound::Untrusted(..) => return Err(propagating(dialect)),
                 }
             }
         }
@@ -791,6 +796,7 @@ async fn bind_managed(
     admission: &Admission,
     request: PoolRequest,
     edge: &EdgeHandle,
+    from: Option<Arc<crate::control::ProjectionIndex>>,
 ) -> Result<Bound, Response> {
     let Caller::Managed {
         control,
@@ -810,7 +816,7 @@ async fn bind_managed(
     let Some(recipient) = admission.recipient().cloned() else {
         return Err(refuse("selected node has no credential recipient key"));
     };
-    let mut index = index.clone();
+    let mut index = from.unwrap_or_else(|| index.clone());
     let mut rebound = false;
     let mut deadline = None;
     let (binding, credential) = loop {
@@ -842,7 +848,7 @@ async fn bind_managed(
         };
         if !edge.node_trusts(&lease.key.node_id, lease.generation, index.issuer_key_id()) {
             // Its lease would be signed with a key the Node cannot verify.
-            return Ok(Bound::Untrusted(request));
+            return Ok(Bound::Untrusted(request, index));
         }
         if !index.admits(token, model, &binding) {
             return Err(forbidden(if rebound {
@@ -927,8 +933,9 @@ async fn bind_managed(
 enum Bound {
     /// Bound, with its lease: dispatch it.
     Ready(PoolRequest),
-    /// The admitted Node does not pin the key the lease would be signed with: admit again.
-    Untrusted(PoolRequest),
+    /// The admitted Node does not pin the key the lease would be signed with (under this
+    /// projection): admit again.
+    Untrusted(PoolRequest, Arc<crate::control::ProjectionIndex>),
 }
 
 /// A tunnel request for `operation` with `body` (the pool fills in adapter, target and the
