@@ -161,6 +161,8 @@ struct Link {
     down: bool,
     /// Application frames the Node received (after ready).
     inbox: Vec<RuntimeFrame>,
+    /// Registered but holding its config (so not ready) until [`Pair::apply_config`].
+    held: bool,
 }
 
 struct Pair {
@@ -226,11 +228,43 @@ impl Pair {
             node,
             down: false,
             inbox: Vec::new(),
+            held: false,
         });
         let i = self.links.len() - 1;
         self.by_conn.insert(conn, i);
         self.settle();
         i
+    }
+
+    /// Like [`Pair::connect_pinning`], but the Node stops after its registration is accepted
+    /// (pending: it has not applied its config, so it is not ready) until
+    /// [`Pair::apply_config`].
+    fn connect_held(&mut self, node_id: &str, issuers: &[&str]) -> usize {
+        let conn = self.edge.accept(self.now, node_id);
+        let register = RegisterRequest {
+            node_id: node_id.to_owned(),
+            issuer_key_ids: issuers.iter().map(|s| (*s).to_owned()).collect(),
+            ..Default::default()
+        };
+        let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
+        self.links.push(Link {
+            conn,
+            node,
+            down: false,
+            inbox: Vec::new(),
+            held: true,
+        });
+        let i = self.links.len() - 1;
+        self.by_conn.insert(conn, i);
+        self.settle();
+        i
+    }
+
+    /// The held Node of link `i` applies its config and reports ready.
+    fn apply_config(&mut self, i: usize) {
+        self.links[i].held = false;
+        self.links[i].node.config_applied(self.now).unwrap();
+        self.settle();
     }
 
     fn wire(&self, frame: &RuntimeFrame) -> RuntimeFrame {
@@ -255,6 +289,7 @@ impl Pair {
                 while let Some(event) = self.links[i].node.poll_event() {
                     moved = true;
                     match event {
+                        NodeEvent::ApplyConfig { .. } if self.links[i].held => {}
                         NodeEvent::ApplyConfig { .. } => {
                             self.links[i].node.config_applied(self.now).unwrap();
                         }
@@ -1035,6 +1070,58 @@ fn a_rotated_issuer_key_stops_selecting_nodes_that_do_not_trust_it() {
         "{events:?}"
     );
     assert_eq!(p.edge.refused("node-1"), None);
+}
+
+/// A Node whose registration was accepted under the old issuer key and that turns ready after
+/// the switch to a key it does not pin is excluded in the same step as its activation: a waiter
+/// queued meanwhile is never granted on it.
+#[test]
+fn a_node_that_turns_ready_untrusted_is_never_granted_a_waiter() {
+    let mut p = Pair::new();
+    let _n1 = p.connect_pinning("node-1", &["p256:old", "p256:new"]);
+    p.edge.set_issuers(
+        p.now,
+        Issuers {
+            active: Some("p256:old".into()),
+            staged: None,
+        },
+    );
+    let n2 = p.connect_held("node-2", &["p256:old"]);
+    assert!(
+        !p.edge.ready_nodes().iter().any(|(n, _)| n == "node-2"),
+        "node-2 is pending"
+    );
+    let wait = Duration::from_secs(5);
+    let Admit::Granted(_busy) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("node-1 has room")
+    };
+    let Admit::Queued(waiter) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        panic!("node-1 is full and node-2 not ready")
+    };
+    p.edge.set_issuers(
+        p.now,
+        Issuers {
+            active: Some("p256:new".into()),
+            staged: None,
+        },
+    );
+    p.take_events();
+    p.apply_config(n2);
+    assert!(p.edge.ready_nodes().iter().any(|(n, _)| n == "node-2"));
+    let events = p.take_events();
+    assert!(
+        !events.iter().any(|e| matches!(e,
+            Event::Admitted { request, result: Ok(_) } if *request == waiter)),
+        "the waiter was granted on a Node that cannot verify its lease: {events:?}"
+    );
+    assert!(
+        p.edge
+            .refused("node-2")
+            .is_some_and(|r| r.contains("p256:new")),
+        "{:?}",
+        p.edge.refused("node-2")
+    );
+    assert_eq!(p.edge.pool_stats().0, 1, "still waiting");
 }
 
 /// Without a ready provider a request waits — never hangs — and times out at its deadline; the
