@@ -147,32 +147,13 @@ capacity = 8
         ),
     )
     .unwrap();
-    std::fs::write(
-        dir.join(format!("node-{n}.toml")),
-        format!(
-            r#"node_id = "node-{n}"
-[edge]
-address = "127.0.0.1:{nodes}"
-server_name = "localhost"
-name = "edge-{n}"
-[tls]
-trust_domain = "iop.test"
-ca = "{d}/ca/ca.pem"
-cert = "{d}/node-{n}.pem"
-key = "{d}/node-{n}.key"
-[reconnect]
-interval_sec = 1
-max_attempts = 0
-[credential_plane]
-enabled = true
-recipient_key = "{d}/node-{n}.x25519.pem"
-recipient_key_id = "node-{n}-key"
-[[credential_plane.issuers]]
-public_key = "{d}/cp-issuer.pub.pem"
-"#
-        ),
-    )
-    .unwrap();
+    support::managed_node_config(
+        dir,
+        &format!("node-{n}"),
+        &format!("edge-{n}"),
+        nodes,
+        &["cp-issuer.pub.pem"],
+    );
     (nodes, http)
 }
 

@@ -41,44 +41,11 @@ fn cli(data: &Path, args: &[&str]) -> (String, String) {
     (String::from_utf8(out.stdout).unwrap(), err)
 }
 
-/// `node-N.toml` pinning the issuer public keys in `pins` (file names in `dir`).
-fn node_config(dir: &Path, n: u32, edge_port: u16, pins: &[&str]) -> String {
-    let d = dir.display();
-    let mut text = format!(
-        r#"node_id = "node-{n}"
-[edge]
-address = "127.0.0.1:{edge_port}"
-server_name = "localhost"
-name = "edge-1"
-[tls]
-trust_domain = "iop.test"
-ca = "{d}/ca/ca.pem"
-cert = "{d}/node-{n}.pem"
-key = "{d}/node-{n}.key"
-[reconnect]
-interval_sec = 1
-max_attempts = 0
-[credential_plane]
-enabled = true
-recipient_key = "{d}/node-{n}.x25519.pem"
-recipient_key_id = "node-{n}-key"
-"#
-    );
-    for p in pins {
-        text.push_str(&format!(
-            "[[credential_plane.issuers]]\npublic_key = \"{d}/{p}\"\n"
-        ));
-    }
-    let path = dir.join(format!("node-{n}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path.to_str().unwrap().to_owned()
-}
-
 fn node(dir: &Path, n: u32, edge_port: u16, pins: &[&str]) -> Proc {
-    let cfg = node_config(dir, n, edge_port, pins);
+    let cfg = support::managed_node_config(dir, &format!("node-{n}"), "edge-1", edge_port, pins);
     Proc::spawn(
         env!("CARGO_BIN_EXE_iop-node"),
-        &["--config", &cfg],
+        &["--config", cfg.to_str().unwrap()],
         &[],
         dir,
         &format!("node-{n}"),

@@ -473,13 +473,9 @@ impl ControlConnector {
 
 /// A uniform random value for the backoff's jitter: from the OS, or the next of a seeded
 /// splitmix64 sequence ([`ControlConfig::jitter_seed`]).
-fn random_u32(seeded: &mut Option<u64>) -> u32 {
-    if let Some(state) = seeded {
-        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        return u32::try_from((z ^ (z >> 31)) >> 32).unwrap_or(0);
+fn random_u32(seeded: &mut Option<iop_wire::backoff::SplitMix64>) -> u32 {
+    if let Some(rng) = seeded {
+        return rng.next_u32();
     }
     let mut b = [0u8; 4];
     let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
@@ -496,7 +492,7 @@ fn reconnect_policy() -> Backoff {
 
 async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut retries = Retries::new(reconnect_policy());
-    let mut seeded = shared.config.jitter_seed;
+    let mut seeded = shared.config.jitter_seed.map(iop_wire::backoff::SplitMix64);
     loop {
         // The session watches `shutdown` itself, to close its TLS stream cleanly.
         let result = session(&shared, &shutdown).await;

@@ -251,21 +251,14 @@ async fn dial_tcp(address: String) -> std::io::Result<TcpStream> {
 
 /// Where reconnect jitter comes from: the OS, or a seeded sequence (simulations replay a run
 /// by its seed).
-struct Jitter(Option<u64>);
+struct Jitter(Option<iop_wire::backoff::SplitMix64>);
 
 impl Jitter {
     fn next(&mut self) -> u32 {
         match &mut self.0 {
             // Jitter only spreads a fleet's reconnects; without OS randomness, no jitter.
             None => getrandom::u32().unwrap_or(0),
-            // splitmix64.
-            Some(state) => {
-                *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = *state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                u32::try_from((z ^ (z >> 31)) >> 32).unwrap_or(0)
-            }
+            Some(rng) => rng.next_u32(),
         }
     }
 }
@@ -287,7 +280,7 @@ where
     F: Future<Output = std::io::Result<S>>,
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
 {
-    let mut jitter = Jitter(opts.jitter_seed);
+    let mut jitter = Jitter(opts.jitter_seed.map(iop_wire::backoff::SplitMix64));
     let tls = TlsConnector::from(opts.tls.clone());
     let connect = || {
         let tcp = dial();

@@ -16,6 +16,32 @@
 
 use std::time::Duration;
 
+/// A seeded source of the `random` argument (splitmix64): jitter that replays, for
+/// deterministic simulations and seeded tests. Production callers pass OS randomness instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 pseudo-random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// The next 32 bits (the high half), as [`Backoff::delay`] takes them.
+    pub fn next_u32(&mut self) -> u32 {
+        u32::try_from(self.next_u64() >> 32).unwrap_or(0)
+    }
+
+    /// A value below `n` (`n > 0`; slightly biased, fine for workloads).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
 /// The jitter fraction is outside `0.0..=1.0`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("backoff jitter must be within 0.0..=1.0")]
@@ -122,6 +148,15 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    /// The reference splitmix64 sequence from seed 0 (Vigna's `splitmix64.c`).
+    #[test]
+    fn splitmix64_is_the_reference_sequence() {
+        let mut r = SplitMix64(0);
+        assert_eq!(r.next_u64(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(r.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+        assert_eq!(r.next_u32(), 0x06C4_5D18);
+    }
 
     #[test]
     fn exponential_doubles_to_its_cap_and_jitter_only_shortens() {

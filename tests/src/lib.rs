@@ -4,5 +4,6 @@
 #![warn(missing_docs)]
 
 pub mod net;
+pub mod node;
 pub mod pki;
 pub mod upstream;

@@ -64,21 +64,8 @@ use tokio_util::sync::CancellationToken;
 
 const PORT: u16 = 7600;
 
-/// A small deterministic generator (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+// The workload's deterministic generator (splitmix64, as the reconnect jitter of a seeded run).
+use iop_wire::backoff::SplitMix64 as Rng;
 
 #[derive(Debug, Default)]
 struct Outcome {

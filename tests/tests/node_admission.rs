@@ -28,8 +28,8 @@ use iop_tests::upstream::{Kind, Upstream};
 use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, CredentialLeaseBinding, Header,
-    ManagedCredential, NativeSettings, NodeCommandKind, NodeCommandRequest, NodeConfigPayload,
-    OpenAiCompatSettings, Operation, ProviderTunnelRequest, RunEventKind, RunRequest,
+    ManagedCredential, NativeSettings, NodeConfigPayload, OpenAiCompatSettings, Operation,
+    ProviderTunnelRequest, RunEventKind, RunRequest,
 };
 use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
@@ -174,31 +174,8 @@ async fn run_error(stream: &mut RunStream) -> String {
     }
 }
 
-/// Waits (bounded) until `adapter` reports `in_flight=0` on the Node.
 async fn idle(edge: &EdgeHandle, adapter: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = edge
-            .command(
-                "node-1",
-                NodeCommandRequest {
-                    kind: NodeCommandKind::ProviderLifecycle,
-                    adapter: String::new(),
-                    target: String::new(),
-                },
-            )
-            .await
-            .unwrap();
-        let v = r.result.get(adapter).cloned().unwrap_or_default();
-        if v.starts_with("in_flight=0 ") {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{adapter} still busy: {v}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    iop_tests::node::wait_idle(edge, "node-1", adapter).await;
 }
 
 /// The gate is the adapter instance's, not the request kind's. Each refusal is told apart from

@@ -545,27 +545,6 @@ async fn a_response_that_started_in_time_is_not_cut_by_the_wait_timeout() {
     .expect("scenario finishes");
 }
 
-/// `in_flight=N` of each adapter, from the Node's PROVIDER_LIFECYCLE answer.
-async fn in_flight(edge: &EdgeHandle) -> Option<(String, String)> {
-    let r = edge
-        .command(
-            "node-1",
-            NodeCommandRequest {
-                kind: NodeCommandKind::ProviderLifecycle,
-                adapter: String::new(),
-                target: String::new(),
-            },
-        )
-        .await
-        .ok()?;
-    let field = |k: &str| {
-        r.result
-            .get(k)
-            .and_then(|v| v.split(' ').next().map(str::to_owned))
-    };
-    Some((field("openai-a")?, field("demo-a")?))
-}
-
 /// Seed 000 ("precedence and ownership"): a session lifetime context cancels the active run
 /// and tunnel handlers on disconnect. The network between Node and Edge is cut (neither side
 /// sends a cancel): the Node drops its upstream request (the provider sees its client go) and
@@ -636,11 +615,13 @@ async fn a_disconnect_cancels_the_nodes_run_and_tunnel_handlers() {
             .await
             .unwrap();
         assert_eq!(run.next().await.unwrap().kind, RunEventKind::Start);
-        assert_eq!(
-            in_flight(&edge).await,
-            Some(("in_flight=1".into(), "in_flight=1".into())),
-            "both handlers hold their adapter's capacity"
-        );
+        for adapter in ["openai-a", "demo-a"] {
+            assert_eq!(
+                iop_tests::node::in_flight(&edge, "node-1", adapter).await,
+                Some(1),
+                "{adapter}'s handler holds its capacity"
+            );
+        }
 
         let dropped = p.slow_dropped.notified();
         net.cut();
@@ -649,17 +630,10 @@ async fn a_disconnect_cancels_the_nodes_run_and_tunnel_handlers() {
             .expect("the Node dropped its upstream request when the session ended");
         // Back on a new session: both adapters idle.
         while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
-        let idle = Some(("in_flight=0".to_owned(), "in_flight=0".to_owned()));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        let mut last = None;
-        while tokio::time::Instant::now() < deadline {
-            last = in_flight(&edge).await;
-            if last == idle {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        // The run and tunnel handlers were cancelled: both adapters idle.
+        for adapter in ["openai-a", "demo-a"] {
+            iop_tests::node::wait_idle(&edge, "node-1", adapter).await;
         }
-        assert_eq!(last, idle, "the run and tunnel handlers were cancelled");
         shutdown.cancel();
     })
     .await

@@ -320,6 +320,46 @@ api_key_env = "UPSTREAM_KEY"
     path
 }
 
+/// Writes `<dir>/<node>.toml` for a managed Node (`[credential_plane]`) dialing Edge `edge`
+/// on `edge_port`, pinning the issuer public keys in `pins` (file names in `dir`); its path.
+pub fn managed_node_config(
+    dir: &Path,
+    node: &str,
+    edge: &str,
+    edge_port: u16,
+    pins: &[&str],
+) -> PathBuf {
+    let d = dir.display();
+    let mut text = format!(
+        r#"node_id = "{node}"
+[edge]
+address = "127.0.0.1:{edge_port}"
+server_name = "localhost"
+name = "{edge}"
+[tls]
+trust_domain = "iop.test"
+ca = "{d}/ca/ca.pem"
+cert = "{d}/{node}.pem"
+key = "{d}/{node}.key"
+[reconnect]
+interval_sec = 1
+max_attempts = 0
+[credential_plane]
+enabled = true
+recipient_key = "{d}/{node}.x25519.pem"
+recipient_key_id = "{node}-key"
+"#
+    );
+    for p in pins {
+        text.push_str(&format!(
+            "[[credential_plane.issuers]]\npublic_key = \"{d}/{p}\"\n"
+        ));
+    }
+    let path = dir.join(format!("{node}.toml"));
+    std::fs::write(&path, text).expect("write node config");
+    path
+}
+
 pub fn set_mode(path: &Path, mode: u32) {
     #[cfg(unix)]
     {

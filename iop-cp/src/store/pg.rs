@@ -342,24 +342,15 @@ async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError>
                 .map_err(|e| backend(&e))?;
             changed(n, "route")?;
         }
+        // Serialized with every other mutation by the generation row lock taken first.
         Mutation::InstallIssuerKey { id, sealed } => {
-            // Serialized with every other mutation by the generation row lock taken first.
-            if exists(
-                tx,
-                "SELECT 1 FROM issuer_keys WHERE active AND id <> $1",
-                id,
-            )
-            .await?
-            {
+            if exists(tx, "SELECT 1 FROM issuer_keys WHERE id = $1", id).await? {
+                return Err(StoreError::Conflict("issuer key"));
+            }
+            if issuer_slots(tx).await?.0 {
                 return Err(StoreError::Conflict("active issuer key"));
             }
-            tx.execute(
-                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
-                 VALUES ($1, $2, TRUE, $3)",
-                &[id, sealed, &unix_ms()],
-            )
-            .await
-            .map_err(|e| unique(&e, "issuer key"))?;
+            insert_issuer_key(tx, id, sealed, true, unix_ms()).await?;
         }
         Mutation::StageIssuerKey {
             id,
@@ -369,31 +360,13 @@ async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError>
             if exists(tx, "SELECT 1 FROM issuer_keys WHERE id = $1", id).await? {
                 return Err(StoreError::Conflict("issuer key"));
             }
-            if !exists(
-                tx,
-                "SELECT 1 FROM issuer_keys WHERE active AND id <> $1",
-                id,
-            )
-            .await?
-            {
-                return Err(StoreError::NotFound("active issuer key"));
+            match issuer_slots(tx).await? {
+                (false, _) => return Err(StoreError::NotFound("active issuer key")),
+                (_, true) => return Err(StoreError::Conflict("staged issuer key")),
+                (true, false) => {
+                    insert_issuer_key(tx, id, sealed, false, *activates_at_unix_ms).await?;
+                }
             }
-            if exists(
-                tx,
-                "SELECT 1 FROM issuer_keys WHERE NOT active AND id <> $1",
-                id,
-            )
-            .await?
-            {
-                return Err(StoreError::Conflict("staged issuer key"));
-            }
-            tx.execute(
-                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
-                 VALUES ($1, $2, FALSE, $3)",
-                &[id, sealed, activates_at_unix_ms],
-            )
-            .await
-            .map_err(|e| unique(&e, "issuer key"))?;
         }
         Mutation::ActivateIssuerKey { id } => {
             if !exists(
@@ -417,6 +390,35 @@ async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError>
         }
     }
     Ok(())
+}
+
+/// Whether an active and whether a staged issuer key exist.
+async fn issuer_slots(tx: &Transaction<'_>) -> Result<(bool, bool), StoreError> {
+    let row = tx
+        .query_one(
+            "SELECT COALESCE(BOOL_OR(active), FALSE), COALESCE(BOOL_OR(NOT active), FALSE) \
+             FROM issuer_keys",
+            &[],
+        )
+        .await
+        .map_err(|e| backend(&e))?;
+    Ok((row.get(0), row.get(1)))
+}
+
+async fn insert_issuer_key(
+    tx: &Transaction<'_>,
+    id: &str,
+    sealed: &[u8],
+    active: bool,
+    at_unix_ms: i64,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) VALUES ($1, $2, $3, $4)",
+        &[&id, &sealed, &active, &at_unix_ms],
+    )
+    .await
+    .map(drop)
+    .map_err(|e| unique(&e, "issuer key"))
 }
 
 async fn issuer_keys(tx: &Transaction<'_>, sealed: bool) -> Result<Vec<IssuerKey>, StoreError> {

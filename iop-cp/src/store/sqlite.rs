@@ -283,19 +283,13 @@ fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreEr
             changed(n, "route")?;
         }
         Mutation::InstallIssuerKey { id, sealed } => {
-            if exists(
-                tx,
-                "SELECT 1 FROM issuer_keys WHERE active = 1 AND id <> ?1",
-                id,
-            )? {
+            if exists(tx, "SELECT 1 FROM issuer_keys WHERE id = ?1", id)? {
+                return Err(StoreError::Conflict("issuer key"));
+            }
+            if issuer_slots(tx)?.0 {
                 return Err(StoreError::Conflict("active issuer key"));
             }
-            tx.execute(
-                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
-                 VALUES (?1, ?2, 1, ?3)",
-                params![id, sealed, unix_ms()],
-            )
-            .map_err(|e| unique(e, "issuer key"))?;
+            insert_issuer_key(tx, id, sealed, true, unix_ms())?;
         }
         Mutation::StageIssuerKey {
             id,
@@ -305,26 +299,11 @@ fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreEr
             if exists(tx, "SELECT 1 FROM issuer_keys WHERE id = ?1", id)? {
                 return Err(StoreError::Conflict("issuer key"));
             }
-            if !exists(
-                tx,
-                "SELECT 1 FROM issuer_keys WHERE active = 1 AND id <> ?1",
-                id,
-            )? {
-                return Err(StoreError::NotFound("active issuer key"));
+            match issuer_slots(tx)? {
+                (false, _) => return Err(StoreError::NotFound("active issuer key")),
+                (_, true) => return Err(StoreError::Conflict("staged issuer key")),
+                (true, false) => insert_issuer_key(tx, id, sealed, false, *activates_at_unix_ms)?,
             }
-            if exists(
-                tx,
-                "SELECT 1 FROM issuer_keys WHERE active = 0 AND id <> ?1",
-                id,
-            )? {
-                return Err(StoreError::Conflict("staged issuer key"));
-            }
-            tx.execute(
-                "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) \
-                 VALUES (?1, ?2, 0, ?3)",
-                params![id, sealed, activates_at_unix_ms],
-            )
-            .map_err(|e| unique(e, "issuer key"))?;
         }
         Mutation::ActivateIssuerKey { id } => {
             if !exists(
@@ -344,6 +323,31 @@ fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreEr
         }
     }
     Ok(())
+}
+
+/// Whether an active and whether a staged issuer key exist.
+fn issuer_slots(tx: &rusqlite::Transaction<'_>) -> Result<(bool, bool), StoreError> {
+    tx.query_row(
+        "SELECT COALESCE(MAX(active = 1), 0), COALESCE(MAX(active = 0), 0) FROM issuer_keys",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .map_err(|e| backend(&e))
+}
+
+fn insert_issuer_key(
+    tx: &rusqlite::Transaction<'_>,
+    id: &str,
+    sealed: &[u8],
+    active: bool,
+    at_unix_ms: i64,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO issuer_keys (id, sealed, active, activates_at_unix_ms) VALUES (?1, ?2, ?3, ?4)",
+        params![id, sealed, active, at_unix_ms],
+    )
+    .map(drop)
+    .map_err(|e| unique(e, "issuer key"))
 }
 
 fn issuer_keys(conn: &Connection, sealed: bool) -> Result<Vec<IssuerKey>, StoreError> {

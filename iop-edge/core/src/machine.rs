@@ -866,16 +866,10 @@ impl<S: Sinks> EdgeCore<S> {
 
     /// Applies the issuer rules of [`EdgeCore::set_issuers`] to one registered Node.
     fn check_issuers(&mut self, node_id: &str) {
-        let Some((_, pins)) = self.pins.get(node_id) else {
+        let Some((_, pins)) = self.pins.get(node_id).filter(|(_, p)| !p.is_empty()) else {
             return;
         };
-        if pins.is_empty() {
-            return;
-        }
         let untrusted = self.untrusted(node_id);
-        let Some((_, pins)) = self.pins.get(node_id) else {
-            return;
-        };
         let warning = self
             .issuers
             .staged

@@ -216,30 +216,17 @@ impl Pair {
 
     /// Like [`Pair::connect`], the registration naming the lease issuer keys the Node pins.
     fn connect_pinning(&mut self, node_id: &str, issuers: &[&str]) -> usize {
-        let conn = self.edge.accept(self.now, node_id);
-        let register = RegisterRequest {
-            node_id: node_id.to_owned(),
-            issuer_key_ids: issuers.iter().map(|s| (*s).to_owned()).collect(),
-            ..Default::default()
-        };
-        let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
-        self.links.push(Link {
-            conn,
-            node,
-            down: false,
-            inbox: Vec::new(),
-            held: false,
-        });
-        let i = self.links.len() - 1;
-        self.by_conn.insert(conn, i);
-        self.settle();
-        i
+        self.dial(node_id, issuers, false)
     }
 
     /// Like [`Pair::connect_pinning`], but the Node stops after its registration is accepted
     /// (pending: it has not applied its config, so it is not ready) until
     /// [`Pair::apply_config`].
     fn connect_held(&mut self, node_id: &str, issuers: &[&str]) -> usize {
+        self.dial(node_id, issuers, true)
+    }
+
+    fn dial(&mut self, node_id: &str, issuers: &[&str], held: bool) -> usize {
         let conn = self.edge.accept(self.now, node_id);
         let register = RegisterRequest {
             node_id: node_id.to_owned(),
@@ -252,7 +239,7 @@ impl Pair {
             node,
             down: false,
             inbox: Vec::new(),
-            held: true,
+            held,
         });
         let i = self.links.len() - 1;
         self.by_conn.insert(conn, i);

@@ -1,0 +1,46 @@
+//! What a Node says about its adapters, asked through the Edge (`PROVIDER_LIFECYCLE`).
+
+use std::time::Duration;
+
+use iop_edge::EdgeHandle;
+use iop_wire::runtime::{NodeCommandKind, NodeCommandRequest};
+
+/// `adapter`'s requests in flight on `node_id` (its capacity gate's permits taken), from the
+/// Node's `PROVIDER_LIFECYCLE` answer (`in_flight=N capacity=M`); `None` without an answer.
+pub async fn in_flight(edge: &EdgeHandle, node_id: &str, adapter: &str) -> Option<u32> {
+    let r = edge
+        .command(
+            node_id,
+            NodeCommandRequest {
+                kind: NodeCommandKind::ProviderLifecycle,
+                adapter: String::new(),
+                target: String::new(),
+            },
+        )
+        .await
+        .ok()?;
+    r.result
+        .get(adapter)?
+        .split(' ')
+        .next()?
+        .strip_prefix("in_flight=")?
+        .parse()
+        .ok()
+}
+
+/// Waits until `adapter` on `node_id` has nothing in flight; panics after 10 s (a bound, not a
+/// timing assumption: an idle adapter answers at once).
+pub async fn wait_idle(edge: &EdgeHandle, node_id: &str, adapter: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = in_flight(edge, node_id, adapter).await;
+        if n == Some(0) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{adapter} on {node_id} still busy: {n:?} in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
