@@ -741,7 +741,7 @@ async fn issuer_key_cmd(admin: &Admin, dir: &Path, args: &IssuerKeyArgs) -> Resu
             }
             print!("{}", key.to_pem());
             eprintln!(
-                "staged issuer key {} (generation {generation}); leases stay signed with {} for {overlap_secs} s, then a running `iop-cp serve` activates the new key.\n\
+                "staged issuer key {} (generation {generation}); leases stay signed with {} for {overlap_secs} s, then a running `iop-cp serve --credential-plane` activates the new key.\n\
                  Now: save the PEM above on every Node (e.g. as /etc/iop/cp-issuer-next.pub.pem), pin it beside the current key, and restart the Node:\n\n{}\n\
                  Edges log `edge_node_issuer_staged_untrusted` for the Nodes that do not trust it yet; after activation they are not selected. Remove the old key from the Nodes once the new one is active.",
                 key.key_id(),
