@@ -31,15 +31,23 @@ use crate::adapter::{
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel::TunnelWriter;
 
+/// The read buffer a session starts with; it grows to the largest frame the Edge sends (as at
+/// the Edge, where tokio-util's 8 KiB default was most of an idle connection's memory).
+const READ_BUFFER: usize = 1024;
+
 /// How long one CAPABILITIES probe may take before it counts as `unknown` (fail closed).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Work finished off the loop, reported back to it.
+///
+/// Frames are boxed: tokio's bounded channel allocates its slots in blocks of 32 when it is
+/// made, and an unboxed `RuntimeFrame` (664 bytes) made that 21 KiB per session before the first
+/// run.
 enum Outbound {
     /// A frame to send (only ever produced after ready).
-    Frame(RuntimeFrame),
+    Frame(Box<RuntimeFrame>),
     /// A stall terminal: the loop stamps its `health_observation_seq`, then sends it.
-    Stamped(RuntimeFrame),
+    Stamped(Box<RuntimeFrame>),
     /// A run ended; forget its cancel handle.
     RunDone(String),
     /// Probe results; the loop stamps each with the next `health_observation_seq`.
@@ -70,7 +78,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let codec = TokioCodec::<RuntimeFrame>::new(FrameCodec::with_max_frame_len(opts.max_frame_len));
-    let mut framed = Framed::new(stream, codec);
+    let mut framed = Framed::with_capacity(stream, codec, READ_BUFFER);
     let register = RegisterRequest {
         node_id: opts.node_id.clone(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -185,10 +193,10 @@ fn outbound(
     match out {
         Outbound::Frame(frame) => {
             // Refused only after the session closed, when the frame has nowhere to go.
-            let _ = session.send(now(), frame);
+            let _ = session.send(now(), *frame);
         }
         Outbound::Stamped(frame) => {
-            let _ = session.send_stamped(now(), frame);
+            let _ = session.send_stamped(now(), *frame);
         }
         Outbound::RunDone(run_id) => {
             runs.remove(&run_id);
@@ -471,7 +479,13 @@ pub(crate) struct ExecSettings {
 }
 
 fn stamped(frame: RuntimeFrame) -> Outbound {
-    Outbound::Stamped(frame)
+    Outbound::Stamped(Box::new(frame))
+}
+
+impl Outbound {
+    fn frame(frame: RuntimeFrame) -> Self {
+        Self::Frame(Box::new(frame))
+    }
 }
 
 /// One normalized run: START, the adapter's deltas, exactly one terminal.
@@ -502,7 +516,7 @@ async fn run_task(
     };
     let event = |ev: RunEvent| RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev));
     let _ = out
-        .send(Outbound::Frame(event(RunEvent::new(RunEventKind::Start))))
+        .send(Outbound::frame(event(RunEvent::new(RunEventKind::Start))))
         .await;
     let (dtx, drx) = mpsc::channel::<Budgeted<String>>(64);
     let budget = stream_budget();
@@ -526,15 +540,15 @@ async fn run_task(
     let forward = |(text, _budget): Budgeted<String>| {
         let mut ev = RunEvent::new(RunEventKind::Delta);
         ev.delta = text;
-        Some(Outbound::Frame(event(ev)))
+        Some(Outbound::frame(event(ev)))
     };
     let ended = exec::supervise(work, drx, forward, &out, watch, permit, probe, ident).await;
     let terminal = match ended {
-        Ended::Cancelled => Outbound::Frame(event(RunEvent::new(RunEventKind::Cancelled))),
+        Ended::Cancelled => Outbound::frame(event(RunEvent::new(RunEventKind::Cancelled))),
         Ended::Deadline => {
             let mut ev = RunEvent::new(RunEventKind::Error);
             ev.error = "deadline exceeded".into();
-            Outbound::Frame(event(ev))
+            Outbound::frame(event(ev))
         }
         Ended::Stalled(failure) => {
             let mut ev = RunEvent::new(RunEventKind::Error);
@@ -546,17 +560,17 @@ async fn run_task(
             let mut ev = RunEvent::new(RunEventKind::Complete);
             ev.metadata = done.metadata;
             ev.usage = done.usage;
-            Outbound::Frame(event(ev))
+            Outbound::frame(event(ev))
         }
         Ended::Returned(Ok(Err(e))) => {
             let mut ev = RunEvent::new(RunEventKind::Error);
             ev.error = e.to_string();
-            Outbound::Frame(event(ev))
+            Outbound::frame(event(ev))
         }
         Ended::Returned(Err(_)) => {
             let mut ev = RunEvent::new(RunEventKind::Error);
             ev.error = "adapter failed".into();
-            Outbound::Frame(event(ev))
+            Outbound::frame(event(ev))
         }
     };
     let _ = out.send(terminal).await;
@@ -626,7 +640,7 @@ async fn tunnel_task(
                         execution_failure: None,
                     };
                     if let Some(f) = numbered(terminal) {
-                        let _ = out.send(Outbound::Frame(frame(f))).await;
+                        let _ = out.send(Outbound::frame(frame(f))).await;
                     }
                     let _ = out.send(Outbound::RunDone(run_id)).await;
                     return;
@@ -657,7 +671,7 @@ async fn tunnel_task(
     // The writer refuses out-of-order payloads from a misbehaving adapter.
     // The byte budget is given back as the payload moves on to the connection writer.
     let forward = |(payload, _budget): Budgeted<TunnelPayload>| {
-        numbered(payload).map(|f| Outbound::Frame(frame(f)))
+        numbered(payload).map(|f| Outbound::frame(frame(f)))
     };
     let ended = exec::supervise(work, frx, forward, &out, watch, permit, probe, ident).await;
     let error = |text: &str, execution_failure| TunnelPayload::Error {
@@ -690,7 +704,7 @@ async fn tunnel_task(
             .send(if stamp {
                 stamped(f)
             } else {
-                Outbound::Frame(f)
+                Outbound::frame(f)
             })
             .await;
     }

@@ -16,7 +16,8 @@
 //!
 //! # Who checks what
 //!
-//! Both sides of a link authenticate each other (mutual TLS, TLS 1.3 only, ring provider):
+//! Both sides of a link authenticate each other (mutual TLS, TLS 1.3 only, ring provider, no
+//! session resumption: every connection is a full handshake against the current material):
 //!
 //! - The **Edge** is the TLS server. Its [`client_cert_verifier`] requires a client certificate,
 //!   verifies the chain against the workload CA, then checks the leaf's SPIFFE ID against an
@@ -682,12 +683,18 @@ pub fn server_config(
     client_verifier: Arc<dyn ClientCertVerifier>,
 ) -> Result<ServerConfig, IdentityError> {
     check_own_chain(&cert_chain)?;
-    ServerConfig::builder_with_provider(provider())
+    let mut config = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(IdentityError::Config)?
         .with_client_cert_verifier(client_verifier)
         .with_single_cert(cert_chain, key)
-        .map_err(IdentityError::Config)
+        .map_err(IdentityError::Config)?;
+    // No resumption (as in `workload_tls`): a resumed session carries the identity its first
+    // handshake verified. It also spares every connection two tickets nobody could use after
+    // an Edge restart.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
+    Ok(config)
 }
 
 /// A TLS 1.3-only client configuration (ring provider) that authenticates the server with
@@ -701,13 +708,16 @@ pub fn client_config(
     server_verifier: Arc<dyn ServerCertVerifier>,
 ) -> Result<ClientConfig, IdentityError> {
     check_own_chain(&cert_chain)?;
-    ClientConfig::builder_with_provider(provider())
+    let mut config = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(IdentityError::Config)?
         .dangerous()
         .with_custom_certificate_verifier(server_verifier)
         .with_client_auth_cert(cert_chain, key)
-        .map_err(IdentityError::Config)
+        .map_err(IdentityError::Config)?;
+    // As for the server: every connection a full handshake with the current material.
+    config.resumption = rustls::client::Resumption::disabled();
+    Ok(config)
 }
 
 /// Our own leaf must carry a valid workload identity.

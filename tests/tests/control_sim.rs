@@ -115,13 +115,15 @@ fn binding(c: &ControlConnector) -> Option<(CredentialLeaseBinding, String)> {
     Some((binding, p.issuer_key_id().to_owned()))
 }
 
-/// The Node's side: its recipient, its replay guard, and an admin view of the store from
-/// which it pins every issuer key the store has held (as an operator pins a staged key).
+/// The Node's side: its recipient, its replay guard, and the issuer keys it pins. The Control
+/// Plane host adds each key it stages the moment it stages it, as an operator publishes a
+/// staged key to the fleet, so the Node pins every key the store has ever held. (Reading the
+/// store's keys after each lease answer was not enough: two rotations between a lease's
+/// signing and that read deleted the signing key before the Node could learn it.)
 struct Node {
     recipient: Recipient,
     replay: MemoryReplayGuard,
     trusted: TrustedIssuers,
-    store: Admin,
 }
 
 /// One lease request, judged. `true` when a lease was granted (and opened).
@@ -138,10 +140,6 @@ async fn lease_once(
     let started = tokio::time::Instant::now();
     let answer = c.acquire_lease(b.clone(), public).await;
     let took = started.elapsed();
-    // The keys the Node pins: every key the store has held (read before judging, so no borrow
-    // is held across the read).
-    let admin = node.borrow().store.clone();
-    let keys = admin.issuer_keys().await.unwrap();
     let mut o = out.borrow_mut();
     if took > iop_edge::control::LEASE_TIMEOUT + Duration::from_secs(1) {
         o.broken.push(format!("a lease request took {took:?}"));
@@ -162,9 +160,6 @@ async fn lease_once(
             let now = iop_wire::time::unix_ms(std::time::SystemTime::now());
             let mut n = node.borrow_mut();
             let n = &mut *n;
-            for (_, public) in keys {
-                n.trusted.insert(public);
-            }
             n.recipient.set_trusted_issuers(n.trusted.clone());
             match n.recipient.open(&envelope, &b, now, &mut n.replay) {
                 Ok(_) => {
@@ -225,14 +220,14 @@ fn simulate(seed: u64) -> Outcome {
         recipient: Recipient::new(node_key, trusted.clone(), OpenPolicy::default()),
         replay: MemoryReplayGuard::with_capacity(4096),
         trusted,
-        store: Admin::new(store.clone(), master.clone(), 1),
     }));
 
     let cp_tls = pki::server_tls(&ca, role::CONTROL_PLANE, "cp-1", role::EDGE);
     {
-        let (store, master) = (store.clone(), master.clone());
+        let (store, master, pins) = (store.clone(), master.clone(), node.clone());
         sim.host("cp", move || {
             let (store, master, tls) = (store.clone(), master.clone(), cp_tls.clone());
+            let pins = pins.clone();
             async move {
                 let store: Arc<dyn Store> = store;
                 let admin = Admin::new(store.clone(), master.clone(), store.generation().await?);
@@ -271,7 +266,9 @@ fn simulate(seed: u64) -> Outcome {
                                     admin.activate_issuer_key(&k.id).await?;
                                 }
                                 None => {
-                                    admin.stage_issuer_key(4_000_000_000_000).await?;
+                                    let (public, _) =
+                                        admin.stage_issuer_key(4_000_000_000_000).await?;
+                                    pins.borrow_mut().trusted.insert(public);
                                 }
                             }
                         }

@@ -587,6 +587,15 @@ async fn storm(ca: &Ca, nodes: usize) {
         after.dups, after.gone
     );
     println!(
+        "| Nodes ready per 100 ms after the restart | {} |",
+        after
+            .hist
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!(
         "| Edge RSS with {nodes} ready Nodes | {:.1} MiB ({:.1} KiB per Node) |",
         rss as f64 / 1024.0,
         rss as f64 / nodes as f64
@@ -602,6 +611,8 @@ struct Ready {
     dups: usize,
     /// `Disconnected` events (a ready generation fenced).
     gone: usize,
+    /// Ready Nodes per 100 ms since the call.
+    hist: Vec<usize>,
 }
 
 async fn wait_ready(
@@ -615,10 +626,16 @@ async fn wait_ready(
             last: Duration::ZERO,
             dups: 0,
             gone: 0,
+            hist: Vec::new(),
         };
         for line in lines {
             let line = line.unwrap();
             if let Some(n) = line.strip_prefix("ready ") {
+                let slot = (t.elapsed().as_millis() / 100) as usize;
+                if out.hist.len() <= slot {
+                    out.hist.resize(slot + 1, 0);
+                }
+                out.hist[slot] += 1;
                 if n == "1" {
                     out.first = t.elapsed();
                 }
