@@ -262,7 +262,7 @@ fn tunnel_request(run_id: &str, credential: Option<ManagedCredential>) -> Provid
         long_context: false,
         operation: Some(Operation::ChatCompletions),
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential,
+        credential: credential.map(Box::new),
     }
 }
 

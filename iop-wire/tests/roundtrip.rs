@@ -146,10 +146,10 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
         response_stall_timeout: ResponseStallTimeout::from_wire_ms(45_000).unwrap(),
         timeout: Some(Duration::from_secs(600)),
         long_context: true,
-        credential: Some(ManagedCredential {
+        credential: Some(Box::new(ManagedCredential {
             lease: lease(),
             binding: binding(),
-        }),
+        })),
     };
     let tunnel = ProviderTunnelRequest {
         run_id: "run-2".into(),

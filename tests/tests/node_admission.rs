@@ -283,7 +283,7 @@ async fn a_lease_is_opened_only_after_capacity_admission() {
         };
         let managed = |run_id: &str, c: &ManagedCredential| {
             let mut req = tunnel_request(run_id, "openai-a", "slow");
-            req.credential = Some(c.clone());
+            req.credential = Some(Box::new(c.clone()));
             req
         };
 

@@ -919,10 +919,10 @@ async fn bind_managed(
     };
     Ok(Bound::Ready(match request {
         PoolRequest::Tunnel(mut req) => {
-            req.credential = Some(iop_wire::runtime::ManagedCredential {
+            req.credential = Some(Box::new(iop_wire::runtime::ManagedCredential {
                 lease: credential,
                 binding,
-            });
+            }));
             PoolRequest::Tunnel(req)
         }
         other => other,

@@ -25,7 +25,13 @@ fn generate(out_dir: &Path) {
         // Deterministic encoding: maps iterate in key order, so encode(decode(x)) is stable.
         .btree_map(["."])
         // Zero-copy slices of the received frame for body/input bytes.
-        .bytes(["."]);
+        .bytes(["."])
+        // The once-per-stream messages boxed: an Envelope is as large as its largest message
+        // (680 bytes with these inline), and it is moved whole while decoding and encoding
+        // every frame, the hot tunnel and run-event frames included.
+        .boxed(".iop.runtime.v1.Envelope.message.register_request")
+        .boxed(".iop.runtime.v1.Envelope.message.run_request")
+        .boxed(".iop.runtime.v1.Envelope.message.provider_tunnel_request");
     config.compile_fds(fds).expect("prost-build generates code");
 }
 

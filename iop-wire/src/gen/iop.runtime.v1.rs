@@ -23,7 +23,7 @@ pub mod envelope {
     #[derive(Clone, PartialEq, ::prost::Oneof)]
     pub enum Message {
         #[prost(message, tag = "10")]
-        RegisterRequest(super::RegisterRequest),
+        RegisterRequest(::prost::alloc::boxed::Box<super::RegisterRequest>),
         #[prost(message, tag = "11")]
         RegisterResponse(super::RegisterResponse),
         #[prost(message, tag = "12")]
@@ -31,11 +31,11 @@ pub mod envelope {
         #[prost(message, tag = "13")]
         NodeReadyResponse(super::NodeReadyResponse),
         #[prost(message, tag = "14")]
-        RunRequest(super::RunRequest),
+        RunRequest(::prost::alloc::boxed::Box<super::RunRequest>),
         #[prost(message, tag = "15")]
         RunEvent(super::RunEvent),
         #[prost(message, tag = "16")]
-        ProviderTunnelRequest(super::ProviderTunnelRequest),
+        ProviderTunnelRequest(::prost::alloc::boxed::Box<super::ProviderTunnelRequest>),
         #[prost(message, tag = "17")]
         ProviderTunnelFrame(super::ProviderTunnelFrame),
         #[prost(message, tag = "18")]

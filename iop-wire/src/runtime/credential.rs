@@ -185,6 +185,7 @@ impl ManagedCredential {
         use prost::Message as _;
         let env = pb::CredentialEnvelope::decode(bytes)?;
         managed_credential(env.lease, env.binding)?
+            .map(|c| *c)
             .ok_or(InvalidMessage::MissingField("credential_lease"))
     }
 }
@@ -192,13 +193,13 @@ impl ManagedCredential {
 pub(super) fn managed_credential(
     lease: Option<pb::CredentialLease>,
     binding: Option<pb::CredentialLeaseBinding>,
-) -> Result<Option<ManagedCredential>, InvalidMessage> {
+) -> Result<Option<Box<ManagedCredential>>, InvalidMessage> {
     match (lease, binding) {
         (None, None) => Ok(None),
-        (Some(lease), Some(binding)) => Ok(Some(ManagedCredential {
+        (Some(lease), Some(binding)) => Ok(Some(Box::new(ManagedCredential {
             lease: lease.try_into()?,
             binding: binding.try_into()?,
-        })),
+        }))),
         _ => Err(InvalidMessage::InvalidValue {
             field: "credential_lease",
             rule: "lease and binding come together",

@@ -42,14 +42,16 @@ pub struct RunRequest {
     pub timeout: Option<Duration>,
     /// Admitted as long-context.
     pub long_context: bool,
-    /// Managed credential, when the credential plane is enabled.
-    pub credential: Option<ManagedCredential>,
+    /// Managed credential, when the credential plane is enabled. Boxed: inline it made every
+    /// `RuntimeFrame` (an enum as large as its largest message) 664 bytes, moved whole on every
+    /// frame of every kind.
+    pub credential: Option<Box<ManagedCredential>>,
 }
 
 impl RunRequest {
     pub(crate) fn to_proto(&self) -> pb::RunRequest {
         let (credential_lease, credential_binding) =
-            managed_credential_to_proto(self.credential.as_ref());
+            managed_credential_to_proto(self.credential.as_deref());
         pb::RunRequest {
             run_id: self.run_id.clone(),
             adapter: self.adapter.clone(),
@@ -69,7 +71,7 @@ impl RunRequest {
     /// [`RunRequest::to_proto`], moving the strings and the map instead of cloning them.
     pub(crate) fn into_proto(self) -> pb::RunRequest {
         let (credential_lease, credential_binding) =
-            managed_credential_to_proto(self.credential.as_ref());
+            managed_credential_to_proto(self.credential.as_deref());
         pb::RunRequest {
             run_id: self.run_id,
             adapter: self.adapter,

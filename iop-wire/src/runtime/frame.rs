@@ -44,13 +44,15 @@ impl RuntimeFrame {
     pub(crate) fn to_proto(&self) -> pb::Envelope {
         use pb::envelope::Message as M;
         let message = match &self.message {
-            RuntimeMessage::RegisterRequest(m) => M::RegisterRequest(m.to_proto()),
+            RuntimeMessage::RegisterRequest(m) => M::RegisterRequest(Box::new(m.to_proto())),
             RuntimeMessage::RegisterResponse(m) => M::RegisterResponse(m.to_proto()),
             RuntimeMessage::NodeReadyRequest(m) => M::NodeReadyRequest(m.to_proto()),
             RuntimeMessage::NodeReadyResponse(m) => M::NodeReadyResponse(m.to_proto()),
-            RuntimeMessage::RunRequest(m) => M::RunRequest(m.to_proto()),
+            RuntimeMessage::RunRequest(m) => M::RunRequest(Box::new(m.to_proto())),
             RuntimeMessage::RunEvent(m) => M::RunEvent(m.to_proto()),
-            RuntimeMessage::ProviderTunnelRequest(m) => M::ProviderTunnelRequest(m.to_proto()),
+            RuntimeMessage::ProviderTunnelRequest(m) => {
+                M::ProviderTunnelRequest(Box::new(m.to_proto()))
+            }
             RuntimeMessage::ProviderTunnelFrame(m) => M::ProviderTunnelFrame(m.to_proto()),
             RuntimeMessage::CancelRequest(m) => M::CancelRequest(m.to_proto()),
             RuntimeMessage::NodeCommandRequest(m) => M::NodeCommandRequest(m.to_proto()),
@@ -82,9 +84,11 @@ impl RuntimeFrame {
         use pb::envelope::Message as M;
         let (correlation_id, stream_id) = (self.correlation_id, self.stream_id);
         let message = match self.message {
-            RuntimeMessage::RunRequest(m) => M::RunRequest(m.into_proto()),
+            RuntimeMessage::RunRequest(m) => M::RunRequest(Box::new(m.into_proto())),
             RuntimeMessage::RunEvent(m) => M::RunEvent(m.into_proto()),
-            RuntimeMessage::ProviderTunnelRequest(m) => M::ProviderTunnelRequest(m.into_proto()),
+            RuntimeMessage::ProviderTunnelRequest(m) => {
+                M::ProviderTunnelRequest(Box::new(m.into_proto()))
+            }
             RuntimeMessage::ProviderTunnelFrame(m) => M::ProviderTunnelFrame(m.into_proto()),
             other => {
                 return Self {
@@ -109,13 +113,13 @@ impl TryFrom<pb::Envelope> for RuntimeFrame {
     fn try_from(env: pb::Envelope) -> Result<Self, Self::Error> {
         use pb::envelope::Message as M;
         let message = match env.message.ok_or(InvalidMessage::EmptyEnvelope)? {
-            M::RegisterRequest(m) => RuntimeMessage::RegisterRequest(m.try_into()?),
+            M::RegisterRequest(m) => RuntimeMessage::RegisterRequest((*m).try_into()?),
             M::RegisterResponse(m) => RuntimeMessage::RegisterResponse(m.try_into()?),
             M::NodeReadyRequest(m) => RuntimeMessage::NodeReadyRequest(m.try_into()?),
             M::NodeReadyResponse(m) => RuntimeMessage::NodeReadyResponse(m.try_into()?),
-            M::RunRequest(m) => RuntimeMessage::RunRequest(m.try_into()?),
+            M::RunRequest(m) => RuntimeMessage::RunRequest((*m).try_into()?),
             M::RunEvent(m) => RuntimeMessage::RunEvent(m.try_into()?),
-            M::ProviderTunnelRequest(m) => RuntimeMessage::ProviderTunnelRequest(m.try_into()?),
+            M::ProviderTunnelRequest(m) => RuntimeMessage::ProviderTunnelRequest((*m).try_into()?),
             M::ProviderTunnelFrame(m) => RuntimeMessage::ProviderTunnelFrame(m.try_into()?),
             M::CancelRequest(m) => RuntimeMessage::CancelRequest(m.try_into()?),
             M::NodeCommandRequest(m) => RuntimeMessage::NodeCommandRequest(m.try_into()?),

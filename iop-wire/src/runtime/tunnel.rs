@@ -121,14 +121,16 @@ pub struct ProviderTunnelRequest {
     pub operation: Option<Operation>,
     /// Validated response-stall timeout.
     pub response_stall_timeout: ResponseStallTimeout,
-    /// Managed credential, when the credential plane is enabled.
-    pub credential: Option<ManagedCredential>,
+    /// Managed credential, when the credential plane is enabled. Boxed: inline it made every
+    /// `RuntimeFrame` (an enum as large as its largest message) 664 bytes, moved whole on every
+    /// frame of every kind.
+    pub credential: Option<Box<ManagedCredential>>,
 }
 
 impl ProviderTunnelRequest {
     pub(crate) fn to_proto(&self) -> pb::ProviderTunnelRequest {
         let (credential_lease, credential_binding) =
-            managed_credential_to_proto(self.credential.as_ref());
+            managed_credential_to_proto(self.credential.as_deref());
         pb::ProviderTunnelRequest {
             run_id: self.run_id.clone(),
             adapter: self.adapter.clone(),
@@ -158,7 +160,7 @@ impl ProviderTunnelRequest {
     /// cloning them.
     pub(crate) fn into_proto(self) -> pb::ProviderTunnelRequest {
         let (credential_lease, credential_binding) =
-            managed_credential_to_proto(self.credential.as_ref());
+            managed_credential_to_proto(self.credential.as_deref());
         pb::ProviderTunnelRequest {
             run_id: self.run_id,
             adapter: self.adapter,
