@@ -11,6 +11,7 @@
 //! | `iop_edge_request_duration_seconds` (histogram) | `endpoint` |
 //! | `iop_edge_pool_queue_depth`, `iop_edge_pool_in_flight` (gauges, at scrape) | — |
 //! | `iop_edge_node_connections_refused_total` | `reason` = capacity (kept for dashboards: the global handshake cap now pauses accepting instead of refusing, so it stays 0), per_ip, handshake_timeout, handshake_failed |
+//! | `iop_edge_node_connections_closed_total` | `cause` = superseded, protocol_violation (e.g. a frame on a superseded connection), rejected, heartbeat_timeout, handshake_timeout, not_reading, local (closes the Edge decided; a peer closing its own transport is not counted) |
 //! | `iop_edge_accept_errors_total` | `listener` = nodes, http |
 //! | `iop_edge_slow_consumers_total` | — (streams ended because their reader fell behind) |
 //! | `iop_edge_http_connections_refused_total` | — (over the HTTP connection cap) |
@@ -141,6 +142,15 @@ label_enum!(Eligibility { Confirmed => "confirmed", Rejected => "rejected" });
 label_enum!(RecoveryResult { Cleared => "cleared", Unchanged => "unchanged" });
 label_enum!(Outcome { Ok => "ok", Error => "error" });
 label_enum!(Listener { Nodes => "nodes", Http => "http" });
+label_enum!(CloseCause {
+    Superseded => "superseded",
+    ProtocolViolation => "protocol_violation",
+    Rejected => "rejected",
+    HeartbeatTimeout => "heartbeat_timeout",
+    HandshakeTimeout => "handshake_timeout",
+    NotReading => "not_reading",
+    Local => "local",
+});
 
 label_values!(
     Endpoint,
@@ -150,7 +160,8 @@ label_values!(
     Eligibility,
     RecoveryResult,
     Outcome,
-    Listener
+    Listener,
+    CloseCause
 );
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -194,6 +205,11 @@ struct ListenerLabels {
     listener: Listener,
 }
 
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CauseLabels {
+    cause: CloseCause,
+}
+
 /// Registers a counter family under `name` (the exposition adds `_total`) with every label
 /// set of `all`, and returns one handle per label set, in `all`'s order.
 fn counters<L, V>(
@@ -230,6 +246,7 @@ pub struct Metrics {
     requests: Vec<[Counter; 2]>,
     durations: Vec<Histogram>,
     refused: Vec<Counter>,
+    closed: Vec<Counter>,
     accept_errors: Vec<Counter>,
     slow_consumers: Counter,
     http_refused: Counter,
@@ -308,6 +325,13 @@ impl Default for Metrics {
             &Refusal::ALL,
             |reason| ReasonLabels { reason },
         );
+        let closed = counters(
+            &mut r,
+            "iop_edge_node_connections_closed",
+            "Node connections the Edge closed, by cause",
+            CloseCause::ALL,
+            |cause| CauseLabels { cause },
+        );
         let accept_errors = counters(
             &mut r,
             "iop_edge_accept_errors",
@@ -348,6 +372,7 @@ impl Default for Metrics {
             requests,
             durations,
             refused,
+            closed,
             accept_errors,
             slow_consumers,
             http_refused,
@@ -385,6 +410,23 @@ impl Metrics {
     /// A CAPABILITIES recovery answer's effect on one overlay.
     pub(crate) fn count_recovery_result(&self, cleared: bool) {
         self.recovery[usize::from(!cleared)].inc();
+    }
+
+    /// A Node connection the Edge closed (`cause` from its registry). A transport the peer
+    /// closed itself (`FenceCause::Closed`) is not counted here.
+    pub(crate) fn node_connection_closed(&self, cause: iop_wire::registry::FenceCause) {
+        use iop_wire::registry::FenceCause as F;
+        let cause = match cause {
+            F::Superseded => CloseCause::Superseded,
+            F::ProtocolViolation => CloseCause::ProtocolViolation,
+            F::Rejected => CloseCause::Rejected,
+            F::HeartbeatTimeout => CloseCause::HeartbeatTimeout,
+            F::HandshakeTimeout => CloseCause::HandshakeTimeout,
+            F::NotReading => CloseCause::NotReading,
+            F::Local => CloseCause::Local,
+            _ => return,
+        };
+        self.closed[index_of(CloseCause::ALL, &cause)].inc();
     }
 
     /// A Node connection refused before registration.
@@ -477,5 +519,32 @@ mod tests {
         }
         assert!(text.contains("iop_edge_pool_queue_depth 2"));
         assert!(text.contains("iop_edge_pool_in_flight 5"));
+    }
+
+    #[test]
+    fn closes_are_counted_by_cause_and_a_peer_close_is_not() {
+        use iop_wire::registry::FenceCause;
+        let m = Metrics::default();
+        m.node_connection_closed(FenceCause::Superseded);
+        m.node_connection_closed(FenceCause::Superseded);
+        m.node_connection_closed(FenceCause::ProtocolViolation);
+        m.node_connection_closed(FenceCause::Closed);
+        let text = m.render(0, 0);
+        assert!(text.contains("iop_edge_node_connections_closed_total{cause=\"superseded\"} 2"));
+        assert!(
+            text.contains("iop_edge_node_connections_closed_total{cause=\"protocol_violation\"} 1")
+        );
+        for cause in [
+            "rejected",
+            "heartbeat_timeout",
+            "handshake_timeout",
+            "not_reading",
+            "local",
+        ] {
+            assert!(text.contains(&format!(
+                "iop_edge_node_connections_closed_total{{cause=\"{cause}\"}} 0"
+            )));
+        }
+        assert!(!text.contains("cause=\"closed\""));
     }
 }

@@ -386,6 +386,7 @@ struct Shared {
     /// Wakes the timer task when a timer earlier than the one it sleeps on was armed.
     timer: Arc<Notify>,
     lifecycle: broadcast::Sender<Lifecycle>,
+    metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -465,6 +466,7 @@ impl Shared {
                 let _ = self.lifecycle.send(lifecycle);
             }
             Event::CloseConnection { conn, cause } => {
+                self.metrics.node_connection_closed(cause);
                 if let Some(out) = inner.outs.remove(&conn) {
                     tracing::info!(?conn, cause = cause.as_str(), "closing node connection");
                     // After the frames already queued (a refusal's reason), unless the queue is
@@ -950,7 +952,7 @@ fn start(
     core_config: CoreConfig,
     metrics: Arc<Metrics>,
 ) -> Arc<Shared> {
-    let core = EdgeCore::new(registry, pool, core_config, metrics);
+    let core = EdgeCore::new(registry, pool, core_config, metrics.clone());
     let (lifecycle, _) = broadcast::channel(1024);
     let wake = Arc::new(Notify::new());
     let shared = Arc::new(Shared {
@@ -963,6 +965,7 @@ fn start(
         }),
         timer: wake.clone(),
         lifecycle,
+        metrics,
     });
     tokio::spawn(timer_task(Arc::downgrade(&shared), wake));
     shared

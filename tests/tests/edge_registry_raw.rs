@@ -170,6 +170,17 @@ async fn duplicate_ready_second_node_id_supersede_and_stale_connection() {
             edge.ready_nodes().await.unwrap(),
             [("node-1".to_owned(), g2)]
         );
+        // The Edge closed exactly one connection, as superseded.
+        let metrics = edge.metrics().render(0, 0);
+        assert!(
+            metrics.contains("iop_edge_node_connections_closed_total{cause=\"superseded\"} 1"),
+            "{metrics}"
+        );
+        assert!(
+            metrics
+                .contains("iop_edge_node_connections_closed_total{cause=\"protocol_violation\"} 0"),
+            "{metrics}"
+        );
     })
     .await
     .expect("scenario finishes");
@@ -203,6 +214,12 @@ async fn application_frames_before_ready_close_the_connection_without_events() {
             life.try_recv(),
             Err(tokio::sync::broadcast::error::TryRecvError::Empty)
         ));
+        let metrics = edge.metrics().render(0, 0);
+        assert!(
+            metrics
+                .contains("iop_edge_node_connections_closed_total{cause=\"protocol_violation\"} 1"),
+            "{metrics}"
+        );
     })
     .await
     .expect("scenario finishes");

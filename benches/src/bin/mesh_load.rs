@@ -478,6 +478,7 @@ fn spawn_child(
         .arg(mode)
         .arg(dir)
         .arg(port.to_string())
+        .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -536,7 +537,7 @@ async fn storm(ca: &Ca, nodes: usize) {
         tokio::spawn(run_node(opts, shutdown.clone()));
     }
     let t = Instant::now();
-    let first = wait_ready(lines, nodes).await;
+    let (first, _) = wait_ready(lines, nodes).await;
     let first_connect = t.elapsed();
     assert_eq!(first.dups, 0, "double registrations on the first connect");
 
@@ -546,10 +547,11 @@ async fn storm(ca: &Ca, nodes: usize) {
     let killed = Instant::now();
     let (mut edge, lines, _) = spawn_child("--edge-child", &dir, port);
     let listening = killed.elapsed();
-    let after = wait_ready(lines, nodes).await;
+    let (after, lines) = wait_ready(lines, nodes).await;
     let all_ready = killed.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss = rss_kib(edge.id());
+    let closes = edge_closes(&mut edge, lines).await;
     edge.kill().ok();
     edge.wait().ok();
     shutdown.cancel();
@@ -587,6 +589,10 @@ async fn storm(ca: &Ca, nodes: usize) {
         after.dups, after.gone
     );
     println!(
+        "| connections the restarted Edge closed, by cause | {} |",
+        closes.join(", ")
+    );
+    println!(
         "| Nodes ready per 100 ms after the restart | {} |",
         after
             .hist
@@ -615,10 +621,9 @@ struct Ready {
     hist: Vec<usize>,
 }
 
-async fn wait_ready(
-    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
-    nodes: usize,
-) -> Ready {
+type ChildLines = std::io::Lines<std::io::BufReader<std::process::ChildStdout>>;
+
+async fn wait_ready(mut lines: ChildLines, nodes: usize) -> (Ready, ChildLines) {
     tokio::task::spawn_blocking(move || {
         let t = Instant::now();
         let mut out = Ready {
@@ -628,7 +633,7 @@ async fn wait_ready(
             gone: 0,
             hist: Vec::new(),
         };
-        for line in lines {
+        for line in lines.by_ref() {
             let line = line.unwrap();
             if let Some(n) = line.strip_prefix("ready ") {
                 let slot = (t.elapsed().as_millis() / 100) as usize;
@@ -641,7 +646,7 @@ async fn wait_ready(
                 }
                 if n == nodes.to_string() {
                     out.last = t.elapsed();
-                    return out;
+                    return (out, lines);
                 }
             } else if line.starts_with("dup ") {
                 out.dups += 1;
@@ -655,8 +660,39 @@ async fn wait_ready(
     .unwrap()
 }
 
+/// Asks an Edge child for its `iop_edge_node_connections_closed_total` series: `superseded`,
+/// `protocol_violation` and any other non-zero one, as `cause=N` (a frame of a superseded generation closes its connection as
+/// `protocol_violation`; a second registration of a Node id closes the first as `superseded`).
+async fn edge_closes(edge: &mut std::process::Child, mut lines: ChildLines) -> Vec<String> {
+    use std::io::Write as _;
+    let stdin = edge.stdin.as_mut().unwrap();
+    stdin.write_all(b"closes\n").unwrap();
+    stdin.flush().unwrap();
+    tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if line == "end" {
+                break;
+            }
+            if let Some(series) = line.strip_prefix("closed ") {
+                // `iop_edge_node_connections_closed_total{cause="x"} N`
+                let (labels, n) = series.rsplit_once(' ').unwrap();
+                let cause = labels.split('"').nth(1).unwrap_or(labels);
+                if n != "0" || cause == "superseded" || cause == "protocol_violation" {
+                    out.push(format!("{cause}={n}"));
+                }
+            }
+        }
+        out
+    })
+    .await
+    .unwrap()
+}
+
 /// The Edge child process of `idle` and `storm`: prints its address, then `ready N` on every
 /// ready Node (`dup ID` when a Node id already connected connects again, `gone` on a fence).
+/// A `closes` line on stdin prints its closed-connection counters (`closed SERIES`, then `end`).
 async fn edge_child(dir: &std::path::Path, port: u16) {
     let tls = child_tls(dir);
     let mut cfg = TransportConfig::new(SocketAddr::from(([127, 0, 0, 1], port)), tls);
@@ -676,6 +712,19 @@ async fn edge_child(dir: &std::path::Path, port: u16) {
     let edge = bind(cfg).await.unwrap().0;
     let mut life = edge.subscribe();
     println!("{}", edge.local_addr());
+    let metrics = edge.metrics().clone();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            if line.is_ok_and(|l| l == "closes") {
+                for series in metrics.render(0, 0).lines() {
+                    if series.starts_with("iop_edge_node_connections_closed_total") {
+                        println!("closed {series}");
+                    }
+                }
+                println!("end");
+            }
+        }
+    });
     let mut ready = 0usize;
     let mut seen = std::collections::HashSet::new();
     loop {
