@@ -101,14 +101,30 @@ pub(crate) fn id(field: &'static str, value: &str) -> Result<(), InvalidMessage>
     if value.len() > MAX_ID_LEN {
         return Err(InvalidMessage::TooLong(field));
     }
+    // One table lookup per byte, no early exit: ids are short, and a branch-free pass over
+    // them is about twice as fast as the per-byte range checks (the codec bench's `run_request`
+    // validates three per frame).
     if !value
         .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
+        .fold(true, |ok, b| ok & ID_BYTES[usize::from(b)])
     {
         return Err(InvalidMessage::InvalidCharacters(field));
     }
     Ok(())
 }
+
+/// The bytes [`id`] allows.
+static ID_BYTES: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut i = 0;
+    while i < 256 {
+        #[expect(clippy::cast_possible_truncation, reason = "i < 256")]
+        let b = i as u8;
+        t[i] = b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':');
+        i += 1;
+    }
+    t
+};
 
 /// As [`id`], but an empty value is allowed (it has a documented meaning, e.g. the legacy
 /// single adapter instance).
@@ -144,7 +160,7 @@ pub(crate) fn optional_target(field: &'static str, value: &str) -> Result<(), In
     if value.len() > MAX_TARGET_LEN {
         return Err(InvalidMessage::TooLong(field));
     }
-    if !value.bytes().all(|b| b.is_ascii_graphic()) {
+    if !value.bytes().fold(true, |ok, b| ok & b.is_ascii_graphic()) {
         return Err(InvalidMessage::InvalidCharacters(field));
     }
     Ok(())

@@ -31,7 +31,11 @@ fn generate(out_dir: &Path) {
         // every frame, the hot tunnel and run-event frames included.
         .boxed(".iop.runtime.v1.Envelope.message.register_request")
         .boxed(".iop.runtime.v1.Envelope.message.run_request")
-        .boxed(".iop.runtime.v1.Envelope.message.provider_tunnel_request");
+        .boxed(".iop.runtime.v1.Envelope.message.provider_tunnel_request")
+        // The stall evidence (200 bytes) only on a stall terminal; inline, it made every
+        // tunnel frame and run event that much larger.
+        .boxed(".iop.runtime.v1.ProviderTunnelFrame.execution_failure")
+        .boxed(".iop.runtime.v1.RunEvent.execution_failure");
     config.compile_fds(fds).expect("prost-build generates code");
 }
 

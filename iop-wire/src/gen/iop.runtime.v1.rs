@@ -380,8 +380,10 @@ pub struct RunEvent {
     #[prost(message, optional, tag = "5")]
     pub usage: ::core::option::Option<Usage>,
     /// Typed stall terminal; present only on ERROR with failure_code "response_stalled".
-    #[prost(message, optional, tag = "13")]
-    pub execution_failure: ::core::option::Option<ExecutionFailure>,
+    #[prost(message, optional, boxed, tag = "13")]
+    pub execution_failure: ::core::option::Option<
+        ::prost::alloc::boxed::Box<ExecutionFailure>,
+    >,
 }
 /// Token usage observation.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -518,8 +520,10 @@ pub struct ProviderTunnelFrame {
         ::prost::alloc::string::String,
     >,
     /// Typed stall terminal; present only on ERROR with failure_code "response_stalled".
-    #[prost(message, optional, tag = "15")]
-    pub execution_failure: ::core::option::Option<ExecutionFailure>,
+    #[prost(message, optional, boxed, tag = "15")]
+    pub execution_failure: ::core::option::Option<
+        ::prost::alloc::boxed::Box<ExecutionFailure>,
+    >,
 }
 /// Edge -> Node: run a command (paired by correlation_id).
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

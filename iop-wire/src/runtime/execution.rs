@@ -187,7 +187,7 @@ impl RunEvent {
             execution_failure: self
                 .execution_failure
                 .as_ref()
-                .map(FailureEvidence::to_proto),
+                .map(|f| Box::new(f.to_proto())),
         }
     }
 }
@@ -198,7 +198,7 @@ impl RunEvent {
         let execution_failure = self
             .execution_failure
             .as_ref()
-            .map(FailureEvidence::to_proto);
+            .map(|f| Box::new(f.to_proto()));
         pb::RunEvent {
             r#type: match self.kind {
                 RunEventKind::Start => pb::RunEventType::Start,
@@ -234,7 +234,7 @@ impl TryFrom<pb::RunEvent> for RunEvent {
         metadata("metadata", &m.metadata)?;
         let execution_failure = m
             .execution_failure
-            .map(|f| FailureEvidence::from_proto(f, kind == RunEventKind::Error));
+            .map(|f| FailureEvidence::from_proto(*f, kind == RunEventKind::Error));
         Ok(Self {
             kind,
             delta: m.delta,

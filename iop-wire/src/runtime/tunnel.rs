@@ -327,7 +327,7 @@ impl TunnelFrame {
                 execution_failure,
             } => {
                 m.error = error;
-                m.execution_failure = execution_failure.as_ref().map(FailureEvidence::to_proto);
+                m.execution_failure = execution_failure.as_ref().map(|f| Box::new(f.to_proto()));
                 pb::TunnelFrameKind::Error
             }
         } as i32;
@@ -360,7 +360,7 @@ impl TunnelFrame {
                 execution_failure,
             } => {
                 m.error = error.clone();
-                m.execution_failure = execution_failure.as_ref().map(FailureEvidence::to_proto);
+                m.execution_failure = execution_failure.as_ref().map(|f| Box::new(f.to_proto()));
                 pb::TunnelFrameKind::Error
             }
         } as i32;
@@ -398,7 +398,7 @@ impl TryFrom<pb::ProviderTunnelFrame> for TunnelFrame {
                     error: m.error,
                     execution_failure: m
                         .execution_failure
-                        .map(|f| FailureEvidence::from_proto(f, true)),
+                        .map(|f| FailureEvidence::from_proto(*f, true)),
                 }
             }
             Ok(pb::TunnelFrameKind::Unspecified) | Err(_) => {
