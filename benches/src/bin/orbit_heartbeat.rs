@@ -147,7 +147,7 @@ async fn main() {
     )
     .await;
     let only = std::env::var("ORBIT_HB_ONLY").unwrap_or_default();
-    let mut rounds: Vec<(Batches, Batches)> = (0..ROUNDS as u64)
+    let rounds: Vec<(Batches, Batches)> = (0..ROUNDS as u64)
         .map(|r| {
             (
                 signed_batches(&key, &identity, 1 + 2 * r),
@@ -158,13 +158,18 @@ async fn main() {
     let (mut v_time, mut u_time) = (Duration::ZERO, Duration::ZERO);
     let (mut v_lat, mut u_lat) = (Vec::new(), Vec::new());
     let mut ratios = Vec::new();
-    for (r, (v_batch, u_batch)) in rounds.drain(..).enumerate() {
+    for (r, (v_batch, u_batch)) in rounds.into_iter().enumerate() {
         let (mut v, mut u) = (None, None);
-        for first in [r % 2 == 0, r % 2 != 0] {
-            if first && only != "unverified" {
-                v = Some(run(&verified, v_batch.clone()).await);
-            } else if !first && only != "verified" {
-                u = Some(run(&unverified, u_batch.clone()).await);
+        let mut v_batch = (only != "unverified").then_some(v_batch);
+        let mut u_batch = (only != "verified").then_some(u_batch);
+        let verified_first = r % 2 == 0;
+        for verified_turn in [verified_first, !verified_first] {
+            if verified_turn {
+                if let Some(b) = v_batch.take() {
+                    v = Some(run(&verified, b).await);
+                }
+            } else if let Some(b) = u_batch.take() {
+                u = Some(run(&unverified, b).await);
             }
         }
         if let (Some((vt, _)), Some((ut, _))) = (&v, &u) {
