@@ -43,6 +43,76 @@ fn main() {
     lease_seeds(&root.join("lease_open"));
     signed_request_seeds(&root.join("signed_request"));
     stream_translate_seeds(&root.join("stream_translate"));
+    report_decode_seeds(&root.join("report_decode"));
+}
+
+// === report_decode ===
+
+/// `ReportRuntimeRequest`s as workers send them (a heartbeat, sorted counters), and the shapes
+/// the decoder must treat as prost does: unsorted and repeated proxies, unknown fields of each
+/// wire type, a group, a repeated scalar, bad UTF-8. The first byte is `maxRuntimeCounters`.
+fn report_decode_seeds(dir: &Path) {
+    use prost::Message as _;
+    use proxypool_controller::proto::controlplane::{ProxyCounters, ReportRuntimeRequest};
+    let dir = fresh_dir(dir);
+    let request = |ids: &[(&str, i64)]| ReportRuntimeRequest {
+        worker_id: "worker-1".into(),
+        session_id: vec![7; 16].into(),
+        sequence: 42,
+        snapshot_version: 3,
+        ownership_epoch: 1,
+        observed_at_unix_ms: 1_764_460_800_000,
+        counters: ids
+            .iter()
+            .map(|(id, n)| ProxyCounters {
+                proxy_id: (*id).into(),
+                in_flight: *n,
+                open_connections: 2,
+            })
+            .collect(),
+    };
+    let seed = |max: u8, body: Vec<u8>| {
+        let mut s = vec![max];
+        s.extend_from_slice(&body);
+        s
+    };
+    let sorted = request(&[("proxy-00001", 1), ("proxy-00002", 0), ("proxy-00003", 9)]);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("heartbeat", seed(16, request(&[]).encode_to_vec())),
+        ("sorted", seed(16, sorted.encode_to_vec())),
+        (
+            "unsorted_repeated",
+            seed(16, request(&[("b", 1), ("a", 2), ("b", 3)]).encode_to_vec()),
+        ),
+        ("over_limit", seed(2, sorted.encode_to_vec())),
+        ("negative", seed(16, request(&[("a", -1)]).encode_to_vec())),
+        ("unknown_fields", {
+            let mut b = sorted.encode_to_vec();
+            // Field 9 varint, field 10 fixed64, field 11 bytes, field 12 fixed32, field 13 group.
+            b.extend_from_slice(&[0x48, 0x96, 0x01]);
+            b.extend_from_slice(&[0x51, 1, 2, 3, 4, 5, 6, 7, 8]);
+            b.extend_from_slice(&[0x5a, 0x02, 0xaa, 0xbb]);
+            b.extend_from_slice(&[0x65, 1, 2, 3, 4]);
+            b.extend_from_slice(&[0x6b, 0x08, 0x01, 0x6c]);
+            seed(16, b)
+        }),
+        ("repeated_scalar", {
+            let mut b = sorted.encode_to_vec();
+            // sequence again: the last one wins.
+            b.extend_from_slice(&[0x18, 0x2b]);
+            seed(16, b)
+        }),
+        ("bad_utf8", {
+            let mut b = request(&[("a", 1)]).encode_to_vec();
+            let at = b.iter().rposition(|&c| c == b'a').expect("the id");
+            b[at] = 0xff;
+            seed(16, b)
+        }),
+    ];
+    for (name, s) in cases {
+        iop_fuzz::report_decode::run(&s);
+        write(&dir, name, &s);
+    }
 }
 
 // === stream_translate ===

@@ -1,4 +1,4 @@
-//! Fuzz entry points for `iop-wire`, `iop-lease`, `iop-dialect` and `orbit-runtime`. Each target in `fuzz_targets/` is a few lines that call
+//! Fuzz entry points for `iop-wire`, `iop-lease`, `iop-dialect`, `orbit-runtime` and `proxypool-controller`. Each target in `fuzz_targets/` is a few lines that call
 //! one `run` function here; keeping the logic in a library lets `examples/gen_corpus.rs` build
 //! seed inputs from the same operation types (see `README.md`).
 #![forbid(unsafe_code)]
@@ -6,6 +6,7 @@
 pub mod frame_decoder;
 pub mod lease_open;
 pub mod registry_ops;
+pub mod report_decode;
 pub mod seed;
 pub mod signed_request;
 pub mod stream_translate;

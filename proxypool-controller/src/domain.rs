@@ -94,6 +94,258 @@ pub struct Counter {
     pub open_connections: u64,
 }
 
+/// A report's counters in canonical form (seed 004 §5.3 and §7: every proxy id valid and
+/// unique, every count non-negative, sorted by proxy id), held as the canonical bytes the digest
+/// covers and the Redis store keeps: one `proxy_id ' ' in_flight ' ' open_connections '\n'` line
+/// per proxy, counts in decimal.
+///
+/// Only [`Counters::new`] and [`CountersBuilder`] make one, and both validate, so a value of
+/// this type is canonical by construction. Holding the bytes rather than a `Vec<Counter>` is a
+/// choice for the hot path: the gRPC transport writes each counter's line as it decodes it
+/// (`crate::grpc::report`), and a 1000-counter report is then one buffer instead of 1000
+/// strings, with nothing left to build for the digest or the store.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Counters {
+    canonical: Vec<u8>,
+    len: usize,
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl Counters {
+    /// Validates and sorts `counters`, as the service does for a report: the errors are the
+    /// service's (`proxy_id`, `duplicate proxy_id`); there is no count limit here.
+    pub fn new(counters: Vec<Counter>) -> Result<Self, ServiceError> {
+        let mut b = CountersBuilder::new(usize::MAX);
+        for c in &counters {
+            b.push_counts(c.proxy_id.as_bytes(), c.in_flight, c.open_connections);
+        }
+        b.finish()
+    }
+
+    /// The canonical bytes (what [`Report::digest`] covers).
+    pub fn canonical(&self) -> &[u8] {
+        &self.canonical
+    }
+
+    /// How many proxies.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// No counters: the report is a heartbeat.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The counters in canonical order.
+    pub fn iter(&self) -> CountersIter<'_> {
+        CountersIter {
+            rest: &self.canonical,
+        }
+    }
+
+    /// The counters as owned values.
+    pub fn to_vec(&self) -> Vec<Counter> {
+        self.iter()
+            .map(|c| Counter {
+                proxy_id: c.proxy_id.to_owned(),
+                in_flight: c.in_flight,
+                open_connections: c.open_connections,
+            })
+            .collect()
+    }
+
+    /// Parses canonical bytes back (the Redis store's stored runtime): `None` unless every line
+    /// is a valid counter and the ids are strictly increasing.
+    pub fn from_canonical(canonical: &[u8]) -> Option<Self> {
+        let mut b = CountersBuilder::new(usize::MAX);
+        for line in canonical.split_inclusive(|&c| c == b'\n') {
+            let (id, in_flight, open) = parse_line(line)?;
+            b.push_counts(id, in_flight, open);
+        }
+        let counters = b.finish().ok()?;
+        (counters.canonical == canonical).then_some(counters)
+    }
+}
+
+/// One counter of [`Counters`], borrowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CounterRef<'a> {
+    /// Proxy id.
+    pub proxy_id: &'a str,
+    /// Requests in flight.
+    pub in_flight: u64,
+    /// Open upstream connections.
+    pub open_connections: u64,
+}
+
+/// The iterator of [`Counters::iter`].
+#[derive(Clone, Debug)]
+pub struct CountersIter<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for CountersIter<'a> {
+    type Item = CounterRef<'a>;
+
+    fn next(&mut self) -> Option<CounterRef<'a>> {
+        let end = self.rest.iter().position(|&c| c == b'\n')?;
+        let (line, rest) = self.rest.split_at(end + 1);
+        self.rest = rest;
+        // Built by `CountersBuilder` only: every line parses, and ids are ASCII.
+        let (id, in_flight, open_connections) = parse_line(line)?;
+        Some(CounterRef {
+            proxy_id: std::str::from_utf8(id).ok()?,
+            in_flight,
+            open_connections,
+        })
+    }
+}
+
+/// `id ' ' decimal ' ' decimal '\n'` → its parts (decimals without sign or leading zeros).
+fn parse_line(line: &[u8]) -> Option<(&[u8], u64, u64)> {
+    let line = line.strip_suffix(b"\n")?;
+    let mut parts = line.split(|&c| c == b' ');
+    let (id, a, b) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    Some((id, parse_decimal(a)?, parse_decimal(b)?))
+}
+
+fn parse_decimal(d: &[u8]) -> Option<u64> {
+    if d.is_empty() || (d.len() > 1 && d[0] == b'0') || !d.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(d).ok()?.parse().ok()
+}
+
+/// Builds [`Counters`] one counter at a time, validating as it goes, in the order the service
+/// reports problems: more than `max` counters (`counters`), else the first invalid counter in
+/// input order (`proxy_id`, then `counter` for a negative count), else a repeated id
+/// (`duplicate proxy_id`). Counters that arrive sorted (workers usually send them so) are
+/// written straight into the canonical bytes; otherwise they are sorted once at the end.
+///
+/// Memory stays bounded by the input: after `max` counters, or after the first error, nothing
+/// more is written, only counted.
+#[derive(Debug)]
+pub struct CountersBuilder {
+    out: Vec<u8>,
+    len: usize,
+    max: usize,
+    /// Where the last written line's id is (the sort key of the next one).
+    last: std::ops::Range<usize>,
+    sorted: bool,
+    duplicate: bool,
+    invalid: Option<&'static str>,
+}
+
+impl CountersBuilder {
+    /// A builder that refuses more than `max` counters.
+    pub fn new(max: usize) -> Self {
+        Self {
+            out: Vec::new(),
+            len: 0,
+            max,
+            last: 0..0,
+            sorted: true,
+            duplicate: false,
+            invalid: None,
+        }
+    }
+
+    /// As [`CountersBuilder::new`], with room for about `bytes` of canonical counters.
+    pub fn with_capacity(max: usize, bytes: usize) -> Self {
+        let mut b = Self::new(max);
+        b.out.reserve(bytes);
+        b
+    }
+
+    /// Adds a counter as received (signed counts: a negative one is refused).
+    pub fn push(&mut self, proxy_id: &[u8], in_flight: i64, open_connections: i64) {
+        match (u64::try_from(in_flight), u64::try_from(open_connections)) {
+            (Ok(f), Ok(o)) => self.push_counts(proxy_id, f, o),
+            _ => {
+                self.len += 1;
+                if self.invalid.is_none() {
+                    self.invalid = Some(if valid_id_bytes(proxy_id) {
+                        "counter"
+                    } else {
+                        "proxy_id"
+                    });
+                }
+            }
+        }
+    }
+
+    /// Adds a counter with unsigned counts.
+    pub fn push_counts(&mut self, proxy_id: &[u8], in_flight: u64, open_connections: u64) {
+        self.len += 1;
+        if self.invalid.is_some() || self.len > self.max {
+            return;
+        }
+        if !valid_id_bytes(proxy_id) {
+            self.invalid = Some("proxy_id");
+            return;
+        }
+        if self.len > 1 && self.sorted {
+            match self.out[self.last.clone()].cmp(proxy_id) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Equal => self.duplicate = true,
+                std::cmp::Ordering::Greater => self.sorted = false,
+            }
+        }
+        // The whole line at once: the id, two spaces, two decimals of at most 20 digits, '\n'.
+        self.out.reserve(proxy_id.len() + 43);
+        let start = self.out.len();
+        self.out.extend_from_slice(proxy_id);
+        self.last = start..self.out.len();
+        self.out.push(b' ');
+        push_decimal(&mut self.out, in_flight);
+        self.out.push(b' ');
+        push_decimal(&mut self.out, open_connections);
+        self.out.push(b'\n');
+    }
+
+    /// The canonical counters, or the service's error for them.
+    pub fn finish(self) -> Result<Counters, ServiceError> {
+        if self.len > self.max {
+            return Err(ServiceError::Invalid("counters"));
+        }
+        if let Some(field) = self.invalid {
+            return Err(ServiceError::Invalid(field));
+        }
+        let canonical = if self.sorted {
+            self.out
+        } else {
+            // Sort the lines by id (ids are unique unless refused below, so the line order is
+            // the id order), then look for neighbours with the same id.
+            let mut lines: Vec<&[u8]> = self.out.split_inclusive(|&c| c == b'\n').collect();
+            let id = |l: &[u8]| -> usize { l.iter().position(|&c| c == b' ').unwrap_or(l.len()) };
+            lines.sort_unstable_by(|a, b| a[..id(a)].cmp(&b[..id(b)]));
+            if lines
+                .windows(2)
+                .any(|w| w[0][..id(w[0])] == w[1][..id(w[1])])
+            {
+                return Err(ServiceError::Invalid("duplicate proxy_id"));
+            }
+            lines.concat()
+        };
+        if self.duplicate {
+            return Err(ServiceError::Invalid("duplicate proxy_id"));
+        }
+        Ok(Counters {
+            canonical,
+            len: self.len,
+        })
+    }
+}
+
 /// A complete sparse runtime report, canonical (counters sorted by proxy id, unique).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Report {
@@ -107,38 +359,24 @@ pub struct Report {
     pub tuple: SnapshotTuple,
     /// Observation time, Unix milliseconds.
     pub observed_at_unix_ms: i64,
-    /// Counters, sorted by proxy id.
-    pub counters: Vec<Counter>,
+    /// Counters, canonical.
+    pub counters: Counters,
 }
 
 impl Report {
     /// The canonical content bytes: the counters only (sequence, session and time excluded),
     /// one `proxy_id ' ' in_flight ' ' open_connections '\n'` line per proxy, sorted.
-    pub fn canonical_counters(&self) -> Vec<u8> {
-        let len: usize = self
-            .counters
-            .iter()
-            .map(|c| c.proxy_id.len() + 2 * 20 + 3)
-            .sum();
-        let mut out = Vec::with_capacity(len);
-        for c in &self.counters {
-            out.extend_from_slice(c.proxy_id.as_bytes());
-            out.push(b' ');
-            push_decimal(&mut out, c.in_flight);
-            out.push(b' ');
-            push_decimal(&mut out, c.open_connections);
-            out.push(b'\n');
-        }
-        out
+    pub fn canonical_counters(&self) -> &[u8] {
+        self.counters.canonical()
     }
 
-    /// SHA-256 of [`Report::canonical_counters`] and the observation time: equal sequences
-    /// with a different digest conflict.
+    /// SHA-256 of the observation time (8 bytes, big-endian) and
+    /// [`Report::canonical_counters`]: equal sequences with a different digest conflict.
     pub fn digest(&self) -> [u8; 32] {
-        Self::digest_of(self.observed_at_unix_ms, &self.canonical_counters())
+        Self::digest_of(self.observed_at_unix_ms, self.canonical_counters())
     }
 
-    /// [`Report::digest`] from an already built [`Report::canonical_counters`].
+    /// [`Report::digest`] of an observation time and canonical counters.
     pub fn digest_of(observed_at_unix_ms: i64, canonical_counters: &[u8]) -> [u8; 32] {
         let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
         ctx.update(&observed_at_unix_ms.to_be_bytes());
@@ -151,7 +389,13 @@ impl Report {
 
 /// `n` in decimal (what `write!("{n}")` writes, without the formatting machinery: this runs
 /// twice per counter of every report).
+#[inline]
 fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    if n < 10 {
+        // Most counts are small.
+        out.push(b'0' + u8::try_from(n).unwrap_or(0));
+        return;
+    }
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     loop {
@@ -369,6 +613,27 @@ pub struct ReportCommand {
     pub counters: Vec<(String, i64, i64)>,
 }
 
+/// A report whose counters a [`CountersBuilder`] has already checked and put in canonical
+/// form (see [`Service::report_canonical`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CanonicalReportCommand {
+    /// Worker id.
+    pub worker_id: String,
+    /// Session id bytes.
+    pub session_id: Vec<u8>,
+    /// Sequence.
+    pub sequence: u64,
+    /// Snapshot version.
+    pub snapshot_version: u64,
+    /// Ownership epoch.
+    pub ownership_epoch: u64,
+    /// Observation time.
+    pub observed_at_unix_ms: i64,
+    /// The counters, or the error the service answers for them (after the checks of the other
+    /// fields, which come first).
+    pub counters: Result<Counters, ServiceError>,
+}
+
 /// What the worker must do next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {
@@ -431,12 +696,29 @@ impl SessionIds for SystemSessionIds {
 
 /// `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`.
 pub fn valid_id(v: &str) -> bool {
-    let b = v.as_bytes();
-    !b.is_empty()
-        && b.len() <= MAX_ID_LEN
-        && b[0].is_ascii_alphanumeric()
-        && b.iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+    valid_id_bytes(v.as_bytes())
+}
+
+/// [`valid_id`] of raw bytes (ids are ASCII, so a valid one is valid UTF-8 too).
+pub fn valid_id_bytes(b: &[u8]) -> bool {
+    /// `[A-Za-z0-9._-]`.
+    const ID_BYTE: [bool; 256] = {
+        let mut t = [false; 256];
+        let mut i = 0;
+        while i < 256 {
+            let c = i as u8;
+            t[i] = c.is_ascii_alphanumeric() || c == b'.' || c == b'_' || c == b'-';
+            i += 1;
+        }
+        t
+    };
+    match b.first() {
+        Some(first) if b.len() <= MAX_ID_LEN && first.is_ascii_alphanumeric() => {
+            // Every byte checked, no early exit: the loop vectorises.
+            b.iter().fold(true, |ok, &c| ok & ID_BYTE[usize::from(c)])
+        }
+        _ => false,
+    }
 }
 
 /// Empty or `[A-Z][A-Z0-9_]{0,63}`.
@@ -621,6 +903,31 @@ impl Service {
         cmd: ReportCommand,
         identity: Option<&str>,
     ) -> Result<Decision, ServiceError> {
+        let mut counters = CountersBuilder::new(self.config.max_runtime_counters);
+        for (proxy_id, in_flight, open) in &cmd.counters {
+            counters.push(proxy_id.as_bytes(), *in_flight, *open);
+        }
+        let cmd = CanonicalReportCommand {
+            worker_id: cmd.worker_id,
+            session_id: cmd.session_id,
+            sequence: cmd.sequence,
+            snapshot_version: cmd.snapshot_version,
+            ownership_epoch: cmd.ownership_epoch,
+            observed_at_unix_ms: cmd.observed_at_unix_ms,
+            counters: counters.finish(),
+        };
+        self.report_canonical(cmd, identity).await
+    }
+
+    /// [`Service::report_runtime`] of a report whose counters were already put in canonical
+    /// form (or refused) by a [`CountersBuilder`] made with this service's
+    /// `max_runtime_counters`: what the gRPC transport decodes straight from the wire. The
+    /// checks run in the same order, so the answer is the same for the same request.
+    pub async fn report_canonical(
+        &self,
+        cmd: CanonicalReportCommand,
+        identity: Option<&str>,
+    ) -> Result<Decision, ServiceError> {
         if !valid_id(&cmd.worker_id) {
             return Err(ServiceError::Invalid("worker_id"));
         }
@@ -634,32 +941,6 @@ impl Service {
         if cmd.observed_at_unix_ms <= 0 {
             return Err(ServiceError::Invalid("observed_at"));
         }
-        if cmd.counters.len() > self.config.max_runtime_counters {
-            return Err(ServiceError::Invalid("counters"));
-        }
-        let mut counters = Vec::with_capacity(cmd.counters.len());
-        for (proxy_id, in_flight, open) in cmd.counters {
-            if !valid_id(&proxy_id) {
-                return Err(ServiceError::Invalid("proxy_id"));
-            }
-            let (Ok(in_flight), Ok(open_connections)) =
-                (u64::try_from(in_flight), u64::try_from(open))
-            else {
-                return Err(ServiceError::Invalid("counter"));
-            };
-            counters.push(Counter {
-                proxy_id,
-                in_flight,
-                open_connections,
-            });
-        }
-        // Workers usually send their counters in order already: then no sort at all.
-        if !counters.is_sorted() {
-            counters.sort_unstable();
-        }
-        if counters.windows(2).any(|w| w[0].proxy_id == w[1].proxy_id) {
-            return Err(ServiceError::Invalid("duplicate proxy_id"));
-        }
         let report = Report {
             worker_id: cmd.worker_id,
             session_id,
@@ -669,7 +950,7 @@ impl Service {
                 version: cmd.snapshot_version,
             },
             observed_at_unix_ms: cmd.observed_at_unix_ms,
-            counters,
+            counters: cmd.counters?,
         };
         let (outcome, ownership_epoch) = self
             .store
@@ -803,22 +1084,146 @@ mod tests {
             sequence: 1,
             tuple: SnapshotTuple::default(),
             observed_at_unix_ms: 1,
-            counters: vec![
-                Counter {
-                    proxy_id: "a".into(),
-                    in_flight: 0,
-                    open_connections: 17,
-                },
+            counters: Counters::new(vec![
                 Counter {
                     proxy_id: "b-2".into(),
                     in_flight: u64::MAX,
                     open_connections: 3,
                 },
-            ],
+                Counter {
+                    proxy_id: "a".into(),
+                    in_flight: 0,
+                    open_connections: 17,
+                },
+            ])
+            .unwrap(),
         };
         assert_eq!(
             report.canonical_counters(),
             b"a 0 17\nb-2 18446744073709551615 3\n"
         );
+        assert_eq!(report.counters.len(), 2);
+        assert_eq!(
+            report
+                .counters
+                .iter()
+                .map(|c| c.proxy_id)
+                .collect::<Vec<_>>(),
+            ["a", "b-2"]
+        );
+        assert_eq!(
+            Counters::from_canonical(report.canonical_counters()),
+            Some(report.counters.clone())
+        );
+    }
+
+    /// What the service did before counters were built in canonical form, kept as the oracle:
+    /// the count limit, then each counter in input order (id, then sign), then sort and
+    /// duplicates.
+    fn reference(
+        counters: &[(String, i64, i64)],
+        max: usize,
+    ) -> Result<Vec<Counter>, ServiceError> {
+        if counters.len() > max {
+            return Err(ServiceError::Invalid("counters"));
+        }
+        let mut out = Vec::new();
+        for (proxy_id, in_flight, open) in counters {
+            if !valid_id(proxy_id) {
+                return Err(ServiceError::Invalid("proxy_id"));
+            }
+            let (Ok(in_flight), Ok(open_connections)) =
+                (u64::try_from(*in_flight), u64::try_from(*open))
+            else {
+                return Err(ServiceError::Invalid("counter"));
+            };
+            out.push(Counter {
+                proxy_id: proxy_id.clone(),
+                in_flight,
+                open_connections,
+            });
+        }
+        out.sort_unstable();
+        if out.windows(2).any(|w| w[0].proxy_id == w[1].proxy_id) {
+            return Err(ServiceError::Invalid("duplicate proxy_id"));
+        }
+        Ok(out)
+    }
+
+    fn built(counters: &[(String, i64, i64)], max: usize) -> Result<Counters, ServiceError> {
+        let mut b = CountersBuilder::new(max);
+        for (id, f, o) in counters {
+            b.push(id.as_bytes(), *f, *o);
+        }
+        b.finish()
+    }
+
+    #[test]
+    fn the_builder_reports_what_the_service_reported() {
+        let c = |id: &str, f: i64, o: i64| (id.to_owned(), f, o);
+        type Case = (Vec<(String, i64, i64)>, usize);
+        let cases: Vec<Case> = vec![
+            (vec![], 0),
+            (vec![c("a", 1, 2)], 0),
+            (vec![c("b", 1, 2), c("a", 0, 0)], 2),
+            (vec![c("a", 1, 2), c("a", 1, 2)], 5),
+            (vec![c("b", 1, 2), c("a", 1, 2), c("b", 3, 4)], 5),
+            (vec![c("a", -1, 2), c("", 1, 2)], 5),
+            (vec![c("", -1, 2), c("a", -1, 2)], 5),
+            (vec![c("a", 1, 2), c("a", 1, 2), c("c d", 1, 1)], 5),
+            (vec![c("a", 1, i64::MIN), c("a", 1, 2)], 5),
+            (vec![c("z", 0, 0), c("y", 0, 0), c("x", -3, 0)], 2),
+            (vec![c("p-1", i64::MAX, 0), c("p-0", 0, i64::MAX)], 2),
+        ];
+        for (counters, max) in cases {
+            let want = reference(&counters, max);
+            let got = built(&counters, max).map(|c| c.to_vec());
+            assert_eq!(got, want, "{counters:?} max {max}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Any input, any order: the builder's answer is the old service's, and what it builds
+        /// parses back to itself.
+        #[test]
+        fn the_builder_agrees_with_the_reference(
+            counters in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec!["a", "b", "p-1", "p-10", "p-2", "Z.9", "", "b c", "-x", "é"]),
+                    proptest::prop_oneof![0..5i64, proptest::num::i64::ANY],
+                    proptest::prop_oneof![0..5i64, proptest::num::i64::ANY],
+                ),
+                0..12,
+            ),
+            max in 0usize..14,
+        ) {
+            let counters: Vec<(String, i64, i64)> =
+                counters.into_iter().map(|(id, f, o)| (id.to_owned(), f, o)).collect();
+            let got = built(&counters, max);
+            proptest::prop_assert_eq!(got.clone().map(|c| c.to_vec()), reference(&counters, max));
+            if let Ok(c) = got {
+                proptest::prop_assert_eq!(Counters::from_canonical(c.canonical()), Some(c.clone()));
+                proptest::prop_assert_eq!(c.iter().count(), c.len());
+            }
+        }
+    }
+
+    #[test]
+    fn from_canonical_refuses_what_the_builder_cannot_make() {
+        for bad in [
+            &b"a 1 2"[..],
+            b"a 1\n",
+            b"a 1 2 3\n",
+            b"a 01 2\n",
+            b"a -1 2\n",
+            b"a 1 18446744073709551616\n",
+            b"b 1 2\na 1 2\n",
+            b"a 1 2\na 1 2\n",
+            b" 1 2\n",
+            b"\n",
+        ] {
+            assert_eq!(Counters::from_canonical(bad), None, "{bad:?}");
+        }
+        assert_eq!(Counters::from_canonical(b"").map(|c| c.len()), Some(0));
     }
 }

@@ -1,5 +1,6 @@
 //! The gRPC transport (tonic): DTO mapping, status codes, the worker identity from mTLS, and
-//! the server's limits.
+//! the server's limits. The server serves `ReportRuntime` through [`report`], which decodes the
+//! request straight into canonical counters. The other RPCs go through the generated prost code.
 //!
 //! Status codes (messages are stable and low-sensitivity: never a Redis key, session id, proxy
 //! address, certificate content or backend text):
@@ -17,13 +18,16 @@
 //! | store unavailable | `UNAVAILABLE` |
 //! | `WatchSnapshots`, `ReportOutcomes` | `UNIMPLEMENTED` |
 
+pub mod report;
+
 use std::pin::Pin;
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
 use crate::domain::{
-    AcknowledgeCommand, Decision, RegisterCommand, ReportCommand, Service, ServiceError,
+    AcknowledgeCommand, CanonicalReportCommand, Decision, RegisterCommand, ReportCommand, Service,
+    ServiceError,
 };
 use crate::metrics::{Metrics, Rpc};
 use crate::proto::controlplane as pb;
@@ -54,6 +58,48 @@ impl Controller {
             metrics,
             require_identity,
         }
+    }
+
+    /// The service's `maxRuntimeCounters`.
+    pub fn max_runtime_counters(&self) -> usize {
+        self.service.config().max_runtime_counters
+    }
+
+    /// `ReportRuntime` with the counters already decoded into canonical form
+    /// ([`report::decode`]): what [`report::WorkerControlPlaneService`] serves. Same checks,
+    /// status codes and metrics as the generated server's `report_runtime`.
+    pub async fn report_canonical(
+        &self,
+        request: Request<CanonicalReportCommand>,
+    ) -> Result<Response<pb::ReportRuntimeResponse>, Status> {
+        let started = std::time::Instant::now();
+        let identity = self.identity(&request)?;
+        let result = self
+            .service
+            .report_canonical(request.into_inner(), identity.as_deref())
+            .await;
+        self.report_answer(started, result)
+    }
+
+    fn report_answer(
+        &self,
+        started: std::time::Instant,
+        result: Result<Decision, ServiceError>,
+    ) -> Result<Response<pb::ReportRuntimeResponse>, Status> {
+        self.metrics
+            .observe(Rpc::Report, result.as_ref().err(), started.elapsed());
+        let (ownership_epoch, require_full_snapshot) = match result.map_err(|e| status(&e))? {
+            Decision::Accepted { ownership_epoch } => (ownership_epoch, false),
+            Decision::RequireFullSnapshot { ownership_epoch } => {
+                self.metrics.full_snapshot_required(Rpc::Report);
+                (ownership_epoch, true)
+            }
+        };
+        Ok(Response::new(pb::ReportRuntimeResponse {
+            ownership_epoch,
+            require_full_snapshot,
+            revoke_proxy_ids: Vec::new(),
+        }))
     }
 
     fn identity<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
@@ -185,20 +231,7 @@ impl WorkerControlPlane for Controller {
                 .collect(),
         };
         let result = self.service.report_runtime(cmd, identity.as_deref()).await;
-        self.metrics
-            .observe(Rpc::Report, result.as_ref().err(), started.elapsed());
-        let (ownership_epoch, require_full_snapshot) = match result.map_err(|e| status(&e))? {
-            Decision::Accepted { ownership_epoch } => (ownership_epoch, false),
-            Decision::RequireFullSnapshot { ownership_epoch } => {
-                self.metrics.full_snapshot_required(Rpc::Report);
-                (ownership_epoch, true)
-            }
-        };
-        Ok(Response::new(pb::ReportRuntimeResponse {
-            ownership_epoch,
-            require_full_snapshot,
-            revoke_proxy_ids: Vec::new(),
-        }))
+        self.report_answer(started, result)
     }
 
     type WatchSnapshotsStream = SnapshotStream;

@@ -14,7 +14,7 @@
 //! | [`memory`] | the in-memory reference store with an injected clock (TTL in virtual time); its rules are [`memory::StoreState`]'s pure steps, which `tests/model.rs` explores exhaustively (stateright) and `tests/differential.rs` holds the Redis Lua scripts to, answer by answer |
 //! | [`redis_store`] | the Redis store: one Lua script per check-and-write, `{activity}` hash tag, persistent monotonic ownership epoch |
 //! | [`proto`] | the generated tonic/prost code of `proto/controlplane.proto` (committed; drift-checked) |
-//! | [`grpc`] | the tonic service: DTO mapping, status codes, the worker identity check |
+//! | [`grpc`] | the tonic service: DTO mapping, status codes, the worker identity check; [`grpc::report`] decodes `ReportRuntime` straight into canonical counters (no allocation per counter) and routes it beside the generated server |
 //! | [`tls`] | mTLS: client CA, the `spiffe://TD/ENV/worker/ID` identity, the handshaking acceptor |
 //! | [`config`] | the `controlPlane` block (seed 004 §6) and its validation |
 //! | [`server`] | bootstrap: limits, gRPC health and reflection, admin `/healthz` `/readyz` `/metrics`, bounded graceful stop |

@@ -117,7 +117,7 @@ impl StoreState {
             reference: self.reference(worker_id),
             runtime: self
                 .runtime(worker_id)
-                .map(|r| (r.sequence, r.observed_at_unix_ms, r.counters.clone())),
+                .map(|r| (r.sequence, r.observed_at_unix_ms, r.counters.to_vec())),
         }
     }
 

@@ -23,7 +23,7 @@ use redis::Script;
 use redis::aio::ConnectionManager;
 
 use crate::domain::{
-    ControlStore, Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference,
+    ControlStore, Counter, Counters, Report, Session, SnapshotAcknowledgement, SnapshotReference,
     SnapshotTuple, StoreError, WorkerRecord,
 };
 
@@ -322,12 +322,14 @@ impl RedisStore {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> redis::ScriptInvocation<'a> {
-        // The canonical counters once: for the digest and for the stored blob.
         let canonical = report.canonical_counters();
-        let digest = Report::digest_of(report.observed_at_unix_ms, &canonical);
-        let mut blob =
-            format!("{}\n{}\n", report.sequence, report.observed_at_unix_ms).into_bytes();
-        blob.extend_from_slice(&canonical);
+        let digest = report.digest();
+        let mut blob = Vec::with_capacity(42 + canonical.len());
+        blob.extend_from_slice(report.sequence.to_string().as_bytes());
+        blob.push(b'\n');
+        blob.extend_from_slice(report.observed_at_unix_ms.to_string().as_bytes());
+        blob.push(b'\n');
+        blob.extend_from_slice(canonical);
         let mut inv = script.prepare_invoke();
         inv.key(self.key("session", &report.worker_id))
             .key(self.key("runtime", &report.worker_id))
@@ -361,7 +363,7 @@ impl RedisStore {
         type Raw = (
             std::collections::HashMap<String, String>,
             std::collections::HashMap<String, String>,
-            Option<String>,
+            Option<Vec<u8>>,
         );
         let (s, r, blob): Raw = redis::pipe()
             .atomic()
@@ -431,21 +433,12 @@ impl RedisStore {
 }
 
 /// `seq\nobserved_at\n` + canonical counters, as the report script stores it.
-fn decode_runtime(blob: &str) -> Option<(u64, i64, Vec<Counter>)> {
-    let mut lines = blob.lines();
-    let seq = lines.next()?.parse().ok()?;
-    let observed: i64 = lines.next()?.parse().ok()?;
-    let counters = lines
-        .map(|l| {
-            let mut p = l.split(' ');
-            Some(Counter {
-                proxy_id: p.next()?.to_owned(),
-                in_flight: p.next()?.parse().ok()?,
-                open_connections: p.next()?.parse().ok()?,
-            })
-        })
-        .collect::<Option<Vec<_>>>()?;
-    Some((seq, observed, counters))
+fn decode_runtime(blob: &[u8]) -> Option<(u64, i64, Vec<Counter>)> {
+    let mut parts = blob.splitn(3, |&c| c == b'\n');
+    let seq = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
+    let observed: i64 = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
+    let counters = Counters::from_canonical(parts.next()?)?;
+    Some((seq, observed, counters.to_vec()))
 }
 
 #[async_trait]

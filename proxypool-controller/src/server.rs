@@ -162,9 +162,10 @@ pub async fn start_with(
     let reflection_v1alpha = reflection()
         .build_v1alpha()
         .map_err(|e| StartError::Tls(format!("reflection: {e}")))?;
-    let svc = WorkerControlPlaneServer::new(controller)
-        .max_decoding_message_size(config.max_message_bytes)
-        .max_encoding_message_size(config.max_message_bytes);
+    // ReportRuntime decodes straight into canonical counters; every other RPC is the
+    // generated server's (`grpc::report`).
+    let svc =
+        crate::grpc::report::WorkerControlPlaneService::new(controller, config.max_message_bytes);
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(config.max_concurrent_streams)
         .concurrency_limit_per_connection(config.max_concurrent_streams as usize)

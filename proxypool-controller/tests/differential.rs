@@ -37,7 +37,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use proxypool_controller::domain::{
-    ControlStore, Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference,
+    ControlStore, Counter, Counters, Report, Session, SnapshotAcknowledgement, SnapshotReference,
     SnapshotTuple, StoreError,
 };
 use proxypool_controller::memory::StoreState;
@@ -280,7 +280,7 @@ fn report(op: &Op) -> Report {
         sequence: *seq,
         tuple: tuple(*e, *v),
         observed_at_unix_ms: *observed,
-        counters: counters(*content),
+        counters: Counters::new(counters(*content)).expect("valid counters"),
     }
 }
 

@@ -65,7 +65,7 @@
 use std::time::{Duration, Instant};
 
 use proxypool_controller::domain::{
-    Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference, SnapshotTuple,
+    Counter, Counters, Report, Session, SnapshotAcknowledgement, SnapshotReference, SnapshotTuple,
 };
 use proxypool_controller::memory::StoreState;
 use stateright::{Checker, Model, Property};
@@ -166,13 +166,16 @@ fn report(sid: u8, seq: u64, e: u64, v: u64, content: u8) -> Report {
         sequence: seq,
         tuple: tuple(e, v),
         observed_at_unix_ms: 1,
-        counters: (0..content)
-            .map(|i| Counter {
-                proxy_id: format!("p-{i}"),
-                in_flight: u64::from(i),
-                open_connections: 1,
-            })
-            .collect(),
+        counters: Counters::new(
+            (0..content)
+                .map(|i| Counter {
+                    proxy_id: format!("p-{i}"),
+                    in_flight: u64::from(i),
+                    open_connections: 1,
+                })
+                .collect(),
+        )
+        .expect("valid counters"),
     }
 }
 

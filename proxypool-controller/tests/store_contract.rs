@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use proxypool_controller::domain::{
-    ControlStore, Counter, Report, Session, SnapshotAcknowledgement, SnapshotReference,
+    ControlStore, Counter, Counters, Report, Session, SnapshotAcknowledgement, SnapshotReference,
     SnapshotTuple, StoreError,
 };
 use proxypool_controller::memory::{ManualClock, MemoryStore};
@@ -47,7 +47,9 @@ impl Backend for Memory {
         self.store.session_with_fence(worker)
     }
     async fn runtime(&self, worker: &str) -> Option<(u64, Vec<Counter>)> {
-        self.store.runtime(worker).map(|r| (r.sequence, r.counters))
+        self.store
+            .runtime(worker)
+            .map(|r| (r.sequence, r.counters.to_vec()))
     }
     async fn ttls(&self, worker: &str) -> (Option<Duration>, Option<Duration>) {
         self.store.ttls(worker)
@@ -173,14 +175,17 @@ fn report(sid: u8, seq: u64, e: u64, v: u64, proxies: &[(&str, u64)]) -> Report 
         sequence: seq,
         tuple: tuple(e, v),
         observed_at_unix_ms: 1_700_000_000_000,
-        counters: proxies
-            .iter()
-            .map(|(p, n)| Counter {
-                proxy_id: (*p).into(),
-                in_flight: *n,
-                open_connections: 1,
-            })
-            .collect(),
+        counters: Counters::new(
+            proxies
+                .iter()
+                .map(|(p, n)| Counter {
+                    proxy_id: (*p).into(),
+                    in_flight: *n,
+                    open_connections: 1,
+                })
+                .collect(),
+        )
+        .expect("valid counters"),
     }
 }
 
@@ -241,7 +246,7 @@ async fn report_sequence_fence(b: Box<dyn Backend>) {
         .unwrap();
     let r5 = report(1, 5, 1, 1, &[("p1", 3), ("p2", 1)]);
     replace(&*b, &r5).await.unwrap();
-    assert_eq!(b.runtime(W).await.unwrap(), (5, r5.counters.clone()));
+    assert_eq!(b.runtime(W).await.unwrap(), (5, r5.counters.to_vec()));
     // Idempotent replay.
     replace(&*b, &r5).await.unwrap();
     let before = (b.session(W).await, b.runtime(W).await);
@@ -531,7 +536,7 @@ async fn a_replayed_report_renews_both_ttls(b: Box<dyn Backend>) {
     let (session_left, runtime_left) = b.ttls(W).await;
     assert!(about(session_left, replay), "{session_left:?}");
     assert!(about(runtime_left, replay * 2), "{runtime_left:?}");
-    assert_eq!(b.runtime(W).await.unwrap(), (1, r.counters));
+    assert_eq!(b.runtime(W).await.unwrap(), (1, r.counters.to_vec()));
 }
 
 macro_rules! contract {

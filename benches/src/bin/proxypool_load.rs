@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use iop_benches::load::{ms, percentile};
 use proxypool_controller::config::File;
 use proxypool_controller::domain::{
-    ControlStore, Counter, Report, SnapshotReference, SnapshotTuple,
+    ControlStore, Counter, Counters, Report, SnapshotReference, SnapshotTuple,
 };
 use proxypool_controller::proto::controlplane as pb;
 use proxypool_controller::proto::controlplane::worker_control_plane_client::WorkerControlPlaneClient;
@@ -183,6 +183,7 @@ async fn main() {
     println!("# proxypool_load ({CONCURRENCY} concurrent workers, {WINDOW:?} per part)\n");
     println!("| part | RPC/s | p50 | p99 |\n|---|---:|---:|---:|");
 
+    let only = std::env::var("PROXYPOOL_ONLY").ok();
     // Part 1: 1k-counter reports.
     let body = counters(1000);
     let mut tasks = Vec::new();
@@ -223,6 +224,9 @@ async fn main() {
         lat.extend(t.await.unwrap());
     }
     let report_rate = summary("ReportRuntime, 1000 counters", lat, started.elapsed());
+    if only.as_deref() == Some("report1k") {
+        return;
+    }
 
     // Part 2: ACK/report mix.
     let small = counters(10);
@@ -358,15 +362,17 @@ async fn raw(channel: &Channel, store: &Arc<RedisStore>, n: usize) -> f64 {
                     version: 1,
                 },
                 observed_at_unix_ms: 1_700_000_000_000,
-                counters: (0..n)
-                    .map(|i| Counter {
-                        proxy_id: format!("proxy-{i:05}"),
-                        in_flight: (i % 7) as u64,
-                        open_connections: (i % 3) as u64,
-                    })
-                    .collect(),
+                counters: Counters::new(
+                    (0..n)
+                        .map(|i| Counter {
+                            proxy_id: format!("proxy-{i:05}"),
+                            in_flight: (i % 7) as u64,
+                            open_connections: (i % 3) as u64,
+                        })
+                        .collect(),
+                )
+                .unwrap(),
             };
-            report.counters.sort();
             let mut conn = store.connection();
             let mut lat = Vec::new();
             let t0 = Instant::now();
