@@ -92,6 +92,42 @@ pub mod load {
         )
     }
 
+    /// CPU time (user + system) of process `pid` so far, from `/proc/PID/stat` (zero if it is
+    /// gone).
+    pub fn cpu(pid: u32) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Fields after the command name (which may hold spaces) start after the last ')'.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        // Fields by position (not every field is an unsigned number: tpgid is -1 without a tty).
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of the whole line: 12 and 13 from the state (1).
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+        let ticks = num(11) + num(12);
+        Duration::from_secs_f64(ticks as f64 / clk_tck())
+    }
+
+    fn clk_tck() -> f64 {
+        static TCK: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+        *TCK.get_or_init(|| {
+            std::process::Command::new("getconf")
+                .arg("CLK_TCK")
+                .output()
+                .ok()
+                .and_then(|o| String::from_utf8(o.stdout).ok())
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(100.0)
+        })
+    }
+
+    /// Waits (at most 30 s) until something accepts on 127.0.0.1:`port`.
+    pub fn wait_port(port: u16) {
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(30), "port {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// A port free on 127.0.0.1 just now.
     pub fn free_port() -> u16 {
         std::net::TcpListener::bind("127.0.0.1:0")

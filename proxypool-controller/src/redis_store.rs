@@ -170,8 +170,15 @@ fn backend(e: &redis::RedisError) -> StoreError {
     StoreError::Unavailable
 }
 
+/// Lowercase hex (session ids, checksums and digests travel to Redis as hex text).
 fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(b.len() * 2);
+    for &x in b {
+        s.push(char::from(DIGITS[usize::from(x >> 4)]));
+        s.push(char::from(DIGITS[usize::from(x & 0x0f)]));
+    }
+    s
 }
 
 fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
@@ -264,7 +271,12 @@ impl RedisStore {
     }
 
     fn key(&self, kind: &str, worker_id: &str) -> String {
-        format!("{}{kind}:{worker_id}", self.prefix)
+        let mut key = String::with_capacity(self.prefix.len() + kind.len() + 1 + worker_id.len());
+        key.push_str(&self.prefix);
+        key.push_str(kind);
+        key.push(':');
+        key.push_str(worker_id);
+        key
     }
 
     /// The Redis key of `kind` (`session`, `snapshot`, `runtime`) for `worker_id` (tests and
@@ -305,8 +317,8 @@ impl RedisStore {
             .key(self.key("snapshot", &ack.worker_id))
             .key(self.key("runtime", &ack.worker_id))
             .arg(hex(&ack.session_id))
-            .arg(ack.tuple.version.to_string())
-            .arg(ack.tuple.ownership_epoch.to_string())
+            .arg(ack.tuple.version)
+            .arg(ack.tuple.ownership_epoch)
             .arg(hex(&ack.checksum))
             .arg(if ack.applied { "1" } else { "0" })
             .arg(millis(ttl));
@@ -334,9 +346,9 @@ impl RedisStore {
         inv.key(self.key("session", &report.worker_id))
             .key(self.key("runtime", &report.worker_id))
             .arg(hex(&report.session_id))
-            .arg(report.sequence.to_string())
-            .arg(report.tuple.version.to_string())
-            .arg(report.tuple.ownership_epoch.to_string())
+            .arg(report.sequence)
+            .arg(report.tuple.version)
+            .arg(report.tuple.ownership_epoch)
             .arg(hex(&digest))
             .arg(blob)
             .arg(millis(session_ttl))
@@ -469,8 +481,8 @@ impl ControlStore for RedisStore {
     ) -> Result<(), StoreError> {
         let mut inv = self.record.prepare_invoke();
         inv.key(self.key("snapshot", worker_id))
-            .arg(reference.tuple.version.to_string())
-            .arg(reference.tuple.ownership_epoch.to_string())
+            .arg(reference.tuple.version)
+            .arg(reference.tuple.ownership_epoch)
             .arg(hex(&reference.checksum))
             .arg(millis(ttl));
         status(&self.run(&inv).await?)
@@ -515,5 +527,34 @@ impl ControlStore for RedisStore {
             self.report_invocation_of(&self.report_epoch, report, session_ttl, report_ttl);
         inv.key(self.epoch_key());
         status_and_epoch(&self.run(&inv).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_is_lowercase_and_round_trips() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        let want: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex(&bytes), want);
+        let digest = [0xa5; 32];
+        assert_eq!(unhex::<32>(&hex(&digest)), Some(digest));
+    }
+
+    #[test]
+    fn stored_runtime_parses_back_strictly() {
+        assert_eq!(
+            decode_runtime(b"7\n-3\na 1 2\nb 0 0\n").map(|(s, o, c)| (s, o, c.len())),
+            Some((7, -3, 2))
+        );
+        assert_eq!(decode_runtime(b"7\n1\n"), Some((7, 1, Vec::new())));
+        assert_eq!(
+            decode_runtime(b"7\n1\nb 1 2\na 1 2\n"),
+            None,
+            "not canonical"
+        );
+        assert_eq!(decode_runtime(b"7\n1"), None);
     }
 }

@@ -47,7 +47,9 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
-use iop_benches::load::{Exchange, Killed, RawHttp, bin, free_port, percentile, post_json};
+use iop_benches::load::{
+    Exchange, Killed, RawHttp, bin, cpu, free_port, percentile, post_json, wait_port,
+};
 use iop_tests::pki::{self, Ca};
 use iop_wire::identity::role;
 
@@ -56,32 +58,6 @@ const MODEL: &str = "proc-model";
 /// Milliseconds, three decimals.
 fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1e3)
-}
-
-/// CPU time (user + system) of `pid` so far.
-fn cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    // Fields by position (not every field is an unsigned number: tpgid is -1 without a tty).
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 from the state (1).
-    let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    let ticks = num(11) + num(12);
-    Duration::from_secs_f64(ticks as f64 / clk_tck())
-}
-
-fn clk_tck() -> f64 {
-    static TCK: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *TCK.get_or_init(|| {
-        Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8(o.stdout).ok())
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(100.0)
-    })
 }
 
 // === The upstream (its own process) ===
@@ -146,14 +122,6 @@ struct Mesh {
     _upstream: Killed,
     http: u16,
     upstream: u16,
-}
-
-fn wait_port(port: u16) {
-    let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(30), "port {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn start(dir: &Path) -> Mesh {

@@ -1,26 +1,47 @@
-//! `proxypool_load`: load on the proxy-pool worker control plane, beside raw EVALSHA of the same
-//! Lua script from the same process in the same run.
+//! `proxypool_load`: the proxy-pool worker control plane under load, beside the physical limits
+//! of its path, in the same run.
 //!
 //! ```text
+//! cargo build --release -p iop-bins --bin proxypool-controller
 //! cargo run --release -p iop-benches --bin proxypool_load
 //! PROXYPOOL_BENCH_REDIS_URL=redis://127.0.0.1:6379/ cargo run --release -p iop-benches --bin proxypool_load
 //! ```
 //!
-//! Without `PROXYPOOL_BENCH_REDIS_URL` the tool starts its own `redis-server` on a free loopback
-//! port (no persistence) and stops it at the end. One process: the controller (tonic, plaintext
-//! loopback, Redis store) and the clients (generated tonic client, one HTTP/2 connection per
-//! worker, as separate worker hosts have). Workers register once,
-//! acknowledge a published snapshot, then:
+//! Three processes, as an operator runs them:
+//! - a private `redis-server` (no persistence), unless `PROXYPOOL_BENCH_REDIS_URL` is set;
+//! - the shipped `proxypool-controller` binary, over plaintext loopback. It is found next to
+//!   this tool (`target/release/`), or at `PROXYPOOL_BENCH_CONTROLLER`;
+//! - this tool: the workers, each on its own HTTP/2 connection as separate worker hosts are,
+//!   and the baselines.
 //!
-//! - **report 1k**: `ReportRuntime` with 1000 counters per report (sequence +1 each), 32
-//!   concurrent workers for 5 s;
-//! - **mix**: 32 workers, each loop 9 × `ReportRuntime` (10 counters) then 1 ×
-//!   publish + `AcknowledgeSnapshot`;
-//! - **baseline**: the report script itself — `EVALSHA` with the same keys and arguments the
-//!   store sends for a 1000-counter report — from 32 concurrent tasks for 5 s on the same kind of
-//!   connection.
+//! Parts, run in `ROUNDS` rounds of `WINDOW` each. The order rotates every round, so the
+//! shared machine's drift lands on every part:
+//! - **report 1k**: `ReportRuntime` with 1000 counters (≈ 18 KB), 32 workers, sequence +1 each;
+//! - **raw 1k**: the physical limit of that path. `EVALSHA` of the report script itself, with
+//!   exactly the keys and arguments the controller's store sends for such a report (digest and
+//!   stored blob built per call). It comes from 32 tasks over one multiplexed connection, as
+//!   the controller's store has;
+//! - **mix**: 32 workers, each looping 9 × `ReportRuntime` (10 counters) then publish +
+//!   `AcknowledgeSnapshot`;
+//! - **raw 10**: the raw baseline for 10 counters;
+//! - **empty RPC**: gRPC health `Check` to the controller binary, with no store and no payload.
+//!   It is the ceiling of any RPC this server answers.
 //!
-//! Prints RPC/s, p50 and p99 per part and the ratio to the baseline.
+//! For each part the tool prints RPC/s, p50 and p99, and the CPU each process spent per
+//! operation (`/proc/PID/stat`). The ratios are taken per round (report 1k ÷ raw 1k, mix ÷
+//! raw 10) and summarised as their median, with the per-round values. Then comes an **open
+//! loop**: `ReportRuntime` with 1000 counters at 80 % of the closed-loop rate, spread over 64
+//! workers, for `OPEN_LOOP`. Latency is measured from each request's scheduled time, so a
+//! request that waited behind a slow one counts its wait.
+//!
+//! The workers encode each report's own fields with prost and append the encoding of its 1000
+//! counters, made once, as a load generator does with a fixed payload. The controller still
+//! decodes, checks and digests every counter of every report. A worker's own encoding runs on
+//! the worker's host in production, and here it would take CPU from the controller on the same
+//! two cores.
+//!
+//! `PROXYPOOL_ONLY=<part>` (`report1k`, `raw1k`, `mix`, `raw10`, `unary`, `open`) runs one part
+//! alone, for a profiler.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -31,129 +52,70 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use iop_benches::load::{ms, percentile};
-use proxypool_controller::config::File;
-use proxypool_controller::domain::{
-    ControlStore, Counter, Counters, Report, SnapshotReference, SnapshotTuple,
-};
+use bytes::{Buf as _, BufMut as _, Bytes};
+use iop_benches::load::{Killed, bin, cpu, free_port, ms, percentile, wait_port};
+use prost::Message as _;
+use proxypool_controller::domain::{ControlStore, Report, SnapshotReference, SnapshotTuple};
 use proxypool_controller::proto::controlplane as pb;
 use proxypool_controller::proto::controlplane::worker_control_plane_client::WorkerControlPlaneClient;
 use proxypool_controller::redis_store::RedisStore;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::Channel;
 
 const CONCURRENCY: usize = 32;
-const WINDOW: Duration = Duration::from_secs(5);
+const ROUNDS: usize = 3;
+const WINDOW: Duration = Duration::from_secs(3);
+const OPEN_LOOP: Duration = Duration::from_secs(6);
+const OPEN_LOOP_WORKERS: usize = 64;
+/// Session and report lifetimes: longer than the whole run.
+const TTL: Duration = Duration::from_secs(600);
+const REPORT_PATH: &str = "/controlplane.v1.WorkerControlPlane/ReportRuntime";
 
-struct OwnRedis(Option<std::process::Child>);
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        if let Some(c) = &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn redis() -> (String, OwnRedis) {
+fn redis() -> (String, Option<Killed>) {
     if let Ok(url) = std::env::var("PROXYPOOL_BENCH_REDIS_URL") {
-        return (url, OwnRedis(None));
+        return (url, None);
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let child = std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("redis-server is required (apt-get install redis-server) or set PROXYPOOL_BENCH_REDIS_URL");
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    (format!("redis://127.0.0.1:{port}/"), OwnRedis(Some(child)))
+    wait_port(port);
+    (format!("redis://127.0.0.1:{port}/"), Some(Killed(child)))
 }
 
-fn counters(n: usize) -> Vec<pb::ProxyCounters> {
-    (0..n)
-        .map(|i| pb::ProxyCounters {
-            proxy_id: format!("proxy-{i:05}"),
-            in_flight: (i % 7) as i64,
-            open_connections: (i % 3) as i64,
-        })
-        .collect()
+/// The controller binary on a free port, over Redis at `url` with keys under `ns`.
+fn controller(url: &str, ns: &str, dir: &std::path::Path) -> (Killed, u16) {
+    let port = free_port();
+    let config = dir.join("controller.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[controlPlane]\nenabled = true\nlisten = \"127.0.0.1:{port}\"\nsessionTTL = \"600s\"\nmaxStaleAge = \"600s\"\n[redis]\nurl = \"{url}\"\nnamespace = \"{ns}\"\n"
+        ),
+    )
+    .unwrap();
+    let exe = bin("PROXYPOOL_BENCH_CONTROLLER", "proxypool-controller");
+    let child = std::process::Command::new(&exe)
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (cargo build --release -p iop-bins --bin proxypool-controller, or set PROXYPOOL_BENCH_CONTROLLER)",
+                exe.display()
+            )
+        });
+    wait_port(port);
+    (Killed(child), port)
 }
 
-async fn publish(store: &RedisStore, worker: &str, v: u64) {
-    store
-        .record_issued_snapshot(
-            worker,
-            SnapshotReference {
-                tuple: SnapshotTuple {
-                    ownership_epoch: 1,
-                    version: v,
-                },
-                checksum: [(v % 251) as u8; 32],
-            },
-            Duration::from_secs(600),
-        )
-        .await
-        .unwrap();
-}
-
-/// Registers and acknowledges version 1; returns the session id.
-async fn ready_worker(
-    c: &mut WorkerControlPlaneClient<Channel>,
-    store: &RedisStore,
-    id: &str,
-) -> bytes::Bytes {
-    let sid = c
-        .register_worker(pb::RegisterWorkerRequest {
-            worker_id: id.into(),
-            instance_id: "bench".into(),
-            supported_protocol_version: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .session_id;
-    publish(store, id, 1).await;
-    let r = c
-        .acknowledge_snapshot(pb::AcknowledgeSnapshotRequest {
-            worker_id: id.into(),
-            session_id: sid.clone(),
-            snapshot_version: 1,
-            ownership_epoch: 1,
-            checksum: vec![1; 32].into(),
-            applied: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(!r.require_full_snapshot);
-    sid
-}
-
-fn summary(name: &str, mut lat: Vec<Duration>, elapsed: Duration) -> f64 {
-    lat.sort();
-    let rate = lat.len() as f64 / elapsed.as_secs_f64();
-    println!(
-        "| {name} | {rate:.0} | {:.3} ms | {:.3} ms |",
-        ms(percentile(&lat, 0.5)),
-        ms(percentile(&lat, 0.99))
-    );
-    rate
-}
-
-/// One worker's connection: workers are separate hosts, each with its own HTTP/2 connection
-/// (one connection shared by every task would serialise them on one connection task per side).
-async fn connect(addr: std::net::SocketAddr) -> Channel {
-    Channel::from_shared(format!("http://{addr}"))
+/// One worker's connection: workers are separate hosts, each with its own HTTP/2 connection.
+async fn connect(port: u16) -> Channel {
+    Channel::from_shared(format!("http://127.0.0.1:{port}"))
         .unwrap()
         .initial_stream_window_size(4 * 1024 * 1024)
         .initial_connection_window_size(16 * 1024 * 1024)
@@ -163,165 +125,336 @@ async fn connect(addr: std::net::SocketAddr) -> Channel {
         .unwrap()
 }
 
-#[tokio::main]
-async fn main() {
-    let (url, _own) = redis();
-    let ns = format!("bench-{}", std::process::id());
-    let store = Arc::new(RedisStore::connect(&url, &ns).await.unwrap());
-    let config = File::parse(
-        "[controlPlane]\nenabled = true\nlisten = \"127.0.0.1:0\"\nsessionTTL = \"120s\"\nmaxStaleAge = \"120s\"\n[redis]\nurl = \"x\"\n",
-    )
-    .unwrap()
-    .validate()
-    .unwrap();
-    let running =
-        proxypool_controller::server::start_with(&config, store.clone(), std::future::pending())
-            .await
-            .unwrap();
-    let channel = connect(running.grpc_addr).await;
-
-    println!("# proxypool_load ({CONCURRENCY} concurrent workers, {WINDOW:?} per part)\n");
-    println!("| part | RPC/s | p50 | p99 |\n|---|---:|---:|---:|");
-
-    let only = std::env::var("PROXYPOOL_ONLY").ok();
-    // Part 1: 1k-counter reports.
-    let body = counters(1000);
-    let mut tasks = Vec::new();
-    let started = Instant::now();
-    for w in 0..CONCURRENCY {
-        let (mut c, store, body) = (
-            WorkerControlPlaneClient::new(connect(running.grpc_addr).await),
-            store.clone(),
-            body.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let id = format!("r1k-{w}");
-            let sid = ready_worker(&mut c, &store, &id).await;
-            let mut lat = Vec::new();
-            let mut seq = 0;
-            let t0 = Instant::now();
-            while t0.elapsed() < WINDOW {
-                seq += 1;
-                let req = pb::ReportRuntimeRequest {
-                    worker_id: id.clone(),
-                    session_id: sid.clone(),
-                    sequence: seq,
-                    snapshot_version: 1,
-                    ownership_epoch: 1,
-                    observed_at_unix_ms: 1_700_000_000_000 + seq as i64,
-                    counters: body.clone(),
-                };
-                let t = Instant::now();
-                let r = c.report_runtime(req).await.unwrap().into_inner();
-                lat.push(t.elapsed());
-                assert!(!r.require_full_snapshot);
-            }
-            lat
-        }));
-    }
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.unwrap());
-    }
-    let report_rate = summary("ReportRuntime, 1000 counters", lat, started.elapsed());
-    if only.as_deref() == Some("report1k") {
-        return;
-    }
-
-    // Part 2: ACK/report mix.
-    let small = counters(10);
-    let mut tasks = Vec::new();
-    let started = Instant::now();
-    for w in 0..CONCURRENCY {
-        let (mut c, store, small) = (
-            WorkerControlPlaneClient::new(connect(running.grpc_addr).await),
-            store.clone(),
-            small.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let id = format!("mix-{w}");
-            let sid = ready_worker(&mut c, &store, &id).await;
-            let (mut lat, mut seq, mut version) = (Vec::new(), 0u64, 1u64);
-            let t0 = Instant::now();
-            while t0.elapsed() < WINDOW {
-                for _ in 0..9 {
-                    seq += 1;
-                    let req = pb::ReportRuntimeRequest {
-                        worker_id: id.clone(),
-                        session_id: sid.clone(),
-                        sequence: seq,
-                        snapshot_version: version,
-                        ownership_epoch: 1,
-                        observed_at_unix_ms: 1_700_000_000_000 + seq as i64,
-                        counters: small.clone(),
-                    };
-                    let t = Instant::now();
-                    assert!(
-                        !c.report_runtime(req)
-                            .await
-                            .unwrap()
-                            .into_inner()
-                            .require_full_snapshot
-                    );
-                    lat.push(t.elapsed());
-                }
-                version += 1;
-                publish(&store, &id, version).await;
-                let t = Instant::now();
-                let r = c
-                    .acknowledge_snapshot(pb::AcknowledgeSnapshotRequest {
-                        worker_id: id.clone(),
-                        session_id: sid.clone(),
-                        snapshot_version: version,
-                        ownership_epoch: 1,
-                        checksum: vec![(version % 251) as u8; 32].into(),
-                        applied: true,
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                lat.push(t.elapsed());
-                assert!(!r.require_full_snapshot);
-            }
-            lat
-        }));
-    }
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.unwrap());
-    }
-    let mix_rate = summary(
-        "mix: 9 × ReportRuntime (10 counters) + 1 × AcknowledgeSnapshot",
-        lat,
-        started.elapsed(),
-    );
-
-    let raw_rate = raw(&channel, &store, 1000).await;
-    let raw_small = raw(&channel, &store, 10).await;
-    let unary = tonic_unary(running.grpc_addr).await;
-    println!(
-        "\nReportRuntime (1000 counters) ÷ raw EVALSHA (1000 counters): {:.2}×; mix ÷ raw EVALSHA (10 counters): {:.2}×; mix ÷ empty tonic unary: {:.2}×",
-        report_rate / raw_rate,
-        mix_rate / raw_small,
-        mix_rate / unary
-    );
+/// A report whose counters were encoded once: the fields of this report, then the counters.
+struct PreEncoded {
+    fields: pb::ReportRuntimeRequest,
+    counters: Bytes,
 }
 
-/// Second baseline: the cheapest unary RPC tonic serves on the same server (gRPC health
-/// `Check`: no store, no payload), 32 workers each on its own connection. No RPC of the
-/// controller can be answered faster; it bounds the mix from above.
-async fn tonic_unary(addr: std::net::SocketAddr) -> f64 {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_client::HealthClient;
+/// Sends [`PreEncoded`] reports, reads `ReportRuntimeResponse`s.
+#[derive(Clone, Copy, Debug, Default)]
+struct ReportCodec;
+
+impl Codec for ReportCodec {
+    type Encode = PreEncoded;
+    type Decode = pb::ReportRuntimeResponse;
+    type Encoder = Self;
+    type Decoder = Self;
+    fn encoder(&mut self) -> Self {
+        Self
+    }
+    fn decoder(&mut self) -> Self {
+        Self
+    }
+}
+
+impl Encoder for ReportCodec {
+    type Item = PreEncoded;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: PreEncoded, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        item.fields
+            .encode(dst)
+            .map_err(|e| tonic::Status::internal(e.to_string()))?;
+        dst.put_slice(&item.counters);
+        Ok(())
+    }
+}
+
+impl Decoder for ReportCodec {
+    type Item = pb::ReportRuntimeResponse;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut DecodeBuf<'_>,
+    ) -> Result<Option<pb::ReportRuntimeResponse>, tonic::Status> {
+        let bytes = src.copy_to_bytes(src.remaining());
+        pb::ReportRuntimeResponse::decode(bytes)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+}
+
+/// `n` counters, sorted, as the report's repeated field 7 (what prost writes for them).
+fn counters(n: usize) -> Bytes {
+    pb::ReportRuntimeRequest {
+        counters: (0..n)
+            .map(|i| pb::ProxyCounters {
+                proxy_id: format!("proxy-{i:05}"),
+                in_flight: (i % 7) as i64,
+                open_connections: (i % 3) as i64,
+            })
+            .collect(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+    .into()
+}
+
+/// A registered worker whose session acknowledged version 1.
+struct Worker {
+    id: String,
+    session: Bytes,
+    grpc: tonic::client::Grpc<Channel>,
+    client: WorkerControlPlaneClient<Channel>,
+    sequence: u64,
+    version: u64,
+}
+
+impl Worker {
+    async fn ready(port: u16, store: &RedisStore, id: String) -> Self {
+        let channel = connect(port).await;
+        let mut client = WorkerControlPlaneClient::new(channel.clone());
+        let session = client
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: id.clone(),
+                instance_id: "bench".into(),
+                supported_protocol_version: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .session_id;
+        let mut w = Self {
+            id,
+            session,
+            grpc: tonic::client::Grpc::new(channel),
+            client,
+            sequence: 0,
+            version: 0,
+        };
+        w.acknowledge_next(store).await;
+        w
+    }
+
+    /// Publishes the next snapshot version and acknowledges it.
+    async fn acknowledge_next(&mut self, store: &RedisStore) {
+        self.version += 1;
+        let v = self.version;
+        store
+            .record_issued_snapshot(
+                &self.id,
+                SnapshotReference {
+                    tuple: SnapshotTuple {
+                        ownership_epoch: 1,
+                        version: v,
+                    },
+                    checksum: [(v % 251) as u8; 32],
+                },
+                TTL,
+            )
+            .await
+            .unwrap();
+        let r = self
+            .client
+            .acknowledge_snapshot(pb::AcknowledgeSnapshotRequest {
+                worker_id: self.id.clone(),
+                session_id: self.session.clone(),
+                snapshot_version: v,
+                ownership_epoch: 1,
+                checksum: vec![(v % 251) as u8; 32].into(),
+                applied: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!r.require_full_snapshot);
+    }
+
+    async fn report(&mut self, counters: &Bytes) {
+        self.sequence += 1;
+        let request = PreEncoded {
+            fields: pb::ReportRuntimeRequest {
+                worker_id: self.id.clone(),
+                session_id: self.session.clone(),
+                sequence: self.sequence,
+                snapshot_version: self.version,
+                ownership_epoch: 1,
+                observed_at_unix_ms: 1_700_000_000_000 + self.sequence as i64,
+                counters: Vec::new(),
+            },
+            counters: counters.clone(),
+        };
+        self.grpc.ready().await.unwrap();
+        let r = self
+            .grpc
+            .unary(
+                tonic::Request::new(request),
+                http::uri::PathAndQuery::from_static(REPORT_PATH),
+                ReportCodec,
+            )
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!r.require_full_snapshot);
+    }
+}
+
+/// What one part did in one round.
+#[derive(Default)]
+struct Sample {
+    ops: usize,
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+    /// CPU of the controller, Redis and this tool over the part.
+    cpu: [Duration; 3],
+}
+
+/// The processes whose CPU is counted.
+struct Pids {
+    controller: u32,
+    redis: Option<u32>,
+}
+
+impl Pids {
+    fn now(&self) -> [Duration; 3] {
+        [
+            cpu(self.controller),
+            self.redis.map_or(Duration::ZERO, cpu),
+            cpu(std::process::id()),
+        ]
+    }
+}
+
+/// Runs `tasks` (each returning its latencies) and measures them.
+async fn measure(
+    pids: &Pids,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>,
+    started: Instant,
+    cpu0: [Duration; 3],
+) -> Sample {
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    let elapsed = started.elapsed();
+    let cpu1 = pids.now();
+    Sample {
+        ops: latencies.len(),
+        elapsed,
+        latencies,
+        cpu: [0, 1, 2].map(|i| cpu1[i].saturating_sub(cpu0[i])),
+    }
+}
+
+type Shared<T> = Arc<tokio::sync::Mutex<Vec<T>>>;
+
+/// `ReportRuntime` from every worker for the window, closed loop.
+async fn reports(pids: &Pids, workers: &Shared<Worker>, counters: &Bytes) -> Sample {
+    let taken: Vec<Worker> = workers.lock().await.drain(..).collect();
+    let (cpu0, started) = (pids.now(), Instant::now());
     let mut tasks = Vec::new();
-    let started = Instant::now();
-    for _ in 0..CONCURRENCY {
-        let mut c = HealthClient::new(connect(addr).await);
+    for mut w in taken {
+        let (counters, workers) = (counters.clone(), workers.clone());
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
-            let t0 = Instant::now();
-            while t0.elapsed() < WINDOW {
+            while started.elapsed() < WINDOW {
+                let t = Instant::now();
+                w.report(&counters).await;
+                lat.push(t.elapsed());
+            }
+            workers.lock().await.push(w);
+            lat
+        }));
+    }
+    measure(pids, tasks, started, cpu0).await
+}
+
+/// 9 reports of 10 counters, then publish + ACK, from every worker for the window.
+async fn mix(pids: &Pids, workers: &Shared<Worker>, store: &Arc<RedisStore>) -> Sample {
+    let small = counters(10);
+    let taken: Vec<Worker> = workers.lock().await.drain(..).collect();
+    let (cpu0, started) = (pids.now(), Instant::now());
+    let mut tasks = Vec::new();
+    for mut w in taken {
+        let (small, workers, store) = (small.clone(), workers.clone(), store.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while started.elapsed() < WINDOW {
+                for _ in 0..9 {
+                    let t = Instant::now();
+                    w.report(&small).await;
+                    lat.push(t.elapsed());
+                }
+                let t = Instant::now();
+                w.acknowledge_next(&store).await;
+                lat.push(t.elapsed());
+            }
+            workers.lock().await.push(w);
+            lat
+        }));
+    }
+    measure(pids, tasks, started, cpu0).await
+}
+
+/// The raw baseline's report for `worker`: what the controller's store gets for a report of
+/// `n` counters (sorted, canonical).
+fn raw_report(worker: &Worker, n: usize) -> Report {
+    use proxypool_controller::domain::{Counter, Counters};
+    Report {
+        worker_id: worker.id.clone(),
+        session_id: worker.session.as_ref().try_into().unwrap(),
+        sequence: 0,
+        tuple: SnapshotTuple {
+            ownership_epoch: 1,
+            version: 1,
+        },
+        observed_at_unix_ms: 1_700_000_000_000,
+        counters: Counters::new(
+            (0..n)
+                .map(|i| Counter {
+                    proxy_id: format!("proxy-{i:05}"),
+                    in_flight: (i % 7) as u64,
+                    open_connections: (i % 3) as u64,
+                })
+                .collect(),
+        )
+        .unwrap(),
+    }
+}
+
+/// EVALSHA of the report script with the keys and arguments the store sends for each report
+/// (digest and blob built per call), from 32 tasks over the store's own connection.
+async fn raw(pids: &Pids, store: &Arc<RedisStore>, reports: &Shared<Report>) -> Sample {
+    let taken: Vec<Report> = reports.lock().await.drain(..).collect();
+    let (cpu0, started) = (pids.now(), Instant::now());
+    let mut tasks = Vec::new();
+    for mut report in taken {
+        let (store, reports) = (store.clone(), reports.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = store.connection();
+            let mut lat = Vec::new();
+            while started.elapsed() < WINDOW {
+                report.sequence += 1;
+                report.observed_at_unix_ms += 1;
+                let t = Instant::now();
+                let inv = store.report_invocation(&report, TTL, TTL);
+                let s: String = inv.invoke_async(&mut conn).await.unwrap();
+                lat.push(t.elapsed());
+                assert_eq!(s, "OK");
+            }
+            reports.lock().await.push(report);
+            lat
+        }));
+    }
+    measure(pids, tasks, started, cpu0).await
+}
+
+/// The cheapest unary RPC the controller answers (gRPC health `Check`), closed loop.
+async fn unary(pids: &Pids, port: u16) -> Sample {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let mut clients = Vec::new();
+    for _ in 0..CONCURRENCY {
+        clients.push(HealthClient::new(connect(port).await));
+    }
+    let (cpu0, started) = (pids.now(), Instant::now());
+    let mut tasks = Vec::new();
+    for mut c in clients {
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while started.elapsed() < WINDOW {
                 let t = Instant::now();
                 c.check(HealthCheckRequest::default()).await.unwrap();
                 lat.push(t.elapsed());
@@ -329,76 +462,226 @@ async fn tonic_unary(addr: std::net::SocketAddr) -> f64 {
             lat
         }));
     }
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.unwrap());
-    }
-    summary(
-        "baseline: empty tonic unary RPC (gRPC health Check)",
-        lat,
-        started.elapsed(),
-    )
+    measure(pids, tasks, started, cpu0).await
 }
 
-/// Baseline: EVALSHA of the report script, with the keys and arguments the store sends for an
-/// `n`-counter report (digest and encoding included), 32 tasks for the window.
-async fn raw(channel: &Channel, store: &Arc<RedisStore>, n: usize) -> f64 {
+/// `ReportRuntime` with 1000 counters at `rate` per second for [`OPEN_LOOP`], spread over the
+/// workers in turn; each request's latency counts from its scheduled time.
+async fn open_loop(pids: &Pids, workers: Vec<Worker>, counters: &Bytes, rate: f64) -> Sample {
+    let mut queues = Vec::new();
     let mut tasks = Vec::new();
-    let started = Instant::now();
-    for w in 0..CONCURRENCY {
-        let (mut c, store) = (
-            WorkerControlPlaneClient::new(channel.clone()),
-            store.clone(),
-        );
+    for mut w in workers {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Instant>(1024);
+        queues.push(tx);
+        let counters = counters.clone();
         tasks.push(tokio::spawn(async move {
-            let id = format!("raw{n}-{w}");
-            let sid = ready_worker(&mut c, &store, &id).await;
-            let mut report = Report {
-                worker_id: id.clone(),
-                session_id: sid.as_ref().try_into().unwrap(),
-                sequence: 0,
-                tuple: SnapshotTuple {
-                    ownership_epoch: 1,
-                    version: 1,
-                },
-                observed_at_unix_ms: 1_700_000_000_000,
-                counters: Counters::new(
-                    (0..n)
-                        .map(|i| Counter {
-                            proxy_id: format!("proxy-{i:05}"),
-                            in_flight: (i % 7) as u64,
-                            open_connections: (i % 3) as u64,
-                        })
-                        .collect(),
-                )
-                .unwrap(),
-            };
-            let mut conn = store.connection();
             let mut lat = Vec::new();
-            let t0 = Instant::now();
-            while t0.elapsed() < WINDOW {
-                report.sequence += 1;
-                report.observed_at_unix_ms += 1;
-                let t = Instant::now();
-                let inv = store.report_invocation(
-                    &report,
-                    Duration::from_secs(120),
-                    Duration::from_secs(120),
-                );
-                let s: String = inv.invoke_async(&mut conn).await.unwrap();
-                lat.push(t.elapsed());
-                assert_eq!(s, "OK");
+            while let Some(scheduled) = rx.recv().await {
+                w.report(&counters).await;
+                lat.push(scheduled.elapsed());
             }
             lat
         }));
     }
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.unwrap());
+    let (cpu0, started) = (pids.now(), Instant::now());
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut i = 0usize;
+    while started.elapsed() < OPEN_LOOP {
+        tick.tick().await;
+        // The time this request was due, even if the timer fired late.
+        let scheduled = started + interval * u32::try_from(i).unwrap();
+        queues[i % queues.len()].send(scheduled).await.unwrap();
+        i += 1;
     }
-    summary(
-        &format!("baseline: raw EVALSHA of the report script, {n} counters"),
-        lat,
-        started.elapsed(),
-    )
+    drop(queues);
+    measure(pids, tasks, started, cpu0).await
+}
+
+/// All rounds of one part together.
+struct Part {
+    name: &'static str,
+    rounds: Vec<Sample>,
+}
+
+impl Part {
+    fn rate(&self, round: usize) -> f64 {
+        let s = &self.rounds[round];
+        s.ops as f64 / s.elapsed.as_secs_f64()
+    }
+
+    fn total_rate(&self) -> f64 {
+        let ops: usize = self.rounds.iter().map(|s| s.ops).sum();
+        let t: Duration = self.rounds.iter().map(|s| s.elapsed).sum();
+        ops as f64 / t.as_secs_f64()
+    }
+
+    fn row(&self) -> String {
+        let mut lat: Vec<Duration> = self
+            .rounds
+            .iter()
+            .flat_map(|s| s.latencies.iter().copied())
+            .collect();
+        lat.sort();
+        let ops: usize = self.rounds.iter().map(|s| s.ops).sum();
+        let per_op = |i: usize| {
+            let c: Duration = self.rounds.iter().map(|s| s.cpu[i]).sum();
+            c.as_secs_f64() * 1e6 / ops.max(1) as f64
+        };
+        let rates: Vec<String> = (0..self.rounds.len())
+            .map(|r| format!("{:.0}", self.rate(r)))
+            .collect();
+        format!(
+            "| {} | {:.0} [{}] | {:.2} ms | {:.2} ms | {:.0} | {:.0} | {:.0} |",
+            self.name,
+            self.total_rate(),
+            rates.join(", "),
+            ms(percentile(&lat, 0.5)),
+            ms(percentile(&lat, 0.99)),
+            per_op(0),
+            per_op(1),
+            per_op(2),
+        )
+    }
+}
+
+/// Per-round ratios of `a` to `b`: their median and the values.
+fn ratios(a: &Part, b: &Part) -> String {
+    let mut r: Vec<f64> = (0..a.rounds.len().min(b.rounds.len()))
+        .map(|i| a.rate(i) / b.rate(i))
+        .collect();
+    let each: Vec<String> = r.iter().map(|x| format!("{x:.2}")).collect();
+    r.sort_by(f64::total_cmp);
+    format!("**{:.2}×** [{}]", r[r.len() / 2], each.join(", "))
+}
+
+#[tokio::main]
+async fn main() {
+    let only = std::env::var("PROXYPOOL_ONLY").ok();
+    let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
+    let dir = std::env::temp_dir().join(format!("proxypool_load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (url, redis_child) = redis();
+    let ns = format!("bench-{}", std::process::id());
+    let (controller_child, port) = controller(&url, &ns, &dir);
+    let pids = Pids {
+        controller: controller_child.0.id(),
+        redis: redis_child.as_ref().map(|c| c.0.id()),
+    };
+    let store = Arc::new(RedisStore::connect(&url, &ns).await.unwrap());
+
+    let big = counters(1000);
+    let mut report_workers = Vec::new();
+    let mut mix_workers = Vec::new();
+    let (mut raw1k, mut raw10) = (Vec::new(), Vec::new());
+    for w in 0..CONCURRENCY {
+        report_workers.push(Worker::ready(port, &store, format!("r1k-{w}")).await);
+        mix_workers.push(Worker::ready(port, &store, format!("mix-{w}")).await);
+        // The raw baselines use registered, acknowledged sessions of their own.
+        raw1k.push(raw_report(
+            &Worker::ready(port, &store, format!("raw1k-{w}")).await,
+            1000,
+        ));
+        raw10.push(raw_report(
+            &Worker::ready(port, &store, format!("raw10-{w}")).await,
+            10,
+        ));
+    }
+    let report_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(report_workers));
+    let mix_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(mix_workers));
+    let raw1k: Shared<Report> = Arc::new(tokio::sync::Mutex::new(raw1k));
+    let raw10: Shared<Report> = Arc::new(tokio::sync::Mutex::new(raw10));
+
+    let names = [
+        "`ReportRuntime`, 1000 counters",
+        "raw EVALSHA, 1000 counters",
+        "mix: 9 × `ReportRuntime` (10 counters) + publish + ACK",
+        "raw EVALSHA, 10 counters",
+        "empty tonic unary RPC (health `Check`)",
+    ];
+    let keys = ["report1k", "raw1k", "mix", "raw10", "unary"];
+    let mut parts: Vec<Part> = names
+        .iter()
+        .map(|&name| Part {
+            name,
+            rounds: Vec::new(),
+        })
+        .collect();
+    println!(
+        "# proxypool_load ({CONCURRENCY} workers, {ROUNDS} rounds of {WINDOW:?} per part, order rotated)\n"
+    );
+    for round in 0..ROUNDS {
+        for k in 0..keys.len() {
+            let p = (k + round) % keys.len();
+            if !wants(keys[p]) {
+                continue;
+            }
+            let sample = match p {
+                0 => reports(&pids, &report_workers, &big).await,
+                1 => raw(&pids, &store, &raw1k).await,
+                2 => mix(&pids, &mix_workers, &store).await,
+                3 => raw(&pids, &store, &raw10).await,
+                _ => unary(&pids, port).await,
+            };
+            parts[p].rounds.push(sample);
+        }
+    }
+    let cpu_note = if pids.redis.is_some() {
+        ""
+    } else {
+        " (Redis: external, not measured)"
+    };
+    println!(
+        "| part | op/s, all rounds [per round] | p50 | p99 | controller CPU µs/op | Redis CPU µs/op{cpu_note} | tool CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|"
+    );
+    for p in parts.iter().filter(|p| !p.rounds.is_empty()) {
+        println!("{}", p.row());
+    }
+    if parts[0].rounds.len() == ROUNDS && parts[1].rounds.len() == ROUNDS {
+        println!(
+            "\nReportRuntime (1000) ÷ raw EVALSHA (1000), median of rounds: {}",
+            ratios(&parts[0], &parts[1])
+        );
+    }
+    if parts[2].rounds.len() == ROUNDS && parts[3].rounds.len() == ROUNDS {
+        println!(
+            "mix ÷ raw EVALSHA (10), median of rounds: {}",
+            ratios(&parts[2], &parts[3])
+        );
+    }
+    if parts[2].rounds.len() == ROUNDS && parts[4].rounds.len() == ROUNDS {
+        println!(
+            "mix ÷ empty tonic RPC, median of rounds: {}",
+            ratios(&parts[2], &parts[4])
+        );
+    }
+
+    if wants("open") {
+        // 80 % of the closed-loop rate, or of a short closed-loop run when alone.
+        let max = if parts[0].rounds.is_empty() {
+            reports(&pids, &report_workers, &big).await.ops as f64 / WINDOW.as_secs_f64()
+        } else {
+            parts[0].total_rate()
+        };
+        let rate = 0.8 * max;
+        let mut workers = report_workers.lock().await.drain(..).collect::<Vec<_>>();
+        for w in CONCURRENCY..OPEN_LOOP_WORKERS {
+            workers.push(Worker::ready(port, &store, format!("r1k-{w}")).await);
+        }
+        let s = open_loop(&pids, workers, &big, rate).await;
+        let open = Part {
+            name: "open loop: `ReportRuntime`, 1000 counters",
+            rounds: vec![s],
+        };
+        println!(
+            "\nOpen loop at 80 % of the closed-loop rate ({rate:.0}/s offered, {OPEN_LOOP_WORKERS} workers, latency from the scheduled time):\n"
+        );
+        println!(
+            "| part | op/s | p50 | p99 | controller CPU µs/op | Redis CPU µs/op | tool CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
+        println!("{}", open.row());
+    }
+    drop(controller_child);
+    let _ = std::fs::remove_dir_all(&dir);
 }
