@@ -313,6 +313,60 @@ fn every_runtime_message_round_trips() {
     );
     for f in &frames {
         roundtrip(f);
+        // The run and tunnel messages, which `encode_owned` writes without an `Envelope`,
+        // under ids of every varint length: the same bytes as prost's.
+        if f.stream_id == 0 {
+            continue;
+        }
+        for (correlation_id, stream_id) in [(0, 1), (u64::MAX, 1), (127, 128), (300, u64::MAX)] {
+            roundtrip(&RuntimeFrame {
+                correlation_id,
+                stream_id,
+                message: f.message.clone(),
+            });
+        }
+    }
+}
+
+#[test]
+fn encode_owned_refuses_what_encode_refuses() {
+    // A run request whose envelope is exactly the limit, then one byte over: both encoders
+    // agree on the length, accept the first and refuse the second without writing.
+    let frame = |input: usize| {
+        let mut f = runtime_messages()
+            .into_iter()
+            .find(|f| matches!(f.message, RuntimeMessage::RunRequest(_)))
+            .unwrap();
+        if let RuntimeMessage::RunRequest(r) = &mut f.message {
+            r.input = Bytes::from(vec![b'x'; input]);
+        }
+        f.correlation_id = 1 << 40;
+        f
+    };
+    let len = FrameCodec::new()
+        .encode_to_bytes(&frame(300))
+        .unwrap()
+        .len()
+        - 4;
+    let codec = FrameCodec::with_max_frame_len(len);
+    let mut out = bytes::BytesMut::new();
+    codec.encode_owned(frame(300), &mut out).unwrap();
+    assert_eq!(out.len(), len + 4);
+    for encode_owned in [false, true] {
+        let mut out = bytes::BytesMut::new();
+        let e = if encode_owned {
+            codec.encode_owned(frame(301), &mut out).unwrap_err()
+        } else {
+            codec.encode(&frame(301), &mut out).unwrap_err()
+        };
+        assert_eq!(
+            e,
+            FrameError::OutgoingTooLarge {
+                len: len + 1,
+                max: len
+            }
+        );
+        assert!(out.is_empty());
     }
 }
 
