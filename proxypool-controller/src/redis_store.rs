@@ -295,6 +295,14 @@ impl RedisStore {
         self.conn.clone()
     }
 
+    /// The SHA-1 `EVALSHA` names the report script by. The load tool's raw baseline sends the
+    /// script itself with arguments it builds once (keys from [`RedisStore::key_of`]; `ARGV`:
+    /// session id hex, sequence, version, epoch, digest hex, stored blob, session TTL ms, report
+    /// TTL ms).
+    pub fn report_script_hash(&self) -> &str {
+        self.report.get_hash()
+    }
+
     /// The report script and its keys/args for `report` (the load tool's raw EVALSHA baseline).
     pub fn report_invocation(
         &self,

@@ -17,10 +17,12 @@
 //! Parts, run in `ROUNDS` rounds of `WINDOW` each. The order rotates every round, so the
 //! shared machine's drift lands on every part:
 //! - **report 1k**: `ReportRuntime` with 1000 counters (≈ 18 KB), 32 workers, sequence +1 each;
-//! - **raw 1k**: the physical limit of that path. `EVALSHA` of the report script itself, with
-//!   exactly the keys and arguments the controller's store sends for such a report (digest and
-//!   stored blob built per call). It comes from 32 tasks over one multiplexed connection, as
-//!   the controller's store has;
+//! - **raw 1k**: the physical limit of that path, Redis itself. `EVALSHA` of the report script
+//!   with the keys and arguments the controller's store sends for such a report: built once,
+//!   except the sequence and the content digest (SHA-256), which change every call as they do
+//!   for the controller, so Redis replaces the stored report every time. It comes from 32 tasks
+//!   over one multiplexed connection, as the controller's store has. The tool builds these
+//!   arguments with its own code, so the baseline does not move when the store's code does;
 //! - **mix**: 32 workers, each looping 9 × `ReportRuntime` (10 counters) then publish +
 //!   `AcknowledgeSnapshot`;
 //! - **raw 10**: the raw baseline for 10 counters;
@@ -388,53 +390,83 @@ async fn mix(pids: &Pids, workers: &Shared<Worker>, store: &Arc<RedisStore>) -> 
     measure(pids, tasks, started, cpu0).await
 }
 
-/// The raw baseline's report for `worker`: what the controller's store gets for a report of
-/// `n` counters (sorted, canonical).
-fn raw_report(worker: &Worker, n: usize) -> Report {
-    use proxypool_controller::domain::{Counter, Counters};
-    Report {
-        worker_id: worker.id.clone(),
-        session_id: worker.session.as_ref().try_into().unwrap(),
-        sequence: 0,
-        tuple: SnapshotTuple {
-            ownership_epoch: 1,
-            version: 1,
-        },
-        observed_at_unix_ms: 1_700_000_000_000,
-        counters: Counters::new(
-            (0..n)
-                .map(|i| Counter {
-                    proxy_id: format!("proxy-{i:05}"),
-                    in_flight: (i % 7) as u64,
-                    open_connections: (i % 3) as u64,
-                })
-                .collect(),
-        )
-        .unwrap(),
+/// One raw baseline task's arguments, built once: the keys and the report script's `ARGV` for
+/// a report of `n` counters of `worker` (what the controller's store sends for it).
+struct RawArgs {
+    hash: String,
+    session_key: String,
+    runtime_key: String,
+    session_hex: String,
+    canonical: Vec<u8>,
+    blob: Bytes,
+    sequence: u64,
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl RawArgs {
+    fn new(store: &RedisStore, worker: &Worker, n: usize) -> Self {
+        // Canonical counters: one `id in_flight open` line per proxy, sorted (the ids are).
+        let mut canonical = Vec::new();
+        for i in 0..n {
+            canonical.extend_from_slice(format!("proxy-{i:05} {} {}\n", i % 7, i % 3).as_bytes());
+        }
+        // The stored blob is `seq\nobserved_at\n` + counters; the script stores it as given, so
+        // one made here serves every call (its first line goes stale, which nothing reads).
+        let mut blob = b"0\n1700000000000\n".to_vec();
+        blob.extend_from_slice(&canonical);
+        Self {
+            hash: store.report_script_hash().to_owned(),
+            session_key: store.key_of("session", &worker.id),
+            runtime_key: store.key_of("runtime", &worker.id),
+            session_hex: hex(&worker.session),
+            canonical,
+            blob: blob.into(),
+            sequence: 0,
+        }
     }
 }
 
-/// EVALSHA of the report script with the keys and arguments the store sends for each report
-/// (digest and blob built per call), from 32 tasks over the store's own connection.
-async fn raw(pids: &Pids, store: &Arc<RedisStore>, reports: &Shared<Report>) -> Sample {
-    let taken: Vec<Report> = reports.lock().await.drain(..).collect();
+/// The physical limit of the report path: `EVALSHA` of the report script from 32 tasks over
+/// the store's own (multiplexed) connection, with the arguments built once. Each call takes the
+/// next sequence and the digest of its content (SHA-256, as the store computes it), so Redis
+/// replaces the report every time as it does for the controller.
+async fn raw(pids: &Pids, store: &Arc<RedisStore>, args: &Shared<RawArgs>) -> Sample {
+    let taken: Vec<RawArgs> = args.lock().await.drain(..).collect();
     let (cpu0, started) = (pids.now(), Instant::now());
     let mut tasks = Vec::new();
-    for mut report in taken {
-        let (store, reports) = (store.clone(), reports.clone());
+    for mut a in taken {
+        let (store, args) = (store.clone(), args.clone());
         tasks.push(tokio::spawn(async move {
             let mut conn = store.connection();
+            let ttl = u64::try_from(TTL.as_millis()).unwrap();
             let mut lat = Vec::new();
             while started.elapsed() < WINDOW {
-                report.sequence += 1;
-                report.observed_at_unix_ms += 1;
+                a.sequence += 1;
                 let t = Instant::now();
-                let inv = store.report_invocation(&report, TTL, TTL);
-                let s: String = inv.invoke_async(&mut conn).await.unwrap();
+                let digest = Report::digest_of(1_700_000_000_000 + a.sequence as i64, &a.canonical);
+                let s: String = redis::cmd("EVALSHA")
+                    .arg(&a.hash)
+                    .arg(2)
+                    .arg(&a.session_key)
+                    .arg(&a.runtime_key)
+                    .arg(&a.session_hex)
+                    .arg(a.sequence)
+                    .arg(1)
+                    .arg(1)
+                    .arg(hex(&digest))
+                    .arg(&a.blob[..])
+                    .arg(ttl)
+                    .arg(ttl)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
                 lat.push(t.elapsed());
                 assert_eq!(s, "OK");
             }
-            reports.lock().await.push(report);
+            args.lock().await.push(a);
             lat
         }));
     }
@@ -579,19 +611,41 @@ async fn main() {
         report_workers.push(Worker::ready(port, &store, format!("r1k-{w}")).await);
         mix_workers.push(Worker::ready(port, &store, format!("mix-{w}")).await);
         // The raw baselines use registered, acknowledged sessions of their own.
-        raw1k.push(raw_report(
+        raw1k.push(RawArgs::new(
+            &store,
             &Worker::ready(port, &store, format!("raw1k-{w}")).await,
             1000,
         ));
-        raw10.push(raw_report(
+        raw10.push(RawArgs::new(
+            &store,
             &Worker::ready(port, &store, format!("raw10-{w}")).await,
             10,
         ));
     }
+    // The raw baseline sends the plain report script by hash; the controller runs the variant
+    // that also reads the epoch, so load the plain one here: a heartbeat of a worker of its own.
+    let loader = Worker::ready(port, &store, "raw-loader".into()).await;
+    let heartbeat = Report {
+        worker_id: loader.id.clone(),
+        session_id: loader.session.as_ref().try_into().unwrap(),
+        sequence: 1,
+        tuple: SnapshotTuple {
+            ownership_epoch: 1,
+            version: 1,
+        },
+        observed_at_unix_ms: 1_700_000_000_000,
+        counters: Default::default(),
+    };
+    let s: String = store
+        .report_invocation(&heartbeat, TTL, TTL)
+        .invoke_async(&mut store.connection())
+        .await
+        .unwrap();
+    assert_eq!(s, "OK");
     let report_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(report_workers));
     let mix_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(mix_workers));
-    let raw1k: Shared<Report> = Arc::new(tokio::sync::Mutex::new(raw1k));
-    let raw10: Shared<Report> = Arc::new(tokio::sync::Mutex::new(raw10));
+    let raw1k: Shared<RawArgs> = Arc::new(tokio::sync::Mutex::new(raw1k));
+    let raw10: Shared<RawArgs> = Arc::new(tokio::sync::Mutex::new(raw10));
 
     let names = [
         "`ReportRuntime`, 1000 counters",
