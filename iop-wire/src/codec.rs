@@ -209,7 +209,14 @@ fn put_frame(
     max_len: usize,
     buf: &mut BytesMut,
 ) -> Result<(), FrameError> {
-    let len = envelope.encoded_len();
+    put_prefix(envelope.encoded_len(), max_len, buf)?;
+    envelope.encode_raw(buf);
+    Ok(())
+}
+
+/// Reserves room for a `len`-byte envelope and its prefix and writes the prefix, or refuses an
+/// envelope over `max_len` without touching `buf`.
+fn put_prefix(len: usize, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
     // `max_len <= u32::MAX` (see `with_max_frame_len`), so the prefix cannot truncate.
     let prefix = u32::try_from(len)
         .ok()
@@ -217,7 +224,6 @@ fn put_frame(
         .ok_or(FrameError::OutgoingTooLarge { len, max: max_len })?;
     buf.reserve(LENGTH_PREFIX_LEN + len);
     buf.put_u32(prefix);
-    envelope.encode_raw(buf);
     Ok(())
 }
 
@@ -245,12 +251,7 @@ fn put_envelope(
         + varint_len(key)
         + varint_len(body as u64)
         + body;
-    let prefix = u32::try_from(len)
-        .ok()
-        .filter(|_| len <= max_len)
-        .ok_or(FrameError::OutgoingTooLarge { len, max: max_len })?;
-    buf.reserve(LENGTH_PREFIX_LEN + len);
-    buf.put_u32(prefix);
+    put_prefix(len, max_len, buf)?;
     for (field_key, value) in [
         (CORRELATION_ID_KEY, correlation_id),
         (STREAM_ID_KEY, stream_id),
