@@ -22,7 +22,7 @@ need() {
         exit 1
     fi
 }
-need cargo "install Rust with rustup (https://rustup.rs), stable >= 1.88"
+need cargo "install Rust with rustup (https://rustup.rs), stable >= 1.89"
 need python3 "install Python 3 (Debian: apt-get install python3 python3-pip)"
 
 # The end-to-end tests with the official OpenAI and Anthropic Python SDKs need both packages.

@@ -29,10 +29,12 @@
 //! # Verification speed
 //!
 //! The strict verify is most of what a signed request costs beyond an unsigned one.
-//! `curve25519-dalek` picks its backend when it is built: by default it compiles in the AVX2
-//! code, and the AVX-512 IFMA code only with `--cfg curve25519_dalek_backend="avx512"`. Our
-//! workspace sets that flag for x86_64 in `.cargo/config.toml`, so the reference binaries get
-//! it. The crate still checks the CPU at run time and falls back to AVX2, then to portable code,
+//! `curve25519-dalek` picks its backend when it is built. For the default x86_64 target it
+//! compiles in the AVX2 code. It adds the AVX-512 IFMA code only when built with
+//! `--cfg curve25519_dalek_backend="avx512"`, or for a target whose features include
+//! `avx512ifma` and `avx512vl`. Our workspace sets that cfg for x86_64 in
+//! `.cargo/config.toml`, so the reference binaries get it; it needs Rust 1.89, our
+//! `rust-version`. The crate still checks the CPU at run time and falls back to AVX2, then to portable code,
 //! so the flag is safe on any x86_64 host. The crate refuses the flag on other architectures.
 //! On this project's 2-core development VM, `verify_strict` takes ≈ 28 µs with it and ≈ 48 µs
 //! without. An application that embeds this crate builds with its own flags: it gets the

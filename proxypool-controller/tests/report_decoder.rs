@@ -333,7 +333,8 @@ fn field_len(buf: &[u8]) -> usize {
 
 #[test]
 fn recursion_limit_is_prosts() {
-    // Top level: 100 nested groups are skipped, 101 are refused; inside a counter, one less.
+    // Top level: 99 nested groups around a field are skipped, 100 are refused (the innermost
+    // field spends the last level of the budget of 100); inside a counter, one level less.
     for (depth, ok) in [(99, true), (100, false), (101, false)] {
         let mut buf = Vec::new();
         groups(9, depth, &mut buf);

@@ -1,7 +1,9 @@
 //! The served `ReportRuntime` (decoded straight into canonical counters, `grpc::report`)
-//! answers every request exactly as the generated prost server over the same controller does:
-//! the same status code and message, or the same response, and the same stored runtime.
-//! Requests include malformed bytes, sent through a raw-bytes codec.
+//! answers every request as the generated prost server over the same controller does: the same
+//! status code and message, or the same response, and the same stored runtime. Requests include
+//! malformed bytes, sent through a raw-bytes codec; for those both answer `INTERNAL`, and only
+//! the code is compared, as each decoder words its own message (prost's names the message
+//! type, ours the field; neither quotes the input).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,

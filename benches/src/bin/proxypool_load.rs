@@ -18,11 +18,16 @@
 //! shared machine's drift lands on every part:
 //! - **report 1k**: `ReportRuntime` with 1000 counters (≈ 18 KB), 32 workers, sequence +1 each;
 //! - **raw 1k**: the physical limit of that path, Redis itself. `EVALSHA` of the report script
-//!   with the keys and arguments the controller's store sends for such a report: built once,
-//!   except the sequence and the content digest (SHA-256), which change every call as they do
-//!   for the controller, so Redis replaces the stored report every time. It comes from 32 tasks
-//!   over one multiplexed connection, as the controller's store has. The tool builds these
-//!   arguments with its own code, so the baseline does not move when the store's code does;
+//!   with the keys and arguments the controller's store sends for such a report.
+//!   - The arguments are built once, except the sequence and the content digest (SHA-256),
+//!     which change every call as they do for the controller, so Redis replaces the stored
+//!     report every time.
+//!   - The calls come from 32 tasks over one multiplexed connection, as the controller's store
+//!     has.
+//!   - The tool builds these arguments with its own code, so the baseline does not move when
+//!     the store's code does.
+//!   - The controller runs a variant of the script that also reads the ownership epoch (one
+//!     more key, and a GET and PERSIST), so this baseline is a little cheaper than its path;
 //! - **mix**: 32 workers, each looping 9 × `ReportRuntime` (10 counters) then publish +
 //!   `AcknowledgeSnapshot`;
 //! - **raw 10**: the raw baseline for 10 counters;
