@@ -292,23 +292,21 @@ impl WireFrame for crate::runtime::RuntimeFrame {
     fn encode_frame_owned(self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
         use crate::runtime::RuntimeMessage as M;
         let (c, s) = (self.correlation_id, self.stream_id);
-        // The frames of runs and tunnels, the hot path: written without an `Envelope`. Field
-        // numbers of `Envelope.message` in `runtime.proto`.
+        // The frames of runs and tunnels, the hot path: their strings, maps and bodies move
+        // into the message, written without an `Envelope`. Field numbers of `Envelope.message`
+        // in `runtime.proto`. The rest (connection-level, once per session or request) convert
+        // as `encode_frame` does.
         match self.message {
             M::RunRequest(m) => put_envelope(c, s, 14, &m.into_proto(), max_len, buf),
             M::RunEvent(m) => put_envelope(c, s, 15, &m.into_proto(), max_len, buf),
             M::ProviderTunnelRequest(m) => put_envelope(c, s, 16, &m.into_proto(), max_len, buf),
             M::ProviderTunnelFrame(m) => put_envelope(c, s, 17, &m.into_proto(), max_len, buf),
-            message => put_frame(
-                &Self {
-                    correlation_id: c,
-                    stream_id: s,
-                    message,
-                }
-                .into_proto(),
-                max_len,
-                buf,
-            ),
+            message => Self {
+                correlation_id: c,
+                stream_id: s,
+                message,
+            }
+            .encode_frame(max_len, buf),
         }
     }
 }

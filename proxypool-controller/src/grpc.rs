@@ -26,8 +26,7 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::domain::{
-    AcknowledgeCommand, CanonicalReportCommand, Decision, RegisterCommand, ReportCommand, Service,
-    ServiceError,
+    AcknowledgeCommand, CanonicalReportCommand, Decision, RegisterCommand, Service, ServiceError,
 };
 use crate::metrics::{Metrics, Rpc};
 use crate::proto::controlplane as pb;
@@ -65,9 +64,11 @@ impl Controller {
         self.service.config().max_runtime_counters
     }
 
-    /// `ReportRuntime` with the counters already decoded into canonical form
-    /// ([`report::decode`]): what [`report::WorkerControlPlaneService`] serves. Same checks,
-    /// status codes and metrics as the generated server's `report_runtime`.
+    /// `ReportRuntime` with the counters already in canonical form: decoded straight from the
+    /// wire by [`report::decode`] (what [`report::WorkerControlPlaneService`] serves), or from
+    /// the generated message by [`report::from_proto`] (the generated server's
+    /// `report_runtime`). One handler, so both answer with the same checks, status codes and
+    /// metrics.
     pub async fn report_canonical(
         &self,
         request: Request<CanonicalReportCommand>,
@@ -78,14 +79,6 @@ impl Controller {
             .service
             .report_canonical(request.into_inner(), identity.as_deref())
             .await;
-        self.report_answer(started, result)
-    }
-
-    fn report_answer(
-        &self,
-        started: std::time::Instant,
-        result: Result<Decision, ServiceError>,
-    ) -> Result<Response<pb::ReportRuntimeResponse>, Status> {
         self.metrics
             .observe(Rpc::Report, result.as_ref().err(), started.elapsed());
         let (ownership_epoch, require_full_snapshot) = match result.map_err(|e| status(&e))? {
@@ -214,24 +207,9 @@ impl WorkerControlPlane for Controller {
         &self,
         request: Request<pb::ReportRuntimeRequest>,
     ) -> Result<Response<pb::ReportRuntimeResponse>, Status> {
-        let started = std::time::Instant::now();
-        let identity = self.identity(&request)?;
-        let m = request.into_inner();
-        let cmd = ReportCommand {
-            worker_id: m.worker_id,
-            session_id: m.session_id.to_vec(),
-            sequence: m.sequence,
-            snapshot_version: m.snapshot_version,
-            ownership_epoch: m.ownership_epoch,
-            observed_at_unix_ms: m.observed_at_unix_ms,
-            counters: m
-                .counters
-                .into_iter()
-                .map(|c| (c.proxy_id, c.in_flight, c.open_connections))
-                .collect(),
-        };
-        let result = self.service.report_runtime(cmd, identity.as_deref()).await;
-        self.report_answer(started, result)
+        let max = self.max_runtime_counters();
+        self.report_canonical(request.map(|m| report::from_proto(m, max)))
+            .await
     }
 
     type WatchSnapshotsStream = SnapshotStream;

@@ -407,8 +407,13 @@ struct RawArgs {
     sequence: u64,
 }
 
+/// Lowercase hex, as the store sends ids and digests (by table: it runs once per raw call).
 fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    b.iter()
+        .flat_map(|x| [DIGITS[usize::from(x >> 4)], DIGITS[usize::from(x & 0x0f)]])
+        .map(char::from)
+        .collect()
 }
 
 impl RawArgs {

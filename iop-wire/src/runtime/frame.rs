@@ -76,37 +76,6 @@ impl RuntimeFrame {
     }
 }
 
-impl RuntimeFrame {
-    /// [`RuntimeFrame::to_proto`] by value: the hot messages (runs, run events, tunnel requests
-    /// and frames) move their strings, maps and bodies into the envelope instead of cloning
-    /// them; the rest convert as `to_proto` does.
-    pub(crate) fn into_proto(self) -> pb::Envelope {
-        use pb::envelope::Message as M;
-        let (correlation_id, stream_id) = (self.correlation_id, self.stream_id);
-        let message = match self.message {
-            RuntimeMessage::RunRequest(m) => M::RunRequest(Box::new(m.into_proto())),
-            RuntimeMessage::RunEvent(m) => M::RunEvent(m.into_proto()),
-            RuntimeMessage::ProviderTunnelRequest(m) => {
-                M::ProviderTunnelRequest(Box::new(m.into_proto()))
-            }
-            RuntimeMessage::ProviderTunnelFrame(m) => M::ProviderTunnelFrame(m.into_proto()),
-            other => {
-                return Self {
-                    correlation_id,
-                    stream_id,
-                    message: other,
-                }
-                .to_proto();
-            }
-        };
-        pb::Envelope {
-            correlation_id,
-            stream_id,
-            message: Some(message),
-        }
-    }
-}
-
 impl TryFrom<pb::Envelope> for RuntimeFrame {
     type Error = InvalidMessage;
 

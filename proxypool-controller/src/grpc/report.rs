@@ -126,19 +126,24 @@ pub fn decode(buf: &[u8], max_counters: usize) -> Result<CanonicalReportCommand,
 }
 
 /// The reference for [`decode`]: prost's decode of the generated `ReportRuntimeRequest`, then
-/// the counters through a [`CountersBuilder`] in wire order. This is what the generated
-/// server's path hands the service (`Service::report_runtime` builds the counters the same
-/// way). The tests and the `report_decode` fuzz target hold [`decode`] to it.
+/// [`from_proto`]. The tests and the `report_decode` fuzz target hold [`decode`] to it.
 pub fn decode_reference(
     buf: &[u8],
     max_counters: usize,
 ) -> Result<CanonicalReportCommand, prost::DecodeError> {
     let m = <pb::ReportRuntimeRequest as prost::Message>::decode(buf)?;
+    Ok(from_proto(m, max_counters))
+}
+
+/// A prost-decoded `ReportRuntimeRequest` as the service takes it: the counters through a
+/// [`CountersBuilder`] in wire order. What the generated server's path
+/// (`Controller::report_runtime`) hands the service.
+pub fn from_proto(m: pb::ReportRuntimeRequest, max_counters: usize) -> CanonicalReportCommand {
     let mut counters = CountersBuilder::new(max_counters);
     for c in &m.counters {
         counters.push(c.proxy_id.as_bytes(), c.in_flight, c.open_connections);
     }
-    Ok(CanonicalReportCommand {
+    CanonicalReportCommand {
         worker_id: m.worker_id,
         session_id: m.session_id.to_vec(),
         sequence: m.sequence,
@@ -146,7 +151,7 @@ pub fn decode_reference(
         ownership_epoch: m.ownership_epoch,
         observed_at_unix_ms: m.observed_at_unix_ms,
         counters: counters.finish(),
-    })
+    }
 }
 
 /// One `ProxyCounters` message: its last `proxy_id`, `in_flight` and `open_connections`.
