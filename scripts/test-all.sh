@@ -81,7 +81,16 @@ bind9_setup
 pebble_setup
 
 step "tests"
+# Tests write only under temporary directories: the work tree must look the same afterwards
+# (two stray configs were once committed from a run in the repository root).
+tree_before="$(git status --porcelain --untracked-files=all 2>/dev/null || true)"
 cargo test --workspace --locked 2>&1 | tee "$test_log"
+tree_after="$(git status --porcelain --untracked-files=all 2>/dev/null || true)"
+if [ "$tree_before" != "$tree_after" ]; then
+    echo "error: the test run changed the work tree (tests must write only under temporary directories):" >&2
+    diff <(echo "$tree_before") <(echo "$tree_after") >&2 || true
+    exit 1
+fi
 passed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$test_log" | awk '{s+=$1} END {print s+0}')"
 failed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$test_log" | awk '{s+=$1} END {print s+0}')"
 

@@ -7,7 +7,7 @@
 //!   both Edges: a token created there is accepted by both.
 //! - `kill -9` of replica A while clients run at a steady rate through both Edges: the Edge
 //!   that was connected to A fails over to B, and no request fails (a lease that found no
-//!   session waits for the failover, `iop_edge::http::STALE_BINDING_WAIT`).
+//!   session waits for the failover, `iop_edge_core::binding::BindingConfig::stale_wait`).
 //! - After the kill, a mutation through B still reaches both Edges.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 

@@ -381,6 +381,7 @@ async fn managed_credentials_end_to_end() {
                 max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
                 dialer: None,
                 jitter_seed: None,
+                binding: Default::default(),
             },
             shutdown.clone(),
         )

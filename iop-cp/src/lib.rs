@@ -18,7 +18,7 @@
 //! - A lease binding must name the store's *current* projection generation: any durable
 //!   mutation between the Edge's projection and the lease request fails that lease closed
 //!   (`stale_generation`). The Edge then waits for the newer projection and binds again
-//!   (bounded, `iop_edge::http::STALE_BINDING_WAIT`), so the client sees an error only when the
+//!   (bounded, `iop_edge_core::binding::BindingConfig::stale_wait`), so the client sees an error only when the
 //!   change concerns its own principal, token or route.
 //! - A route's profile is its slot's profile at the time the route is written; rotating a slot
 //!   to another profile while routes use it is refused.

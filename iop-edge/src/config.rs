@@ -60,6 +60,8 @@
 //! server_name = "cp.internal"
 //! name = "cp-1"                      # spiffe://<trust_domain>/control-plane/<name>
 //! credential_plane = true            # managed mode: projection auth and leases
+//! stale_binding_wait_ms = 1000       # managed: how long a stale binding waits for a newer
+//!                                    # projection before 503 + Retry-After
 //! ```
 //!
 //! - `profile` names a preset (see [`crate::profile`]): which operations the upstream serves
@@ -404,6 +406,15 @@ pub struct ControlPlane {
     /// `control_plane.credential_plane`.
     #[serde(default)]
     pub credential_plane: bool,
+    /// `control_plane.stale_binding_wait_ms`: how long, in all, a managed request whose
+    /// binding went stale (or whose Control Plane session went away) waits for a newer
+    /// projection or a live session before 503 + `Retry-After` (default 1000; 1..=60000).
+    #[serde(default = "default_stale_binding_wait_ms")]
+    pub stale_binding_wait_ms: u64,
+}
+
+fn default_stale_binding_wait_ms() -> u64 {
+    u64::try_from(iop_edge_core::binding::DEFAULT_STALE_WAIT.as_millis()).unwrap_or(1000)
 }
 
 /// The three TLS files and how often to re-read them.
@@ -613,6 +624,12 @@ impl EdgeConfigFile {
                         ));
                     }
                 };
+                if !(1..=60_000).contains(&cp.stale_binding_wait_ms) {
+                    return Err(invalid(
+                        "control_plane.stale_binding_wait_ms",
+                        "must be between 1 and 60000",
+                    ));
+                }
                 Some(ControlConfig {
                     addresses,
                     server_name: rustls_pki_types::ServerName::try_from(cp.server_name.clone())
@@ -625,6 +642,9 @@ impl EdgeConfigFile {
                     max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
                     dialer: None,
                     jitter_seed: None,
+                    binding: crate::control::BindingConfig::with_stale_wait(Duration::from_millis(
+                        cp.stale_binding_wait_ms,
+                    )),
                 })
             }
         };

@@ -40,18 +40,20 @@ use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, EdgeCommandEvent, EdgeCommandRequest,
     EdgeCommandResponse, EdgeHelloRequest, EdgeNodeConfigSummary, EdgeNodeEvent, EdgeNodeSnapshot,
-    EdgeStatusResponse, NodeEventKind, PrincipalProjection, ProjectedRoute,
+    EdgeStatusResponse, NodeEventKind, PrincipalProjection,
 };
 use iop_wire::control_session::{
     ControlCloseReason, ControlSessionConfig, EdgeControlEvent, EdgeControlSession,
 };
 use iop_wire::runtime::{CredentialLease, CredentialLeaseBinding};
-use ring::digest::{SHA256, digest};
 use rustls_pki_types::ServerName;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_rustls::TlsConnector;
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
+
+pub use iop_edge_core::binding::BindingConfig;
+pub use iop_edge_core::projection::ProjectionIndex;
 
 use crate::{EdgeHandle, Lifecycle};
 
@@ -92,6 +94,9 @@ pub struct ControlConfig {
     /// Seeds the reconnect jitter (a splitmix64 sequence) instead of the OS random source, so
     /// a simulation replays exactly; `None` in production.
     pub jitter_seed: Option<u64>,
+    /// Managed mode: the binding loop's settings (how long a request whose binding went stale
+    /// waits for a newer projection or a live session; `iop_edge_core::binding`).
+    pub binding: BindingConfig,
 }
 
 /// A byte stream to a Control Plane, as a [`Dialer`] returns it.
@@ -164,100 +169,6 @@ pub enum SessionState {
     MissingProjection,
     /// TCP, TLS or framing failed.
     Failed(String),
-}
-
-/// The projection, indexed for request authentication and route resolution. Immutable: a
-/// request keeps the `Arc` it authenticated with.
-#[derive(Debug)]
-pub struct ProjectionIndex {
-    projection: PrincipalProjection,
-    /// First 8 digest bytes → token entries (the full digest is compared in constant time).
-    tokens: HashMap<[u8; 8], Vec<usize>>,
-    routes: HashMap<(String, String), usize>,
-    enabled: HashSet<String>,
-}
-
-impl ProjectionIndex {
-    /// Indexes a projection.
-    pub fn new(projection: PrincipalProjection) -> Self {
-        let mut tokens: HashMap<[u8; 8], Vec<usize>> = HashMap::new();
-        for (i, t) in projection.tokens.iter().enumerate() {
-            let mut k = [0u8; 8];
-            k.copy_from_slice(&t.sha256_digest[..8]);
-            tokens.entry(k).or_default().push(i);
-        }
-        let routes = projection
-            .routes
-            .iter()
-            .enumerate()
-            .map(|(i, r)| ((r.principal_id.clone(), r.model.clone()), i))
-            .collect();
-        let enabled = projection
-            .principals
-            .iter()
-            .filter(|p| p.enabled)
-            .map(|p| p.principal_id.clone())
-            .collect();
-        Self {
-            projection,
-            tokens,
-            routes,
-            enabled,
-        }
-    }
-
-    /// The projection generation.
-    pub fn generation(&self) -> u64 {
-        self.projection.generation
-    }
-
-    /// The key leases of this generation are signed with (empty from older Control Planes).
-    pub fn issuer_key_id(&self) -> &str {
-        &self.projection.issuer_key_id
-    }
-
-    /// The principal a raw bearer token authenticates as: SHA-256 of the token, compared in
-    /// constant time with the projected digests; disabled principals authenticate nothing.
-    pub fn authenticate(&self, token: &str) -> Option<&str> {
-        let d = digest(&SHA256, token.as_bytes());
-        let d = d.as_ref();
-        let mut k = [0u8; 8];
-        k.copy_from_slice(&d[..8]);
-        let found = self.tokens.get(&k)?.iter().find_map(|&i| {
-            let t = &self.projection.tokens[i];
-            bool::from(subtle::ConstantTimeEq::ct_eq(&t.sha256_digest[..], d))
-                .then_some(t.principal_id.as_str())
-        })?;
-        self.enabled.contains(found).then_some(found)
-    }
-
-    /// The route of `principal_id` for the external `model`.
-    pub fn route(&self, principal_id: &str, model: &str) -> Option<&ProjectedRoute> {
-        self.routes
-            .get(&(principal_id.to_owned(), model.to_owned()))
-            .map(|&i| &self.projection.routes[i])
-    }
-
-    /// Whether `binding` is still valid under this projection: the token still authenticates
-    /// the binding's principal, and its route resolves to the same slot, profile, target and
-    /// revisions. The Edge checks this against the request's snapshot before acquiring a lease
-    /// and against the current projection right before dispatch.
-    pub fn admits(&self, token: &str, model: &str, binding: &CredentialLeaseBinding) -> bool {
-        let Some(principal) = self.authenticate(token) else {
-            return false;
-        };
-        if principal != binding.principal_id {
-            return false;
-        }
-        self.route(principal, model).is_some_and(|r| {
-            r.route_id == binding.route_id
-                && r.slot_id == binding.slot_id
-                && r.profile == binding.profile
-                && r.upstream_target == binding.upstream_target
-                && r.route_revision == binding.route_revision
-                && r.credential_revision == binding.credential_revision
-        })
-    }
 }
 
 /// Frames queued to the Control Plane at most; a peer that lets it fill (it does not read its
@@ -367,6 +278,11 @@ impl ControlConnector {
     pub async fn stopped(&self) {
         let mut rx = self.shared.stopped.subscribe();
         let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// The binding loop's settings ([`ControlConfig::binding`]).
+    pub fn binding_config(&self) -> BindingConfig {
+        self.shared.config.binding
     }
 
     /// Session state changes (connected, refused and why, failures).

@@ -78,6 +78,7 @@
 pub mod config;
 pub mod control;
 pub mod http;
+mod managed;
 pub mod metrics;
 pub use iop_edge_core::pool;
 pub mod profile;

@@ -308,6 +308,7 @@ fn simulate(seed: u64) -> Outcome {
                 max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
                 dialer: Some(dialer),
                 jitter_seed: Some(seed),
+                binding: Default::default(),
             },
             stop.clone(),
         )

@@ -151,6 +151,7 @@ fn connector_config(
         max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
         dialer: None,
         jitter_seed: None,
+        binding: Default::default(),
     }
 }
 

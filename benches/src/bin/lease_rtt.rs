@@ -94,6 +94,7 @@ async fn main() {
             max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
             dialer: None,
             jitter_seed: None,
+            binding: Default::default(),
         },
         CancellationToken::new(),
     )

@@ -511,6 +511,7 @@ mod managed {
                 max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
                 dialer: None,
                 jitter_seed: None,
+                binding: Default::default(),
             },
             shutdown,
         )

@@ -23,7 +23,11 @@
 //! - command / config-refresh correlation ([`EdgeCore::command`], [`EdgeCore::refresh`]) and
 //!   the CAPABILITIES recovery probe ([`EdgeCore::recover`]), answered as [`Event::Answered`];
 //! - the Edge terminal handoff (stall evidence checked against the lease; only a fresh
-//!   `unavailable` sets the runtime-unavailable overlay) and recovery matching.
+//!   `unavailable` sets the runtime-unavailable overlay) and recovery matching;
+//! - in managed mode (seed `001`), the principal [`projection`] index and the [`binding`] loop
+//!   of each request (bind, lease, re-bind on a stale generation within a bounded wait,
+//!   re-admission on a Node that does not trust the issuer key, the check right before
+//!   dispatch), a machine of its own per request, driven by `now` like the rest.
 //!
 //! Streams deliver into caller-provided buffers ([`StreamSink`], chosen by the driver through
 //! [`Sinks`]): a routed frame reaches its stream's buffer inside
@@ -86,8 +90,10 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod binding;
 mod machine;
 pub mod pool;
+pub mod projection;
 
 pub use machine::{
     Admit, Admitted, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,

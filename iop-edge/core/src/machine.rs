@@ -1532,3 +1532,9 @@ impl<S: Sinks> EdgeCore<S> {
         }
     }
 }
+
+impl<S: Sinks> crate::binding::NodeTrust for EdgeCore<S> {
+    fn trusts(&self, node_id: &str, generation: Generation, issuer_key_id: &str) -> bool {
+        Self::trusts(self, node_id, generation, issuer_key_id)
+    }
+}

@@ -23,7 +23,8 @@
 //!
 //! Managed mode has no refusal windows: a lease refused because this Edge's projection is
 //! behind the store (`stale_generation`, another change was just made) waits for the newer
-//! projection and is bound again, within [`STALE_BINDING_WAIT`] (see `bind_managed`); the
+//! projection and is bound again, within `[control_plane] stale_binding_wait_ms` (1 s; the
+//! rules are `iop_edge_core::binding`'s, driven per request by this crate's managed driver); the
 //! request fails only when its own principal, token or route lost access (403; 401 once the
 //! projection has it) or the change did not arrive in time (503 + `Retry-After: 1`).
 //!
@@ -70,8 +71,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::time::Instant;
-
+use crate::managed::Run;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -80,6 +80,7 @@ use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use iop_dialect::{Dialect, Meta, TranslateError, Upstream};
+use iop_edge_core::binding::Refusal;
 use iop_wire::runtime::{
     AdapterSettings, ConcreteProtocolProfile, Header, Operation, ProviderTunnelRequest, RunRequest,
 };
@@ -684,16 +685,15 @@ async fn admit(
         .map_err(|e| render::dispatch_error(dialect, e, model))
 }
 
-/// Sends a request built for `admission`; in managed mode binds it to the selected Node,
-/// acquires the credential lease and checks the binding before acquisition and again right
-/// before dispatch.
+/// Sends a request built for `admission`; in managed mode binds it to the selected Node first
+/// (the binding loop of `iop_edge_core::binding`, driven by `crate::managed`).
 ///
 /// An issuer key rotation can land between admission and binding: the projection the request
 /// binds under names a key the admitted Node does not pin (the Edge stops selecting such Nodes
-/// when the projection arrives, but this request was admitted before). The admission is then
-/// given back and the request admitted once more (the Node is no longer a candidate); if the
-/// new provider would need another request (another kind, target or protocol profile) the
-/// answer is 503 + `Retry-After`, as for any change still propagating.
+/// when the projection arrives, but this request was admitted before). The machine then asks
+/// for a re-admission: the admission is given back and the request admitted once more (the
+/// Node is no longer a candidate); the new provider must take the request as built (same kind,
+/// target and protocol profile), or the answer is 503 + `Retry-After`.
 async fn send(
     state: &AppState,
     dialect: Dialect,
@@ -703,46 +703,54 @@ async fn send(
     admission: Admission,
     request: PoolRequest,
 ) -> Result<Dispatched, Response> {
-    let mut admission = admission;
-    let request = match caller {
-        Caller::Open => request,
-        Caller::Managed { .. } => {
-            let mut request = request;
-            let mut readmitted = false;
-            let mut from = None;
+    let (admission, request) = match caller {
+        Caller::Open => (admission, request),
+        Caller::Managed {
+            control,
+            index,
+            principal,
+            token,
+        } => {
+            let shape = |a: &Admission| {
+                let l = a.lease();
+                (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
+            };
+            let mut binder = crate::managed::Binder::new(
+                control,
+                &state.edge,
+                index.clone(),
+                principal,
+                token,
+                model,
+                admission,
+            );
             loop {
-                // Boxed: the lease round trip's state is large and only managed requests
-                // need it.
-                match Box::pin(bind_managed(
-                    dialect,
-                    caller,
-                    model,
-                    &admission,
-                    request,
-                    &state.edge,
-                    from.take(),
-                ))
-                .await?
-                {
-                    Bound::Ready(r) => break r,
-                    Bound::Untrusted(r, newer) if !readmitted => {
-                        let shape = |a: &Admission| {
-                            let l = a.lease();
-                            (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
+                // Boxed: the lease round trip's state is large and only managed requests need
+                // it.
+                match Box::pin(binder.run()).await {
+                    Run::Bound(bound) => {
+                        let (admission, binding, lease) = *bound;
+                        let request = match request {
+                            PoolRequest::Tunnel(mut req) => {
+                                req.credential =
+                                    Some(Box::new(iop_wire::runtime::ManagedCredential {
+                                        lease,
+                                        binding,
+                                    }));
+                                PoolRequest::Tunnel(req)
+                            }
+                            other => other,
                         };
-                        let before = shape(&admission);
-                        drop(admission);
-                        admission = admit(state, dialect, group, model).await?;
-                        if shape(&admission) != before {
-                            return Err(propagating(dialect));
-                        }
-                        readmitted = true;
-                        request = r;
-                        // Bind again under the projection that found the Node untrusted, not
-                        // the one the request authenticated with.
-                        from = Some(newer);
+                        break (admission, request);
                     }
-                    Bound::Untrusted(..) => return Err(propagating(dialect)),
+                    Run::Readmit(old) => {
+                        let before = shape(&old);
+                        drop(old);
+                        let new = admit(state, dialect, group, model).await?;
+                        let same = shape(&new) == before;
+                        binder.readmitted(new, same);
+                    }
+                    Run::Refused(refusal) => return Err(refused(dialect, model, &refusal)),
                 }
             }
         }
@@ -754,188 +762,22 @@ async fn send(
         .map_err(|e| render::dispatch_error(dialect, e, model))
 }
 
-/// How long, in all, a request whose binding the Control Plane found stale waits for newer
-/// projections and re-binds before it is refused with 503 + `Retry-After`.
-pub const STALE_BINDING_WAIT: Duration = Duration::from_secs(1);
-
-/// Lease refusals that mean "this Edge's projection is behind the store" (a mutation is
-/// propagating), not "this principal lost access".
-fn is_propagation(reason: &str) -> bool {
-    matches!(reason, "stale_generation" | "stale_revision")
-}
-
-/// 503 with `Retry-After: 1`: a change is propagating; the same request will succeed.
-fn propagating(dialect: Dialect) -> Response {
-    let mut r = render::overloaded(
-        dialect,
-        "the credential plane is applying a change; retry the request",
-    );
-    r.headers_mut()
-        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-    r
-}
-
-/// Managed mode: binds `request` to the selected Node, acquires the credential lease, and
-/// checks the binding before acquisition and again right before dispatch.
-///
-/// No refusal windows: a mutation elsewhere in the store moves its generation, so the Control
-/// Plane refuses a binding made from the projection before it (`stale_generation`, seed
-/// `001`'s fence). The request then waits for the newer projection, resolves its route again
-/// and re-binds; the same happens when the projection changed between the lease and the
-/// dispatch. It does so as long as each round brings a newer projection and
-/// [`STALE_BINDING_WAIT`] has not passed since the first refusal (one round is enough for one
-/// change; a burst of changes, 50 CLI mutations in 0.7 s in `bins/tests/walkthrough.rs`, can
-/// make a binding stale again before its lease is asked). Only then is it refused: 503 +
-/// `Retry-After` while a change is still propagating (or the route moved to another upstream
-/// target than the admitted provider serves: a retry is admitted afresh), 403 when the new
-/// projection no longer gives this token the route (the principal lost access).
-async fn bind_managed(
-    dialect: Dialect,
-    caller: &Caller,
-    model: &str,
-    admission: &Admission,
-    request: PoolRequest,
-    edge: &EdgeHandle,
-    from: Option<Arc<crate::control::ProjectionIndex>>,
-) -> Result<Bound, Response> {
-    let Caller::Managed {
-        control,
-        index,
-        principal,
-        token,
-    } = caller
-    else {
-        return Ok(Bound::Ready(request));
+/// A managed request's refusal in the route's dialect (503s with `Retry-After` where the
+/// machine says so).
+fn refused(dialect: Dialect, model: &str, refusal: &Refusal) -> Response {
+    let status = StatusCode::from_u16(refusal.status()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut r = match refusal {
+        Refusal::UnknownModel => return render::not_found_model(dialect, model),
+        _ if status == StatusCode::SERVICE_UNAVAILABLE => {
+            render::overloaded(dialect, &refusal.message())
+        }
+        _ => render::error(dialect, status, &refusal.message()),
     };
-    let lease = admission.lease();
-    let refuse = |msg: &str| render::error(dialect, StatusCode::BAD_GATEWAY, msg);
-    let forbidden = |msg: &str| render::error(dialect, StatusCode::FORBIDDEN, msg);
-    if lease.kind != ProviderKind::OpenAiCompat {
-        return Err(refuse("no provider serves this route's upstream target"));
+    if let Some(secs) = refusal.retry_after() {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
     }
-    let Some(recipient) = admission.recipient().cloned() else {
-        return Err(refuse("selected node has no credential recipient key"));
-    };
-    let mut index = from.unwrap_or_else(|| index.clone());
-    let mut rebound = false;
-    let mut deadline = None;
-    let (binding, credential) = loop {
-        let route = match index.route(principal, model) {
-            Some(r) => r,
-            None if rebound => return Err(forbidden("access to this model was withdrawn")),
-            None => return Err(render::not_found_model(dialect, model)),
-        };
-        if lease.target != route.upstream_target {
-            // A bound route is served only by its own upstream target; no fallback. After a
-            // re-bind this is a route moved to another target: a retry is admitted afresh.
-            return Err(if rebound {
-                propagating(dialect)
-            } else {
-                refuse("no provider serves this route's upstream target")
-            });
-        }
-        let binding = iop_wire::runtime::CredentialLeaseBinding {
-            principal_id: principal.clone(),
-            slot_id: route.slot_id.clone(),
-            route_id: route.route_id.clone(),
-            profile: route.profile.clone(),
-            upstream_target: route.upstream_target.clone(),
-            node_id: lease.key.node_id.clone(),
-            recipient_key_id: recipient.key_id.clone(),
-            credential_revision: route.credential_revision,
-            route_revision: route.route_revision,
-            projection_generation: index.generation(),
-        };
-        if !edge.node_trusts(&lease.key.node_id, lease.generation, index.issuer_key_id()) {
-            // Its lease would be signed with a key the Node cannot verify.
-            return Ok(Bound::Untrusted(request, index));
-        }
-        if !index.admits(token, model, &binding) {
-            return Err(forbidden(if rebound {
-                "access to this model was withdrawn"
-            } else {
-                "request scope changed"
-            }));
-        }
-        let newer = match control
-            .acquire_lease(binding.clone(), recipient.public_key)
-            .await
-        {
-            Ok(credential) => {
-                // Immediately before dispatch: the current projection must still admit the
-                // binding (a token revoked or a slot rotated meanwhile fails closed).
-                let deadline = *deadline.get_or_insert_with(|| Instant::now() + STALE_BINDING_WAIT);
-                match control.projection() {
-                    Some(current) if current.admits(token, model, &binding) => {
-                        break (binding, credential);
-                    }
-                    Some(current)
-                        if current.generation() > index.generation()
-                            && Instant::now() < deadline =>
-                    {
-                        current
-                    }
-                    _ => return Err(forbidden("credentials changed; request refused")),
-                }
-            }
-            Err(crate::control::LeaseError::Refused(reason)) if is_propagation(&reason) => {
-                let deadline = *deadline.get_or_insert_with(|| Instant::now() + STALE_BINDING_WAIT);
-                let left = deadline.saturating_duration_since(Instant::now());
-                match control.projection_after(index.generation(), left).await {
-                    Some(newer) => newer,
-                    None => return Err(propagating(dialect)),
-                }
-            }
-            Err(crate::control::LeaseError::Refused(reason)) => {
-                return Err(forbidden(&format!("credential lease refused: {reason}")));
-            }
-            Err(
-                crate::control::LeaseError::NotConnected | crate::control::LeaseError::NoAnswer,
-            ) => {
-                // The session went away (a Control Plane replica stopped): wait, within the
-                // same bound, for the connector to fail over, then ask again with the
-                // projection it holds then.
-                let deadline = *deadline.get_or_insert_with(|| Instant::now() + STALE_BINDING_WAIT);
-                let left = deadline.saturating_duration_since(Instant::now());
-                if !control.connected_within(left).await {
-                    return Err(render::overloaded(dialect, "control plane unavailable"));
-                }
-                match control.projection() {
-                    Some(current) => current,
-                    None => return Err(render::overloaded(dialect, "control plane unavailable")),
-                }
-            }
-            Err(crate::control::LeaseError::Disabled) => {
-                return Err(render::overloaded(dialect, "control plane unavailable"));
-            }
-        };
-        // The new projection must still authenticate the token (a revoked token or a disabled
-        // principal is refused as at the door).
-        if newer.authenticate(token) != Some(principal.as_str()) {
-            return Err(forbidden("access to this model was withdrawn"));
-        }
-        index = newer;
-        rebound = true;
-    };
-    Ok(Bound::Ready(match request {
-        PoolRequest::Tunnel(mut req) => {
-            req.credential = Some(Box::new(iop_wire::runtime::ManagedCredential {
-                lease: credential,
-                binding,
-            }));
-            PoolRequest::Tunnel(req)
-        }
-        other => other,
-    }))
-}
-
-/// What [`bind_managed`] made of a request.
-enum Bound {
-    /// Bound, with its lease: dispatch it.
-    Ready(PoolRequest),
-    /// The admitted Node does not pin the key the lease would be signed with (under this
-    /// projection): admit again.
-    Untrusted(PoolRequest, Arc<crate::control::ProjectionIndex>),
+    r
 }
 
 /// A tunnel request for `operation` with `body` (the pool fills in adapter, target and the
