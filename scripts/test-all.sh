@@ -54,15 +54,25 @@ cargo fmt --manifest-path fuzz/Cargo.toml --check
 step "clippy (-D warnings, all targets)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "docs (cargo doc, warnings are errors)"
+# Every library's docs build without a warning: a broken intra-doc link is a newcomer's dead end.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --lib --locked
+
 step "pure crates (no tokio in their normal dependencies)"
 # The sans-io machines promise no runtime, no clock and no sockets; Cargo holds them to it.
-for crate in iop-wire iop-edge-core iop-dialect iop-lease; do
+for crate in iop-wire iop-edge-core iop-dialect iop-lease workload-identity; do
     if cargo tree --locked -p "$crate" -e normal --prefix none | grep -q '^tokio'; then
         echo "error: $crate depends on tokio (cargo tree -p $crate -e normal -i tokio)" >&2
         exit 1
     fi
     echo "$crate: no tokio"
 done
+# The wire crate has no TLS (workload identities live in workload-identity).
+if cargo tree --locked -p iop-wire -e normal --prefix none | grep -q '^rustls'; then
+    echo "error: iop-wire depends on rustls (cargo tree -p iop-wire -e normal -i rustls)" >&2
+    exit 1
+fi
+echo "iop-wire: no rustls"
 
 step "services"
 # shellcheck source=scripts/postgres.sh

@@ -20,9 +20,7 @@ pub mod load {
     use std::time::{Duration, Instant};
 
     use iop_tests::pki::{Ca, TRUST_DOMAIN};
-    use iop_wire::identity::{
-        self, ExpectedPeer, client_cert_verifier, role, server_cert_verifier,
-    };
+    use workload_identity::{ExpectedPeer, client_cert_verifier, role, server_cert_verifier};
 
     pub fn edge_tls(ca: &Ca) -> Arc<rustls::ServerConfig> {
         let leaf = ca.workload(role::EDGE, "edge-1", true);
@@ -31,7 +29,9 @@ pub mod load {
             ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
         )
         .unwrap();
-        Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap())
+        Arc::new(
+            workload_identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        )
     }
 
     pub fn node_tls(ca: &Ca, name: &str) -> Arc<rustls::ClientConfig> {
@@ -41,7 +41,9 @@ pub mod load {
             ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
         )
         .unwrap();
-        Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap())
+        Arc::new(
+            workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        )
     }
 
     pub fn percentile(sorted: &[Duration], p: f64) -> Duration {

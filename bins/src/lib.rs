@@ -11,17 +11,14 @@
 //!   `proxypool-controller --help` and `proxypool_controller::config`).
 //! - `orbit-control-plane` and `orbit-agent`: the OrbitMesh Edge Runtime control plane and agent
 //!   (see their `--help` and `orbit_runtime`).
-//! - `iop-ca`: a small workload CA for real deployments (`init`, `issue`; see [`ca`]).
+//! - `iop-ca`: a small workload CA for real deployments (`init`, `issue`; see
+//!   `workload_identity::ca`).
 //!
-//! Shared by the mains: [`init_process`] (logging and the open-file limit), [`ca`] (the
-//! workload CA), [`devca`] (the local mesh's in-memory CA), [`tls_reload`] (hot reload of TLS
-//! files) and [`shutdown_signal`].
+//! Shared by the mains: [`init_process`] (logging and the open-file limit) and
+//! [`shutdown_signal`]. The workload CA, the in-memory development CA and TLS hot reload are
+//! library code in `workload_identity` (features `ca`, `dev-ca`, `reload`).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
-
-pub mod ca;
-pub mod devca;
-pub mod tls_reload;
 
 /// Every binary allocates with mimalloc rather than the system allocator: on the request path of
 /// the Edge and the Node, glibc's malloc/free (and its arena lock under two workers) was 10–12 %

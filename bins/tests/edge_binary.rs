@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{self, Ca};
-use iop_wire::identity::role;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 fn config(dir: &Path, ca: &Ca, edge_cert_name: &str, extra: &str) -> std::path::PathBuf {
     let leaf = ca.workload(role::EDGE, edge_cert_name, true);

@@ -460,18 +460,15 @@ fn a_ping_flood_before_registering_is_closed_with_bounded_memory() {
 /// A TLS connection to the Node port with node-1's certificate.
 async fn node_tls(m: &Mesh) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
     let read = |p: &str| std::fs::read(m.dir.path().join(p)).unwrap();
-    let tls = iop_wire::identity::WorkloadTls::from_pem(
+    let tls = workload_identity::WorkloadTls::from_pem(
         &read("ca/ca.pem"),
         &read("node-1.pem"),
         &read("node-1.key"),
     )
     .unwrap();
-    let expected = iop_wire::identity::ExpectedPeer::exact(
-        "iop.test",
-        iop_wire::identity::role::EDGE,
-        "edge-1",
-    )
-    .unwrap();
+    let expected =
+        workload_identity::ExpectedPeer::exact("iop.test", workload_identity::role::EDGE, "edge-1")
+            .unwrap();
     let config = std::sync::Arc::new(tls.client_config(expected).unwrap());
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", m.nodes))
         .await

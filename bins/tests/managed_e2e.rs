@@ -34,7 +34,6 @@ use iop_lease::{
 };
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{self, Ca};
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, CredentialLeaseBinding, Header,
     ManagedCredential, NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
@@ -43,6 +42,7 @@ use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::AsyncBufReadExt as _;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(90);
 const MODEL: &str = "gpt-4o-mini";

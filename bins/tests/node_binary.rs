@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use iop_edge::{Lifecycle, TransportConfig, bind};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role};
 use iop_wire::runtime::NodeConfigPayload;
+use workload_identity::{ExpectedPeer, client_cert_verifier, role};
 
 const BIN: &str = env!("CARGO_BIN_EXE_iop-node");
 const LIMIT: Duration = Duration::from_secs(60);
@@ -181,7 +181,9 @@ async fn connected_node_exits_0_on_sigterm_and_the_edge_fences_it() {
         ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
     )
     .unwrap();
-    let tls = Arc::new(identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+    let tls = Arc::new(
+        workload_identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+    );
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     cfg.node_configs = vec![("node-1".into(), NodeConfigPayload::default())];
     let edge = bind(cfg).await.unwrap().0;

@@ -21,9 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use iop_tests::upstream::{Kind, Upstream};
-use iop_wire::identity::{ExpectedPeer, WorkloadTls, role};
 use rustls_pki_types::{CertificateDer, ServerName};
 use support::{Proc, TempDir, iop_ca, wait_until};
+use workload_identity::{ExpectedPeer, WorkloadTls, role};
 
 const LIMIT: Duration = Duration::from_secs(20);
 const KEY: &str = "gw-reload-key";

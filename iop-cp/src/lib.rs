@@ -65,7 +65,7 @@
 //!     .await?;
 //! println!("pin {} ({})", issuer.public_key().to_pem(), issuer.key_id());
 //! let leases = Arc::new(LeaseService::new(store, key, DEFAULT_LEASE_TTL));
-//! // `tls` must require Edge client certificates (see `iop_wire::identity`).
+//! // `tls` must require Edge client certificates (see `workload_identity`).
 //! let (cp, _task) = serve(ServerConfig::new("0.0.0.0:7600".parse()?, tls, true), admin.clone(), Some(leases)).await?;
 //! admin.create_principal("team-a", "Team A").await?;
 //! let token = admin.create_token("team-a").await?; // show token.token once

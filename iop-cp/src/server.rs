@@ -46,11 +46,11 @@ use iop_wire::control::{
 use iop_wire::control_session::{
     ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionConfig,
 };
-use iop_wire::identity::{peer_identity, role};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::codec::Framed;
+use workload_identity::{peer_identity, role};
 
 use crate::admin::Admin;
 use crate::lease::LeaseService;
@@ -491,7 +491,7 @@ impl Drop for AbortOnDrop {
 /// Why a hello is refused (the reason string is what the Edge receives).
 fn check_hello(
     config: &ServerConfig,
-    identity: Option<&iop_wire::identity::WorkloadId>,
+    identity: Option<&workload_identity::WorkloadId>,
     edge_id: &str,
     managed: bool,
 ) -> Result<(), &'static str> {
@@ -527,7 +527,7 @@ fn now() -> Instant {
 /// keeps the live Edge view.
 async fn connection<S>(
     stream: S,
-    identity: Option<iop_wire::identity::WorkloadId>,
+    identity: Option<workload_identity::WorkloadId>,
     cp: ControlPlane,
     admin: Admin,
     leases: Option<Arc<LeaseService>>,
@@ -822,7 +822,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 async fn hello_accepted(
     s: &mut ControlPlaneSession,
     hello: &EdgeHelloRequest,
-    identity: Option<&iop_wire::identity::WorkloadId>,
+    identity: Option<&workload_identity::WorkloadId>,
     config: &ServerConfig,
     admin: &Admin,
 ) -> Option<String> {

@@ -79,11 +79,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iop_wire::identity::{ExpectedPeer, WorkloadTls, role};
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, OpenAiCompatSettings,
 };
 use serde::Deserialize;
+use workload_identity::{ExpectedPeer, WorkloadTls, role};
 
 use crate::control::ControlConfig;
 use crate::http::{ApiKeys, HttpConfig, ServeLimits};
@@ -478,8 +478,8 @@ impl EdgeConfigFile {
         let key = read("tls.key", &self.tls.key)?;
         let tls = WorkloadTls::from_pem(&ca, &cert, &key).map_err(|e| {
             let key = match e {
-                iop_wire::identity::MaterialError::Ca(_) => "tls.ca",
-                iop_wire::identity::MaterialError::Key(_) => "tls.key",
+                workload_identity::MaterialError::Ca(_) => "tls.ca",
+                workload_identity::MaterialError::Key(_) => "tls.key",
                 _ => "tls.cert",
             };
             invalid(key, e)

@@ -79,7 +79,7 @@ pub struct ControlConfig {
     /// Name to verify the Control Plane's certificate against.
     pub server_name: ServerName<'static>,
     /// TLS client config: in managed mode the Edge's workload certificate and a verifier of the
-    /// Control Plane's role and name (`iop_wire::identity`).
+    /// Control Plane's role and name (`workload_identity`).
     pub tls: Arc<rustls::ClientConfig>,
     /// This Edge's id (its certificate name in managed mode).
     pub edge_id: String,

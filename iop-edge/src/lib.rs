@@ -48,7 +48,7 @@
 //!
 //! [`config`] reads the Edge's TOML file (the `iop-edge` binary's format) into a
 //! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
-//! hot-reloadable TLS material (`iop_wire::identity::WorkloadTls`).
+//! hot-reloadable TLS material (`workload_identity::WorkloadTls`).
 //!
 //! # Example
 //!

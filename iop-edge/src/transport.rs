@@ -68,12 +68,12 @@ use iop_edge_core::{
     Admit, Admitted, Answer, CoreConfig, EdgeCore, Event, Observer, Open, Sinks, StreamSink,
 };
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
-use iop_wire::identity::peer_identity;
 use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
 use iop_wire::runtime::{
     NodeCommandRequest, NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse,
     ProviderSnapshot, ProviderTunnelRequest, RecipientKey, RunEvent, RunRequest, RuntimeFrame,
 };
+use workload_identity::peer_identity;
 
 pub use iop_edge_core::{DispatchError, Lifecycle, NODE_DISCONNECTED, SLOW_CONSUMER, TunnelEvent};
 
@@ -92,7 +92,7 @@ pub struct TransportConfig {
     /// Address to listen on.
     pub listen: SocketAddr,
     /// Server TLS: the Edge identity and a client verifier requiring role `node` (build it with
-    /// `iop_wire::identity::{client_cert_verifier, server_config}`).
+    /// `workload_identity::{client_cert_verifier, server_config}`).
     pub tls: Arc<rustls::ServerConfig>,
     /// Heartbeat and default-config settings of the registry.
     pub registry: RegistryConfig,

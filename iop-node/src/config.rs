@@ -48,9 +48,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iop_wire::identity::{ExpectedPeer, MaterialError, WorkloadTls, role};
 use iop_wire::reconnect::ReconnectPolicy;
 use serde::Deserialize;
+use workload_identity::{ExpectedPeer, MaterialError, WorkloadTls, role};
 
 use crate::{AdapterRegistry, NodeOptions};
 

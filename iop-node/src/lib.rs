@@ -121,7 +121,7 @@ pub struct NodeOptions {
     /// The TLS server name to verify the Edge certificate against (DNS or IP SAN).
     pub server_name: ServerName<'static>,
     /// The TLS client configuration: the Node's identity and the verifier of the Edge's
-    /// role/name (build it with `iop_wire::identity`).
+    /// role/name (build it with `workload_identity`).
     pub tls: Arc<rustls::ClientConfig>,
     /// Initial dial and reconnect policy.
     pub reconnect: ReconnectPolicy,

@@ -8,7 +8,7 @@
 //!  CP:   new() ── Hello(request) ──▶ Deciding ──accept()/reject()──▶ Connected ──▶ Closed
 //! ```
 //!
-//! Both sides share one silence rule ([`crate::liveness::Liveness`], as on the runtime wire):
+//! Both sides share one silence rule (`Liveness`, as on the runtime wire):
 //! the session closes after three heartbeat intervals without receiving anything
 //! ([`ControlCloseReason::Silent`]). The Edge, which dials, sends a `Ping` after an interval
 //! without sending anything; the Control Plane answers pings and sends none of its own (the

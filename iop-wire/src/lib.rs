@@ -20,7 +20,6 @@
 //! | [`health`] | the connection-scoped `health_observation_seq` |
 //! | [`validate`] | shared field rules, including `response_stall_timeout_ms` |
 //! | [`text_tools`] | the text tool-call fallback contract: metadata keys, the `<tool_call>` text form, its splitter |
-//! | [`identity`] | SPIFFE workload identities in certificates, and rustls verifiers that require role and name |
 //!
 //! The generated prost code lives in `src/gen/` (committed, private); the `iop-wire-codegen`
 //! crate (`iop-wire/codegen/`) regenerates it with protox + prost-build and fails on drift.
@@ -109,7 +108,6 @@ pub mod control;
 pub mod control_session;
 pub mod error;
 pub mod health;
-pub mod identity;
 pub mod node;
 pub mod reconnect;
 pub mod registry;
@@ -118,7 +116,6 @@ pub mod text_tools;
 pub mod time;
 pub mod tunnel;
 pub mod validate;
-mod workload_tls;
 
 pub use liveness::{DEFAULT_HEARTBEAT_INTERVAL, HeartbeatConfig};
 

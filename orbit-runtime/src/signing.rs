@@ -43,7 +43,7 @@
 //!
 //! # Test vector
 //!
-//! Checked in [`tests`] and, independently, with Python's `cryptography` package
+//! Checked in the unit tests (`tests` below) and, independently, with Python's `cryptography` package
 //! (`Ed25519PrivateKey.from_private_bytes(seed).sign(payload)` gives the same bytes):
 //!
 //! | input | value |

@@ -114,13 +114,13 @@ impl Leaf {
 
 /// The Edge's server TLS: the `edge/<edge_name>` identity, accepting any Node of this CA.
 pub fn edge_server_tls(ca: &Ca, edge_name: &str) -> Arc<rustls::ServerConfig> {
-    let leaf = ca.workload(iop_wire::identity::role::EDGE, edge_name, true);
+    let leaf = ca.workload(workload_identity::role::EDGE, edge_name, true);
     let expected =
-        iop_wire::identity::ExpectedPeer::any_name(TRUST_DOMAIN, iop_wire::identity::role::NODE)
+        workload_identity::ExpectedPeer::any_name(TRUST_DOMAIN, workload_identity::role::NODE)
             .expect("valid expected peer");
-    let verifier = iop_wire::identity::client_cert_verifier(ca.roots(), expected).expect("roots");
+    let verifier = workload_identity::client_cert_verifier(ca.roots(), expected).expect("roots");
     Arc::new(
-        iop_wire::identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
+        workload_identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
             .expect("edge config"),
     )
 }
@@ -134,15 +134,15 @@ pub fn node_client_tls(
     edge_name: &str,
 ) -> Arc<rustls::ClientConfig> {
     let leaf = ca.workload(role, cert_name, false);
-    let expected = iop_wire::identity::ExpectedPeer::exact(
+    let expected = workload_identity::ExpectedPeer::exact(
         TRUST_DOMAIN,
-        iop_wire::identity::role::EDGE,
+        workload_identity::role::EDGE,
         edge_name,
     )
     .expect("valid expected peer");
-    let verifier = iop_wire::identity::server_cert_verifier(ca.roots(), expected).expect("roots");
+    let verifier = workload_identity::server_cert_verifier(ca.roots(), expected).expect("roots");
     Arc::new(
-        iop_wire::identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
+        workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
             .expect("node config"),
     )
 }
@@ -151,11 +151,11 @@ pub fn node_client_tls(
 /// (any name) from this CA.
 pub fn server_tls(ca: &Ca, role: &str, name: &str, client_role: &str) -> Arc<rustls::ServerConfig> {
     let leaf = ca.workload(role, name, true);
-    let expected = iop_wire::identity::ExpectedPeer::any_name(TRUST_DOMAIN, client_role)
+    let expected = workload_identity::ExpectedPeer::any_name(TRUST_DOMAIN, client_role)
         .expect("valid expected peer");
-    let verifier = iop_wire::identity::client_cert_verifier(ca.roots(), expected).expect("roots");
+    let verifier = workload_identity::client_cert_verifier(ca.roots(), expected).expect("roots");
     Arc::new(
-        iop_wire::identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
+        workload_identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
             .expect("server config"),
     )
 }
@@ -170,11 +170,11 @@ pub fn client_tls(
     server_name: &str,
 ) -> Arc<rustls::ClientConfig> {
     let leaf = ca.workload(role, cert_name, false);
-    let expected = iop_wire::identity::ExpectedPeer::exact(TRUST_DOMAIN, server_role, server_name)
+    let expected = workload_identity::ExpectedPeer::exact(TRUST_DOMAIN, server_role, server_name)
         .expect("valid expected peer");
-    let verifier = iop_wire::identity::server_cert_verifier(ca.roots(), expected).expect("roots");
+    let verifier = workload_identity::server_cert_verifier(ca.roots(), expected).expect("roots");
     Arc::new(
-        iop_wire::identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
+        workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
             .expect("client config"),
     )
 }

@@ -58,9 +58,9 @@ use iop_edge::control::{ControlConfig, ControlConnector, LeaseError, SessionStat
 use iop_edge::{TransportConfig, start_unbound};
 use iop_lease::{MemoryReplayGuard, OpenPolicy, Recipient, RecipientSecretKey, TrustedIssuers};
 use iop_tests::pki::{self, Ca};
-use iop_wire::identity::role;
 use iop_wire::runtime::{CredentialLeaseBinding, ManagedCredential};
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const PORT: u16 = 7600;
 

@@ -29,10 +29,10 @@ use iop_wire::control::{
     ControlFrame, ControlMessage, EdgeCommandRequest, EdgeHelloResponse, NodeEventKind,
     PrincipalProjection, PrincipalProjectionApplyResponse,
 };
-use iop_wire::identity::role;
 use iop_wire::runtime::{AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload};
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -168,9 +168,9 @@ async fn state_until(c: &ControlConnector, pred: impl Fn(&SessionState) -> bool)
 
 fn legacy_client_tls(ca: &Ca) -> Arc<rustls::ClientConfig> {
     let expected =
-        iop_wire::identity::ExpectedPeer::exact(pki::TRUST_DOMAIN, role::CONTROL_PLANE, "cp-1")
+        workload_identity::ExpectedPeer::exact(pki::TRUST_DOMAIN, role::CONTROL_PLANE, "cp-1")
             .unwrap();
-    let verifier = iop_wire::identity::server_cert_verifier(ca.roots(), expected).unwrap();
+    let verifier = workload_identity::server_cert_verifier(ca.roots(), expected).unwrap();
     Arc::new(
         rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),

@@ -20,9 +20,9 @@ use iop_node::credential::LocalKey;
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{self, Ca};
 use iop_tests::upstream::{Kind, Upstream};
-use iop_wire::identity::role;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const KEY: &str = "gw-dialects-key";
 const UPSTREAM_KEY: &str = "sk-dialects-upstream";

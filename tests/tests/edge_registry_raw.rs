@@ -13,7 +13,6 @@ use futures_util::{SinkExt, StreamExt};
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
-use iop_wire::identity::{self, ExpectedPeer, role, server_cert_verifier};
 use iop_wire::registry::reason;
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
@@ -23,6 +22,7 @@ use rustls_pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_util::codec::Framed;
+use workload_identity::{ExpectedPeer, role, server_cert_verifier};
 
 const LIMIT: Duration = Duration::from_secs(20);
 
@@ -45,7 +45,7 @@ async fn connect(ca: &Ca, edge: &EdgeHandle, name: &str) -> Conn {
         ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
     )
     .unwrap();
-    let tls = identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap();
+    let tls = workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap();
     let tcp = TcpStream::connect(edge.local_addr()).await.unwrap();
     tcp.set_nodelay(true).unwrap();
     let stream = TlsConnector::from(Arc::new(tls))

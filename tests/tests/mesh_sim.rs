@@ -47,13 +47,13 @@ use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge::{Dispatched, EdgeHandle, PoolRequest, TransportConfig, start_unbound};
 use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node_with};
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::registry::Generation;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, RunEventKind, RunRequest,
 };
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const NODES: [&str; 3] = ["node-1", "node-2", "node-3"];
 const PORT: u16 = 7000;

@@ -12,13 +12,13 @@ use axum::routing::{get, post};
 use iop_edge::{Lifecycle, TransportConfig, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeCommandKind, NodeCommandRequest,
     NodeConfigPayload, ProviderStatus, RunEventKind, RunRequest, Usage,
 };
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 

@@ -25,7 +25,6 @@ use iop_lease::{
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::Ca;
 use iop_tests::upstream::{Kind, Upstream};
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, CredentialLeaseBinding, Header,
     ManagedCredential, NativeSettings, NodeConfigPayload, OpenAiCompatSettings, Operation,
@@ -34,6 +33,7 @@ use iop_wire::runtime::{
 use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 const KEY: &str = "sk-admission-upstream";

@@ -14,7 +14,6 @@ use std::time::Duration;
 use iop_edge::{DispatchError, EdgeHandle, Lifecycle, RunStream, TransportConfig, bind};
 use iop_node::{AdapterRegistry, Exit, NodeOptions, ReconnectPolicy, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, role, server_cert_verifier};
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConfigRefreshOutcome, NativeSettings, NodeCommandKind,
     NodeCommandRequest, NodeConfigPayload, ProviderStatus, RunEvent, RunEventKind, RunRequest,
@@ -23,6 +22,7 @@ use iop_wire::validate::ResponseStallTimeout;
 use tokio::net::TcpListener;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
+use workload_identity::{ExpectedPeer, role, server_cert_verifier};
 
 /// Guards against a hung test; no assertion depends on it.
 const LIMIT: Duration = Duration::from_secs(30);
@@ -414,8 +414,9 @@ async fn peers_with_the_wrong_identity_never_register() {
             ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
         )
         .unwrap();
-        let tls =
-            Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let tls = Arc::new(
+            workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        );
         let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
             .unwrap()
             .with_reconnect(policy);
@@ -431,8 +432,9 @@ async fn peers_with_the_wrong_identity_never_register() {
             ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-1").unwrap(),
         )
         .unwrap();
-        let tls =
-            Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let tls = Arc::new(
+            workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        );
         let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
             .unwrap()
             .with_reconnect(policy);
@@ -447,8 +449,9 @@ async fn peers_with_the_wrong_identity_never_register() {
             ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, "edge-9").unwrap(),
         )
         .unwrap();
-        let tls =
-            Arc::new(identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap());
+        let tls = Arc::new(
+            workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        );
         let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
             .unwrap()
             .with_reconnect(policy);

@@ -23,7 +23,6 @@ use iop_edge::{
 };
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, HealthEvidence,
     NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
@@ -31,6 +30,7 @@ use iop_wire::runtime::{
 use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 

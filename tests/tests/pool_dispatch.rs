@@ -12,12 +12,12 @@ use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge::{Dispatched, EdgeHandle, Lifecycle, PoolRequest, TransportConfig, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, RunEventKind, RunRequest,
 };
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

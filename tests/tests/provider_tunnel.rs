@@ -20,7 +20,6 @@ use bytes::Bytes;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
 use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node};
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Fence, Header, HealthEvidence,
     NativeSettings, NodeCommandKind, NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings,
@@ -30,6 +29,7 @@ use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 

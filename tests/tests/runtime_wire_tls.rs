@@ -16,9 +16,6 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
-use iop_wire::identity::{
-    self, ExpectedPeer, client_cert_verifier, peer_identity, role, server_cert_verifier,
-};
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession, NodeSessionConfig};
 use iop_wire::registry::{
     ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
@@ -34,6 +31,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::codec::Framed;
+use workload_identity::{
+    ExpectedPeer, client_cert_verifier, peer_identity, role, server_cert_verifier,
+};
 
 /// Guards against a hung test; nothing depends on it elapsing.
 const LIMIT: Duration = Duration::from_secs(20);
@@ -69,7 +69,7 @@ async fn start_edge(
     )
     .unwrap();
     let acceptor = TlsAcceptor::from(Arc::new(
-        identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        workload_identity::server_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
     ));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -186,7 +186,7 @@ async fn run_node(
     )
     .unwrap();
     let connector = TlsConnector::from(Arc::new(
-        identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
+        workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier).unwrap(),
     ));
     let tcp = TcpStream::connect(addr).await.unwrap();
     tcp.set_nodelay(true).unwrap();

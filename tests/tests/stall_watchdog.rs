@@ -16,13 +16,13 @@ use iop_node::{
     Adapter, AdapterError, AdapterRegistry, NodeOptions, RunCompletion, RunEvents, run_node,
 };
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, Fence, HealthEvidence, NodeConfigPayload, ProviderStatus,
     RunEvent, RunEventKind, RunRequest,
 };
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 /// How long the "provider" takes to return after being fenced: longer than the close grace.

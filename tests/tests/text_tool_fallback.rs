@@ -23,10 +23,10 @@ use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge::{Lifecycle, TransportConfig, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::Ca;
-use iop_wire::identity::role;
 use iop_wire::runtime::{AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
 

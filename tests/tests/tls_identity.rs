@@ -1,7 +1,7 @@
 //! Edge ↔ Node mutual-TLS workload identity, end to end over loopback TCP.
 //!
 //! Each scenario runs a real Edge-side TLS server and Node-side TLS client built from
-//! `iop_wire::identity`, and asserts the exact failure on the side that detects it. A rejected
+//! `workload_identity`, and asserts the exact failure on the side that detects it. A rejected
 //! peer must fail inside `accept`, so the server never gets a stream to read application bytes
 //! from; the client writes its "registration" bytes anyway (in TLS 1.3 a client finishes its
 //! handshake before the server has judged the client certificate) to show they go nowhere.
@@ -11,16 +11,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_tests::pki::{Ca, Leaf, TRUST_DOMAIN, spiffe};
-use iop_wire::identity::{
-    self, ExpectedPeer, IdentityError, WorkloadId, client_cert_verifier, peer_identity, role,
-    server_cert_verifier,
-};
 use rustls::client::danger::ServerCertVerifier;
 use rustls::{AlertDescription, CertificateError, ClientConfig, ServerConfig};
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
+use workload_identity::{
+    ExpectedPeer, IdentityError, WorkloadId, client_cert_verifier, peer_identity, role,
+    server_cert_verifier,
+};
 
 const PAYLOAD: &[u8] = b"register node-1";
 /// Guards against a hung handshake; no scenario depends on it elapsing.
@@ -33,7 +33,7 @@ fn edge_config(ca: &Ca, leaf: &Leaf) -> Arc<ServerConfig> {
     let expected = ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).expect("valid expected peer");
     let verifier = client_cert_verifier(ca.roots(), expected).expect("CA roots are non-empty");
     Arc::new(
-        identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
+        workload_identity::server_config(leaf.chain.clone(), leaf.key(), verifier)
             .expect("edge leaf carries an identity and matches its key"),
     )
 }
@@ -49,12 +49,12 @@ fn edge_verifier(ca: &Ca, edge_name: &str) -> Arc<dyn ServerCertVerifier> {
 fn node_config(ca: &Ca, leaf: &Leaf, edge_name: &str) -> Arc<ClientConfig> {
     let verifier = edge_verifier(ca, edge_name);
     Arc::new(
-        identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
+        workload_identity::client_config(leaf.chain.clone(), leaf.key(), verifier)
             .expect("node leaf carries an identity and matches its key"),
     )
 }
 
-/// A client config built directly with rustls, bypassing `identity::client_config`'s own-cert
+/// A client config built directly with rustls, bypassing `workload_identity::client_config`'s own-cert
 /// check, to impersonate a misconfigured or hostile client.
 fn raw_client_config(
     verifier: Arc<dyn ServerCertVerifier>,
@@ -319,7 +319,7 @@ async fn client_with_two_uri_sans_is_rejected() {
     );
 
     // Our own config builder refuses such a certificate up front...
-    let own = identity::client_config(
+    let own = workload_identity::client_config(
         ambiguous.chain.clone(),
         ambiguous.key(),
         edge_verifier(&ca, "edge-1"),

@@ -30,9 +30,9 @@ use iop_cp::store::{SqliteStore, Store};
 use iop_edge::control::{ControlConfig, ControlConnector, SessionState};
 use iop_edge::{TransportConfig, bind};
 use iop_tests::pki::{self, Ca};
-use iop_wire::identity::role;
 use iop_wire::runtime::CredentialLeaseBinding;
 use tokio_util::sync::CancellationToken;
+use workload_identity::role;
 
 const CONCURRENCY: usize = 32;
 

@@ -43,7 +43,6 @@ use bytes::Bytes;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::identity::{self, ExpectedPeer, client_cert_verifier, role};
 use iop_wire::registry::RegistryConfig;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeConfigPayload,
@@ -53,6 +52,7 @@ use iop_wire::tunnel::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
+use workload_identity::{ExpectedPeer, client_cert_verifier, role};
 
 use iop_benches::load::{at_rate, edge_tls, ms, node_tls, percentile};
 
@@ -450,7 +450,7 @@ fn child_tls(dir: &std::path::Path) -> Arc<rustls::ServerConfig> {
         ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).unwrap(),
     )
     .unwrap();
-    Arc::new(identity::server_config(chain, key, verifier).unwrap())
+    Arc::new(workload_identity::server_config(chain, key, verifier).unwrap())
 }
 
 /// Writes the CA and the Edge's certificate and key for a child process.

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use iop_benches::load::{Killed, bin, free_port};
 use iop_tests::pki::{self, Ca};
 use iop_tests::upstream::{Kind, Upstream};
-use iop_wire::identity::role;
+use workload_identity::role;
 
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

@@ -51,7 +51,7 @@ use iop_benches::load::{
     Exchange, Killed, RawHttp, bin, cpu, free_port, percentile, post_json, wait_port,
 };
 use iop_tests::pki::{self, Ca};
-use iop_wire::identity::role;
+use workload_identity::role;
 
 const MODEL: &str = "proc-model";
 
@@ -207,8 +207,8 @@ enum RelayMode {
 /// in TLS mode the link between them is the mesh's own mTLS (the same `WorkloadTls` configs,
 /// TLS 1.3, no resumption, certificates from `DIR`).
 fn relay(listen: u16, target: u16, mode: RelayMode, dir: &Path) {
-    use iop_wire::identity::ExpectedPeer;
-    use iop_wire::identity::WorkloadTls;
+    use workload_identity::ExpectedPeer;
+    use workload_identity::WorkloadTls;
     let _ = rustls::crypto::ring::default_provider().install_default();
     let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
     let acceptor = (mode == RelayMode::TlsIn).then(|| {

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use iop_bins::ca::{CaError, WorkloadCa, write_private};
+use workload_identity::ca::{CaError, WorkloadCa, write_private};
 
 #[derive(Debug, Parser)]
 #[command(

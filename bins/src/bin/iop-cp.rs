@@ -54,18 +54,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use iop_bins::tls_reload::{self, TlsPaths};
 use iop_cp::admin::Admin;
 use iop_cp::lease::LeaseService;
 use iop_cp::seal::MasterKey;
 use iop_cp::server::{self, ServerConfig};
 use iop_cp::store::{Mutation, PgStore, SqliteStore, Store};
 use iop_lease::{DEFAULT_MAX_TTL, IssuerSigningKey};
-use iop_wire::identity::WorkloadTls;
-use iop_wire::identity::{ExpectedPeer, role};
 use rustls_pki_types::pem::PemObject as _;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
+use workload_identity::WorkloadTls;
+use workload_identity::reload::{self as tls_reload, TlsPaths};
+use workload_identity::{ExpectedPeer, role};
 use zeroize::Zeroizing;
 
 #[derive(Parser, Debug)]

@@ -20,12 +20,12 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use iop_bins::tls_reload::{self, TlsPaths};
 use iop_edge::bind;
 use iop_edge::config::{EdgeConfig, EdgeConfigFile};
 use iop_edge::control::ControlConnector;
 use iop_edge::http;
 use tokio_util::sync::CancellationToken;
+use workload_identity::reload::{self as tls_reload, TlsPaths};
 
 #[derive(Parser, Debug)]
 #[command(

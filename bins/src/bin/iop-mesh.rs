@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use iop_bins::devca::DevCa;
 use iop_edge::http::{self, ApiKeys, HttpConfig};
 use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge::profile::{DEFAULT_PRESET, Profile};
@@ -17,6 +16,7 @@ use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, OpenAiCompatSettings,
 };
 use tokio_util::sync::CancellationToken;
+use workload_identity::dev_ca::DevCa;
 
 /// Start a whole local IOP mesh: an Edge with its HTTP API (OpenAI chat completions, the
 /// Responses API and the Anthropic Messages API on every model), one or more Nodes connected to
@@ -367,7 +367,6 @@ mod managed {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use iop_bins::devca::DevCa;
     use iop_cp::admin::Admin;
     use iop_cp::lease::LeaseService;
     use iop_cp::seal::MasterKey;
@@ -381,6 +380,7 @@ mod managed {
     };
     use iop_wire::runtime::{AdapterConfig, AdapterSettings};
     use tokio_util::sync::CancellationToken;
+    use workload_identity::dev_ca::DevCa;
     use zeroize::Zeroizing;
 
     use super::Args;

@@ -4,10 +4,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use iop_bins::tls_reload::{self, TlsPaths};
 use iop_node::config::NodeConfigFile;
 use iop_node::{AdapterRegistry, run_node};
 use tokio_util::sync::CancellationToken;
+use workload_identity::reload::{self as tls_reload, TlsPaths};
 
 /// Run an IOP Node: dial the Edge over mutually authenticated TLS, register, apply the adapter
 /// configuration the Edge sends, report ready, and execute runs and provider tunnels.

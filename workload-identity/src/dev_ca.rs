@@ -1,12 +1,21 @@
-//! An ephemeral development CA for the local mesh: every run makes a fresh CA and SPIFFE
-//! workload identities (`spiffe://iop.local/<role>/<name>`, DNS `localhost`, IP 127.0.0.1), so
-//! even the demo runs mTLS. Nothing is written to disk. The certificates are the ones
-//! `iop-ca` issues ([`crate::ca`]).
+//! An ephemeral, in-memory development CA: every [`DevCa::new`] makes a fresh CA, and each
+//! call hands out a SPIFFE workload identity (`spiffe://iop.local/<role>/<name>`, DNS
+//! `localhost`, IP 127.0.0.1) as ready rustls configs or as [`WorkloadTls`], so a demo or an
+//! embedding example runs mutual TLS with no file on disk. The certificates are the ones
+//! `iop-ca` issues ([`crate::ca`]). Not for production: the CA key lives in memory and the
+//! certificates are valid for a year.
+//!
+//! ```
+//! let ca = workload_identity::dev_ca::DevCa::new().unwrap();
+//! let edge = ca.edge_tls("edge-1").unwrap();       // the Edge's Node listener
+//! let node = ca.node_tls("node-1", "edge-1").unwrap(); // a Node dialling it
+//! # let _ = (edge, node);
+//! ```
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
-use iop_wire::identity::{ExpectedPeer, WorkloadTls, role};
+use crate::{ExpectedPeer, WorkloadTls, role};
 
 use crate::ca::WorkloadCa;
 
@@ -36,7 +45,19 @@ impl DevCa {
         })
     }
 
-    fn material(&self, role: &str, name: &str) -> Result<Arc<WorkloadTls>, DevCaError> {
+    /// The trust domain ([`TRUST_DOMAIN`]).
+    pub fn trust_domain(&self) -> &str {
+        TRUST_DOMAIN
+    }
+
+    /// The CA certificate (PEM), for a peer outside this process.
+    pub fn ca_pem(&self) -> &str {
+        self.ca.cert_pem()
+    }
+
+    /// The replaceable material of workload `role/name` (see [`role`]), for an API that takes
+    /// a [`WorkloadTls`] (the Edge's and the Node's configs do).
+    pub fn material(&self, role: &str, name: &str) -> Result<Arc<WorkloadTls>, DevCaError> {
         let issued = self
             .ca
             .issue(

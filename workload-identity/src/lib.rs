@@ -1,4 +1,17 @@
-//! Workload identity for the Edge ↔ Node (and control-plane) TLS links.
+//! SPIFFE workload identities and the rustls configurations built on them, for every TLS
+//! endpoint of the mesh: the Edge ↔ Node runtime wire, the Edge ↔ Control Plane wire and their
+//! admin listeners.
+//!
+//! | module / feature | owns |
+//! |---|---|
+//! | crate root | [`WorkloadId`] (the SPIFFE ID in a certificate's one URI SAN), [`ExpectedPeer`], rustls verifiers that check role and name inside the handshake, [`peer_identity`] |
+//! | [`WorkloadTls`] | a workload's replaceable material (CA bundle, chain, key) and the server/client configs that read it at every handshake |
+//! | `reload` (feature `reload`, tokio) | a task that re-reads the three files and hands changes to [`WorkloadTls::reload_pem`] |
+//! | `ca` (feature `ca`, rcgen) | a small file-backed workload CA (`iop-ca`) |
+//! | `dev_ca` (feature `dev-ca`) | an in-memory development CA that hands out Edge, Node and Control Plane material with no file on disk |
+//!
+//! It was `iop_wire::identity`: the wire crate stays free of TLS, and the Edge, the Node, the
+//! Control Plane and the tests share this one parser and one set of verifiers.
 //!
 //! # Scheme
 //!
@@ -55,10 +68,21 @@
 //! [`IdentityError::from_rustls_error`]. On the wire this becomes a `certificate_unknown` alert,
 //! so the rejected peer learns nothing about which identity was expected.
 //!
-//! This module is pure: it never touches a socket or a clock (rustls passes `now` into the
-//! verifiers) and never installs a process-wide crypto provider.
+//! Without features this crate is pure: it never touches a socket or a clock (rustls passes
+//! `now` into the verifiers) and never installs a process-wide crypto provider.
 //!
 //! [SPIFFE ID]: https://github.com/spiffe/spiffe/blob/main/standards/SPIFFE-ID.md
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+#[cfg(feature = "ca")]
+pub mod ca;
+#[cfg(feature = "dev-ca")]
+pub mod dev_ca;
+mod material;
+#[cfg(feature = "reload")]
+pub mod reload;
 
 use std::fmt;
 use std::str::FromStr;
@@ -499,7 +523,7 @@ impl fmt::Display for ExpectedPeer {
     }
 }
 
-pub use crate::workload_tls::{MaterialError, WorkloadTls};
+pub use crate::material::{MaterialError, WorkloadTls};
 
 // === impl verifiers ===
 

@@ -1,5 +1,5 @@
 //! A workload's TLS material that can be replaced while it serves: the CA bundle and its own
-//! certificate chain and key (re-exported as [`crate::identity::WorkloadTls`]).
+//! certificate chain and key (re-exported as [`crate::WorkloadTls`]).
 //!
 //! SPIRE's spiffe-helper, cert-manager and plain `iop-ca issue --force` rewrite these files
 //! while the process runs. [`WorkloadTls`] holds the current material; the rustls
@@ -15,7 +15,8 @@
 //! its first handshake verified, which would outlive a rotation, a CA change or an expiry. The
 //! links are long-lived, so a full handshake per connection costs little.
 //!
-//! Pure: PEM bytes in, nothing read from disk here. The binaries poll the files.
+//! Pure: PEM bytes in, nothing read from disk here. The `reload` module (feature `reload`)
+//! polls the files.
 
 use std::sync::{Arc, RwLock};
 
@@ -31,9 +32,7 @@ use rustls::{
     SignatureScheme,
 };
 
-use crate::identity::{
-    ExpectedPeer, IdentityError, WorkloadId, client_cert_verifier, server_cert_verifier,
-};
+use crate::{ExpectedPeer, IdentityError, WorkloadId, client_cert_verifier, server_cert_verifier};
 
 /// Why TLS material was refused. Never carries key bytes.
 #[derive(Debug, thiserror::Error)]
@@ -406,7 +405,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::identity::role;
+    use crate::role;
 
     struct Ca {
         issuer: Issuer<'static, KeyPair>,

@@ -4,7 +4,7 @@
 //! - The CA: ECDSA P-256, `CA:true, pathlen:0`, key usages `keyCertSign` and `cRLSign`, subject
 //!   `CN=iop workload CA, O=<trust domain>` (the trust domain is read back from there).
 //! - A workload certificate: ECDSA P-256, exactly one URI SAN `spiffe://<td>/<role>/<name>`
-//!   (what `iop_wire::identity` checks), the DNS and IP SANs given (a server needs the name its
+//!   (what this crate checks), the DNS and IP SANs given (a server needs the name its
 //!   clients dial), key usage `digitalSignature`, extended key usages `serverAuth` and
 //!   `clientAuth` (an Edge is a server to Nodes and a client of the Control Plane), valid from
 //!   five minutes ago (clock skew) for the days given.
@@ -13,7 +13,7 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use iop_wire::identity::WorkloadId;
+use crate::WorkloadId;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, SanType,
@@ -234,7 +234,7 @@ mod tests {
                 1,
             )
             .unwrap();
-        let tls = iop_wire::identity::WorkloadTls::from_pem(
+        let tls = crate::WorkloadTls::from_pem(
             ca.cert_pem().as_bytes(),
             issued.cert_pem.as_bytes(),
             issued.key_pem.as_bytes(),

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use iop_wire::identity::WorkloadTls;
+use crate::WorkloadTls;
 use tokio_util::sync::CancellationToken;
 
 /// The three files.
