@@ -1,5 +1,5 @@
 //! Arbitrary accept/register/ready/close/timeout/app-frame sequences against the Edge
-//! `Registry`, in virtual time, checked against the ownership rules of `iop_wire::registry`:
+//! `Registry`, in virtual time, checked against the ownership rules of `iop_edge_core::registry`:
 //!
 //! - per Node id, `NodeReady` and `NodeFenced` alternate strictly: a fence names the
 //!   generation that is ready (so it had a `NodeReady` and was not fenced yet), and no
@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
-use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent};
+use iop_edge_core::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent};
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, RegisterRequest, RunEvent, RunEventKind, RuntimeFrame,
     RuntimeMessage,

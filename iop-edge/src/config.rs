@@ -250,7 +250,7 @@ impl Default for Limits {
         let serve = ServeLimits::default();
         Self {
             tls_handshake_timeout_sec: crate::transport::DEFAULT_TLS_HANDSHAKE_TIMEOUT.as_secs(),
-            register_timeout_sec: iop_wire::registry::DEFAULT_HANDSHAKE_TIMEOUT.as_secs(),
+            register_timeout_sec: iop_edge_core::registry::DEFAULT_HANDSHAKE_TIMEOUT.as_secs(),
             max_unauthenticated: crate::transport::DEFAULT_MAX_UNAUTHENTICATED,
             max_unauthenticated_per_ip: crate::transport::DEFAULT_MAX_UNAUTHENTICATED_PER_IP,
             stream_buffer_bytes: crate::transport::DEFAULT_MAX_STREAM_BUFFER,

@@ -1,7 +1,7 @@
 //! The IOP Edge, as an embeddable library.
 //!
 //! The Node transport ([`transport`]) drives [`iop_edge_core::EdgeCore`], the pure machine
-//! that makes every protocol decision: the `iop_wire::registry::Registry` (the single authority
+//! that makes every protocol decision: the `iop_edge_core::registry::Registry` (the single authority
 //! for `node_id → current owner, generation, pending/ready`), the provider [`pool`], stream
 //! routing, timers and command correlation. The transport is glue: the mTLS listener and its
 //! caps, one I/O task per Node connection, one timer task, and the machine behind one mutex
@@ -80,7 +80,7 @@ pub mod control;
 pub mod http;
 mod managed;
 pub mod metrics;
-pub use iop_edge_core::pool;
+pub use iop_edge_core::{binding, pool, projection, registry};
 pub mod profile;
 mod ratelog;
 mod stream_buf;

@@ -10,7 +10,7 @@ use iop_edge_core::binding::{
     AdmittedNode, LeaseOutcome, ManagedBinding, NodeTrust, Refusal, Step,
 };
 use iop_edge_core::projection::ProjectionIndex;
-use iop_wire::registry::Generation;
+use iop_edge_core::registry::Generation;
 use iop_wire::runtime::{CredentialLease, CredentialLeaseBinding};
 
 use crate::control::{ControlConnector, LeaseError};

@@ -414,8 +414,8 @@ impl Metrics {
 
     /// A Node connection the Edge closed (`cause` from its registry). A transport the peer
     /// closed itself (`FenceCause::Closed`) is not counted here.
-    pub(crate) fn node_connection_closed(&self, cause: iop_wire::registry::FenceCause) {
-        use iop_wire::registry::FenceCause as F;
+    pub(crate) fn node_connection_closed(&self, cause: iop_edge_core::registry::FenceCause) {
+        use iop_edge_core::registry::FenceCause as F;
         let cause = match cause {
             F::Superseded => CloseCause::Superseded,
             F::ProtocolViolation => CloseCause::ProtocolViolation,
@@ -523,7 +523,7 @@ mod tests {
 
     #[test]
     fn closes_are_counted_by_cause_and_a_peer_close_is_not() {
-        use iop_wire::registry::FenceCause;
+        use iop_edge_core::registry::FenceCause;
         let m = Metrics::default();
         m.node_connection_closed(FenceCause::Superseded);
         m.node_connection_closed(FenceCause::Superseded);

@@ -64,11 +64,11 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
+use iop_edge_core::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
 use iop_edge_core::{
     Admit, Admitted, Answer, CoreConfig, EdgeCore, Event, Observer, Open, Sinks, StreamSink,
 };
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
-use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
 use iop_wire::runtime::{
     NodeCommandRequest, NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse,
     ProviderSnapshot, ProviderTunnelRequest, RecipientKey, RunEvent, RunRequest, RuntimeFrame,

@@ -12,12 +12,12 @@
 //! |---|---|
 //! | [`runtime`], [`control`] | domain types for every message of `proto/runtime.proto` and `proto/control.proto`; validation happens in the conversion from protobuf ("parse, don't validate") |
 //! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; optional tokio-util codec (feature `tokio-codec`) |
-//! | [`node`] | the Node side of one connection: register → apply config → ready; run-id admission, refusal framing, `health_observation_seq` stamping |
+//! | [`node`] | the Node side of one connection (the Edge side is `iop_edge_core::registry`): register → apply config → ready; run-id admission, refusal framing, `health_observation_seq` stamping |
 //! | [`control_session`] | both ends of one Control Plane ⇄ Edge connection (seed 001): hello and identity agreement, heartbeats and silence, correlation, projection generations that only move forward, lease request/answer matching |
-//! | [`registry`] | the Edge's connection and Node-ownership registry: one Node per connection, pending vs ready, generation fencing, heartbeat timeouts |
 //! | [`tunnel`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
 //! | [`reconnect`] | the supervisor policy: `interval_sec`, `max_attempts`, jitter, exit classes |
 //! | [`health`] | the connection-scoped `health_observation_seq` |
+//! | [`liveness`] | the heartbeat and silence rule both wires share |
 //! | [`validate`] | shared field rules, including `response_stall_timeout_ms` |
 //! | [`text_tools`] | the text tool-call fallback contract: metadata keys, the `<tool_call>` text form, its splitter |
 //!
@@ -29,53 +29,29 @@
 //! After any input, drain `poll_transmit`, then `poll_event`, then re-arm one timer from
 //! `poll_timeout`.
 //!
-//! # Example: a Node and an Edge complete the handshake in memory
+//! # Example: a Node session asks to register, through real bytes
 //!
 //! ```
 //! use std::time::Instant;
 //! use bytes::BytesMut;
 //! use iop_wire::codec::FrameCodec;
-//! use iop_wire::registry::{Registry, RegistryConfig, RegistryEvent};
-//! use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
-//! use iop_wire::runtime::{NodeConfigPayload, RegisterRequest, RuntimeFrame};
+//! use iop_wire::node::{NodeSession, NodeSessionConfig};
+//! use iop_wire::runtime::{RegisterRequest, RuntimeFrame, RuntimeMessage};
 //!
 //! let now = Instant::now();
-//! let mut edge = Registry::new(RegistryConfig::default());
-//! edge.set_node_config("node-1", Some(NodeConfigPayload::default()));
-//! let conn = edge.accept(now, Some("node-1".to_owned()));
-//!
 //! let register = RegisterRequest { node_id: "node-1".into(), ..Default::default() };
 //! let mut node = NodeSession::new(NodeSessionConfig::default(), register, now);
 //! let codec = FrameCodec::new();
-//!
-//! // Move frames both ways through real bytes until both sides are quiet.
-//! loop {
-//!     let mut moved = false;
-//!     while let Some(frame) = node.poll_transmit() {
-//!         let mut buf = BytesMut::new();
-//!         codec.encode(&frame, &mut buf).unwrap();
-//!         let frame: RuntimeFrame = codec.decode(&mut buf).unwrap().unwrap();
-//!         edge.handle_frame(now, conn, frame);
-//!         moved = true;
-//!     }
-//!     while let Some((_, frame)) = edge.poll_transmit() {
-//!         node.handle_frame(now, frame);
-//!         moved = true;
-//!     }
-//!     while let Some(event) = node.poll_event() {
-//!         if let NodeEvent::ApplyConfig { .. } = event {
-//!             // Apply the config, start adapters, install handlers; then:
-//!             node.config_applied(now).unwrap();
-//!             moved = true;
-//!         }
-//!     }
-//!     if !moved { break; }
-//! }
-//! assert!(node.is_ready());
-//! assert!(edge.ready_generation("node-1").is_some());
-//! assert!(std::iter::from_fn(|| edge.poll_event())
-//!     .any(|e| matches!(e, RegistryEvent::NodeReady { .. })));
+//! let frame = node.poll_transmit().expect("the session opens with its registration");
+//! let mut buf = BytesMut::new();
+//! codec.encode(&frame, &mut buf).unwrap();
+//! let read: RuntimeFrame = codec.decode(&mut buf).unwrap().unwrap();
+//! assert!(matches!(read.message, RuntimeMessage::RegisterRequest(_)));
 //! ```
+//!
+//! The Edge's side of the same handshake is `iop_edge_core::registry` (its docs run both sides
+//! in memory).
+//!
 //!
 //! # Choices where the seeds are silent
 //!
@@ -99,7 +75,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-mod liveness;
 mod proto;
 
 pub mod backoff;
@@ -108,9 +83,9 @@ pub mod control;
 pub mod control_session;
 pub mod error;
 pub mod health;
+pub mod liveness;
 pub mod node;
 pub mod reconnect;
-pub mod registry;
 pub mod runtime;
 pub mod text_tools;
 pub mod time;

@@ -36,14 +36,15 @@ impl HeartbeatConfig {
 
 /// Per-connection liveness state.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Liveness {
+pub struct Liveness {
     config: HeartbeatConfig,
     last_sent: Instant,
     last_received: Instant,
 }
 
 impl Liveness {
-    pub(crate) fn new(config: HeartbeatConfig, now: Instant) -> Self {
+    /// Fresh state: nothing sent or received yet counts as at `now`.
+    pub fn new(config: HeartbeatConfig, now: Instant) -> Self {
         Self {
             config,
             last_sent: now,
@@ -51,37 +52,42 @@ impl Liveness {
         }
     }
 
-    pub(crate) fn set_config(&mut self, config: HeartbeatConfig) {
+    /// Replaces the settings (a heartbeat interval the peer announced).
+    pub fn set_config(&mut self, config: HeartbeatConfig) {
         self.config = config;
     }
 
-    pub(crate) fn on_sent(&mut self, now: Instant) {
+    /// Something was sent at `now`.
+    pub fn on_sent(&mut self, now: Instant) {
         self.last_sent = self.last_sent.max(now);
     }
 
-    pub(crate) fn on_received(&mut self, now: Instant) {
+    /// Something was received at `now`.
+    pub fn on_received(&mut self, now: Instant) {
         self.last_received = self.last_received.max(now);
     }
 
     /// When the next ping is due.
-    pub(crate) fn ping_at(&self) -> Instant {
+    pub fn ping_at(&self) -> Instant {
         self.last_sent
             .checked_add(self.config.interval)
             .unwrap_or(self.last_sent)
     }
 
     /// When the connection counts as dead.
-    pub(crate) fn idle_deadline(&self) -> Instant {
+    pub fn idle_deadline(&self) -> Instant {
         self.last_received
             .checked_add(self.config.idle_timeout)
             .unwrap_or(self.last_received)
     }
 
-    pub(crate) fn ping_due(&self, now: Instant) -> bool {
+    /// Whether a ping is due at `now`.
+    pub fn ping_due(&self, now: Instant) -> bool {
         now >= self.ping_at()
     }
 
-    pub(crate) fn idle_expired(&self, now: Instant) -> bool {
+    /// Whether the peer has been silent too long at `now`.
+    pub fn idle_expired(&self, now: Instant) -> bool {
         now >= self.idle_deadline()
     }
 }

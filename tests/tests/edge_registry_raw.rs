@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
+use iop_edge::registry::reason;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
-use iop_wire::registry::reason;
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
     RuntimeFrame, RuntimeMessage,

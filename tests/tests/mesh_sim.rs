@@ -44,10 +44,10 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge::registry::Generation;
 use iop_edge::{Dispatched, EdgeHandle, PoolRequest, TransportConfig, start_unbound};
 use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node_with};
 use iop_tests::pki::Ca;
-use iop_wire::registry::Generation;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, RunEventKind, RunRequest,
 };

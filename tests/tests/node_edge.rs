@@ -86,7 +86,7 @@ fn run(id: &str, input: &str) -> RunRequest {
     }
 }
 
-async fn connected(events: &mut broadcast::Receiver<Lifecycle>) -> iop_wire::registry::Generation {
+async fn connected(events: &mut broadcast::Receiver<Lifecycle>) -> iop_edge::registry::Generation {
     loop {
         if let Lifecycle::Connected { generation, .. } = events.recv().await.unwrap() {
             return generation;

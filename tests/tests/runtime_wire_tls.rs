@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
+use iop_edge::registry::{
+    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
+};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
 use iop_wire::codec::TokioCodec;
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession, NodeSessionConfig};
-use iop_wire::registry::{
-    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
-};
 use iop_wire::runtime::{
     NodeConfigPayload, RegisterRequest, RunEvent, RunEventKind, RunRequest, RuntimeFrame,
     RuntimeMessage,

@@ -40,10 +40,10 @@ use axum::body::Body;
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use iop_edge::registry::RegistryConfig;
 use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_tests::pki::{Ca, TRUST_DOMAIN};
-use iop_wire::registry::RegistryConfig;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeConfigPayload,
     OpenAiCompatSettings, Operation, ProviderTunnelRequest,

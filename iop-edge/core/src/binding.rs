@@ -44,7 +44,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use iop_wire::registry::Generation;
+use crate::registry::Generation;
 use iop_wire::runtime::CredentialLeaseBinding;
 
 use crate::pool::ProviderKind;

@@ -10,7 +10,7 @@
 //!
 //! It owns:
 //!
-//! - the `iop_wire::registry::Registry` (the single authority for `node_id → current owner,
+//! - the [`registry::Registry`] (the single authority for `node_id → current owner,
 //!   generation, pending/ready`), fed by connection ([`EdgeCore::accept`],
 //!   [`EdgeCore::handle_frame`], [`EdgeCore::handle_close`]);
 //! - the provider [`pool`] and its queue ([`EdgeCore::admit`], [`EdgeCore::send_admitted`],
@@ -54,7 +54,7 @@
 //! use std::sync::Arc;
 //! use std::time::Instant;
 //! use iop_edge_core::{CoreConfig, EdgeCore, NoObserver, Sinks};
-//! use iop_wire::registry::{Registry, RegistryConfig};
+//! use iop_edge_core::registry::{Registry, RegistryConfig};
 //! # use iop_edge_core::{Level, StreamSink, TunnelEvent};
 //! # use iop_wire::runtime::RunEvent;
 //! # #[derive(Debug)] struct Buf;
@@ -94,6 +94,7 @@ pub mod binding;
 mod machine;
 pub mod pool;
 pub mod projection;
+pub mod registry;
 
 pub use machine::{
     Admit, Admitted, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,

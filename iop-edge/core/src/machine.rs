@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use iop_wire::registry::{ConnId, FenceCause, Generation, Registry, RegistryEvent, SendError};
+use crate::registry::{ConnId, FenceCause, Generation, Registry, RegistryEvent, SendError};
 use iop_wire::runtime::{
     CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
     NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderSnapshot,
@@ -805,7 +805,7 @@ impl<S: Sinks> EdgeCore<S> {
 
     /// Managed mode: the lease issuer keys the Control Plane names in its projection. A Node
     /// registering without trusting the active key is refused
-    /// (`iop_wire::registry::Registry::set_required_issuer`); a registered Node that does not
+    /// ([`crate::registry::Registry::set_required_issuer`]); a registered Node that does not
     /// trust it (the key was just rotated) is no longer selected, its running work finishing
     /// ([`Pool::set_node_excluded`]), until it registers again trusting it; a Node that does
     /// not trust the staged key gets a warning (log and status) before the switch. Nodes
@@ -858,7 +858,7 @@ impl<S: Sinks> EdgeCore<S> {
             .map(|a| {
                 format!(
                     "{}: the control plane signs leases with {a} now; this node trusts {}; pin the key `iop-cp issuer-key` prints and restart the node",
-                    iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED,
+                    crate::registry::reason::ISSUER_KEY_NOT_TRUSTED,
                     pins.join(", ")
                 )
             })
@@ -893,9 +893,11 @@ impl<S: Sinks> EdgeCore<S> {
                 self.refused.insert(node_id.to_owned(), reason);
             }
             None => {
-                if self.refused.get(node_id).is_some_and(|r| {
-                    r.starts_with(iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED)
-                }) {
+                if self
+                    .refused
+                    .get(node_id)
+                    .is_some_and(|r| r.starts_with(crate::registry::reason::ISSUER_KEY_NOT_TRUSTED))
+                {
                     self.refused.remove(node_id);
                 }
             }
@@ -1357,7 +1359,6 @@ impl<S: Sinks> EdgeCore<S> {
                 }
                 self.refused.insert(node_id, reason);
             }
-            _ => {}
         }
     }
 

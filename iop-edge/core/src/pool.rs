@@ -29,7 +29,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use iop_wire::registry::Generation;
+use crate::registry::Generation;
 use iop_wire::runtime::ProviderSnapshot;
 
 /// A provider's identity: `(node_id, provider_id)`.

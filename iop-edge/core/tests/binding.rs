@@ -22,8 +22,8 @@ use iop_edge_core::binding::{
 };
 use iop_edge_core::pool::ProviderKind;
 use iop_edge_core::projection::ProjectionIndex;
+use iop_edge_core::registry::Generation;
 use iop_wire::control::{PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken};
-use iop_wire::registry::Generation;
 use iop_wire::runtime::CredentialLeaseBinding;
 use ring::digest::{SHA256, digest};
 

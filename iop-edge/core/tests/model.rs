@@ -80,11 +80,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use iop_edge_core::pool::LeaseId;
+use iop_edge_core::registry::{ConnId, FenceCause, Generation};
 use iop_edge_core::{
     Admit, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink, TunnelEvent,
 };
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
-use iop_wire::registry::{ConnId, FenceCause, Generation};
 use iop_wire::runtime::{RegisterRequest, RunEvent, RunEventKind, RuntimeFrame, RuntimeMessage};
 use stateright::{Checker, Model, Property};
 

@@ -26,13 +26,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use iop_edge_core::registry::{ConnId, Generation};
 use iop_edge_core::{
     Admit, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,
     NODE_DISCONNECTED, Observer, Open, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
 };
 use iop_wire::codec::FrameCodec;
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
-use iop_wire::registry::{ConnId, Generation};
 use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, Header,
     HealthEvidence, NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
@@ -1021,7 +1021,7 @@ fn a_rotated_issuer_key_stops_selecting_nodes_that_do_not_trust_it() {
     );
     let refused = p.edge.refused("node-1").expect("node-1 is not selected");
     assert!(
-        refused.starts_with(iop_wire::registry::reason::ISSUER_KEY_NOT_TRUSTED)
+        refused.starts_with(iop_edge_core::registry::reason::ISSUER_KEY_NOT_TRUSTED)
             && refused.contains("p256:new")
             && refused.contains("p256:old"),
         "{refused}"

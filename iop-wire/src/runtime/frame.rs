@@ -41,6 +41,13 @@ impl RuntimeFrame {
         }
     }
 
+    /// Checks this frame exactly as its receiver will: encoded and decoded again through the
+    /// validating conversion. The Edge runs it once per request it sends, so a bad field in one
+    /// request cannot cost the Node its session.
+    pub fn validate(&self) -> Result<(), InvalidMessage> {
+        Self::try_from(self.to_proto()).map(drop)
+    }
+
     pub(crate) fn to_proto(&self) -> pb::Envelope {
         use pb::envelope::Message as M;
         let message = match &self.message {

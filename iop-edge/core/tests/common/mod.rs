@@ -7,8 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use iop_edge_core::pool::{Pool, PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge_core::registry::{Registry, RegistryConfig};
 use iop_wire::HeartbeatConfig;
-use iop_wire::registry::{Registry, RegistryConfig};
 use iop_wire::runtime::{NodeConfigPayload, RunRequest};
 use iop_wire::validate::ResponseStallTimeout;
 

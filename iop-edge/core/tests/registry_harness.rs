@@ -6,13 +6,13 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use iop_edge_core::registry::{
+    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
+};
 use iop_wire::HeartbeatConfig;
 use iop_wire::codec::FrameCodec;
 use iop_wire::node::{CloseReason, NodeEvent, NodeSession, NodeSessionConfig, NodeState};
 use iop_wire::reconnect::{Action, Exit, Failure, ReconnectPolicy, Supervisor};
-use iop_wire::registry::{
-    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent, reason,
-};
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RegisterRequest, RegisterResponse,
     RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,

@@ -34,13 +34,61 @@
 //! call drains [`Registry::poll_transmit`] (frames to write to a connection) and
 //! [`Registry::poll_event`] (including [`RegistryEvent::CloseConnection`]), then re-arms one
 //! timer from [`Registry::poll_timeout`]. Time is always an argument.
+//!
+//! # Example: a Node and the Edge complete the handshake in memory
+//!
+//! ```
+//! use std::time::Instant;
+//! use bytes::BytesMut;
+//! use iop_wire::codec::FrameCodec;
+//! use iop_edge_core::registry::{Registry, RegistryConfig, RegistryEvent};
+//! use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
+//! use iop_wire::runtime::{NodeConfigPayload, RegisterRequest, RuntimeFrame};
+//!
+//! let now = Instant::now();
+//! let mut edge = Registry::new(RegistryConfig::default());
+//! edge.set_node_config("node-1", Some(NodeConfigPayload::default()));
+//! let conn = edge.accept(now, Some("node-1".to_owned()));
+//!
+//! let register = RegisterRequest { node_id: "node-1".into(), ..Default::default() };
+//! let mut node = NodeSession::new(NodeSessionConfig::default(), register, now);
+//! let codec = FrameCodec::new();
+//!
+//! // Move frames both ways through real bytes until both sides are quiet.
+//! loop {
+//!     let mut moved = false;
+//!     while let Some(frame) = node.poll_transmit() {
+//!         let mut buf = BytesMut::new();
+//!         codec.encode(&frame, &mut buf).unwrap();
+//!         let frame: RuntimeFrame = codec.decode(&mut buf).unwrap().unwrap();
+//!         edge.handle_frame(now, conn, frame);
+//!         moved = true;
+//!     }
+//!     while let Some((_, frame)) = edge.poll_transmit() {
+//!         node.handle_frame(now, frame);
+//!         moved = true;
+//!     }
+//!     while let Some(event) = node.poll_event() {
+//!         if let NodeEvent::ApplyConfig { .. } = event {
+//!             // Apply the config, start adapters, install handlers; then:
+//!             node.config_applied(now).unwrap();
+//!             moved = true;
+//!         }
+//!     }
+//!     if !moved { break; }
+//! }
+//! assert!(node.is_ready());
+//! assert!(edge.ready_generation("node-1").is_some());
+//! assert!(std::iter::from_fn(|| edge.poll_event())
+//!     .any(|e| matches!(e, RegistryEvent::NodeReady { .. })));
+//! ```
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
-use crate::liveness::{HeartbeatConfig, Liveness};
-use crate::runtime::{
+use iop_wire::liveness::{HeartbeatConfig, Liveness};
+use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, NodeReadyResponse, RecipientKey, RegisterRequest,
     RegisterResponse, RuntimeFrame, RuntimeMessage,
 };
@@ -198,7 +246,7 @@ pub enum SendError {
     /// The frame would not pass the Node's validation (e.g. an id with forbidden characters).
     /// Sending it would make the Node close the whole session, so it is refused here.
     #[error("invalid message: {0}")]
-    Invalid(crate::error::InvalidMessage),
+    Invalid(iop_wire::error::InvalidMessage),
 }
 
 /// How long an accepted connection has to register and report ready by default.
@@ -513,7 +561,7 @@ impl Registry {
         }
         // Validate exactly as the Node will (one encode + decode per request, not per frame of
         // a stream): a bad field in one request must not cost the Node its session.
-        RuntimeFrame::try_from(frame.to_proto()).map_err(SendError::Invalid)?;
+        frame.validate().map_err(SendError::Invalid)?;
         self.transmit(now, conn, frame);
         Ok(conn)
     }
