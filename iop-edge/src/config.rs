@@ -38,7 +38,8 @@
 //! node_id = "node-1"
 //! [[nodes.adapters]]
 //! name = "openai"                    # the instance name (a Node's [[credentials]] refer to it)
-//! type = "openai_compat"             # or "ollama", "demo"
+//! type = "openai_compat"             # or "ollama", "demo", or a native type your Nodes
+//!                                    # register (iop_node::AdapterRegistry::register)
 //! base_url = "https://api.openai.com/v1"
 //! profile = "openai"                 # chat_only (default), openai, anthropic: see iop_edge::profile
 //! # operations = { chat_completions = "/chat/completions", models = "/models" }
@@ -83,6 +84,7 @@ use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, OpenAiCompatSettings,
 };
 use serde::Deserialize;
+use workload_identity::reload::TlsPaths;
 use workload_identity::{ExpectedPeer, WorkloadTls, role};
 
 use crate::control::ControlConfig;
@@ -167,12 +169,16 @@ pub struct Listen {
 pub struct Tls {
     /// `tls.trust_domain`.
     pub trust_domain: String,
-    /// `tls.ca`.
-    pub ca: PathBuf,
-    /// `tls.cert`.
-    pub cert: PathBuf,
-    /// `tls.key`.
-    pub key: PathBuf,
+    /// `tls.ca` (required unless the material is given in code:
+    /// [`EdgeConfigFile::build_with_tls`]).
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
+    /// `tls.cert` (likewise).
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// `tls.key` (likewise).
+    #[serde(default)]
+    pub key: Option<PathBuf>,
     /// `tls.reload_sec` (default 5; 0 = never).
     #[serde(default = "default_reload")]
     pub reload_sec: u64,
@@ -420,12 +426,8 @@ fn default_stale_binding_wait_ms() -> u64 {
 /// The three TLS files and how often to re-read them.
 #[derive(Clone, Debug)]
 pub struct TlsFiles {
-    /// CA bundle.
-    pub ca: PathBuf,
-    /// Certificate chain.
-    pub cert: PathBuf,
-    /// Private key.
-    pub key: PathBuf,
+    /// The files.
+    pub paths: TlsPaths,
     /// Re-read interval; `None` = never.
     pub reload: Option<Duration>,
 }
@@ -445,11 +447,13 @@ pub struct EdgeConfig {
     pub serve: ServeLimits,
     /// The Control Plane connector, when configured.
     pub control: Option<ControlConfig>,
-    /// The TLS material every listener and dialer reads at each handshake; reload it with
-    /// [`WorkloadTls::reload_pem`] when [`EdgeConfig::tls_files`] change.
+    /// The TLS material every listener and dialer reads at each handshake; [`crate::Edge`]
+    /// reloads it when [`EdgeConfig::tls_files`] ask for it.
     pub tls: Arc<WorkloadTls>,
-    /// Where the TLS material comes from.
-    pub tls_files: TlsFiles,
+    /// Where the TLS material comes from: `None` when it was given in code
+    /// ([`EdgeConfigFile::build_with_tls`]; reload it yourself with
+    /// [`WorkloadTls::reload_pem`]).
+    pub tls_files: Option<TlsFiles>,
 }
 
 impl EdgeConfigFile {
@@ -469,8 +473,10 @@ impl EdgeConfigFile {
 
     /// Validates every key, reads the TLS files and key files, and builds the Edge's parts.
     pub fn build(self) -> Result<EdgeConfig, ConfigError> {
-        self.limits.check()?;
-        let read = |key: &'static str, p: &Path| {
+        let read = |key: &'static str, p: &Option<PathBuf>| {
+            let p = p
+                .as_deref()
+                .ok_or_else(|| invalid(key, "required (the file's path)"))?;
             std::fs::read(p).map_err(|e| invalid(key, format!("cannot read {}: {e}", p.display())))
         };
         let ca = read("tls.ca", &self.tls.ca)?;
@@ -484,6 +490,44 @@ impl EdgeConfigFile {
             };
             invalid(key, e)
         })?;
+        let files = TlsFiles {
+            paths: TlsPaths {
+                ca: self.tls.ca.clone().unwrap_or_default(),
+                cert: self.tls.cert.clone().unwrap_or_default(),
+                key: self.tls.key.clone().unwrap_or_default(),
+            },
+            reload: (self.tls.reload_sec > 0).then(|| Duration::from_secs(self.tls.reload_sec)),
+        };
+        self.build_parts(tls, Some(files))
+    }
+
+    /// Like [`EdgeConfigFile::build`], with the TLS material given in code (PEM bytes through
+    /// [`WorkloadTls::from_pem`], or a development CA's `workload_identity::dev_ca`) instead
+    /// of `tls.ca`/`cert`/`key`, which must then be absent (`tls.trust_domain` is still
+    /// checked against the certificate). Nothing is reloaded: call
+    /// [`WorkloadTls::reload_pem`] on your `Arc` when your material changes.
+    pub fn build_with_tls(self, tls: Arc<WorkloadTls>) -> Result<EdgeConfig, ConfigError> {
+        for (key, set) in [
+            ("tls.ca", self.tls.ca.is_some()),
+            ("tls.cert", self.tls.cert.is_some()),
+            ("tls.key", self.tls.key.is_some()),
+        ] {
+            if set {
+                return Err(invalid(
+                    key,
+                    "not used when the TLS material is given in code (build_with_tls)",
+                ));
+            }
+        }
+        self.build_parts(tls, None)
+    }
+
+    fn build_parts(
+        self,
+        tls: Arc<WorkloadTls>,
+        tls_files: Option<TlsFiles>,
+    ) -> Result<EdgeConfig, ConfigError> {
+        self.limits.check()?;
         let own = tls.identity();
         if own.role() != role::EDGE
             || own.name() != self.edge_id
@@ -667,12 +711,7 @@ impl EdgeConfigFile {
             },
             control,
             tls,
-            tls_files: TlsFiles {
-                ca: self.tls.ca,
-                cert: self.tls.cert,
-                key: self.tls.key,
-                reload: (self.tls.reload_sec > 0).then(|| Duration::from_secs(self.tls.reload_sec)),
-            },
+            tls_files,
         })
     }
 }
@@ -704,7 +743,9 @@ fn adapter_settings(a: &Adapter) -> Result<(AdapterSettings, ProviderKind), Conf
                 ProviderKind::OpenAiCompat,
             ))
         }
-        "ollama" | "demo" => {
+        // `ollama`, `demo`, or a native type the embedder registers on its Nodes
+        // (`iop_node::AdapterRegistry::register`); a Node refuses a type it does not have.
+        native if is_adapter_type(native) => {
             if a.profile.is_some() || a.operations.is_some() {
                 return Err(invalid(
                     "nodes.adapters.profile",
@@ -724,9 +765,16 @@ fn adapter_settings(a: &Adapter) -> Result<(AdapterSettings, ProviderKind), Conf
         }
         _ => Err(invalid(
             "nodes.adapters.type",
-            "must be openai_compat, ollama or demo",
+            "must be openai_compat, ollama, demo or a native type of 1-64 characters of a-z 0-9 _ -",
         )),
     }
+}
+
+/// A native adapter type name: what a Node's `AdapterRegistry` can register.
+fn is_adapter_type(t: &str) -> bool {
+    (1..=64).contains(&t.len())
+        && t.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
 }
 
 #[cfg(test)]

@@ -77,6 +77,7 @@
 
 pub mod config;
 pub mod control;
+mod edge;
 pub mod http;
 mod managed;
 pub mod metrics;
@@ -87,6 +88,7 @@ mod stream_buf;
 mod tools;
 pub mod transport;
 
+pub use edge::{Edge, StartError};
 pub use transport::{
     Admission, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
     TransportConfig, TunnelEvent, TunnelStream, bind, start_unbound,

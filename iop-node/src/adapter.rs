@@ -242,9 +242,33 @@ pub trait Adapter: Send + Sync + 'static {
     async fn probe(&self, target: &str, credential: Option<&UpstreamCredential>) -> ProviderStatus;
 }
 
-/// Builds adapter instances of one type from their configuration.
-pub type AdapterFactory =
-    Arc<dyn Fn(&AdapterConfig) -> Result<Arc<dyn Adapter>, String> + Send + Sync + 'static>;
+/// Why a factory could not build an adapter instance from its configuration. The text goes to
+/// the Edge as the reason the Node's config was refused, so it must name the setting and never
+/// carry a secret.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdapterBuildError {
+    /// A setting is unusable; the message names it (for example `base_url must be http or
+    /// https`).
+    #[error("{0}")]
+    InvalidSetting(String),
+    /// The instance's settings are for another kind of adapter (OpenAI-compatible settings
+    /// given to a native type, or the reverse).
+    #[error("settings of another adapter kind")]
+    WrongSettings,
+}
+
+impl From<String> for AdapterBuildError {
+    fn from(message: String) -> Self {
+        Self::InvalidSetting(message)
+    }
+}
+
+/// Builds adapter instances of one type from their configuration (the Edge's
+/// `[[nodes.adapters]]` entry for this Node, pushed at registration and on every refresh).
+pub type AdapterFactory = Arc<
+    dyn Fn(&AdapterConfig) -> Result<Arc<dyn Adapter>, AdapterBuildError> + Send + Sync + 'static,
+>;
 
 /// Adapter factories by type name (`"demo"`, `"ollama"`, `"openai_compat"`, or your own).
 #[derive(Clone, Default)]

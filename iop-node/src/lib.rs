@@ -84,6 +84,7 @@ pub mod config;
 pub mod credential;
 mod demo;
 mod exec;
+mod node;
 pub mod ollama;
 pub mod openai;
 mod provider_http;
@@ -93,9 +94,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use adapter::{
-    Adapter, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate, RunCompletion, RunEvents,
-    STREAM_BUFFER, TunnelSink,
+    Adapter, AdapterBuildError, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate,
+    RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink,
 };
+/// The attribute [`Adapter`] implementations are written with.
+pub use async_trait::async_trait;
 pub use demo::DemoAdapter;
 pub use exec::{DEFAULT_CLOSE_GRACE, RESPONSE_STALLED};
 use iop_wire::codec::DEFAULT_MAX_FRAME_LEN;
@@ -103,6 +106,13 @@ use iop_wire::node::{CloseReason, NodeSessionConfig};
 use iop_wire::reconnect::{Action, Failure, Supervisor};
 pub use iop_wire::reconnect::{Exit, ReconnectPolicy};
 use iop_wire::runtime::RecipientKey;
+/// The wire types an [`Adapter`] reads and writes, re-exported so an adapter needs no direct
+/// dependency on `iop-wire`.
+pub use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, Header, NativeSettings, ProviderStatus, ProviderTunnelRequest,
+    RunRequest, TunnelPayload, Usage,
+};
+pub use node::Node;
 pub use ollama::OllamaAdapter;
 pub use openai::OpenAiCompatAdapter;
 use rustls_pki_types::ServerName;

@@ -55,9 +55,9 @@ impl DevCa {
         self.ca.cert_pem()
     }
 
-    /// The replaceable material of workload `role/name` (see [`role`]), for an API that takes
-    /// a [`WorkloadTls`] (the Edge's and the Node's configs do).
-    pub fn material(&self, role: &str, name: &str) -> Result<Arc<WorkloadTls>, DevCaError> {
+    /// A fresh certificate and key (PEM) for workload `role/name`: what a rotation hands to
+    /// [`WorkloadTls::reload_pem`], or what a peer in another process loads from files.
+    pub fn issue_pem(&self, role: &str, name: &str) -> Result<(String, String), DevCaError> {
         let issued = self
             .ca
             .issue(
@@ -68,10 +68,17 @@ impl DevCa {
                 365,
             )
             .map_err(err)?;
+        Ok((issued.cert_pem, issued.key_pem))
+    }
+
+    /// The replaceable material of workload `role/name` (see [`role`]), for an API that takes
+    /// a [`WorkloadTls`] (the Edge's and the Node's configs do).
+    pub fn material(&self, role: &str, name: &str) -> Result<Arc<WorkloadTls>, DevCaError> {
+        let (cert, key) = self.issue_pem(role, name)?;
         WorkloadTls::from_pem(
             self.ca.cert_pem().as_bytes(),
-            issued.cert_pem.as_bytes(),
-            issued.key_pem.as_bytes(),
+            cert.as_bytes(),
+            key.as_bytes(),
         )
         .map_err(err)
     }

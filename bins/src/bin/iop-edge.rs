@@ -20,12 +20,8 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use iop_edge::bind;
-use iop_edge::config::{EdgeConfig, EdgeConfigFile};
-use iop_edge::control::ControlConnector;
-use iop_edge::http;
-use tokio_util::sync::CancellationToken;
-use workload_identity::reload::{self as tls_reload, TlsPaths};
+use iop_edge::config::EdgeConfigFile;
+use iop_edge::{Edge, StartError};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -69,75 +65,33 @@ async fn main() {
         println!("iop-edge: configuration valid");
         return;
     }
-    let EdgeConfig {
-        transport,
-        http_listen,
-        mut http,
-        serve,
-        control,
-        tls,
-        tls_files,
-        ..
-    } = built;
-    let stop = CancellationToken::new();
-    if let Some(every) = tls_files.reload {
-        let paths = TlsPaths {
-            ca: tls_files.ca,
-            cert: tls_files.cert,
-            key: tls_files.key,
-        };
-        tls_reload::spawn(tls, paths, every, "edge", stop.clone());
-    }
-    let (edge, _accept) = bind(transport).await.unwrap_or_else(|e| {
-        eprintln!("iop-edge: node listener: {e}");
-        std::process::exit(1);
+    let http_listen = built.http_listen;
+    let edge = Edge::start(built).await.unwrap_or_else(|e| {
+        eprintln!("iop-edge: {e}");
+        std::process::exit(match e {
+            StartError::Listen(_) => 1,
+            _ => 2,
+        });
     });
-    let mut connector = None;
-    if let Some(c) = control {
-        match ControlConnector::start(edge.clone(), c, stop.clone()) {
-            Ok(c) => {
-                connector = Some(c.clone());
-                http.control = Some(c);
-            }
-            Err(e) => {
-                eprintln!("iop-edge: control_plane: {e}");
-                std::process::exit(2);
-            }
-        }
-    }
     let listener = tokio::net::TcpListener::bind(http_listen)
         .await
         .unwrap_or_else(|e| {
             eprintln!("iop-edge: http listener {http_listen}: {e}");
             std::process::exit(1);
         });
-    println!("iop-edge: nodes on {}", edge.local_addr());
+    println!("iop-edge: nodes on {}", edge.node_addr());
     println!(
         "iop-edge: HTTP API on http://{}/v1",
         listener.local_addr().map_or(http_listen, |a| a)
     );
+    let http = edge.http_config();
     if http.api_keys.is_none() && http.control.is_none() {
         eprintln!("iop-edge: no [auth] section: every request is accepted without a key");
     }
-    let metrics = edge.metrics().clone();
-    let app = http::router(edge, http);
-    // On a worker thread, not the thread blocked in `block_on` (see iop-node).
-    let served = tokio::spawn(http::serve_with(
-        listener,
-        app,
-        serve,
-        Some(metrics),
-        shutdown,
-    ))
-    .await;
-    if let Ok(Err(e)) = served {
+    if let Err(e) = edge.serve(listener, edge.router(), shutdown).await {
         eprintln!("iop-edge: http: {e}");
         std::process::exit(1);
     }
-    stop.cancel();
-    if let Some(c) = connector {
-        // Let the Control Plane session close cleanly (bounded: its close waits 1 s at most).
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), c.stopped()).await;
-    }
+    edge.shutdown().await;
     println!("iop-edge: stopped");
 }

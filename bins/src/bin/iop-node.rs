@@ -5,9 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use iop_node::config::NodeConfigFile;
-use iop_node::{AdapterRegistry, run_node};
-use tokio_util::sync::CancellationToken;
-use workload_identity::reload::{self as tls_reload, TlsPaths};
+use iop_node::{AdapterRegistry, Node};
 
 /// Run an IOP Node: dial the Edge over mutually authenticated TLS, register, apply the adapter
 /// configuration the Edge sends, report ready, and execute runs and provider tunnels.
@@ -63,28 +61,16 @@ fn main() -> ExitCode {
         }
     };
     let exit = runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        let signals = shutdown.clone();
         let signal = iop_bins::shutdown_signal();
-        tokio::spawn(async move {
-            signal.await;
-            tracing::info!("shutdown requested");
-            signals.cancel();
-        });
-        if let Some(every) = built.reload {
-            let paths = TlsPaths {
-                ca: built.ca,
-                cert: built.cert,
-                key: built.key,
-            };
-            tls_reload::spawn(built.tls, paths, every, "node", shutdown.clone());
-        }
-        // On a worker thread, not the thread blocked in `block_on`: the session loop then
-        // shares the workers' wake-ups instead of being woken across threads for every frame.
-        match tokio::spawn(run_node(built.options, shutdown)).await {
-            Ok(exit) => exit,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        }
+        // The supervisor runs on a worker thread, not the thread blocked in `block_on`: the
+        // session loop then shares the workers' wake-ups instead of being woken across threads
+        // for every frame.
+        Node::from_config(built)
+            .run_until(async {
+                signal.await;
+                tracing::info!("shutdown requested");
+            })
+            .await
     });
     tracing::info!(?exit, "iop-node stopped");
     ExitCode::from(u8::try_from(exit.exit_code()).unwrap_or(1))

@@ -147,31 +147,65 @@ struct AppState {
     catalog: Arc<Catalog>,
 }
 
-/// The axum router of the HTTP surface.
+/// The whole HTTP surface as the standalone Edge serves it: [`api_router`] and
+/// [`ops_router`] merged, with a fallback that answers unknown paths (404) and wrong methods
+/// (405) in the path's dialect. To mount the API inside an application that has routes (and a
+/// fallback) of its own, use [`api_router`] instead (`crate::Edge::api`).
 pub fn router(edge: EdgeHandle, config: HttpConfig) -> Router {
+    let state = app_state(edge, config);
+    api_routes(&state)
+        .merge(ops_routes(&state))
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(method_not_allowed)
+}
+
+/// The model API alone: `/v1/models`, `/v1/chat/completions`, `/v1/responses`,
+/// `/v1/messages` and `/v1/messages/count_tokens`, with the body limits and authentication of
+/// `config`, and no fallback, so it merges into (or nests under a prefix of) an application
+/// that has its own. A wrong method on one of these paths is 405 in the path's dialect.
+pub fn api_router(edge: EdgeHandle, config: HttpConfig) -> Router {
+    api_routes(&app_state(edge, config))
+}
+
+/// The operational routes alone: `/metrics` (Prometheus text), `/healthz` (liveness) and
+/// `/readyz` (200 when a Node is dispatch-ready and, in managed mode, the Control Plane
+/// session and projection are live; 503 with the reason otherwise). Put them where your
+/// operators and load balancer expect them; they have no authentication of their own.
+pub fn ops_router(edge: EdgeHandle, config: HttpConfig) -> Router {
+    ops_routes(&app_state(edge, config))
+}
+
+fn app_state(edge: EdgeHandle, config: HttpConfig) -> AppState {
     let catalog = Arc::new(Catalog::new(&edge));
-    let body_timeout = config.body_timeout;
-    let state = AppState {
+    AppState {
         edge,
         config: Arc::new(config),
         catalog,
-    };
+    }
+}
+
+fn api_routes(state: &AppState) -> Router {
+    let body_timeout = state.config.body_timeout;
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .fallback(unknown_path)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn(move |req, next| {
             read_body(body_timeout, req, next)
         }))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
-        .with_state(state)
+        .with_state(state.clone())
+}
+
+fn ops_routes(state: &AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .with_state(state.clone())
 }
 
 /// Reads the whole request body before routing, within `timeout` and [`MAX_REQUEST_BODY`]:

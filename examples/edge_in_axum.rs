@@ -1,0 +1,257 @@
+//! Example (a): an IOP Edge embedded in an existing axum application.
+//!
+//! One complete program, no file on disk: an in-memory development CA
+//! (`workload_identity::dev_ca`) hands out the Edge's and the Nodes' mTLS identities; the Edge
+//! is configured from TOML text in the program; two Nodes with the built-in `demo` adapter run
+//! in the same process and register over real mTLS sockets. The application keeps its own
+//! routes, its own fallback and its own authentication middleware, which decides who may call
+//! the model API mounted under `/llm` (OpenAI chat completions, the Responses API and the
+//! Anthropic Messages API, as `/llm/v1/...`). The Edge's connection limits (`[limits]`) apply
+//! to the listener, and its certificate is rotated in place every `--rotate-secs`.
+//!
+//! ```sh
+//! cargo run -p iop-examples --bin edge-in-axum
+//! curl -s localhost:3000/llm/v1/chat/completions -H 'x-app-user: alice' \
+//!   -H 'content-type: application/json' \
+//!   -d '{"model": "demo", "messages": [{"role": "user", "content": "hello"}]}'
+//! ```
+//!
+//! A third Node may join from another process with a custom adapter (example (b),
+//! `custom_adapter_node.rs`): `--export-node-tls DIR` writes its certificate, key and the CA
+//! (the only files this example ever writes, and only when asked) and the Edge serves model
+//! `reverse` on it.
+//!
+//! Flags: `--listen ADDR` (default `127.0.0.1:3000`), `--rotate-secs N` (default 300),
+//! `--export-node-tls DIR`.
+#![allow(clippy::print_stdout, reason = "an example prints what it does")]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use iop_edge::Edge;
+use iop_edge::config::EdgeConfigFile;
+use iop_node::{AdapterRegistry, Node, NodeOptions};
+use workload_identity::dev_ca::DevCa;
+use workload_identity::role;
+
+/// The Edge's configuration: every key is documented in `iop_edge::config`. No `[tls]` files:
+/// the material comes from the development CA (`build_with_tls`).
+const EDGE_TOML: &str = r#"
+edge_id = "edge-1"
+
+[listen]
+nodes = "127.0.0.1:0"           # where Nodes dial (mTLS)
+http = "127.0.0.1:3000"         # informational here: the application binds its own listener
+
+[tls]
+trust_domain = "iop.local"
+
+[pool]
+queue_wait_sec = 10
+
+[limits]
+http_max_connections = 256      # enforced by Edge::serve on the application's listener
+http_header_timeout_sec = 10
+
+[[nodes]]
+node_id = "node-1"
+[[nodes.adapters]]
+name = "demo"
+type = "demo"
+capacity = 4
+
+[[nodes]]
+node_id = "node-2"
+[[nodes.adapters]]
+name = "demo"
+type = "demo"
+capacity = 4
+
+[[nodes]]
+node_id = "node-fn"              # example (b), from another process
+[[nodes.adapters]]
+name = "reverse"
+type = "reverse"                 # a native adapter type that Node registers
+capacity = 2
+
+[[models]]
+name = "demo"
+[[models.providers]]
+node_id = "node-1"
+provider_id = "demo-1"
+adapter = "demo"
+target = "demo"
+capacity = 4
+[[models.providers]]
+node_id = "node-2"
+provider_id = "demo-2"
+adapter = "demo"
+target = "demo"
+capacity = 4
+
+[[models]]
+name = "reverse"
+[[models.providers]]
+node_id = "node-fn"
+provider_id = "reverse-fn"
+adapter = "reverse"
+target = "reverse"
+capacity = 2
+"#;
+
+/// Who may call the model API: the application's own rule (here a header naming a known
+/// user; in a real service, your session or SSO check).
+const USERS: [&str; 2] = ["alice", "bob"];
+
+async fn require_user(request: Request, next: Next) -> Response {
+    let user = request
+        .headers()
+        .get("x-app-user")
+        .and_then(|v| v.to_str().ok());
+    if user.is_some_and(|u| USERS.contains(&u)) {
+        next.run(request).await
+    } else {
+        (StatusCode::UNAUTHORIZED, "sign in to my app first\n").into_response()
+    }
+}
+
+struct Args {
+    listen: SocketAddr,
+    rotate: Duration,
+    export: Option<std::path::PathBuf>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut out = Args {
+        listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
+        rotate: Duration::from_secs(300),
+        export: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--listen" => out.listen = value()?.parse().map_err(|e| format!("--listen: {e}"))?,
+            "--rotate-secs" => {
+                let secs: u64 = value()?
+                    .parse()
+                    .map_err(|e| format!("--rotate-secs: {e}"))?;
+                out.rotate = Duration::from_secs(secs.max(1));
+            }
+            "--export-node-tls" => out.export = Some(value()?.into()),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = args()?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+
+    // Development PKI, in memory.
+    let ca = Arc::new(DevCa::new()?);
+    let edge_tls = ca.material(role::EDGE, "edge-1")?;
+
+    // The Edge: Node listener, pool and queue.
+    let config = EdgeConfigFile::parse(EDGE_TOML)?.build_with_tls(edge_tls.clone())?;
+    let edge = Edge::start(config).await?;
+    let nodes_at = edge.node_addr();
+
+    // Two Nodes in this process, dialling the Edge over mTLS like any remote Node.
+    let mut lifecycle = edge.handle().subscribe();
+    let mut nodes = Vec::new();
+    for id in ["node-1", "node-2"] {
+        let options = NodeOptions::new(
+            id,
+            &nodes_at.to_string(),
+            "localhost",
+            ca.node_tls(id, "edge-1")?,
+        )?
+        .with_adapters(AdapterRegistry::with_builtins());
+        nodes.push(Node::start(options));
+    }
+    let mut ready = 0;
+    while ready < 2 {
+        if let iop_edge::Lifecycle::Connected { .. } = lifecycle.recv().await? {
+            ready += 1;
+        }
+    }
+
+    // Example (b)'s Node runs elsewhere: hand it its identity only when asked.
+    if let Some(dir) = &args.export {
+        std::fs::create_dir_all(dir)?;
+        let (cert, key) = ca.issue_pem(role::NODE, "node-fn")?;
+        std::fs::write(dir.join("ca.pem"), ca.ca_pem())?;
+        std::fs::write(dir.join("node-fn.pem"), cert)?;
+        std::fs::write(dir.join("node-fn.key"), key)?;
+        println!("node-fn identity written to {}", dir.display());
+    }
+
+    // Certificate rotation: re-issue the Edge's certificate and swap it in place; new Node
+    // connections use it, established ones continue.
+    let rotation = {
+        let (ca, tls) = (ca.clone(), edge_tls.clone());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(args.rotate);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                match ca.issue_pem(role::EDGE, "edge-1") {
+                    Ok((cert, key)) => {
+                        match tls.reload_pem(
+                            ca.ca_pem().as_bytes(),
+                            cert.as_bytes(),
+                            key.as_bytes(),
+                        ) {
+                            Ok(_) => println!("edge certificate rotated"),
+                            Err(e) => println!("edge certificate refused: {e}"),
+                        }
+                    }
+                    Err(e) => println!("edge certificate not issued: {e}"),
+                }
+            }
+        })
+    };
+
+    // The application: its own routes, fallback and middleware; the Edge's API under /llm
+    // behind the application's authentication, the Edge's health and metrics under /ops.
+    let app = Router::new()
+        .route("/", get(|| async { "my application\n" }))
+        .route(
+            "/about",
+            get(|| async { "an app that also serves models\n" }),
+        )
+        .nest("/llm", edge.api().layer(middleware::from_fn(require_user)))
+        .nest("/ops", edge.ops())
+        .fallback(|| async { (StatusCode::NOT_FOUND, "no such page in my app\n") });
+
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let at = listener.local_addr()?;
+    println!("nodes on {nodes_at}");
+    println!("app on http://{at}");
+    println!(
+        "try: curl -s http://{at}/llm/v1/chat/completions -H 'x-app-user: alice' \
+         -H 'content-type: application/json' \
+         -d '{{\"model\": \"demo\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'"
+    );
+    edge.serve(listener, app, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
+
+    rotation.abort();
+    for node in nodes {
+        node.stop().await;
+    }
+    edge.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! The embedding examples, run as a user runs them: example (a) (`edge-in-axum`) and example
+//! (b) (`custom-adapter-node`) as two processes, and real HTTP clients against the application.
+//!
+//! Checked: the application's own route, fallback and authentication stay in force around the
+//! mounted API; a chat completion is served by (a)'s in-process demo Nodes; (b)'s Node, whose
+//! certificate (a) exported, registers after (a) rotated its own certificate in place, and its
+//! custom adapter streams the reversed words; the Edge's connection limits govern the
+//! application's listener (a connection that sends no request is closed by the header timeout
+//! of `[limits]`; a bare `axum::serve` would keep it open).
+//!
+//! Nothing here waits on a tight window: each wait is for an event (a printed line, a closed
+//! socket), bounded only to fail instead of hanging.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// A child process killed on drop, with its stdout lines on a channel.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Proc {
+    fn spawn(bin: &str, args: &[&str]) -> Self {
+        let mut child = Command::new(bin)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap_or_else(|e| panic!("{bin}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The rest of the first line that starts with `prefix`.
+    fn wait_for(&mut self, prefix: &str) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+            return l[prefix.len()..].to_owned();
+        }
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(WAIT)
+                .unwrap_or_else(|_| panic!("no line `{prefix}…` (saw {:?})", self.seen));
+            self.seen.push(line.clone());
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return rest.to_owned();
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn chat(model: &str, content: &str, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "stream": stream,
+        "messages": [{"role": "user", "content": content}],
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_in_axum_and_a_custom_adapter_node_serve_real_clients() {
+    let dir = std::env::temp_dir().join(format!("iop-examples-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_arg = dir.to_str().expect("utf-8 temp dir").to_owned();
+
+    let mut a = Proc::spawn(
+        env!("CARGO_BIN_EXE_edge-in-axum"),
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--rotate-secs",
+            "1",
+            "--export-node-tls",
+            &dir_arg,
+        ],
+    );
+    let nodes = a.wait_for("nodes on ");
+    let app = a.wait_for("app on ");
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+
+    // The connection limits of `[limits]` (header timeout 10 s) hold on the app's listener:
+    // a connection that never sends a request is closed by the server.
+    let idle = {
+        let addr = app.trim_start_matches("http://").to_owned();
+        std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(addr).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(60)))
+                .expect("timeout");
+            let mut buf = [0u8; 1];
+            // 0 bytes (closed) or a reset: the server let it go. Our own read timeout is not.
+            match s.read(&mut buf) {
+                Ok(n) => n == 0,
+                Err(e) => !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+            }
+        })
+    };
+
+    // The application's own route and fallback.
+    let get = |path: &str| http.get(format!("{app}{path}")).send();
+    let r = get("/").await.expect("GET /");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.expect("body"), "my application\n");
+    let r = get("/no/such/page").await.expect("GET fallback");
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.text().await.expect("body"), "no such page in my app\n");
+    // The Edge's health under /ops.
+    let r = get("/ops/readyz").await.expect("readyz");
+    assert_eq!(r.status(), 200, "two demo Nodes are ready");
+
+    // The application's authentication decides who may call the API.
+    let post = |user: Option<&str>, body: serde_json::Value| {
+        let mut req = http
+            .post(format!("{app}/llm/v1/chat/completions"))
+            .json(&body);
+        if let Some(u) = user {
+            req = req.header("x-app-user", u);
+        }
+        req.send()
+    };
+    let r = post(None, chat("demo", "hello", false))
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.text().await.expect("body"), "sign in to my app first\n");
+    let r = post(Some("mallory"), chat("demo", "hello", false))
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 401);
+    let r = post(Some("alice"), chat("demo", "hello from alice", false))
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.expect("json");
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        "echo: hello from alice"
+    );
+
+    // (a) rotates its certificate in place; (b) then dials it with the identity (a) exported.
+    a.wait_for("edge certificate rotated");
+    a.wait_for("node-fn identity written to ");
+    let _b = Proc::spawn(
+        env!("CARGO_BIN_EXE_custom-adapter-node"),
+        &["--edge", &nodes, "--tls-dir", &dir_arg],
+    );
+    // The model waits in the Edge's queue until node-fn is ready (queue_wait_sec = 10); retry
+    // on 503 so a slow start cannot fail the test, and never accept another answer.
+    let mut streamed = String::new();
+    for _ in 0..30 {
+        let r = post(Some("bob"), chat("reverse", "one two three", true))
+            .await
+            .expect("post");
+        if r.status() == 503 {
+            continue;
+        }
+        assert_eq!(r.status(), 200);
+        streamed = r.text().await.expect("body");
+        break;
+    }
+    let deltas: String = streamed
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(deltas, "three two one", "streamed: {streamed}");
+    assert!(streamed.trim_end().ends_with("data: [DONE]"), "{streamed}");
+
+    assert!(
+        tokio::task::spawn_blocking(move || idle.join().expect("idle thread"))
+            .await
+            .expect("join"),
+        "the idle connection was closed by the header timeout"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
