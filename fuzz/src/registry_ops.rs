@@ -12,7 +12,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
-use iop_edge_core::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent};
+use iop_edge_core::registry::{
+    ConnId, FenceCause, Generation, Registry, RegistryConfig, RegistryEvent,
+};
 use iop_wire::runtime::{
     NodeConfigPayload, NodeReadyRequest, RegisterRequest, RunEvent, RunEventKind, RuntimeFrame,
     RuntimeMessage,
