@@ -4,7 +4,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::registry::{ConnId, FenceCause, Generation, Registry, RegistryEvent, SendError};
+use crate::registry::{
+    ConnId, FenceCause, Generation, Registry, RegistryEvent, SendError, pins_trust,
+};
 use iop_wire::runtime::{
     CancelRequest, FailureEvidence, HealthEvidence, NodeCommandKind, NodeCommandRequest,
     NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderSnapshot,
@@ -407,6 +409,47 @@ fn stall(timeout: Duration) -> ResponseStallTimeout {
     ResponseStallTimeout::from_duration(timeout).unwrap_or(ResponseStallTimeout::DEFAULT)
 }
 
+/// What the machine knows of one Node beyond the registry.
+#[derive(Clone, Debug, Default)]
+struct NodeEntry {
+    /// Its current registration (none before the first, or once that generation is fenced).
+    registration: Option<Registration>,
+    /// Why it is refused or not selected; a refused registration stays until the Node is
+    /// ready again.
+    refusal: Option<NodeRefusal>,
+    /// Why it will stop being selected (it does not pin the staged issuer key).
+    warning: Option<String>,
+}
+
+/// A Node's current registration, as the machine keeps it.
+#[derive(Clone, Debug)]
+struct Registration {
+    generation: Generation,
+    /// The lease recipient key it announced (managed mode).
+    recipient: Option<RecipientKey>,
+    /// The lease issuer key ids it pins (managed mode; empty: not checked).
+    pins: Vec<String>,
+}
+
+/// Why a Node is refused or not selected: typed, so each rule clears only its own refusal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum NodeRefusal {
+    /// The registry refused its registration (a configuration disagreement, or it does not
+    /// pin the active issuer key): the registry's reason.
+    Registration(String),
+    /// Registered, but it does not pin the issuer key leases are signed with now
+    /// ([`pins_trust`]): not selected until it registers again trusting it.
+    IssuerUntrusted(String),
+}
+
+impl NodeRefusal {
+    fn reason(&self) -> &str {
+        match self {
+            Self::Registration(r) | Self::IssuerUntrusted(r) => r,
+        }
+    }
+}
+
 /// The Edge's protocol machine (see the crate docs for what it owns and how to drive it).
 pub struct EdgeCore<S: Sinks> {
     registry: Registry,
@@ -423,17 +466,12 @@ pub struct EdgeCore<S: Sinks> {
     pending: BTreeMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
-    /// The lease recipient key of each Node's current registration (managed mode).
-    recipients: BTreeMap<String, (Generation, Option<RecipientKey>)>,
-    /// Why each Node's last registration was refused for a configuration disagreement (the
-    /// registry's [`RegistryEvent::RegisterRefused`]); cleared when it is ready again.
-    refused: BTreeMap<String, String>,
-    /// The lease issuer key ids each Node's current registration pins (managed mode).
-    pins: BTreeMap<String, (Generation, Vec<String>)>,
+    /// What the machine knows of each Node beyond the registry, one entry per Node id (its
+    /// current registration's recipient key and issuer pins, why it is refused, its warning):
+    /// a fence drops the registration in one step, and an entry with nothing left is removed.
+    nodes: BTreeMap<String, NodeEntry>,
     /// The key leases are signed with now and the staged one (from the projection).
     issuers: Issuers,
-    /// Nodes that do not trust the staged issuer key, and what the status view says of it.
-    warnings: BTreeMap<String, String>,
     config: CoreConfig,
     /// Streams holding unread bytes, by the time to look again, and the read count seen when
     /// the timer was armed.
@@ -473,11 +511,8 @@ where
             pending: self.pending.clone(),
             next_stream: self.next_stream,
             next_correlation: self.next_correlation,
-            recipients: self.recipients.clone(),
-            refused: self.refused.clone(),
-            pins: self.pins.clone(),
+            nodes: self.nodes.clone(),
             issuers: self.issuers.clone(),
-            warnings: self.warnings.clone(),
             config: self.config,
             slow_timers: self.slow_timers.clone(),
             slow: self.slow.clone(),
@@ -487,29 +522,49 @@ where
     }
 }
 
-/// [`EdgeCore::state`]: every field but the sinks' contents and the observer.
+/// [`EdgeCore::state`]: every field but the sinks' contents and the observer. The fields are
+/// taken by an exhaustive destructuring, so a field added to [`EdgeCore`] does not compile here
+/// until it is printed (or said to be left out, as the observer is).
 struct StateDebug<'a, S: Sinks>(&'a EdgeCore<S>);
 
 impl<S: Sinks> std::fmt::Debug for StateDebug<'_, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let c = self.0;
+        let EdgeCore {
+            registry,
+            routes,
+            tunnels,
+            wait_timers,
+            waiting,
+            pool,
+            observed,
+            pending,
+            next_stream,
+            next_correlation,
+            nodes,
+            issuers,
+            config,
+            slow_timers,
+            slow,
+            events,
+            observer: _,
+        } = self.0;
         f.debug_struct("EdgeCore")
-            .field("registry", &c.registry)
-            .field("routes", &c.routes)
-            .field("tunnels", &c.tunnels)
-            .field("wait_timers", &c.wait_timers)
-            .field("waiting", &c.waiting)
-            .field("pool", &c.pool)
-            .field("observed", &c.observed)
-            .field("pending", &c.pending)
-            .field("next_stream", &c.next_stream)
-            .field("next_correlation", &c.next_correlation)
-            .field("recipients", &c.recipients)
-            .field("refused", &c.refused)
-            .field("config", &c.config)
-            .field("slow_timers", &c.slow_timers)
-            .field("slow", &c.slow)
-            .field("events", &c.events)
+            .field("registry", registry)
+            .field("routes", routes)
+            .field("tunnels", tunnels)
+            .field("wait_timers", wait_timers)
+            .field("waiting", waiting)
+            .field("pool", pool)
+            .field("observed", observed)
+            .field("pending", pending)
+            .field("next_stream", next_stream)
+            .field("next_correlation", next_correlation)
+            .field("nodes", nodes)
+            .field("issuers", issuers)
+            .field("config", config)
+            .field("slow_timers", slow_timers)
+            .field("slow", slow)
+            .field("events", events)
             .finish()
     }
 }
@@ -541,11 +596,8 @@ impl<S: Sinks> EdgeCore<S> {
             pending: BTreeMap::new(),
             next_stream: 1,
             next_correlation: 1,
-            recipients: BTreeMap::new(),
-            refused: BTreeMap::new(),
-            pins: BTreeMap::new(),
+            nodes: BTreeMap::new(),
             issuers: Issuers::default(),
-            warnings: BTreeMap::new(),
             config,
             slow_timers: BTreeSet::new(),
             slow: BTreeMap::new(),
@@ -816,7 +868,12 @@ impl<S: Sinks> EdgeCore<S> {
             return;
         }
         self.issuers = issuers;
-        let nodes: Vec<String> = self.pins.keys().cloned().collect();
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|(_, e)| e.registration.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
         for node_id in nodes {
             self.check_issuers(&node_id);
         }
@@ -827,34 +884,38 @@ impl<S: Sinks> EdgeCore<S> {
     /// Why Node `node_id`'s last registration was refused for a configuration disagreement,
     /// if it was and it has not been ready since, or why it is not selected now.
     pub fn refused(&self, node_id: &str) -> Option<&str> {
-        self.refused.get(node_id).map(String::as_str)
+        self.nodes
+            .get(node_id)?
+            .refusal
+            .as_ref()
+            .map(NodeRefusal::reason)
     }
 
     /// Whether Node `node_id`'s registration of `generation` pins issuer key `key_id` (true when
     /// it announced no ids, `key_id` is empty, or that generation is gone: its dispatch fails
     /// on its own).
     pub fn trusts(&self, node_id: &str, generation: Generation, key_id: &str) -> bool {
-        key_id.is_empty()
-            || self.pins.get(node_id).is_none_or(|(g, pins)| {
-                *g != generation || pins.is_empty() || pins.iter().any(|p| p == key_id)
-            })
+        self.registration(node_id)
+            .is_none_or(|r| r.generation != generation || pins_trust(&r.pins, key_id))
     }
 
     /// What will stop Node `node_id` being selected (it does not trust the staged issuer key).
     pub fn warning(&self, node_id: &str) -> Option<&str> {
-        self.warnings.get(node_id).map(String::as_str)
+        self.nodes.get(node_id)?.warning.as_deref()
+    }
+
+    /// Node `node_id`'s current registration, if it has one.
+    fn registration(&self, node_id: &str) -> Option<&Registration> {
+        self.nodes.get(node_id)?.registration.as_ref()
     }
 
     /// Why registered Node `node_id` must not be selected (it does not pin the active key).
     fn untrusted(&self, node_id: &str) -> Option<String> {
-        let (_, pins) = self.pins.get(node_id)?;
-        if pins.is_empty() {
-            return None;
-        }
+        let pins = &self.registration(node_id)?.pins;
         self.issuers
             .active
             .as_ref()
-            .filter(|a| !pins.contains(a))
+            .filter(|a| !pins_trust(pins, a))
             .map(|a| {
                 format!(
                     "{}: the control plane signs leases with {a} now; this node trusts {}; pin the key `iop-cp issuer-key` prints and restart the node",
@@ -866,53 +927,50 @@ impl<S: Sinks> EdgeCore<S> {
 
     /// Applies the issuer rules of [`EdgeCore::set_issuers`] to one registered Node.
     fn check_issuers(&mut self, node_id: &str) {
-        let Some((_, pins)) = self.pins.get(node_id).filter(|(_, p)| !p.is_empty()) else {
+        let Some(pins) = self
+            .registration(node_id)
+            .map(|r| &r.pins)
+            .filter(|p| !p.is_empty())
+        else {
             return;
         };
-        let untrusted = self.untrusted(node_id);
         let warning = self
             .issuers
             .staged
             .as_ref()
-            .filter(|(s, _)| !pins.contains(s))
+            .filter(|(s, _)| !pins_trust(pins, s))
             .map(|(s, at)| {
                 format!(
                     "does not trust the staged issuer key {s}, which the control plane signs with from {at} (Unix ms); it will not be selected then: pin the key `iop-cp issuer-key --staged` prints"
                 )
             });
+        let untrusted = self.untrusted(node_id);
         let excluded = untrusted.is_some();
         let changed = self
             .pool
             .as_mut()
             .is_some_and(|p| p.set_node_excluded(node_id, excluded));
+        let entry = self.nodes.entry(node_id.to_owned()).or_default();
         match untrusted {
             Some(reason) => {
-                if changed || self.refused.get(node_id) != Some(&reason) {
-                    tracing::warn!(target: "iop_edge", event = "edge_node_issuer_untrusted", %node_id, %reason, "node not selected: it cannot verify the key leases are signed with");
+                let refusal = NodeRefusal::IssuerUntrusted(reason);
+                if changed || entry.refusal.as_ref() != Some(&refusal) {
+                    tracing::warn!(target: "iop_edge", event = "edge_node_issuer_untrusted", %node_id, reason = %refusal.reason(), "node not selected: it cannot verify the key leases are signed with");
                 }
-                self.refused.insert(node_id.to_owned(), reason);
+                entry.refusal = Some(refusal);
             }
             None => {
-                if self
-                    .refused
-                    .get(node_id)
-                    .is_some_and(|r| r.starts_with(crate::registry::reason::ISSUER_KEY_NOT_TRUSTED))
-                {
-                    self.refused.remove(node_id);
+                if matches!(entry.refusal, Some(NodeRefusal::IssuerUntrusted(_))) {
+                    entry.refusal = None;
                 }
             }
         }
-        match warning {
-            Some(w) => {
-                if self.warnings.get(node_id) != Some(&w) {
-                    tracing::warn!(target: "iop_edge", event = "edge_node_issuer_staged_untrusted", %node_id, warning = %w, "node does not trust the staged lease issuer key");
-                }
-                self.warnings.insert(node_id.to_owned(), w);
-            }
-            None => {
-                self.warnings.remove(node_id);
-            }
+        if let Some(w) = &warning
+            && entry.warning.as_ref() != Some(w)
+        {
+            tracing::warn!(target: "iop_edge", event = "edge_node_issuer_staged_untrusted", %node_id, warning = %w, "node does not trust the staged lease issuer key");
         }
+        entry.warning = warning;
     }
 
     /// The streams being routed.
@@ -934,10 +992,9 @@ impl<S: Sinks> EdgeCore<S> {
 
     fn admitted(&self, lease: Lease) -> Admitted {
         let recipient = self
-            .recipients
-            .get(&lease.key.node_id)
-            .filter(|(g, _)| *g == lease.generation)
-            .and_then(|(_, k)| k.clone());
+            .registration(&lease.key.node_id)
+            .filter(|r| r.generation == lease.generation)
+            .and_then(|r| r.recipient.clone());
         Admitted { lease, recipient }
     }
 
@@ -1283,16 +1340,20 @@ impl<S: Sinks> EdgeCore<S> {
                 issuer_key_ids,
                 ..
             } => {
-                self.recipients
-                    .insert(node_id.clone(), (generation, recipient));
-                self.pins.insert(node_id, (generation, issuer_key_ids));
+                self.nodes.entry(node_id).or_default().registration = Some(Registration {
+                    generation,
+                    recipient,
+                    pins: issuer_key_ids,
+                });
             }
             RegistryEvent::NodeReady {
                 node_id,
                 generation,
                 ..
             } => {
-                self.refused.remove(&node_id);
+                if let Some(e) = self.nodes.get_mut(&node_id) {
+                    e.refusal = None;
+                }
                 // The active key may have changed since the registration was checked: decide
                 // the exclusion in the same step as the activation, before any waiter is
                 // pumped to this Node.
@@ -1319,20 +1380,16 @@ impl<S: Sinks> EdgeCore<S> {
                 if let Some(pool) = self.pool.as_mut() {
                     pool.node_fenced(&node_id, generation);
                 }
-                if self
-                    .recipients
-                    .get(&node_id)
-                    .is_some_and(|(g, _)| *g == generation)
+                if let Some(e) = self.nodes.get_mut(&node_id)
+                    && e.registration
+                        .as_ref()
+                        .is_some_and(|r| r.generation == generation)
                 {
-                    self.recipients.remove(&node_id);
-                }
-                if self
-                    .pins
-                    .get(&node_id)
-                    .is_some_and(|(g, _)| *g == generation)
-                {
-                    self.pins.remove(&node_id);
-                    self.warnings.remove(&node_id);
+                    e.registration = None;
+                    e.warning = None;
+                    if e.refusal.is_none() {
+                        self.nodes.remove(&node_id);
+                    }
                 }
                 self.fence(&node_id, generation);
                 self.events
@@ -1354,10 +1411,12 @@ impl<S: Sinks> EdgeCore<S> {
                     .push_back(Event::CloseConnection { conn, cause });
             }
             RegistryEvent::RegisterRefused { node_id, reason } => {
-                if self.refused.get(&node_id) != Some(&reason) {
-                    tracing::warn!(target: "iop_edge", event = "edge_node_refused", %node_id, %reason, "node registration refused; it is not selected until its configuration is fixed");
+                let refusal = NodeRefusal::Registration(reason);
+                let entry = self.nodes.entry(node_id.clone()).or_default();
+                if entry.refusal.as_ref() != Some(&refusal) {
+                    tracing::warn!(target: "iop_edge", event = "edge_node_refused", %node_id, reason = %refusal.reason(), "node registration refused; it is not selected until its configuration is fixed");
                 }
-                self.refused.insert(node_id, reason);
+                entry.refusal = Some(refusal);
             }
         }
     }

@@ -102,6 +102,15 @@ pub struct ConnId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Generation(pub u64);
 
+/// The Edge's issuer-trust rule, the one place it is decided: a Node that pinned issuer key ids
+/// at registration (`RegisterRequest.issuer_key_ids`) can verify leases signed with `key_id`
+/// only if it pinned that id. A Node that pinned none (legacy) and an empty `key_id` (an older
+/// Control Plane names none) are not checked. The registry refuses a registration by it, and
+/// `EdgeCore` excludes a registered Node and checks each managed binding by it.
+pub fn pins_trust(pins: &[String], key_id: &str) -> bool {
+    key_id.is_empty() || pins.is_empty() || pins.iter().any(|p| p == key_id)
+}
+
 /// Stable reasons sent to Nodes in `RegisterResponse`/`NodeReadyResponse` and used when closing.
 pub mod reason {
     /// The connection already owns a different Node id.
@@ -632,8 +641,7 @@ impl Registry {
             return;
         };
         if let Some(required) = &self.required_issuer
-            && !req.issuer_key_ids.is_empty()
-            && !req.issuer_key_ids.iter().any(|k| k == required)
+            && !pins_trust(&req.issuer_key_ids, required)
         {
             let why = format!(
                 "{}: the control plane signs leases with {required}; this node trusts {}; pin the key `iop-cp issuer-key` prints",

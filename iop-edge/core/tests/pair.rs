@@ -1111,6 +1111,55 @@ fn a_node_that_turns_ready_untrusted_is_never_granted_a_waiter() {
     assert_eq!(p.edge.pool_stats().0, 1, "still waiting");
 }
 
+/// The two refusals are kept apart: a Node whose registration was refused (it did not pin the
+/// active key) keeps that refusal, for the status view, until it is ready again, even when an
+/// issuer change meanwhile finds its new, still pending registration trusted (that change may
+/// clear only the refusal it made itself).
+#[test]
+fn a_registration_refusal_outlives_issuer_changes_until_the_node_is_ready() {
+    let mut p = Pair::new();
+    p.edge.set_issuers(
+        p.now,
+        Issuers {
+            active: Some("p256:new".into()),
+            staged: None,
+        },
+    );
+    let _refused = p.connect_pinning("node-1", &["p256:old"]);
+    let why = p
+        .edge
+        .refused("node-1")
+        .expect("refused at registration")
+        .to_owned();
+    assert!(
+        why.starts_with(iop_edge_core::registry::reason::ISSUER_KEY_NOT_TRUSTED),
+        "{why}"
+    );
+    // Registered again, pinning the active key, but not ready yet.
+    let again = p.connect_held("node-1", &["p256:old", "p256:new"]);
+    p.edge.set_issuers(
+        p.now,
+        Issuers {
+            active: Some("p256:new".into()),
+            staged: Some(("p256:next".into(), 1)),
+        },
+    );
+    assert_eq!(
+        p.edge.refused("node-1"),
+        Some(why.as_str()),
+        "kept while pending"
+    );
+    p.apply_config(again);
+    assert_eq!(p.edge.refused("node-1"), None, "cleared once ready");
+    assert!(
+        p.edge
+            .warning("node-1")
+            .is_some_and(|w| w.contains("p256:next")),
+        "{:?}",
+        p.edge.warning("node-1")
+    );
+}
+
 /// Without a ready provider a request waits — never hangs — and times out at its deadline; the
 /// queue is bounded (a fifth waiter is refused at once with `QueueFull`, no waiting); an unknown
 /// model is refused before anything is queued. (Moved here from a socket test that used a real
