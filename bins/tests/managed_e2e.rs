@@ -15,6 +15,7 @@
     reason = "test scaffolding: failed setup should panic"
 )]
 
+use iop_edge::pool::ContextSize;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -474,7 +475,7 @@ async fn managed_credentials_end_to_end() {
         let p = control.projection().unwrap();
         let route = p.route("team-a", MODEL).unwrap().clone();
         // The recipient keys the Nodes announced: node-1's, as the Edge learned it.
-        let admission = edge.admit(MODEL, false, Duration::from_secs(5)).await.unwrap();
+        let admission = edge.admit(MODEL, ContextSize::Standard, Duration::from_secs(5)).await.unwrap();
         let node1_key = admission.recipient().unwrap().clone();
         drop(admission);
         let binding = CredentialLeaseBinding {
@@ -572,7 +573,7 @@ async fn managed_credentials_end_to_end() {
             refused.starts_with("issuer key not trusted") && refused.contains(other.key_id()),
             "{status}"
         );
-        assert!(!edge.ready_nodes().await.unwrap().iter().any(|(n, _)| n == "node-3"));
+        assert!(!edge.ready_nodes().iter().any(|(n, _)| n == "node-3"));
         let edges = admin.get(format!("{}/admin/v1/edges", cp.admin)).send().await.unwrap().text().await.unwrap();
         assert!(edges.contains("edge-1"));
         let metrics = client

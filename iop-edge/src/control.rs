@@ -679,14 +679,8 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
 /// The Edge-owned Node view.
 async fn status(shared: &Shared) -> EdgeStatusResponse {
     let edge = &shared.edge;
-    let snapshots = edge.snapshot().await.unwrap_or_default();
-    let ready: HashSet<String> = edge
-        .ready_nodes()
-        .await
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let snapshots = edge.snapshot();
+    let ready: HashSet<String> = edge.ready_nodes().into_iter().map(|(n, _)| n).collect();
     let mut nodes: Vec<EdgeNodeSnapshot> = edge
         .configured_nodes()
         .iter()

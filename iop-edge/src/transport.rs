@@ -58,6 +58,7 @@
 //!   closed at once. Accept errors (e.g. out of file descriptors) back off and are logged at
 //!   most once per 10 s with a count.
 
+use crate::pool::ContextSize;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -680,11 +681,11 @@ impl EdgeHandle {
     pub async fn dispatch(
         &self,
         model: &str,
-        long_context: bool,
+        context: ContextSize,
         wait: Duration,
         request: PoolRequest,
     ) -> Result<Dispatched, DispatchError> {
-        let admission = self.admit(model, long_context, wait).await?;
+        let admission = self.admit(model, context, wait).await?;
         self.send_admitted(admission, request).await
     }
 
@@ -694,13 +695,13 @@ impl EdgeHandle {
     pub async fn admit(
         &self,
         model: &str,
-        long_context: bool,
+        context: ContextSize,
         wait: Duration,
     ) -> Result<Admission, DispatchError> {
         let queued = {
             let mut inner = self.shared.lock();
             let now = now();
-            let result = inner.core.admit(now, model, long_context, wait);
+            let result = inner.core.admit(now, model, context, wait);
             let queued = match result {
                 Ok(Admit::Granted(admitted)) => Ok(Err(admitted)),
                 Ok(Admit::Queued(request)) => {
@@ -784,25 +785,20 @@ impl EdgeHandle {
     }
 
     /// `(queue depth, leases held)` of the pool (zeros without a pool).
-    pub async fn pool_stats(&self) -> Result<(usize, u64), DispatchError> {
-        Ok(self.shared.lock().core.pool_stats())
+    pub fn pool_stats(&self) -> (usize, u64) {
+        self.shared.lock().core.pool_stats()
     }
 
     /// The pool's provider snapshots (empty without a pool).
-    pub async fn snapshot(&self) -> Result<Vec<ProviderSnapshot>, DispatchError> {
-        Ok(self.shared.lock().core.snapshot())
+    pub fn snapshot(&self) -> Vec<ProviderSnapshot> {
+        self.shared.lock().core.snapshot()
     }
 
-    /// Asks `node_id` to cancel `run_id` (its terminal then arrives on the run's stream).
-    pub async fn cancel(
-        &self,
-        node_id: &str,
-        run_id: &str,
-        reason: &str,
-    ) -> Result<(), DispatchError> {
+    /// Asks `node_id` to cancel `run_id` (its terminal then arrives on the run's stream); a
+    /// Node that is not ready, or a run it does not have, makes this a no-op.
+    pub fn cancel(&self, node_id: &str, run_id: &str, reason: &str) {
         self.shared
             .with(|core, now| core.cancel(now, node_id, run_id, reason));
-        Ok(())
     }
 
     /// Sends a command to a ready Node and waits for its answer.
@@ -832,8 +828,8 @@ impl EdgeHandle {
     }
 
     /// The dispatch-ready Nodes and their generations.
-    pub async fn ready_nodes(&self) -> Result<Vec<(String, Generation)>, DispatchError> {
-        Ok(self.shared.lock().core.ready_nodes())
+    pub fn ready_nodes(&self) -> Vec<(String, Generation)> {
+        self.shared.lock().core.ready_nodes()
     }
 
     /// Managed mode: the lease issuer keys (the control connector sets them from each

@@ -97,7 +97,7 @@ async fn duplicate_ready_second_node_id_supersede_and_stale_connection() {
             ))
         ));
         // Registered is pending: not dispatch-ready, no lifecycle event yet.
-        assert!(edge.ready_nodes().await.unwrap().is_empty());
+        assert!(edge.ready_nodes().is_empty());
         send(&mut a, ready("node-1")).await;
         assert_eq!(
             recv(&mut a).await,
@@ -124,10 +124,7 @@ async fn duplicate_ready_second_node_id_supersede_and_stale_connection() {
                 }
             ))
         );
-        assert_eq!(
-            edge.ready_nodes().await.unwrap(),
-            [("node-1".to_owned(), g1)]
-        );
+        assert_eq!(edge.ready_nodes(), [("node-1".to_owned(), g1)]);
 
         // A new connection for node-1 supersedes the first with a new generation.
         let mut b = connect(&ca, &edge, "node-1").await;
@@ -166,10 +163,7 @@ async fn duplicate_ready_second_node_id_supersede_and_stale_connection() {
             panic!("expected connected")
         };
         assert!(g2 > g1);
-        assert_eq!(
-            edge.ready_nodes().await.unwrap(),
-            [("node-1".to_owned(), g2)]
-        );
+        assert_eq!(edge.ready_nodes(), [("node-1".to_owned(), g2)]);
         // The Edge closed exactly one connection, as superseded.
         let metrics = edge.metrics().render(0, 0);
         assert!(
@@ -209,7 +203,7 @@ async fn application_frames_before_ready_close_the_connection_without_events() {
             None,
             "closed for the protocol violation"
         );
-        assert!(edge.ready_nodes().await.unwrap().is_empty());
+        assert!(edge.ready_nodes().is_empty());
         assert!(matches!(
             life.try_recv(),
             Err(tokio::sync::broadcast::error::TryRecvError::Empty)

@@ -38,6 +38,7 @@
     reason = "test scaffolding: failed setup should panic"
 )]
 
+use iop_edge::pool::ContextSize;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -184,7 +185,7 @@ fn node_host(
 }
 
 async fn observe(edge: &EdgeHandle, out: &Rc<RefCell<Outcome>>) {
-    for (node, g) in edge.ready_nodes().await.unwrap() {
+    for (node, g) in edge.ready_nodes() {
         let mut o = out.borrow_mut();
         if let Some(last) = o.generations.get(&node)
             && g < *last
@@ -263,7 +264,7 @@ fn simulate(seed: u64) -> Outcome {
                                 match edge
                                     .dispatch(
                                         "m",
-                                        false,
+                                        ContextSize::Standard,
                                         wait,
                                         PoolRequest::Run(run_with(&id, input)),
                                     )
@@ -336,18 +337,12 @@ fn simulate(seed: u64) -> Outcome {
         for _ in 0..60 {
             tokio::time::sleep(Duration::from_secs(1)).await;
             observe(&edge, &result).await;
-            if edge.ready_nodes().await.unwrap().len() == NODES.len() {
+            if edge.ready_nodes().len() == NODES.len() {
                 recovered = true;
                 break;
             }
         }
-        result.borrow_mut().final_ready = edge
-            .ready_nodes()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect();
+        result.borrow_mut().final_ready = edge.ready_nodes().into_iter().map(|(n, _)| n).collect();
         if recovered {
             // A generation the Edge still holds may be half-open (its Node already redialled
             // after a partition): a run on it ends with the Edge's own terminal once the
@@ -383,8 +378,8 @@ fn simulate(seed: u64) -> Outcome {
         }
         // The pool is back to its configured capacity: no lease held, nobody queued, every
         // provider live with nothing in flight.
-        let (queued, leases) = edge.pool_stats().await.unwrap();
-        let snapshot = edge.snapshot().await.unwrap();
+        let (queued, leases) = edge.pool_stats();
+        let snapshot = edge.snapshot();
         let whole = queued == 0
             && leases == 0
             && snapshot.len() == NODES.len()

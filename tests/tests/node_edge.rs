@@ -133,10 +133,7 @@ async fn node_connects_runs_answers_commands_and_refreshes() {
             shutdown.clone(),
         ));
         let generation = connected(&mut life).await;
-        assert_eq!(
-            edge.ready_nodes().await.unwrap(),
-            [("node-1".to_owned(), generation)]
-        );
+        assert_eq!(edge.ready_nodes(), [("node-1".to_owned(), generation)]);
 
         let mut stream = edge.run("node-1", run("r1", "hello mesh")).await.unwrap();
         let events = collect(&mut stream).await;
@@ -198,7 +195,7 @@ async fn node_connects_runs_answers_commands_and_refreshes() {
                 break;
             }
         }
-        assert!(edge.ready_nodes().await.unwrap().is_empty());
+        assert!(edge.ready_nodes().is_empty());
     })
     .await
     .expect("scenario finishes");
@@ -225,9 +222,7 @@ async fn caller_cancel_ends_the_run_with_cancelled() {
         let mut stream = edge.run("node-1", run("long-1", "a b c")).await.unwrap();
         assert_eq!(stream.next().await.unwrap().kind, RunEventKind::Start);
         assert_eq!(stream.next().await.unwrap().kind, RunEventKind::Delta);
-        edge.cancel("node-1", "long-1", "caller_cancelled")
-            .await
-            .unwrap();
+        edge.cancel("node-1", "long-1", "caller_cancelled");
         let rest = collect(&mut stream).await;
         assert_eq!(rest.last().unwrap().kind, RunEventKind::Cancelled);
         assert_eq!(rest.iter().filter(|e| e.kind.is_terminal()).count(), 1);
@@ -319,7 +314,7 @@ async fn finite_reconnect_budget_exhausts_with_exit_code_1() {
         )
         .await;
         assert_eq!(exit, Exit::Exhausted { attempts: 2 });
-        assert!(edge.ready_nodes().await.unwrap().is_empty());
+        assert!(edge.ready_nodes().is_empty());
     })
     .await
     .expect("scenario finishes");
@@ -386,10 +381,7 @@ async fn a_second_connection_for_the_same_node_supersedes_the_first_with_a_new_g
         };
         assert_eq!(saw, [g1]);
         assert!(g2 > g1);
-        assert_eq!(
-            edge.ready_nodes().await.unwrap(),
-            [("node-1".to_owned(), g2)]
-        );
+        assert_eq!(edge.ready_nodes(), [("node-1".to_owned(), g2)]);
         let events =
             collect(&mut edge.run("node-1", run("sup-1", "new owner")).await.unwrap()).await;
         assert_eq!(text(&events), "echo: new owner");
@@ -460,7 +452,7 @@ async fn peers_with_the_wrong_identity_never_register() {
             Exit::Exhausted { attempts: 2 }
         );
         assert!(
-            edge.ready_nodes().await.unwrap().is_empty(),
+            edge.ready_nodes().is_empty(),
             "no registration from any of them"
         );
     })
@@ -541,10 +533,7 @@ async fn an_invalid_request_is_refused_at_the_edge_and_the_session_survives() {
         let err = edge.run("node-1", run("bad/id", "x")).await.unwrap_err();
         assert_eq!(err, DispatchError::InvalidRequest);
         // The session was not touched: same generation, and it still serves.
-        assert_eq!(
-            edge.ready_nodes().await.unwrap(),
-            [("node-1".to_owned(), generation)]
-        );
+        assert_eq!(edge.ready_nodes(), [("node-1".to_owned(), generation)]);
         let events = collect(
             &mut edge
                 .run("node-1", run("good-1", "still here"))

@@ -6,6 +6,7 @@
     reason = "test scaffolding: failed setup should panic"
 )]
 
+use iop_edge::pool::ContextSize;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -162,7 +163,12 @@ fn tunnel(path: &'static str) -> PoolRequest {
 
 async fn last_event(edge: &EdgeHandle, path: &'static str) -> TunnelEvent {
     let Dispatched::Tunnel(mut s) = edge
-        .dispatch("m", false, Duration::from_secs(5), tunnel(path))
+        .dispatch(
+            "m",
+            ContextSize::Standard,
+            Duration::from_secs(5),
+            tunnel(path),
+        )
         .await
         .unwrap()
     else {
@@ -208,7 +214,7 @@ async fn stall_sets_the_overlay_and_only_a_fresh_available_probe_clears_it() {
             execution_failure.unwrap().valid().unwrap().health,
             HealthEvidence::Unavailable
         );
-        let s = &edge.snapshot().await.unwrap()[0];
+        let s = &edge.snapshot()[0];
         assert_eq!(
             (
                 s.status.as_str(),
@@ -221,18 +227,23 @@ async fn stall_sets_the_overlay_and_only_a_fresh_available_probe_clears_it() {
         );
         // Overlaid: not a live candidate any more.
         assert_eq!(
-            edge.dispatch("m", false, Duration::from_millis(200), tunnel("/ok"))
-                .await
-                .unwrap_err(),
+            edge.dispatch(
+                "m",
+                ContextSize::Standard,
+                Duration::from_millis(200),
+                tunnel("/ok")
+            )
+            .await
+            .unwrap_err(),
             DispatchError::WaitTimeout
         );
         // A recovery answer that still says unavailable changes nothing.
         assert_eq!(edge.recover("node-1").await.unwrap(), 0);
-        assert_eq!(edge.snapshot().await.unwrap()[0].health, "unavailable");
+        assert_eq!(edge.snapshot()[0].health, "unavailable");
         // The provider recovers; a fresh available answer clears the overlay.
         healthy.store(true, Ordering::SeqCst);
         assert_eq!(edge.recover("node-1").await.unwrap(), 1);
-        let s = &edge.snapshot().await.unwrap()[0];
+        let s = &edge.snapshot()[0];
         assert_eq!(
             (s.status.as_str(), s.health.as_str(), s.capacity),
             ("available", "healthy", 2)
@@ -329,7 +340,7 @@ async fn a_validated_run_stall_gets_handoff_metadata_and_available_evidence_sets
             })
         };
         let Dispatched::Run(mut s) = edge
-            .dispatch("m", false, Duration::from_secs(5), build)
+            .dispatch("m", ContextSize::Standard, Duration::from_secs(5), build)
             .await
             .unwrap()
         else {
@@ -364,7 +375,7 @@ async fn a_validated_run_stall_gets_handoff_metadata_and_available_evidence_sets
         );
         assert!(!last.metadata.contains_key("recovery_eligible"));
         // Available evidence is not an unavailable observation: no overlay, lease released.
-        let snap = &edge.snapshot().await.unwrap()[0];
+        let snap = &edge.snapshot()[0];
         assert_eq!(
             (snap.health.as_str(), snap.capacity, snap.in_flight),
             ("healthy", 1, 0)

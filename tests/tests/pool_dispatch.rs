@@ -6,6 +6,7 @@
     reason = "test scaffolding: failed setup should panic"
 )]
 
+use iop_edge::pool::ContextSize;
 use std::time::Duration;
 
 use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
@@ -114,7 +115,7 @@ async fn killing_one_node_mid_load_loses_no_queued_request_and_releases_every_le
         let edge = bind(cfg).await.unwrap().0;
         let mut life = edge.subscribe();
         // Before any Node: configured providers are offline with zero figures.
-        let snap = edge.snapshot().await.unwrap();
+        let snap = edge.snapshot();
         assert!(
             snap.iter()
                 .all(|s| s.health == "offline" && s.capacity == 0)
@@ -137,7 +138,12 @@ async fn killing_one_node_mid_load_loses_no_queued_request_and_releases_every_le
                 // sent when node-1 is fenced ends at dispatch with `Disconnected` (its lease is
                 // gone), the same outcome as a run cut by the disconnect.
                 let dispatched = edge
-                    .dispatch("m", false, Duration::from_secs(30), build(i))
+                    .dispatch(
+                        "m",
+                        ContextSize::Standard,
+                        Duration::from_secs(30),
+                        build(i),
+                    )
                     .await;
                 let Dispatched::Run(mut s) = (match dispatched {
                     Err(iop_edge::transport::DispatchError::Disconnected) => return None,
@@ -154,7 +160,7 @@ async fn killing_one_node_mid_load_loses_no_queued_request_and_releases_every_le
         }
         // Wait until the load is in place, then kill node-1 mid-stream.
         loop {
-            let snap = edge.snapshot().await.unwrap();
+            let snap = edge.snapshot();
             let in_flight: u32 = snap.iter().map(|s| s.in_flight).sum();
             let queued: u32 = snap.iter().map(|s| s.queued).max().unwrap();
             if in_flight == 4 && queued == 2 {
@@ -185,7 +191,7 @@ async fn killing_one_node_mid_load_loses_no_queued_request_and_releases_every_le
         // The two running on node-1 ended with one terminal each; the two queued ones were not
         // lost: the survivor served them.
         assert_eq!((disconnected, completed), (2, 4));
-        let snap = edge.snapshot().await.unwrap();
+        let snap = edge.snapshot();
         let n1 = snap.iter().find(|s| s.node_id == "node-1").unwrap();
         let n2 = snap.iter().find(|s| s.node_id == "node-2").unwrap();
         assert_eq!(

@@ -72,6 +72,7 @@
 
 mod common;
 use common::NODES;
+use iop_edge_core::pool::ContextSize;
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -675,7 +676,7 @@ impl Model for MeshModel {
             }
             Action::Dispatch => {
                 m.dispatches += 1;
-                match m.edge.admit(now, "m", false, QUEUE_WAIT) {
+                match m.edge.admit(now, "m", ContextSize::Standard, QUEUE_WAIT) {
                     Ok(Admit::Granted(a)) => m.send_on(a.lease),
                     Ok(Admit::Queued(id)) => m.queued.push(id),
                     Err(_) => {}

@@ -17,6 +17,7 @@
 
 mod common;
 use common::run_request;
+use iop_edge_core::pool::ContextSize;
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -892,14 +893,26 @@ fn queued_admissions_are_granted_on_release_and_time_out() {
     let n1 = p.connect("node-1");
     let _n2 = p.connect("node-2");
     let wait = Duration::from_secs(5);
-    let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Granted(a) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("capacity")
     };
-    let Admit::Granted(b) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Granted(b) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("capacity")
     };
     assert_ne!(a.lease.key, b.lease.key, "least loaded first");
-    let Admit::Queued(c) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Queued(c) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("no capacity left")
     };
     assert_eq!(p.leases(), 2);
@@ -955,7 +968,11 @@ fn queued_admissions_are_granted_on_release_and_time_out() {
     let granted = granted.expect("the waiter was granted on release");
     assert_eq!(p.leases(), 2);
     // A fourth waits and times out: exactly at its deadline.
-    let Admit::Queued(d) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Queued(d) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("full")
     };
     p.advance(wait - Duration::from_millis(1));
@@ -1003,7 +1020,11 @@ fn a_rotated_issuer_key_stops_selecting_nodes_that_do_not_trust_it() {
     let wait = Duration::from_secs(5);
     let mut granted = Vec::new();
     for _ in 0..2 {
-        let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        let Admit::Granted(a) = p
+            .edge
+            .admit(p.now, "m", ContextSize::Standard, wait)
+            .unwrap()
+        else {
             panic!("both nodes are selectable before the switch")
         };
         granted.push(a.lease);
@@ -1031,11 +1052,19 @@ fn a_rotated_issuer_key_stops_selecting_nodes_that_do_not_trust_it() {
     assert_eq!(p.leases(), 2, "node-1's lease runs to its end");
     p.edge.release(p.now, l1);
     p.edge.release(p.now, l2);
-    let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Granted(a) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("node-2 has room")
     };
     assert_eq!(a.lease.key.node_id, "node-2");
-    let Admit::Queued(waiter) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Queued(waiter) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("node-1 has room but must not be selected")
     };
     let snap = p.edge.snapshot();
@@ -1079,10 +1108,18 @@ fn a_node_that_turns_ready_untrusted_is_never_granted_a_waiter() {
         "node-2 is pending"
     );
     let wait = Duration::from_secs(5);
-    let Admit::Granted(_busy) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Granted(_busy) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("node-1 has room")
     };
-    let Admit::Queued(waiter) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Queued(waiter) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("node-1 is full and node-2 not ready")
     };
     p.edge.set_issuers(
@@ -1169,19 +1206,27 @@ fn without_a_ready_provider_requests_wait_boundedly_then_time_out() {
     let mut p = Pair::new();
     let wait = Duration::from_millis(300);
     assert_eq!(
-        p.edge.admit(p.now, "nope", false, wait).unwrap_err(),
+        p.edge
+            .admit(p.now, "nope", ContextSize::Standard, wait)
+            .unwrap_err(),
         DispatchError::UnknownModel
     );
     // No Node connected: every admission queues, up to the queue's bound of 4.
     let mut queued = Vec::new();
     for _ in 0..4 {
-        let Admit::Queued(q) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        let Admit::Queued(q) = p
+            .edge
+            .admit(p.now, "m", ContextSize::Standard, wait)
+            .unwrap()
+        else {
             panic!("no provider is ready")
         };
         queued.push(q);
     }
     assert_eq!(
-        p.edge.admit(p.now, "m", false, wait).unwrap_err(),
+        p.edge
+            .admit(p.now, "m", ContextSize::Standard, wait)
+            .unwrap_err(),
         DispatchError::QueueFull
     );
     assert!(p.take_events().is_empty());
@@ -1209,7 +1254,11 @@ fn a_fence_releases_its_generations_leases_exactly_once() {
     let mut p = Pair::new();
     let n1 = p.connect("node-1");
     let wait = Duration::from_secs(5);
-    let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+    let Admit::Granted(a) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
         panic!("capacity")
     };
     assert_eq!(a.lease.key.node_id, "node-1", "node-2 is not connected");
@@ -1247,7 +1296,7 @@ fn a_fence_releases_its_generations_leases_exactly_once() {
     // Back on a new generation, with full capacity (the old lease did not leak into it).
     let _n1b = p.connect("node-1");
     assert!(matches!(
-        p.edge.admit(p.now, "m", false, wait),
+        p.edge.admit(p.now, "m", ContextSize::Standard, wait),
         Ok(Admit::Granted(_))
     ));
 }
@@ -1274,7 +1323,11 @@ fn a_validated_stall_sets_the_overlay_and_only_a_fresher_probe_clears_it() {
     let n1 = p.connect("node-1");
     let wait = Duration::from_secs(5);
     let stall_on = |p: &mut Pair, evidence: FailureEvidence| -> Vec<TunnelEvent> {
-        let Admit::Granted(a) = p.edge.admit(p.now, "m", false, wait).unwrap() else {
+        let Admit::Granted(a) = p
+            .edge
+            .admit(p.now, "m", ContextSize::Standard, wait)
+            .unwrap()
+        else {
             panic!("capacity")
         };
         let buf = Buf::new();
@@ -1323,7 +1376,10 @@ fn a_validated_stall_sets_the_overlay_and_only_a_fresher_probe_clears_it() {
     assert_eq!(metadata.get("provider_id").map(String::as_str), Some("p1"));
     assert_eq!(p.counts.set_unavailable.load(Ordering::Relaxed), 1);
     assert!(
-        matches!(p.edge.admit(p.now, "m", false, wait), Ok(Admit::Queued(_))),
+        matches!(
+            p.edge.admit(p.now, "m", ContextSize::Standard, wait),
+            Ok(Admit::Queued(_))
+        ),
         "the overlaid provider is not selected"
     );
     // Recovery: a probe answer with a stale sequence clears nothing, a fresher one clears.
@@ -1374,7 +1430,7 @@ fn tunnel_on_lease(
 ) -> (iop_edge_core::pool::Lease, Buf<TunnelEvent>, u64) {
     let Admit::Granted(a) = p
         .edge
-        .admit(p.now, "m", false, Duration::from_secs(5))
+        .admit(p.now, "m", ContextSize::Standard, Duration::from_secs(5))
         .unwrap()
     else {
         panic!("capacity")
@@ -1481,7 +1537,8 @@ fn a_handoff_that_does_not_match_its_lease_changes_no_health_and_releases_once()
     assert_eq!(status_of(&p, "p1"), "available");
     // The new generation has its whole capacity.
     assert!(matches!(
-        p.edge.admit(p.now, "m", false, Duration::from_secs(5)),
+        p.edge
+            .admit(p.now, "m", ContextSize::Standard, Duration::from_secs(5)),
         Ok(Admit::Granted(_))
     ));
 }

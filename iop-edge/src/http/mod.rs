@@ -67,6 +67,7 @@ mod chat;
 mod render;
 mod responses;
 
+use crate::pool::ContextSize;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -714,7 +715,7 @@ async fn admit(
 ) -> Result<Admission, Response> {
     state
         .edge
-        .admit(group, false, state.config.queue_wait)
+        .admit(group, ContextSize::Standard, state.config.queue_wait)
         .await
         .map_err(|e| render::dispatch_error(dialect, e, model))
 }
@@ -1093,7 +1094,7 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let (queue, in_flight) = state.edge.pool_stats().await.unwrap_or((0, 0));
+    let (queue, in_flight) = state.edge.pool_stats();
     let text = state.edge.metrics().render(queue, in_flight);
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
@@ -1109,13 +1110,14 @@ async fn readyz(State(state): State<AppState>) -> Response {
     {
         return render::error(Dialect::Chat, StatusCode::SERVICE_UNAVAILABLE, &why);
     }
-    match state.edge.ready_nodes().await {
-        Ok(nodes) if !nodes.is_empty() => "ready".into_response(),
-        _ => render::error(
+    if state.edge.ready_nodes().is_empty() {
+        render::error(
             Dialect::Chat,
             StatusCode::SERVICE_UNAVAILABLE,
             "no node is ready",
-        ),
+        )
+    } else {
+        "ready".into_response()
     }
 }
 

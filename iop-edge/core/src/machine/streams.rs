@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::*;
+use crate::pool::ContextSize;
 
 impl<S: Sinks> EdgeCore<S> {
     /// Opens a stream on the current ready generation of `node_id` (no pool).
@@ -24,13 +25,13 @@ impl<S: Sinks> EdgeCore<S> {
         &mut self,
         now: Instant,
         model: &str,
-        long_context: bool,
+        context: ContextSize,
         wait: Duration,
     ) -> Result<Admit, DispatchError> {
         let Some(pool) = self.pool.as_mut() else {
             return Err(DispatchError::UnknownModel);
         };
-        let result = match pool.submit(now, model, long_context, wait) {
+        let result = match pool.submit(now, model, context.is_long(), wait) {
             Ok(Submitted::Granted(lease)) => Ok(Admit::Granted(self.admitted(lease))),
             Ok(Submitted::Queued(id)) => Ok(Admit::Queued(id)),
             Err(PoolError::QueueFull) => Err(DispatchError::QueueFull),

@@ -41,6 +41,24 @@ pub struct ProviderKey {
     pub provider_id: String,
 }
 
+/// How much context a request needs: a long-context request takes a provider's
+/// `long_context_capacity` as well as its capacity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ContextSize {
+    /// Any candidate with room.
+    #[default]
+    Standard,
+    /// Only within a candidate's long-context capacity.
+    Long,
+}
+
+impl ContextSize {
+    /// Whether this is [`ContextSize::Long`].
+    pub fn is_long(self) -> bool {
+        self == Self::Long
+    }
+}
+
 /// How requests reach a provider.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProviderKind {
