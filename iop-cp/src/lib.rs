@@ -2,6 +2,7 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`data_dir`] | the data directory (store, master key, issuer key) and the rules that keep sealed data openable: no empty store by accident, no new master key for old sealed data, a legacy `issuer.pem` imported once and never replaced |
 //! | [`store`] | the durable store: principals, token digests, credential slots sealed at rest, routes, the mutation log and the strictly increasing projection generation; [`store::SqliteStore`] (default) and [`store::PgStore`] (replicas) behind one [`store::Store`] trait |
 //! | [`seal`] | AES-256-GCM at-rest sealing of slot credentials with the Control Plane's master key |
 //! | [`admin`] | the admin operations behind the CLI and the loopback HTTP admin API: create principals, tokens (the raw token is returned once, only its SHA-256 digest is stored), slots and routes |
@@ -77,6 +78,7 @@
 
 pub mod admin;
 pub mod admin_http;
+pub mod data_dir;
 pub mod lease;
 pub mod projection;
 pub mod seal;

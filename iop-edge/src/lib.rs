@@ -1,6 +1,7 @@
 //! The IOP Edge, as an embeddable library.
 //!
-//! The Node transport ([`transport`]) drives [`iop_edge_core::EdgeCore`], the pure machine
+//! The embedding API is [`Edge`] (below). Underneath, the Node transport ([`transport`])
+//! drives [`iop_edge_core::EdgeCore`], the pure machine
 //! that makes every protocol decision: the `iop_edge_core::registry::Registry` (the single authority
 //! for `node_id → current owner, generation, pending/ready`), the provider [`pool`], stream
 //! routing, timers and command correlation. The transport is glue: the mTLS listener and its
@@ -50,18 +51,30 @@
 //! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
 //! hot-reloadable TLS material (`workload_identity::WorkloadTls`).
 //!
-//! # Example
+//! # Embedding: [`Edge`]
+//!
+//! [`Edge::start`] composes everything above from an [`config::EdgeConfig`] (a TOML file, or
+//! TOML text with TLS material in code: [`config::EdgeConfigFile::build_with_tls`]) and starts
+//! what the config asks for (the Control Plane connector, certificate reload). The HTTP
+//! surface is yours to place: [`Edge::api`] (the `/v1` routes, no fallback) merges or nests
+//! into your axum app, [`Edge::ops`] gives `/metrics`, `/healthz`, `/readyz`, and
+//! [`Edge::serve`] serves any router with the configured connection limits. The repository's
+//! `examples/edge_in_axum.rs` is a complete program.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use iop_edge::Edge;
 //! use iop_edge::config::EdgeConfigFile;
-//! use iop_edge::{bind, http};
 //!
 //! let config = EdgeConfigFile::load("edge.toml".as_ref())?.build()?;
-//! let (edge, _accept) = bind(config.transport).await?;
-//! let app = http::router(edge, config.http);
-//! let listener = tokio::net::TcpListener::bind(config.http_listen).await?;
-//! http::serve(listener, app, std::future::pending()).await?;
+//! let listen = config.http_listen;
+//! let edge = Edge::start(config).await?;
+//! let app = axum::Router::new()
+//!     .route("/", axum::routing::get(|| async { "my app" }))
+//!     .nest("/llm", edge.api())
+//!     .merge(edge.ops());
+//! let listener = tokio::net::TcpListener::bind(listen).await?;
+//! edge.serve(listener, app, std::future::pending()).await?;
 //! # Ok(())
 //! # }
 //! ```
@@ -70,8 +83,9 @@
 //! status and commands, relays Node lifecycle events and reconnects; in managed mode
 //! (`credential_plane.enabled`) it keeps the principal projection and acquires credential
 //! leases, and [`http`] authenticates requests against that projection, resolves the route,
-//! admits through the pool, binds a lease to exactly the selected Node and checks the binding
-//! before acquisition and again before dispatch.
+//! admits through the pool, and runs the binding machine of [`binding`] (bind a lease to exactly
+//! the selected Node, re-bind on a stale generation, re-admit on an untrusted Node, check before
+//! dispatch) for each request: this crate only awaits what that machine asks for.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -213,7 +213,27 @@ impl TunnelSink {
     }
 }
 
-/// A provider adapter instance. Implement it to plug your own backend into a Node.
+/// A provider adapter instance. Implement it to plug your own backend into a Node, register a
+/// factory for it with [`AdapterRegistry::register`], and name its type in the Edge's
+/// `[[nodes.adapters]]`.
+///
+/// The contract:
+///
+/// - **Content only.** [`Adapter::run`] sends text through [`RunEvents`] and returns a
+///   [`RunCompletion`] or an [`AdapterError`] (its text goes on the wire: keep it stable and
+///   free of secrets); the Node sends `START` before and exactly one terminal after. A tunnel
+///   sends the response start, body and usage through [`TunnelSink`]; the Node numbers the
+///   frames and sends END or ERROR.
+/// - **Cancellation is by drop.** A caller's cancel, the run's deadline and a lost connection
+///   drop the future: hold nothing that must be released by hand.
+/// - **Stalls.** When the provider is silent past the run's stall timeout, the Node fences the
+///   attempt: [`RunEvents::cancelled`] (or [`TunnelSink::cancelled`]) resolves and the adapter
+///   should return promptly; until it does, the Node keeps its capacity permit.
+/// - **Capacity.** The Node admits at most the instance's configured `capacity` at once
+///   ([`CapacityGate`], behind the Edge's own leases): no limit of your own is needed.
+/// - **Backpressure.** Sending waits while the stream holds [`STREAM_BUFFER`] bytes.
+/// - **Probes.** [`Adapter::probe`] must answer within the driver's timeout; `Unknown` is
+///   reported when it does not.
 #[async_trait]
 pub trait Adapter: Send + Sync + 'static {
     /// Runs one normalized execution, sending deltas through `events`.

@@ -61,18 +61,27 @@
 //!   Both go through `iop_lease::HeaderSpec::inject`; neither ever reaches the Edge, a log line
 //!   or a metric, and a Node refuses to hold both.
 //!
-//! # Example
+//! # Embedding: [`Node`]
+//!
+//! [`Node::start`] runs the supervisor on a task of its own; [`Node::run_until`] is what a
+//! service's `main` does, [`Node::stop`] ends it. Your own model goes behind the [`Adapter`]
+//! trait: every type it names is re-exported here ([`RunRequest`], [`ProviderTunnelRequest`],
+//! [`ProviderStatus`], [`Usage`], [`AdapterConfig`], ... and [`async_trait`]), its factory
+//! returns an [`AdapterBuildError`], and its contract is in the `Adapter` docs: content only
+//! (the Node sends `START` and the one terminal), cancellation by drop, the stall fence through
+//! [`RunEvents::cancelled`], capacity enforced by the Node's gate. The repository's
+//! `examples/custom_adapter_node.rs` is a complete program.
 //!
 //! ```no_run
 //! # async fn example(tls: std::sync::Arc<rustls::ClientConfig>) {
-//! use iop_node::{AdapterRegistry, NodeOptions, run_node};
-//! use tokio_util::sync::CancellationToken;
+//! use iop_node::{AdapterRegistry, Node, NodeOptions};
 //!
 //! let opts = NodeOptions::new("node-1", "edge.internal:7443", "edge.internal", tls)
 //!     .expect("valid options")
 //!     .with_adapters(AdapterRegistry::with_builtins());
-//! let shutdown = CancellationToken::new();
-//! let exit = run_node(opts, shutdown.clone()).await;
+//! let exit = Node::start(opts)
+//!     .run_until(async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await;
 //! std::process::exit(exit.exit_code());
 //! # }
 //! ```

@@ -55,10 +55,10 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use iop_cp::admin::Admin;
+use iop_cp::data_dir::{self, Backend, DataDirError, Mode};
 use iop_cp::lease::LeaseService;
-use iop_cp::seal::MasterKey;
 use iop_cp::server::{self, ServerConfig};
-use iop_cp::store::{Mutation, PgStore, SqliteStore, Store};
+use iop_cp::store::Mutation;
 use iop_lease::{DEFAULT_MAX_TTL, IssuerSigningKey};
 use rustls_pki_types::pem::PemObject as _;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -344,40 +344,29 @@ fn data_dir(cli: &Cli) -> Result<PathBuf, Failure> {
     Ok(base.join("iop-cp"))
 }
 
-/// The store's active issuer key, installed on first use: the key of an older data
-/// directory's `issuer.pem` if there is one, else a new key. Its id is derived from the key
-/// (`iop_lease::issuer_key_id`), so the id Nodes derive from the PEM they pin is the same.
-///
-/// Only a missing `issuer.pem` means "make a new key": a file that cannot be read or parsed is
-/// an error naming it (a new key would lock out every Node that pins the old one). Once the
-/// store holds the key, a leftover `issuer.pem` is reported: it is a private key in plaintext
-/// that nothing reads any more.
+/// The store's active issuer key (`iop_cp::data_dir::issuer_key`: a legacy `issuer.pem` is
+/// imported once, never replaced), with a note when that file is left over.
 async fn issuer_key(admin: &Admin, dir: &Path) -> Result<IssuerSigningKey, Failure> {
-    let legacy = dir.join("issuer.pem");
-    let legacy_key = match std::fs::read_to_string(&legacy) {
-        Ok(pem) => Some(
-            IssuerSigningKey::from_pem_derived(&pem)
-                .map_err(|e| usage(format!("{}: {e}", legacy.display())))?,
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(runtime(format!("{}: {e}", legacy.display()))),
-    };
-    let present = legacy_key.is_some();
-    let key = admin
-        .ensure_issuer_key(|| match legacy_key {
-            Some(k) => Ok(k),
-            None => IssuerSigningKey::generate_derived()
-                .map_err(|_| iop_cp::admin::AdminError::KeyGeneration),
-        })
+    let found = data_dir::issuer_key(admin, dir)
         .await
-        .map_err(|e| runtime(format!("issuer key: {e}")))?;
-    if present {
+        .map_err(data_dir_failure)?;
+    if let Some(legacy) = found.legacy_file_left {
         eprintln!(
             "iop-cp: note: {} is no longer read (the issuer key lives in the store, sealed with master.key); delete it",
             legacy.display()
         );
     }
-    Ok(key)
+    Ok(found.key)
+}
+
+/// Usage errors (exit 2) are the operator's to fix; the rest are runtime failures.
+fn data_dir_failure(e: DataDirError) -> Failure {
+    match e {
+        DataDirError::NoData { .. }
+        | DataDirError::MissingMasterKey { .. }
+        | DataDirError::LegacyIssuerKey { .. } => usage(e.to_string()),
+        _ => runtime(e.to_string()),
+    }
 }
 
 /// The Node config lines pinning `paths` (one `[[credential_plane.issuers]]` each).
@@ -394,53 +383,20 @@ fn node_snippet(pins: &[(&str, &str)]) -> String {
 }
 
 async fn open(cli: &Cli, dir: &Path) -> Result<Admin, Failure> {
-    let creates = matches!(cli.command, Command::Init | Command::Serve(_));
-    let sqlite = dir.join("iop-cp.sqlite3");
-    if !creates && (!dir.join("master.key").exists() || cli.postgres.is_none() && !sqlite.exists())
-    {
-        // Never an empty store created by accident (a CLI run from elsewhere, a typo).
-        return Err(usage(format!(
-            "no Control Plane data in {} (run `iop-cp --data-dir {} init` first, or pass the --data-dir `iop-cp serve` uses)",
-            dir.display(),
-            dir.display()
-        )));
-    }
-    std::fs::create_dir_all(dir).map_err(|e| runtime(format!("{}: {e}", dir.display())))?;
-    let store: Arc<dyn Store> = match &cli.postgres {
-        Some(url) => Arc::new(
-            match &cli.postgres_schema {
-                Some(schema) => PgStore::connect_with_schema(url, schema).await,
-                None => PgStore::connect(url).await,
-            }
-            .map_err(|e| runtime(format!("postgres: {e}")))?,
-        ),
-        None => {
-            Arc::new(SqliteStore::open(&sqlite).map_err(|e| runtime(format!("sqlite store: {e}")))?)
-        }
+    let mode = match cli.command {
+        Command::Init | Command::Serve(_) => Mode::Create,
+        _ => Mode::Existing,
     };
-    let master = dir.join("master.key");
-    let sealed_inside = {
-        let snap = store
-            .snapshot()
-            .await
-            .map_err(|e| runtime(format!("store: {e}")))?;
-        !snap.slots.is_empty() || !snap.issuer_keys.is_empty()
+    let backend = match &cli.postgres {
+        Some(url) => Backend::Postgres {
+            url: url.clone(),
+            schema: cli.postgres_schema.clone(),
+        },
+        None => Backend::Sqlite,
     };
-    if !master.exists() && sealed_inside {
-        // A second replica started without the first one's keys would seal and open with a
-        // new master key and could never open the slots already stored.
-        return Err(usage(format!(
-            "the store holds sealed slots or issuer keys but {} does not exist: copy master.key from the data directory of the replica that created them",
-            master.display()
-        )));
-    }
-    let key =
-        MasterKey::load_or_create(&master).map_err(|e| runtime(format!("master key: {e}")))?;
-    let generation = store
-        .generation()
+    data_dir::open(dir, &backend, mode)
         .await
-        .map_err(|e| runtime(format!("store: {e}")))?;
-    Ok(Admin::new(store, Arc::new(key), generation))
+        .map_err(data_dir_failure)
 }
 
 fn read_credential(env: Option<&str>, file: Option<&Path>) -> Result<Zeroizing<Vec<u8>>, Failure> {
