@@ -8,6 +8,9 @@
 //! application's listener (a connection that sends no request is closed by the header timeout
 //! of `[limits]`; a bare `axum::serve` would keep it open).
 //!
+//! Example (c) (`managed-edge --once`) runs whole: a Control Plane from the library, a
+//! managed Edge and a Node with a credential plane, one client request with a token.
+//!
 //! Nothing here waits on a tight window: each wait is for an event (a printed line, a closed
 //! socket), bounded only to fail instead of hanging.
 
@@ -208,4 +211,16 @@ async fn edge_in_axum_and_a_custom_adapter_node_serve_real_clients() {
         "the idle connection was closed by the header timeout"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Example (c): the managed Edge against an in-process Control Plane answers a client that
+/// presents the Control Plane's token, through a Node that holds no upstream key (the stand-in
+/// upstream answers only with the key the Control Plane leased).
+#[test]
+fn a_managed_edge_serves_a_token_holder_with_a_leased_key() {
+    let mut c = Proc::spawn(env!("CARGO_BIN_EXE_managed-edge"), &["--once"]);
+    let answer = c.wait_for("answer: ");
+    assert_eq!(answer, "\"the upstream heard: hello from team a\"");
+    let status = c.child.wait().expect("exit");
+    assert!(status.success(), "{status}");
 }

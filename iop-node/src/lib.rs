@@ -66,7 +66,7 @@
 //! [`Node::start`] runs the supervisor on a task of its own; [`Node::run_until`] is what a
 //! service's `main` does, [`Node::stop`] ends it. Your own model goes behind the [`Adapter`]
 //! trait: every type it names is re-exported here ([`RunRequest`], [`ProviderTunnelRequest`],
-//! [`ProviderStatus`], [`Usage`], [`AdapterConfig`], ... and [`async_trait`]), its factory
+//! [`ProviderStatus`], [`Usage`], [`AdapterConfig`], ... and [`async_trait`](macro@async_trait)), its factory
 //! returns an [`AdapterBuildError`], and its contract is in the `Adapter` docs: content only
 //! (the Node sends `START` and the one terminal), cancellation by drop, the stall fence through
 //! [`RunEvents::cancelled`], capacity enforced by the Node's gate. The repository's
