@@ -175,18 +175,30 @@ impl Run {
             .process_group(0)
             .spawn()
             .unwrap();
-        let service = Service {
+        let mut service = Service {
             name: name.to_owned(),
             child,
             log,
             code: code.to_owned(),
             ready: ready.to_owned(),
         };
-        wait_until(
-            &format!("{name} to log `{ready}`"),
-            Duration::from_secs(30),
-            || service.log_text().contains(ready),
-        );
+        // Until it is ready, a service that exits, or does not get there, fails the test with
+        // its own log (a timeout alone says nothing about why).
+        let started = Instant::now();
+        while !service.log_text().contains(ready) {
+            if let Ok(Some(status)) = service.child.try_wait() {
+                panic!(
+                    "{name} exited ({status}) before logging `{ready}`:\n{}",
+                    service.log_text()
+                );
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "{name} did not log `{ready}` within 60 s:\n{}",
+                service.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         service
     }
 

@@ -36,12 +36,28 @@ impl Drop for TempDir {
 }
 
 /// A free loopback port (bound then released).
+///
+/// Chosen below the kernel's ephemeral range (32768 and up on Linux): a port the kernel handed
+/// out for `bind(0)` is also where it picks the source ports of outgoing connections, so a test
+/// running beside this one could take it between this probe and the service's own bind (a
+/// service that then cannot listen). A port is free when both loopback and the wildcard
+/// address bind it.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // Spread the start by process, then walk: parallel tests in one process never pick the
+    // same port twice.
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 600) as u16 * 20;
+    for _ in 0..12_000 {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % 12_000;
+        let port = 20_000 + (base - 20_000 + offset) % 12_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+        {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000");
 }
 
 /// The directory of the built binaries (`iop-ca`, `iop-edge`, …).
