@@ -478,6 +478,16 @@ impl Metrics {
 /// The content type of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+impl bounded_http::ServeEvents for Metrics {
+    fn accept_error(&self) {
+        self.http_accept_error();
+    }
+
+    fn connection_refused(&self) {
+        self.http_connection_refused();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

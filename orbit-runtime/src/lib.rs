@@ -50,7 +50,7 @@
 //! ```
 //!
 //! The `orbit-control-plane` binary serves the same routers with a connection cap and
-//! header/idle timeouts (`iop_edge::http::serve_with`).
+//! header/idle timeouts (`bounded_http::serve_with`).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -54,7 +54,13 @@ pub(crate) async fn serve(
             metrics,
             ready,
         });
-    axum::serve(listener, app)
-        .await
-        .map_err(|e| format!("admin server: {e}"))
+    bounded_http::serve_with(
+        listener,
+        app,
+        bounded_http::ServeLimits::default(),
+        None,
+        std::future::pending(),
+    )
+    .await
+    .map_err(|e| format!("admin server: {e}"))
 }

@@ -775,10 +775,16 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
     }
     let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());
     let shutdown = iop_bins::shutdown_signal();
-    axum::serve(admin_listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| runtime(format!("admin API: {e}")))?;
+    // The hardened server: connection cap, header deadline, rate-limited refusal logs.
+    bounded_http::serve_with(
+        admin_listener,
+        app,
+        bounded_http::ServeLimits::default(),
+        None,
+        shutdown,
+    )
+    .await
+    .map_err(|e| runtime(format!("admin API: {e}")))?;
     cp.shutdown();
     let _ = task.await;
     println!("iop-cp: stopped");

@@ -494,9 +494,14 @@ mod managed {
         let app = iop_cp::admin_http::router(admin, Some(cp.clone()), None);
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.cancelled().await })
-                .await;
+            let _ = bounded_http::serve_with(
+                listener,
+                app,
+                bounded_http::ServeLimits::default(),
+                None,
+                async move { stop.cancelled().await },
+            )
+            .await;
         });
         let control = ControlConnector::start(
             edge.clone(),

@@ -239,11 +239,11 @@ async fn main() {
     // The runtime API faces the agents' network: served with the Edge's bounded HTTP server
     // (connection cap, header-read and keep-alive idle timeout, accept back-off), which only
     // needs an axum Router (the two systems share no code beyond it).
-    let limits = iop_edge::http::ServeLimits::default();
+    let limits = bounded_http::ServeLimits::default();
     let never = std::future::pending::<()>;
     tokio::select! {
-        r = iop_edge::http::serve_with(api, api_app, limits, None, never()) => if let Err(e) = r { eprintln!("orbit-control-plane: {e}"); std::process::exit(1) },
-        r = iop_edge::http::serve_with(admin, admin_app, limits, None, never()) => if let Err(e) = r { eprintln!("orbit-control-plane: {e}"); std::process::exit(1) },
+        r = bounded_http::serve_with(api, api_app, limits, None, never()) => if let Err(e) = r { eprintln!("orbit-control-plane: {e}"); std::process::exit(1) },
+        r = bounded_http::serve_with(admin, admin_app, limits, None, never()) => if let Err(e) = r { eprintln!("orbit-control-plane: {e}"); std::process::exit(1) },
         () = stop => println!("orbit-control-plane: stopped"),
     }
 }

@@ -269,35 +269,12 @@ async fn read_body(
     }
 }
 
-/// Connection-level limits of [`serve_with`].
-#[derive(Clone, Copy, Debug)]
-pub struct ServeLimits {
-    /// Open connections at most; more are closed at once (and counted in
-    /// `iop_edge_http_connections_refused_total`).
-    pub max_connections: usize,
-    /// Time to receive a request's headers, counted from when the connection starts waiting
-    /// for them: a slowloris client is cut off, and it is also the idle keep-alive timeout of an
-    /// HTTP/1.1 connection between requests.
-    pub header_timeout: Duration,
-    /// HTTP/2: a connection whose peer does not answer a ping within this is closed.
-    pub h2_keep_alive: Duration,
-    /// HTTP/2: concurrent streams per connection.
-    pub h2_max_streams: u32,
-}
-
-impl Default for ServeLimits {
-    fn default() -> Self {
-        Self {
-            max_connections: 4096,
-            header_timeout: Duration::from_secs(30),
-            h2_keep_alive: Duration::from_secs(30),
-            h2_max_streams: 256,
-        }
-    }
-}
+pub use bounded_http::ServeLimits;
 
 /// Serves `router` on `listener` until `shutdown` completes (then finishes in-flight
-/// requests), with `TCP_NODELAY` on every accepted connection.
+/// requests), with `TCP_NODELAY` on every accepted connection and the default
+/// [`ServeLimits`]: `bounded_http::serve`, the one hardened server every listener of the
+/// workspace uses.
 ///
 /// Use this rather than a bare `axum::serve`: a passthrough stream writes each provider chunk
 /// as it arrives, and with Nagle's algorithm on, the second small write of a response waits for
@@ -308,17 +285,11 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_with(listener, router, ServeLimits::default(), None, shutdown).await
+    bounded_http::serve(listener, router, shutdown).await
 }
 
-/// [`serve`] with explicit connection limits; `metrics` counts refusals and accept errors.
-///
-/// HTTP/1.1 and HTTP/2 (prior knowledge) on one listener (hyper-util's auto server): every
-/// connection is counted against [`ServeLimits::max_connections`] (over it: closed at once),
-/// has [`ServeLimits::header_timeout`] to send its first byte and then each request's headers,
-/// and gets `TCP_NODELAY`. An `accept` error (e.g. out of file descriptors) backs off 50 ms and is
-/// logged at most once per 10 s. On `shutdown` no new connection is accepted and the ones
-/// open finish their requests.
+/// [`serve`] with explicit connection limits (`bounded_http::serve_with`); `metrics` counts
+/// refusals (`iop_edge_http_connections_refused_total`) and accept errors.
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     router: Router,
@@ -326,75 +297,8 @@ pub async fn serve_with(
     metrics: Option<Arc<crate::metrics::Metrics>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    use hyper_util::server::conn::auto;
-    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(limits.h2_keep_alive)
-        .keep_alive_timeout(limits.h2_keep_alive)
-        .max_concurrent_streams(limits.h2_max_streams);
-    let mut errors = crate::ratelog::RateLimited::new(Duration::from_secs(10));
-    let mut refusals = crate::ratelog::RateLimited::new(Duration::from_secs(10));
-    tokio::pin!(shutdown);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    if let Some(m) = &metrics {
-                        m.http_accept_error();
-                    }
-                    if let Some(suppressed) = errors.hit() {
-                        tracing::warn!(error = %e, suppressed, "http listener: accept failed; backing off");
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            drop(tcp);
-            if let Some(m) = &metrics {
-                m.http_connection_refused();
-            }
-            if let Some(suppressed) = refusals.hit() {
-                tracing::warn!(%peer, suppressed, max = limits.max_connections, "http connection cap reached; closing new connections");
-            }
-            continue;
-        };
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection failed");
-        }
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
-        let header_timeout = limits.header_timeout;
-        tokio::spawn(async move {
-            // The first bytes decide HTTP/1 or HTTP/2 before hyper's header timeout runs: a
-            // connection that sends nothing must not wait there forever.
-            let mut first = [0u8; 1];
-            if !matches!(
-                tokio::time::timeout(header_timeout, tcp.peek(&mut first)).await,
-                Ok(Ok(1..))
-            ) {
-                return;
-            }
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
-            let _ = watcher.watch(conn.into_owned()).await;
-            drop(permit);
-        });
-    }
-    graceful.shutdown().await;
-    Ok(())
+    let events = metrics.map(|m| m as Arc<dyn bounded_http::ServeEvents>);
+    bounded_http::serve_with(listener, router, limits, events, shutdown).await
 }
 
 fn dialect_of_path(path: &str) -> Dialect {
