@@ -20,7 +20,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
-use x509_parser::extensions::GeneralName;
 
 use crate::domain::valid_id;
 
@@ -52,31 +51,30 @@ pub enum IdentityError {
     Shape,
 }
 
-/// The worker id of a client certificate for `trust_domain` / `environment`.
+/// The worker id of a client certificate for `trust_domain` / `environment`. The SPIFFE ID is
+/// read by `workload_identity::SpiffeId` (the one parser of the workspace; the SPIFFE syntax
+/// checks are its), then held to this controller's shape.
 pub fn worker_id(
     cert: &CertificateDer<'_>,
     trust_domain: &str,
     environment: &str,
 ) -> Result<String, IdentityError> {
-    let (_, cert) =
-        x509_parser::parse_x509_certificate(cert.as_ref()).map_err(|_| IdentityError::Parse)?;
-    let mut uris = Vec::new();
-    if let Ok(Some(san)) = cert.subject_alternative_name() {
-        for name in &san.value.general_names {
-            if let GeneralName::URI(u) = name {
-                uris.push(*u);
-            }
-        }
-    }
-    let [uri] = uris.as_slice() else {
-        return Err(IdentityError::UriCount);
-    };
-    let prefix = format!("spiffe://{trust_domain}/{environment}/worker/");
-    let id = uri.strip_prefix(&prefix).ok_or(IdentityError::Shape)?;
-    if !valid_id(id) {
+    use workload_identity::IdentityError as Spiffe;
+    let id = workload_identity::SpiffeId::from_certificate(cert).map_err(|e| match e {
+        Spiffe::BadCertificate => IdentityError::Parse,
+        Spiffe::NoUriSan | Spiffe::MultipleUriSans { .. } => IdentityError::UriCount,
+        _ => IdentityError::Shape,
+    })?;
+    if id.trust_domain() != trust_domain {
         return Err(IdentityError::Shape);
     }
-    Ok(id.to_owned())
+    let segments: Vec<&str> = id.segments().collect();
+    match segments.as_slice() {
+        [env, "worker", worker] if *env == environment && valid_id(worker) => {
+            Ok((*worker).to_owned())
+        }
+        _ => Err(IdentityError::Shape),
+    }
 }
 
 /// A TLS server config requiring client certificates from `client_ca`.

@@ -250,6 +250,107 @@ impl IdentityError {
 
 // === impl WorkloadId ===
 
+/// A SPIFFE ID with any number of path segments (`spiffe://<trust-domain>/<seg>/...`),
+/// checked against the SPIFFE ID syntax. [`WorkloadId`] is the two-segment form the mesh uses;
+/// another system reads its own shape from [`SpiffeId::segments`] (the proxy-pool controller's
+/// workers are `spiffe://<trust-domain>/<environment>/worker/<id>`), so every listener parses
+/// identities with this one parser.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SpiffeId {
+    uri: String,
+    /// End of the trust domain in `uri`; the path (if any) starts there.
+    trust_domain_end: usize,
+}
+
+impl SpiffeId {
+    /// Parses a SPIFFE ID: scheme exactly `spiffe`; non-empty trust domain of `a-z 0-9 . - _`
+    /// at most [`MAX_TRUST_DOMAIN_LEN`] bytes (so no port or userinfo); path segments of
+    /// `a-z A-Z 0-9 . - _`, none empty or `.`/`..` (so no trailing slash, query or fragment);
+    /// at most [`MAX_SPIFFE_ID_LEN`] bytes in all. The path may be empty.
+    pub fn parse(uri: &str) -> Result<Self, IdentityError> {
+        if uri.len() > MAX_SPIFFE_ID_LEN {
+            return Err(IdentityError::IdTooLong { len: uri.len() });
+        }
+        let Some(rest) = uri.strip_prefix(SPIFFE_SCHEME_PREFIX) else {
+            return Err(IdentityError::WrongScheme);
+        };
+        let (trust_domain, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        check_trust_domain(trust_domain)?;
+        let trust_domain_end = SPIFFE_SCHEME_PREFIX.len() + trust_domain.len();
+        // `path` is empty or starts with '/'.
+        if let Some(path) = path.strip_prefix('/') {
+            let mut offset = trust_domain_end + 1;
+            for segment in path.split('/') {
+                check_segment(segment, offset)?;
+                offset += segment.len() + 1;
+            }
+        }
+        Ok(Self {
+            uri: uri.to_owned(),
+            trust_domain_end,
+        })
+    }
+
+    /// Reads the SPIFFE ID of a certificate's single URI subject alternative name (not a
+    /// verification: for certificates a verifier has already accepted).
+    pub fn from_certificate(cert: &CertificateDer<'_>) -> Result<Self, IdentityError> {
+        Self::parse(&single_uri_san(cert)?)
+    }
+
+    /// The trust domain.
+    pub fn trust_domain(&self) -> &str {
+        &self.uri[SPIFFE_SCHEME_PREFIX.len()..self.trust_domain_end]
+    }
+
+    /// The path segments, in order (none for an ID without a path).
+    pub fn segments(&self) -> impl Iterator<Item = &str> {
+        self.uri[self.trust_domain_end..]
+            .strip_prefix('/')
+            .into_iter()
+            .flat_map(|p| p.split('/'))
+    }
+
+    /// The whole URI.
+    pub fn as_str(&self) -> &str {
+        &self.uri
+    }
+}
+
+impl fmt::Display for SpiffeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.uri)
+    }
+}
+
+/// A certificate's single URI subject alternative name.
+fn single_uri_san(cert: &CertificateDer<'_>) -> Result<String, IdentityError> {
+    let (rest, x509) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|_| IdentityError::BadCertificate)?;
+    if !rest.is_empty() {
+        return Err(IdentityError::BadCertificate);
+    }
+    // `Err` here also covers a duplicated SAN extension, which would otherwise let a
+    // certificate carry two identities.
+    let san = x509
+        .subject_alternative_name()
+        .map_err(|_| IdentityError::BadCertificate)?;
+    let mut uris = san
+        .iter()
+        .flat_map(|ext| ext.value.general_names.iter())
+        .filter_map(|name| match name {
+            GeneralName::URI(uri) => Some(*uri),
+            _ => None,
+        });
+    let Some(uri) = uris.next() else {
+        return Err(IdentityError::NoUriSan);
+    };
+    let others = uris.count();
+    if others > 0 {
+        return Err(IdentityError::MultipleUriSans { count: others + 1 });
+    }
+    Ok(uri.to_owned())
+}
+
 /// A validated workload identity: a SPIFFE ID `spiffe://<trust-domain>/<role>/<name>`.
 ///
 /// `Display` and [`WorkloadId::as_str`] give the URI.
@@ -266,42 +367,18 @@ pub struct WorkloadId {
 impl WorkloadId {
     /// Parses a SPIFFE ID of exactly the form `spiffe://<trust-domain>/<role>/<name>`.
     ///
-    /// Follows the SPIFFE ID syntax: scheme exactly `spiffe`; non-empty trust domain of
-    /// `a-z 0-9 . - _` at most [`MAX_TRUST_DOMAIN_LEN`] bytes (so no port or userinfo); path
-    /// segments of `a-z A-Z 0-9 . - _`, none empty or `.`/`..` (so no trailing slash, query or
-    /// fragment); at most [`MAX_SPIFFE_ID_LEN`] bytes in all. On top of the spec, the path must
+    /// Follows the SPIFFE ID syntax ([`SpiffeId::parse`]); on top of the spec, the path must
     /// have exactly two segments.
     pub fn parse(uri: &str) -> Result<Self, IdentityError> {
-        if uri.len() > MAX_SPIFFE_ID_LEN {
-            return Err(IdentityError::IdTooLong { len: uri.len() });
-        }
-        let Some(rest) = uri.strip_prefix(SPIFFE_SCHEME_PREFIX) else {
-            return Err(IdentityError::WrongScheme);
-        };
-        let (trust_domain, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        check_trust_domain(trust_domain)?;
-        let trust_domain_end = SPIFFE_SCHEME_PREFIX.len() + trust_domain.len();
-
-        // `path` is empty or starts with '/'.
-        let Some(path) = path.strip_prefix('/') else {
-            return Err(IdentityError::WrongSegmentCount { found: 0 });
-        };
-        let mut offset = trust_domain_end + 1;
-        let mut found = 0;
-        let mut role_end = 0;
-        for segment in path.split('/') {
-            check_segment(segment, offset)?;
-            found += 1;
-            if found == 1 {
-                role_end = offset + segment.len();
-            }
-            offset += segment.len() + 1;
-        }
+        let id = SpiffeId::parse(uri)?;
+        let found = id.segments().count();
         if found != 2 {
             return Err(IdentityError::WrongSegmentCount { found });
         }
+        let trust_domain_end = id.trust_domain_end;
+        let role_end = trust_domain_end + 1 + id.segments().next().map_or(0, str::len);
         Ok(Self {
-            uri: uri.to_owned(),
+            uri: id.uri,
             trust_domain_end,
             role_end,
         })
@@ -331,31 +408,7 @@ impl WorkloadId {
     /// This does **not** verify the certificate; it is for certificates a verifier has
     /// already accepted, or for checking one's own certificate at start-up.
     pub fn from_certificate(cert: &CertificateDer<'_>) -> Result<Self, IdentityError> {
-        let (rest, x509) = x509_parser::parse_x509_certificate(cert.as_ref())
-            .map_err(|_| IdentityError::BadCertificate)?;
-        if !rest.is_empty() {
-            return Err(IdentityError::BadCertificate);
-        }
-        // `Err` here also covers a duplicated SAN extension, which would otherwise let a
-        // certificate carry two identities.
-        let san = x509
-            .subject_alternative_name()
-            .map_err(|_| IdentityError::BadCertificate)?;
-        let mut uris = san
-            .iter()
-            .flat_map(|ext| ext.value.general_names.iter())
-            .filter_map(|name| match name {
-                GeneralName::URI(uri) => Some(*uri),
-                _ => None,
-            });
-        let Some(uri) = uris.next() else {
-            return Err(IdentityError::NoUriSan);
-        };
-        let others = uris.count();
-        if others > 0 {
-            return Err(IdentityError::MultipleUriSans { count: others + 1 });
-        }
-        Self::parse(uri)
+        Self::parse(&single_uri_san(cert)?)
     }
 
     /// The trust domain, e.g. `iop.test`.
@@ -755,6 +808,27 @@ mod tests {
     use rcgen::{CertificateParams, KeyPair, SanType};
 
     use super::*;
+
+    #[test]
+    fn a_spiffe_id_of_any_length_keeps_its_segments() {
+        let id = SpiffeId::parse("spiffe://proxypool.test/staging/worker/w-1").unwrap();
+        assert_eq!(id.trust_domain(), "proxypool.test");
+        assert_eq!(
+            id.segments().collect::<Vec<_>>(),
+            ["staging", "worker", "w-1"]
+        );
+        let bare = SpiffeId::parse("spiffe://iop.test").unwrap();
+        assert_eq!(bare.segments().count(), 0);
+        assert!(matches!(
+            SpiffeId::parse("spiffe://iop.test/a//b"),
+            Err(IdentityError::EmptyPathSegment)
+        ));
+        // The two-segment form is the same parser with a count.
+        assert!(matches!(
+            WorkloadId::parse("spiffe://iop.test/staging/worker/w-1"),
+            Err(IdentityError::WrongSegmentCount { found: 3 })
+        ));
+    }
 
     const TD: &str = "iop.test";
 
