@@ -199,6 +199,7 @@ pub struct Admission {
     admitted: Admitted,
     shared: Weak<Shared>,
     armed: bool,
+    response_wait: Option<Duration>,
 }
 
 impl Admission {
@@ -210,6 +211,16 @@ impl Admission {
     /// The lease recipient key the selected Node announced on this generation's registration.
     pub fn recipient(&self) -> Option<&RecipientKey> {
         self.admitted.recipient.as_ref()
+    }
+
+    /// A tunnel sent on this admission ends with [`TunnelEvent::WaitTimeout`] (and the Edge
+    /// cancels it on the Node) if no frame of the response arrives within `wait`: the pool
+    /// path's response wait, as [`EdgeHandle::tunnel_with_wait`] is the direct path's. Runs
+    /// are bounded by their own `timeout` instead.
+    #[must_use]
+    pub fn with_response_wait(mut self, wait: Duration) -> Self {
+        self.response_wait = Some(wait);
+        self
     }
 }
 
@@ -494,6 +505,7 @@ impl Shared {
                             admitted,
                             shared: Arc::downgrade(self),
                             armed: true,
+                            response_wait: None,
                         };
                         if let Err(Ok(mut admission)) = waiter.send(Ok(admission)) {
                             // The caller went away while queued (we hold the lock: release
@@ -719,6 +731,7 @@ impl EdgeHandle {
                 admitted,
                 shared: Arc::downgrade(&self.shared),
                 armed: true,
+                response_wait: None,
             }),
             Ok(rx) => rx.await.map_err(|_| DispatchError::Stopped)?,
         }
@@ -732,6 +745,7 @@ impl EdgeHandle {
         request: PoolRequest,
     ) -> Result<Dispatched, DispatchError> {
         admission.armed = false;
+        let response_wait = admission.response_wait;
         let lease = &admission.admitted.lease;
         match request {
             PoolRequest::Run(request) => {
@@ -755,7 +769,7 @@ impl EdgeHandle {
                         Open::Tunnel {
                             request,
                             sink,
-                            response_wait: None,
+                            response_wait,
                         },
                     )
                 })?;

@@ -17,7 +17,10 @@ use axum::http::header;
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, TunnelEvent, bind};
+use iop_edge::pool::{ContextSize, PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge::{
+    Dispatched, EdgeHandle, Lifecycle, PoolRequest, TransportConfig, TunnelEvent, bind,
+};
 use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node};
 use iop_tests::pki::Ca;
 use iop_wire::runtime::{
@@ -217,9 +220,43 @@ fn node_config(provider: SocketAddr) -> NodeConfigPayload {
 }
 
 async fn mesh(ca: &Ca, provider: SocketAddr) -> (EdgeHandle, CancellationToken) {
+    mesh_with(ca, provider, None).await
+}
+
+/// [`mesh`] with the Node's `openai-a` instance as the one provider of model `gpt` in the
+/// pool.
+async fn pooled_mesh(ca: &Ca, provider: SocketAddr) -> (EdgeHandle, CancellationToken) {
+    let key = ProviderKey {
+        node_id: "node-1".into(),
+        provider_id: "openai-a-node-1".into(),
+    };
+    let pool = PoolConfig {
+        providers: vec![ProviderSpec {
+            key: key.clone(),
+            adapter: "openai-a".into(),
+            target: "gpt-test".into(),
+            kind: ProviderKind::OpenAiCompat,
+            category: "api".into(),
+            capacity: 4,
+            long_context_capacity: 4,
+            response_stall_timeout: Duration::from_secs(300),
+            enabled: true,
+        }],
+        models: vec![("gpt".into(), vec![key])],
+        max_queue: 16,
+    };
+    mesh_with(ca, provider, Some(pool)).await
+}
+
+async fn mesh_with(
+    ca: &Ca,
+    provider: SocketAddr,
+    pool: Option<PoolConfig>,
+) -> (EdgeHandle, CancellationToken) {
     let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     cfg.node_configs = vec![("node-1".into(), node_config(provider))];
+    cfg.pool = pool;
     let edge = bind(cfg).await.unwrap().0;
     let mut life = edge.subscribe();
     let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
@@ -495,6 +532,41 @@ async fn response_wait_timeout_ends_the_tunnel_and_cancels_upstream() {
         assert!(stream.next().await.is_none());
         // The Edge's CancelRequest made the Node drop the upstream request.
         dropped.await;
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+/// The pool path has the same response wait (`Admission::with_response_wait`): a tunnel sent
+/// on an admission with a wait ends with `WaitTimeout`, the upstream request is dropped, and
+/// the provider lease is released (the next admission is granted at once).
+#[tokio::test]
+async fn the_pool_path_has_the_same_response_wait() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = pooled_mesh(&ca, p.addr).await;
+        let dropped = p.late_dropped.notified();
+        let admission = edge
+            .admit("gpt", ContextSize::Standard, Duration::from_secs(5))
+            .await
+            .unwrap()
+            .with_response_wait(Duration::from_millis(300));
+        let dispatched = edge
+            .send_admitted(
+                admission,
+                PoolRequest::Tunnel(chat("late-pool", None, "/late")),
+            )
+            .await
+            .unwrap();
+        let Dispatched::Tunnel(mut stream) = dispatched else {
+            panic!("a tunnel was sent")
+        };
+        assert_eq!(stream.next().await.unwrap(), TunnelEvent::WaitTimeout);
+        assert!(stream.next().await.is_none());
+        dropped.await;
+        assert_eq!(edge.pool_stats(), (0, 0), "the lease was released");
         shutdown.cancel();
     })
     .await
