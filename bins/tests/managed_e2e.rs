@@ -39,7 +39,7 @@ use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, CredentialLeaseBinding, Header,
     ManagedCredential, NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
 };
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::AsyncBufReadExt as _;
 use tokio_util::sync::CancellationToken;

@@ -1,5 +1,5 @@
 //! Arbitrary open/close/frame sequences against a `TunnelSequencer`, checked against a tiny
-//! model of the ordering rules (`iop_wire::tunnel` docs, rules 1–5): each opened stream ends
+//! model of the ordering rules (`iop_wire::tunnel_order` docs, rules 1–5): each opened stream ends
 //! in at most one terminal (END, ERROR or a violation) before it is reopened, frames for
 //! streams that are not open are `UnknownStream`, and at most the limit of streams are open.
 
@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 use iop_wire::runtime::{Header, TunnelFrame, TunnelPayload, Usage};
-use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
+use iop_wire::tunnel_order::{Delivery, TunnelError, TunnelSequencer, Violation};
 
 use crate::seed::{ToSeed, variant};
 
@@ -112,7 +112,7 @@ pub fn run(ops: &[Op]) {
     }
 }
 
-/// The ordering rules, written independently of `iop_wire::tunnel`.
+/// The ordering rules, written independently of `iop_wire::tunnel_order`.
 fn expect(state: &mut Stream, sequence: u8, kind: Kind) -> Result<(), Violation> {
     if let Some(previous) = state.last.filter(|&p| sequence <= p) {
         return Err(Violation::SequenceNotIncreasing {

@@ -8,7 +8,7 @@
 //! caps, one I/O task per Node connection, one timer task, and the machine behind one mutex
 //! (locked per call, never across an `.await`), so a Node's frame is routed by the task that
 //! read it straight into its stream's buffer. [`EdgeHandle`] is the embeddable API to dispatch
-//! runs, cancel them, open provider tunnels (frames checked by `iop_wire::tunnel`), send
+//! runs, cancel them, open provider tunnels (frames checked by `iop_wire::tunnel_order`), send
 //! commands and push config refreshes to ready Nodes; a tunnel may carry a response-wait
 //! timeout, and a caller that goes away (drops its stream) or times out makes the Edge send
 //! `CancelRequest`. [`start_unbound`] starts it without a listener and

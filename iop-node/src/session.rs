@@ -29,7 +29,7 @@ use crate::adapter::{
     Budgeted, Injection, Instance, Instances, RunEvents, TunnelSink, stream_budget,
 };
 use crate::exec::{self, Ended, StallIdentity, Watch};
-use iop_wire::tunnel::TunnelWriter;
+use iop_wire::tunnel_order::TunnelWriter;
 
 /// The read buffer a session starts with; it grows to the largest frame the Edge sends (as at
 /// the Edge, where tokio-util's 8 KiB default was most of an idle connection's memory).

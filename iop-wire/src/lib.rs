@@ -14,7 +14,7 @@
 //! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; optional tokio-util codec (feature `tokio-codec`) |
 //! | [`node`] | the Node side of one connection (the Edge side is `iop_edge_core::registry`): register → apply config → ready; run-id admission, refusal framing, `health_observation_seq` stamping |
 //! | [`control_session`] | both ends of one Control Plane ⇄ Edge connection (seed 001): hello and identity agreement, heartbeats and silence, correlation, projection generations that only move forward, lease request/answer matching |
-//! | [`tunnel`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
+//! | [`tunnel_order`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
 //! | [`reconnect`] | the supervisor policy: `interval_sec`, `max_attempts`, jitter, exit classes |
 //! | [`health`] | the connection-scoped `health_observation_seq` |
 //! | [`liveness`] | the heartbeat and silence rule both wires share |
@@ -65,7 +65,7 @@
 //! - `response_stall_timeout_ms` "overflow" means above `i64::MAX / 10^6` ms (the largest value
 //!   whose nanoseconds fit an `i64`).
 //! - Tunnel ordering corner cases: BODY and END need a prior RESPONSE_START; ERROR and USAGE may
-//!   come at any point; see [`tunnel`].
+//!   come at any point; see [`tunnel_order`].
 //! - `ExecutionFailure`'s allowlisted metadata is a fixed set of typed fields; invalid evidence
 //!   does not invalidate the terminal carrying it ([`runtime::FailureEvidence`]).
 //! - Identifiers: 1–128 bytes of `A-Z a-z 0-9 . _ - :`; Node ids without `:` (they are SPIFFE
@@ -89,7 +89,7 @@ pub mod reconnect;
 pub mod runtime;
 pub mod text_tools;
 pub mod time;
-pub mod tunnel;
+pub mod tunnel_order;
 pub mod validate;
 
 pub use liveness::{DEFAULT_HEARTBEAT_INTERVAL, HeartbeatConfig};

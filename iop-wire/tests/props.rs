@@ -9,7 +9,7 @@ use iop_wire::codec::FrameCodec;
 use iop_wire::runtime::{
     NodeReadyRequest, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload, Usage,
 };
-use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer, Violation};
+use iop_wire::tunnel_order::{Delivery, TunnelError, TunnelSequencer, Violation};
 use proptest::prelude::*;
 
 // === tunnel ordering ===

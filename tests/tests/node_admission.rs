@@ -30,7 +30,7 @@ use iop_wire::runtime::{
     ManagedCredential, NativeSettings, NodeConfigPayload, OpenAiCompatSettings, Operation,
     ProviderTunnelRequest, RunEventKind, RunRequest,
 };
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
 use workload_identity::role;

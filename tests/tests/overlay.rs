@@ -28,7 +28,7 @@ use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, HealthEvidence,
     NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
 };
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
 use workload_identity::role;

@@ -28,7 +28,7 @@ use iop_wire::runtime::{
     NativeSettings, NodeCommandKind, NodeCommandRequest, NodeConfigPayload, OpenAiCompatSettings,
     Operation, ProviderStatus, ProviderTunnelRequest, RunEventKind, RunRequest, Usage,
 };
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

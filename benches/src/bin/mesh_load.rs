@@ -48,7 +48,7 @@ use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, ConcreteProtocolProfile, Header, NodeConfigPayload,
     OpenAiCompatSettings, Operation, ProviderTunnelRequest,
 };
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;

@@ -18,7 +18,7 @@
 //!   fence releases its leases exactly once and takes its providers offline;
 //! - stream routing: stream ids (never reused), routes checked against the frame's transport
 //!   identity `(node_id, generation)` (never what the frame claims), tunnel ordering
-//!   (`iop_wire::tunnel`), response-wait timers, the slow-consumer rule (a byte bound and a
+//!   (`iop_wire::tunnel_order`), response-wait timers, the slow-consumer rule (a byte bound and a
 //!   no-progress timeout per stream), `CancelRequest` when a caller goes away;
 //! - command / config-refresh correlation ([`EdgeCore::command`], [`EdgeCore::refresh`]) and
 //!   the CAPABILITIES recovery probe ([`EdgeCore::recover`]), answered as [`Event::Answered`];

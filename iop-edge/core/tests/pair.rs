@@ -40,7 +40,7 @@ use iop_wire::runtime::{
     NodeConfigRefreshResponse, ProviderStatus, ProviderTunnelRequest, RegisterRequest, RunEvent,
     RunEventKind, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload,
 };
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
 
 // === Stream buffers the test can read (or not) ===

@@ -14,7 +14,7 @@ use iop_dialect::decode::{ChatStreamDecoder, MessagesStreamDecoder};
 use iop_dialect::sse::SseEvent;
 use iop_dialect::{Dialect, Encoder, Event, Message, StreamTranslator, Upstream};
 use iop_wire::runtime::{Header, RunEvent, RunEventKind};
-use iop_wire::tunnel::Delivery;
+use iop_wire::tunnel_order::Delivery;
 use serde_json::Value;
 
 use crate::transport::{DispatchError, RunStream, TunnelEvent, TunnelStream};

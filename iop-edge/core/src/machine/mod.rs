@@ -22,7 +22,7 @@ use iop_wire::runtime::{
     NodeCommandResponse, NodeConfigPayload, ProviderSnapshot, ProviderStatus, RecipientKey,
     RunEvent, RunEventKind, RuntimeFrame, RuntimeMessage,
 };
-use iop_wire::tunnel::{Delivery, TunnelError, TunnelSequencer};
+use iop_wire::tunnel_order::{Delivery, TunnelError, TunnelSequencer};
 use iop_wire::validate::ResponseStallTimeout;
 
 mod correlation;

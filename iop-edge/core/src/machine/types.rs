@@ -7,7 +7,7 @@ use iop_wire::runtime::{
     NodeCommandResponse, NodeConfigRefreshResponse, ProviderTunnelRequest, RecipientKey, RunEvent,
     RunRequest,
 };
-use iop_wire::tunnel::{Delivery, Violation};
+use iop_wire::tunnel_order::{Delivery, Violation};
 
 #[cfg(doc)]
 use super::EdgeCore;
@@ -73,7 +73,7 @@ impl Observer for NoObserver {}
 /// END or ERROR, an ordering violation, or the Node's disconnect.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TunnelEvent {
-    /// A frame that passed the ordering rules (`iop_wire::tunnel`).
+    /// A frame that passed the ordering rules (`iop_wire::tunnel_order`).
     Frame(Delivery),
     /// The Node broke the ordering rules; the Edge sent `CancelRequest`. Terminal.
     Violation(Violation),
