@@ -6,7 +6,9 @@
 //! what happened, [`EdgeCore::poll_transmit`] hands out the frames to write,
 //! [`EdgeCore::poll_event`] what the driver must act on, and [`EdgeCore::poll_timeout`] /
 //! [`EdgeCore::handle_timeout`] its timers. Cargo enforces the purity: this crate's normal
-//! dependencies are `iop-wire` (without its tokio codec feature), `thiserror` and `tracing`.
+//! dependencies are `iop-wire` (without its tokio codec feature), `ring` and `subtle` (the
+//! projection's token digests, compared in constant time), `thiserror` and `tracing`; the test
+//! command fails if tokio ever appears among them.
 //!
 //! It owns:
 //!
