@@ -384,11 +384,19 @@ fn redis_scripts_answer_and_store_exactly_what_the_pure_rules_do() {
         let want = pure.current_ownership_epoch(0);
         prop_assert_eq!(rt.block_on(redis.current_ownership_epoch()).unwrap(), want);
     });
+    let (steps, accepted) = (steps.into_inner(), accepted.into_inner());
     eprintln!(
-        "differential: {} sequences, {} steps ({} accepted ACKs and reports), every answer and \
-         state equal",
+        "differential: {} sequences, {steps} steps ({accepted} accepted ACKs and reports), every \
+         answer and state equal",
         cases(),
-        steps.into_inner(),
-        accepted.into_inner()
+    );
+    // The comparison means something only if the sequences reach the accepted path: a broken
+    // hint generator would make every step a refusal, and refusals alone agree trivially.
+    // About 9.5 % of steps are accepted ACKs or reports (3804 of 40062 at 2000 cases); 3 % is
+    // far below any run's spread and far above a generator that never hits.
+    assert!(
+        accepted * 100 >= steps * 3,
+        "only {accepted} of {steps} steps were accepted ACKs or reports: the hints no longer \
+         reach the accepted path"
     );
 }

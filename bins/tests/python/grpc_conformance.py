@@ -16,6 +16,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+def require(condition, what):
+    """Fails the process when `condition` is false. Not `assert`, which `python -O` and
+    PYTHONOPTIMIZE strip, and the check with it."""
+    if not condition:
+        sys.exit(f"check failed: {what}")
+
+
 WORKER = "controlplane.v1.WorkerControlPlane"
 HEALTH = "grpc.health.v1.Health"
 
@@ -42,13 +49,13 @@ def reflection(channel):
     db = ProtoReflectionDescriptorDatabase(channel)
     services = set(db.get_services())
     for want in (WORKER, HEALTH):
-        assert want in services, f"v1alpha lists {sorted(services)}, not {want}"
+        require(want in services, f"v1alpha lists {sorted(services)}, not {want}")
     pool = descriptor_pool.DescriptorPool(db)
     worker = pool.FindServiceByName(WORKER)
     methods = {m.name for m in worker.methods}
-    assert {"RegisterWorker", "AcknowledgeSnapshot", "ReportRuntime"} <= methods, methods
+    require({"RegisterWorker", "AcknowledgeSnapshot", "ReportRuntime"} <= methods, methods)
     health = pool.FindServiceByName(HEALTH)
-    assert {"Check", "Watch"} <= {m.name for m in health.methods}
+    require({"Check", "Watch"} <= {m.name for m in health.methods}, '{"Check", "Watch"} <= {m.name for m in health.methods}')
     # v1: the same messages on the wire, under the grpc.reflection.v1 service name.
     v1 = channel.stream_stream(
         "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
@@ -60,7 +67,7 @@ def reflection(channel):
     )
     names = {s.name for s in answers[0].list_services_response.service}
     for want in (WORKER, HEALTH, "grpc.reflection.v1.ServerReflection"):
-        assert want in names, f"v1 lists {sorted(names)}, not {want}"
+        require(want in names, f"v1 lists {sorted(names)}, not {want}")
     print("ok", flush=True)
 
 
