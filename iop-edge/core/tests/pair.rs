@@ -1294,7 +1294,41 @@ fn a_fence_releases_its_generations_leases_exactly_once() {
     p.edge.release(p.now, a.lease.id);
     assert_eq!(p.leases(), 0);
     // Back on a new generation, with full capacity (the old lease did not leak into it).
-    let _n1b = p.connect("node-1");
+    let n1b = p.connect("node-1");
+    let Admit::Granted(b) = p
+        .edge
+        .admit(p.now, "m", ContextSize::Standard, wait)
+        .unwrap()
+    else {
+        panic!("the old lease leaked into the new generation")
+    };
+    assert_eq!(
+        Some(b.lease.generation),
+        p.edge.registry().ready_generation("node-1").map(|(_, g)| g),
+        "granted on the new generation"
+    );
+    // An admission granted but never sent: its lease, too, is released by the fence, once.
+    assert_eq!(p.leases(), 1);
+    p.cut(n1b);
+    assert_eq!(
+        p.leases(),
+        0,
+        "the unsent admission's lease released by the fence"
+    );
+    assert_eq!(
+        p.edge.send_admitted(
+            p.now,
+            &b.lease,
+            Open::Run {
+                request: run_request("r3"),
+                sink: Buf::new(),
+            },
+        ),
+        Err(DispatchError::Disconnected)
+    );
+    p.edge.release(p.now, b.lease.id);
+    assert_eq!(p.leases(), 0, "released once");
+    let _n1c = p.connect("node-1");
     assert!(matches!(
         p.edge.admit(p.now, "m", ContextSize::Standard, wait),
         Ok(Admit::Granted(_))
