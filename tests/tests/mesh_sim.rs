@@ -12,7 +12,8 @@
 //! Checked on every run:
 //!
 //! - **no run lost without a terminal**: every dispatched run either is refused at dispatch
-//!   (`NotReady`/`Disconnected`) or its stream ends with exactly one terminal event (the Node's
+//!   (`NotReady`/`Disconnected`; through the pool also `WaitTimeout`/`QueueFull`, no provider
+//!   within the wait; any other dispatch error is a failure) or its stream ends with exactly one terminal event (the Node's
 //!   `Complete`, the Node's `response_stalled` error with its `ExecutionFailure` for a run that
 //!   met a stall and only for such a run, or the Edge's own error when its generation is
 //!   fenced); a stalled run never completes;
@@ -46,7 +47,9 @@ use std::time::Duration;
 
 use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge::registry::Generation;
-use iop_edge::{Dispatched, EdgeHandle, PoolRequest, TransportConfig, start_unbound};
+use iop_edge::{
+    DispatchError, Dispatched, EdgeHandle, PoolRequest, TransportConfig, start_unbound,
+};
 use iop_node::{AdapterRegistry, NodeOptions, ReconnectPolicy, run_node_with};
 use iop_tests::pki::Ca;
 use iop_wire::runtime::{
@@ -147,6 +150,8 @@ use iop_wire::backoff::SplitMix64 as Rng;
 struct Outcome {
     dispatched: usize,
     refused: usize,
+    /// Pool admissions that timed out in the queue or found it full.
+    not_admitted: usize,
     completed: usize,
     edge_terminals: usize,
     /// Runs on a stalling provider that ended with the Node's `response_stalled` terminal.
@@ -278,13 +283,13 @@ fn simulate(seed: u64) -> Outcome {
                                 edge.run(n, run_with(&id, input)).await
                             };
                             match stream {
-                                Err(_) => None,
+                                Err(e) => Err(e),
                                 Ok(mut stream) => {
                                     let mut events = Vec::new();
                                     while let Some(ev) = stream.next().await {
                                         events.push(ev);
                                     }
-                                    Some(events)
+                                    Ok(events)
                                 }
                             }
                         }),
@@ -302,9 +307,24 @@ fn simulate(seed: u64) -> Outcome {
             let events = r.await.unwrap();
             let mut o = result.borrow_mut();
             o.dispatched += 1;
-            let Some(events) = events else {
-                o.refused += 1;
-                continue;
+            let events = match events {
+                Ok(events) => events,
+                // Refused at dispatch: the Node's generation is not ready, or ended between
+                // admission and send.
+                Err(DispatchError::NotReady | DispatchError::Disconnected) => {
+                    o.refused += 1;
+                    continue;
+                }
+                // Through the pool, no provider was ready within the wait, or the bounded queue
+                // was full: an admission outcome under faults, never a lost run.
+                Err(DispatchError::WaitTimeout | DispatchError::QueueFull) => {
+                    o.not_admitted += 1;
+                    continue;
+                }
+                Err(e) => {
+                    o.broken.push(format!("a dispatch failed with {e:?}"));
+                    continue;
+                }
             };
             let terminals = events.iter().filter(|e| e.kind.is_terminal()).count();
             let last_terminal = events.last().is_some_and(|e| e.kind.is_terminal());
@@ -434,6 +454,7 @@ fn seeded_runs_of_the_whole_mesh_keep_every_run_terminal_and_recover() {
         }
     };
     let (mut dispatched, mut completed, mut fenced, mut refused, mut stalled) = (0, 0, 0, 0, 0);
+    let mut not_admitted = 0;
     let many = seeds.len() >= 20;
     for seed in seeds {
         let o = simulate(seed);
@@ -442,15 +463,21 @@ fn seeded_runs_of_the_whole_mesh_keep_every_run_terminal_and_recover() {
             "seed {seed} (MESH_SIM_SEED={seed} replays it): {o:?}"
         );
         assert!(o.recovered, "seed {seed}: the mesh did not recover: {o:?}");
+        assert!(
+            o.completed > 0,
+            "seed {seed}: no run completed (MESH_SIM_SEED={seed} replays it): {o:?}"
+        );
         dispatched += o.dispatched;
         completed += o.completed;
         fenced += o.edge_terminals;
         refused += o.refused;
+        not_admitted += o.not_admitted;
         stalled += o.stalled;
     }
     eprintln!(
         "mesh sim: {dispatched} runs: {completed} completed, {stalled} ended stalled, {fenced} \
-         ended by the Edge (fence), {refused} refused at dispatch"
+         ended by the Edge (fence), {refused} refused at dispatch, {not_admitted} not admitted \
+         by the pool in time"
     );
     assert!(completed > 0);
     if many {
