@@ -34,6 +34,7 @@ use iop_node::credential::UpstreamCredential;
 use iop_node::{
     Adapter, AdapterBuildError, AdapterConfig, AdapterError, AdapterRegistry, AdapterSettings,
     Node, NodeOptions, ProviderStatus, RunCompletion, RunEvents, RunRequest, Usage, async_trait,
+    last_message_text,
 };
 use workload_identity::{ExpectedPeer, WorkloadTls, role};
 
@@ -65,19 +66,6 @@ impl ReverseAdapter {
     }
 }
 
-/// The text of the last message of a normalized `{"messages": [...]}` input, or the input.
-fn last_message(input: &[u8]) -> Result<String, AdapterError> {
-    let raw =
-        std::str::from_utf8(input).map_err(|_| AdapterError::InvalidInput("input is not UTF-8"))?;
-    let parsed = serde_json::from_str::<serde_json::Value>(raw).ok();
-    let content = parsed.as_ref().and_then(|v| {
-        v["messages"].as_array()?.last()?["content"]
-            .as_str()
-            .map(str::to_owned)
-    });
-    Ok(content.unwrap_or_else(|| raw.to_owned()))
-}
-
 #[async_trait]
 impl Adapter for ReverseAdapter {
     async fn run(
@@ -88,7 +76,7 @@ impl Adapter for ReverseAdapter {
         if !self.targets.is_empty() && !self.targets.contains(&request.target) {
             return Err(AdapterError::UnknownTarget);
         }
-        let text = last_message(&request.input)?;
+        let text = last_message_text(&request.input)?;
         let words: Vec<&str> = text.split_whitespace().rev().collect();
         let mut sent = 0u64;
         for (i, word) in words.iter().enumerate() {

@@ -74,7 +74,7 @@ impl<'a> Binder<'a> {
             model,
             admitted_node(&admission),
         );
-        let step = machine.start(now(), edge);
+        let step = machine.start(edge);
         Self {
             control,
             edge,
@@ -91,7 +91,7 @@ impl<'a> Binder<'a> {
         self.admission = Some(admission);
         self.step = self
             .machine
-            .handle_readmitted(now(), node, same_request, self.edge);
+            .handle_readmitted(node, same_request, self.edge);
     }
 
     /// Drives the machine until it binds, refuses or asks for a re-admission.
@@ -129,7 +129,7 @@ impl<'a> Binder<'a> {
                 Step::AwaitProjection { after, until } => {
                     let left = until.saturating_duration_since(now());
                     let newer = control.projection_after(after, left).await;
-                    self.machine.handle_projection(now(), newer, edge)
+                    self.machine.handle_projection(newer, edge)
                 }
                 Step::AwaitConnected { until } => {
                     let left = until.saturating_duration_since(now());
@@ -138,7 +138,7 @@ impl<'a> Binder<'a> {
                     } else {
                         None
                     };
-                    self.machine.handle_connected(now(), current, edge)
+                    self.machine.handle_connected(current, edge)
                 }
                 Step::Readmit => {
                     return match self.admission.take() {

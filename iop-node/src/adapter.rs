@@ -41,6 +41,23 @@ pub enum AdapterError {
     Provider(String),
 }
 
+/// The text a normalized run asks about: the `content` of the last message of a
+/// `{"messages": [...]}` input (what the Edge sends for chat, Responses and Messages requests to
+/// a native adapter), or the whole input when it is plain text. For adapters that answer the
+/// last message.
+pub fn last_message_text(input: &[u8]) -> Result<String, AdapterError> {
+    let raw =
+        std::str::from_utf8(input).map_err(|_| AdapterError::InvalidInput("input is not UTF-8"))?;
+    let last = serde_json::from_str::<serde_json::Value>(raw)
+        .ok()
+        .and_then(|v| {
+            v["messages"].as_array()?.last()?["content"]
+                .as_str()
+                .map(str::to_owned)
+        });
+    Ok(last.unwrap_or_else(|| raw.to_owned()))
+}
+
 /// How a normalized run ended successfully.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunCompletion {

@@ -67,16 +67,7 @@ impl Adapter for DemoAdapter {
         if !self.targets.is_empty() && !self.targets.contains(&request.target) {
             return Err(AdapterError::UnknownTarget);
         }
-        let raw = std::str::from_utf8(&request.input)
-            .map_err(|_| AdapterError::InvalidInput("input is not UTF-8"))?;
-        let last_message = serde_json::from_str::<serde_json::Value>(raw)
-            .ok()
-            .and_then(|v| {
-                v["messages"].as_array()?.last()?["content"]
-                    .as_str()
-                    .map(str::to_owned)
-            });
-        let input = last_message.as_deref().unwrap_or(raw);
+        let input = &crate::adapter::last_message_text(&request.input)?;
         let deltas = Self::reply(input, self.repeat);
         let stalls = self.stall_on.as_deref() == Some(input);
         let mut completion_tokens = 0u64;

@@ -104,7 +104,7 @@ use std::time::Duration;
 
 pub use adapter::{
     Adapter, AdapterBuildError, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate,
-    RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink,
+    RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink, last_message_text,
 };
 /// The attribute [`Adapter`] implementations are written with.
 pub use async_trait::async_trait;

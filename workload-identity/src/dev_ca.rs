@@ -85,12 +85,11 @@ impl DevCa {
 
     /// The Edge's server TLS: identity `edge/<name>`, accepting any Node of this CA.
     pub fn edge_tls(&self, name: &str) -> Result<Arc<rustls::ServerConfig>, DevCaError> {
-        let expected = ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE).map_err(err)?;
-        let config = self
-            .material(role::EDGE, name)?
-            .server_config(expected)
-            .map_err(err)?;
-        Ok(Arc::new(config))
+        self.server(
+            role::EDGE,
+            name,
+            ExpectedPeer::any_name(TRUST_DOMAIN, role::NODE),
+        )
     }
 
     /// A Node's client TLS: identity `node/<name>`, expecting the Edge `edge/<edge>`.
@@ -99,23 +98,21 @@ impl DevCa {
         name: &str,
         edge: &str,
     ) -> Result<Arc<rustls::ClientConfig>, DevCaError> {
-        let expected = ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, edge).map_err(err)?;
-        let config = self
-            .material(role::NODE, name)?
-            .client_config(expected)
-            .map_err(err)?;
-        Ok(Arc::new(config))
+        self.client(
+            role::NODE,
+            name,
+            ExpectedPeer::exact(TRUST_DOMAIN, role::EDGE, edge),
+        )
     }
 
     /// A Control Plane's server TLS: identity `control-plane/<name>`, accepting any Edge of
     /// this CA.
     pub fn control_plane_tls(&self, name: &str) -> Result<Arc<rustls::ServerConfig>, DevCaError> {
-        let expected = ExpectedPeer::any_name(TRUST_DOMAIN, role::EDGE).map_err(err)?;
-        let config = self
-            .material(role::CONTROL_PLANE, name)?
-            .server_config(expected)
-            .map_err(err)?;
-        Ok(Arc::new(config))
+        self.server(
+            role::CONTROL_PLANE,
+            name,
+            ExpectedPeer::any_name(TRUST_DOMAIN, role::EDGE),
+        )
     }
 
     /// An Edge's client TLS to its Control Plane: identity `edge/<name>`, expecting
@@ -125,10 +122,35 @@ impl DevCa {
         name: &str,
         cp: &str,
     ) -> Result<Arc<rustls::ClientConfig>, DevCaError> {
-        let expected = ExpectedPeer::exact(TRUST_DOMAIN, role::CONTROL_PLANE, cp).map_err(err)?;
+        self.client(
+            role::EDGE,
+            name,
+            ExpectedPeer::exact(TRUST_DOMAIN, role::CONTROL_PLANE, cp),
+        )
+    }
+
+    fn server(
+        &self,
+        role: &str,
+        name: &str,
+        expected: Result<ExpectedPeer, crate::IdentityError>,
+    ) -> Result<Arc<rustls::ServerConfig>, DevCaError> {
         let config = self
-            .material(role::EDGE, name)?
-            .client_config(expected)
+            .material(role, name)?
+            .server_config(expected.map_err(err)?)
+            .map_err(err)?;
+        Ok(Arc::new(config))
+    }
+
+    fn client(
+        &self,
+        role: &str,
+        name: &str,
+        expected: Result<ExpectedPeer, crate::IdentityError>,
+    ) -> Result<Arc<rustls::ClientConfig>, DevCaError> {
+        let config = self
+            .material(role, name)?
+            .client_config(expected.map_err(err)?)
             .map_err(err)?;
         Ok(Arc::new(config))
     }

@@ -235,7 +235,9 @@ enum Awaiting {
 
 /// One managed request's binding loop. Create it after admission with [`ManagedBinding::new`],
 /// call [`ManagedBinding::start`], then do what each [`Step`] says and feed the answer to the
-/// `handle_*` method it names, until [`Step::Dispatch`] or [`Step::Refuse`].
+/// `handle_*` method it names, until [`Step::Dispatch`] or [`Step::Refuse`]. Only the lease's
+/// answer takes `now`: the round's deadline starts at its first wait, and every wait it asks
+/// for carries the deadline itself.
 #[derive(Debug)]
 pub struct ManagedBinding {
     config: BindingConfig,
@@ -293,11 +295,11 @@ impl ManagedBinding {
     }
 
     /// The first step.
-    pub fn start(&mut self, now: Instant, trust: &impl NodeTrust) -> Step {
+    pub fn start(&mut self, trust: &impl NodeTrust) -> Step {
         if self.awaiting != Awaiting::Start {
             return self.misuse();
         }
-        self.round(now, trust)
+        self.round(trust)
     }
 
     /// The Control Plane's answer to [`Step::Acquire`], with the projection current now.
@@ -322,7 +324,7 @@ impl ManagedBinding {
                         self.done(Step::Dispatch(binding))
                     }
                     Some(c) if c.generation() > self.index.generation() && now < deadline => {
-                        self.rebind(now, c, trust)
+                        self.rebind(c, trust)
                     }
                     _ => self.refuse(Refusal::CredentialsChanged),
                 }
@@ -349,7 +351,6 @@ impl ManagedBinding {
     /// before the deadline.
     pub fn handle_projection(
         &mut self,
-        now: Instant,
         newer: Option<Arc<ProjectionIndex>>,
         trust: &impl NodeTrust,
     ) -> Step {
@@ -358,7 +359,7 @@ impl ManagedBinding {
         }
         match newer {
             Some(newer) if newer.generation() > self.index.generation() => {
-                self.rebind(now, newer, trust)
+                self.rebind(newer, trust)
             }
             _ => self.refuse(Refusal::Propagating),
         }
@@ -368,7 +369,6 @@ impl ManagedBinding {
     /// `None` when no session came before the deadline (or it has no projection).
     pub fn handle_connected(
         &mut self,
-        now: Instant,
         current: Option<Arc<ProjectionIndex>>,
         trust: &impl NodeTrust,
     ) -> Step {
@@ -376,7 +376,7 @@ impl ManagedBinding {
             return self.misuse();
         }
         match current {
-            Some(current) => self.rebind(now, current, trust),
+            Some(current) => self.rebind(current, trust),
             None => self.refuse(Refusal::ControlPlaneUnavailable),
         }
     }
@@ -386,7 +386,6 @@ impl ManagedBinding {
     /// admitted afresh (503 + `Retry-After`).
     pub fn handle_readmitted(
         &mut self,
-        now: Instant,
         node: AdmittedNode,
         same_request: bool,
         trust: &impl NodeTrust,
@@ -401,41 +400,36 @@ impl ManagedBinding {
         self.readmitted = true;
         self.rebound = false;
         self.deadline = None;
-        self.round(now, trust)
+        self.round(trust)
     }
 
     // === internals ===
 
     /// A binding round against the Node as admitted: checks that hold for the whole round,
     /// then the first bind.
-    fn round(&mut self, now: Instant, trust: &impl NodeTrust) -> Step {
+    fn round(&mut self, trust: &impl NodeTrust) -> Step {
         if self.node.kind != ProviderKind::OpenAiCompat {
             return self.refuse(Refusal::NoProviderForTarget);
         }
         if self.node.recipient_key_id.is_none() {
             return self.refuse(Refusal::NoRecipientKey);
         }
-        self.bind(now, trust)
+        self.bind(trust)
     }
 
     /// Binds under `newer`, which must still authenticate the token as the same principal (a
     /// revoked token or a disabled principal is refused as at the door).
-    fn rebind(
-        &mut self,
-        now: Instant,
-        newer: Arc<ProjectionIndex>,
-        trust: &impl NodeTrust,
-    ) -> Step {
+    fn rebind(&mut self, newer: Arc<ProjectionIndex>, trust: &impl NodeTrust) -> Step {
         if newer.authenticate(&self.token) != Some(self.principal.as_str()) {
             return self.refuse(Refusal::Withdrawn);
         }
         self.index = newer;
         self.rebound = true;
-        self.bind(now, trust)
+        self.bind(trust)
     }
 
     /// Resolves the route under the round's projection and asks for the lease.
-    fn bind(&mut self, _now: Instant, trust: &impl NodeTrust) -> Step {
+    fn bind(&mut self, trust: &impl NodeTrust) -> Step {
         let Some(route) = self.index.route(&self.principal, &self.model) else {
             return self.refuse(if self.rebound {
                 Refusal::Withdrawn

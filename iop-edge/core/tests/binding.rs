@@ -222,7 +222,7 @@ impl World {
     fn run(&mut self, config: BindingConfig) -> Result<CredentialLeaseBinding, Refusal> {
         let first = self.admissions.pop_front().expect("an admission");
         let mut m = ManagedBinding::new(config, self.edge.clone(), PRINCIPAL, TOKEN, MODEL, first);
-        let mut step = m.start(self.now, &self.pins);
+        let mut step = m.start(&self.pins);
         for _ in 0..10_000 {
             step = match step {
                 Step::Acquire(binding) => {
@@ -240,7 +240,7 @@ impl World {
                 }
                 Step::AwaitProjection { after, until } => {
                     let newer = self.next_arrival(after, until);
-                    m.handle_projection(self.now, newer, &self.pins)
+                    m.handle_projection(newer, &self.pins)
                 }
                 Step::AwaitConnected { until } => {
                     let up = self.down_until.unwrap_or(self.now);
@@ -251,12 +251,12 @@ impl World {
                         self.advance(until);
                         None
                     };
-                    m.handle_connected(self.now, current, &self.pins)
+                    m.handle_connected(current, &self.pins)
                 }
                 Step::Readmit => {
                     self.readmits += 1;
                     let next = self.admissions.pop_front().expect("a second candidate");
-                    m.handle_readmitted(self.now, next, true, &self.pins)
+                    m.handle_readmitted(next, true, &self.pins)
                 }
                 Step::Dispatch(binding) => {
                     // The machine only dispatches a binding it was granted a lease for.
@@ -583,7 +583,7 @@ fn api_misuse_is_a_refusal() {
         node("node-1"),
     );
     assert_eq!(
-        m.handle_projection(w.now, None, &w.pins),
+        m.handle_projection(None, &w.pins),
         Step::Refuse(Refusal::ApiMisuse)
     );
 }
