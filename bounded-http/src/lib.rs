@@ -11,6 +11,11 @@
 //! and a graceful stop that finishes open requests. A request body deadline belongs to the
 //! router (the Edge's reads the whole body within its own limit).
 //!
+//! With feature `tls`, [`tls::TlsAccept`] is the one bounded TLS accept loop of the workspace's
+//! mTLS listeners (the Edge's Node listener, the Control Plane's Edge listener, the proxy-pool
+//! controller's worker listener): handshake caps in total and per address, a handshake
+//! deadline, backed-off accept errors and rate-limited refusal logs.
+//!
 //! ```no_run
 //! # async fn example() -> std::io::Result<()> {
 //! let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
@@ -29,6 +34,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
+
+#[cfg(feature = "tls")]
+pub mod tls;
 
 /// What a server reports to its owner's metrics. Every method defaults to nothing.
 pub trait ServeEvents: Send + Sync {

@@ -37,6 +37,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bounded_http::RateLimited;
+use bounded_http::tls::{Slot, TlsAccept, TlsLimits};
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::control::{
@@ -289,25 +291,15 @@ pub async fn serve(
     let unbound = start(config, admin, leases, local_addr);
     let cp = unbound.control_plane().clone();
     let task = tokio::spawn(async move {
-        let mut log = RateLimited::default();
-        loop {
-            let accepted = tokio::select! {
-                () = unbound.acceptor.cp.stop.cancelled() => return,
-                a = listener.accept() => a,
-            };
-            let (tcp, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    if log.hit() {
-                        tracing::warn!(error = %e, "control plane accept failed; backing off");
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let _ = tcp.set_nodelay(true);
-            unbound.serve_connection(tcp, peer);
-        }
+        let accept = unbound.acceptor.accept.clone();
+        let stop = unbound.acceptor.cp.stop.clone();
+        let acceptor = unbound.acceptor.clone();
+        accept
+            .run(listener, stop.cancelled_owned(), move |tls, _peer, slot| {
+                acceptor.clone().connection(tls, slot)
+            })
+            .await;
+        drop(unbound);
     });
     Ok((cp, task))
 }
@@ -366,17 +358,17 @@ impl UnboundControlPlane {
     }
 }
 
-/// What every accepted connection needs.
+/// What every accepted connection needs: the bounded accept loop shared with every mTLS
+/// listener of the workspace (`bounded_http::tls`: at most [`MAX_HANDSHAKES`] connections
+/// between accept and their hello, the TLS handshake within [`HELLO_TIMEOUT`], refusals logged
+/// at most once per 10 s) and the session's dependencies.
 #[derive(Clone)]
 struct Acceptor {
-    tls: TlsAcceptor,
+    accept: Arc<TlsAccept>,
     cp: ControlPlane,
     admin: Admin,
     leases: Option<Arc<LeaseService>>,
     config: ServerConfig,
-    handshakes: Arc<tokio::sync::Semaphore>,
-    refusals: Arc<Mutex<RateLimited>>,
-    log: Arc<Mutex<RateLimited>>,
 }
 
 impl Acceptor {
@@ -384,28 +376,30 @@ impl Acceptor {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let Ok(slot) = self.handshakes.clone().try_acquire_owned() else {
-            drop(stream);
-            if lock(&self.log).hit() {
-                tracing::warn!(%peer, "too many edge handshakes in progress; closing new connections");
-            }
-            return;
-        };
         let a = self.clone();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(HELLO_TIMEOUT, a.tls.accept(stream)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    if lock(&a.refusals).hit() {
-                        tracing::info!(%peer, error = %e, "edge TLS handshake refused (logged at most once per 10 s)");
-                    }
-                    return;
-                }
-                Err(_) => return,
-            };
-            let identity = peer_identity(tls.get_ref().1).ok();
-            connection(tls, identity, a.cp, a.admin, a.leases, a.config, slot).await;
-        });
+        self.accept
+            .try_serve(stream, peer, move |tls, _peer, slot| {
+                a.connection(tls, slot)
+            });
+    }
+
+    /// An accepted TLS connection: its identity read, then the session (which frees `slot`
+    /// once the hello is accepted).
+    async fn connection<S>(self, tls: tokio_rustls::server::TlsStream<S>, slot: Slot)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let identity = peer_identity(tls.get_ref().1).ok();
+        connection(
+            tls,
+            identity,
+            self.cp,
+            self.admin,
+            self.leases,
+            self.config,
+            slot,
+        )
+        .await;
     }
 }
 
@@ -428,7 +422,7 @@ fn start(
     let watch = config.store_watch;
     let rotates = config.managed;
     let poller = tokio::spawn(async move {
-        let mut activation_log = RateLimited::default();
+        let mut activation_log = RateLimited::new(Duration::from_secs(10));
         loop {
             // A staged issuer key is activated at its time by whichever replica gets there
             // first (the others' attempt finds no staged key and changes nothing).
@@ -451,33 +445,22 @@ fn start(
     });
     UnboundControlPlane {
         acceptor: Acceptor {
-            tls: TlsAcceptor::from(config.tls.clone()),
+            accept: TlsAccept::new(
+                TlsAcceptor::from(config.tls.clone()),
+                TlsLimits {
+                    max_handshakes: MAX_HANDSHAKES,
+                    max_handshakes_per_ip: usize::MAX,
+                    handshake_timeout: HELLO_TIMEOUT,
+                },
+                None,
+                "edge",
+            ),
             cp,
             admin,
             leases,
             config,
-            handshakes: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
-            refusals: Arc::new(Mutex::new(RateLimited::default())),
-            log: Arc::new(Mutex::new(RateLimited::default())),
         },
         _poller: AbortOnDrop(poller),
-    }
-}
-
-/// At most one log line per 10 s for a repeated failure.
-#[derive(Default)]
-struct RateLimited(Option<Instant>);
-
-impl RateLimited {
-    fn hit(&mut self) -> bool {
-        let now = Instant::now();
-        let due = self
-            .0
-            .is_none_or(|last| now.duration_since(last) >= Duration::from_secs(10));
-        if due {
-            self.0 = Some(now);
-        }
-        due
     }
 }
 
@@ -532,7 +515,7 @@ async fn connection<S>(
     admin: Admin,
     leases: Option<Arc<LeaseService>>,
     config: ServerConfig,
-    handshake_slot: tokio::sync::OwnedSemaphorePermit,
+    handshake_slot: Slot,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -785,8 +768,8 @@ async fn activate_due_issuer(admin: &Admin, log: &mut RateLimited) -> Duration {
     let staged = match admin.store().issuer_keys().await {
         Ok(keys) => keys.into_iter().find(|k| !k.active),
         Err(e) => {
-            if log.hit() {
-                tracing::warn!(error = %e, "issuer key read failed");
+            if let Some(suppressed) = log.hit() {
+                tracing::warn!(error = %e, suppressed, "issuer key read failed");
             }
             return RETRY;
         }
@@ -805,8 +788,8 @@ async fn activate_due_issuer(admin: &Admin, log: &mut RateLimited) -> Duration {
         }
         Err(crate::admin::AdminError::Store(crate::store::StoreError::NotFound(_))) => {}
         Err(e) => {
-            if log.hit() {
-                tracing::warn!(error = %e, key_id = %staged.id, "issuer key activation failed; retrying");
+            if let Some(suppressed) = log.hit() {
+                tracing::warn!(error = %e, suppressed, key_id = %staged.id, "issuer key activation failed; retrying");
             }
             return RETRY;
         }

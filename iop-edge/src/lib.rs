@@ -97,7 +97,6 @@ mod managed;
 pub mod metrics;
 pub use iop_edge_core::{binding, pool, projection, registry};
 pub mod profile;
-mod ratelog;
 mod stream_buf;
 mod tools;
 pub mod transport;

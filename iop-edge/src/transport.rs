@@ -56,7 +56,8 @@
 //!   is served at the handshake rate instead of in retry waves). At most
 //!   [`TransportConfig::max_unauthenticated_per_ip`] of them per source address; more are
 //!   closed at once. Accept errors (e.g. out of file descriptors) back off and are logged at
-//!   most once per 10 s with a count.
+//!   most once per 10 s with a count. This is `bounded_http::tls::TlsAccept`, the accept loop
+//!   every mTLS listener of the workspace shares.
 
 use crate::pool::ContextSize;
 use std::collections::HashMap;
@@ -81,6 +82,7 @@ pub use iop_edge_core::{DispatchError, Lifecycle, NODE_DISCONNECTED, SLOW_CONSUM
 use crate::metrics::Metrics;
 use crate::pool::{Lease, Pool, PoolConfig, RequestId};
 use crate::stream_buf::{self, StreamRx, StreamTx};
+use bounded_http::tls::{Slot, TlsAccept, TlsLimits, TlsRefusal};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, broadcast, mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
@@ -586,21 +588,8 @@ impl EdgeHandle {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let Ok(permit) = self.limits.permits.clone().acquire_owned().await else {
-            return;
-        };
-        match self.limits.admit(permit, peer.ip()) {
-            Ok(slot) => {
-                tokio::spawn(serve(
-                    stream,
-                    peer,
-                    slot,
-                    self.limits.clone(),
-                    self.shared.clone(),
-                ));
-            }
-            Err(reason) => self.limits.refused(reason, peer, "connection cap reached"),
-        }
+        let handler = self.limits.handler(Arc::downgrade(&self.shared));
+        self.limits.accept.serve(stream, peer, handler).await;
     }
 
     /// The address the listener is bound to.
@@ -919,10 +908,11 @@ pub async fn bind(
         listen: local_addr,
         ..config
     });
-    let accept = tokio::spawn(accept_loop(
+    let handler = handle.limits.handler(Arc::downgrade(&handle.shared));
+    let accept = tokio::spawn(handle.limits.accept.clone().run(
         listener,
-        handle.limits.clone(),
-        Arc::downgrade(&handle.shared),
+        std::future::pending(),
+        move |tls, peer, slot| handler.clone()(tls, peer, slot),
     ));
     Ok((handle, accept))
 }
@@ -981,193 +971,83 @@ fn start(
     shared
 }
 
-/// The TLS handshake phase of Node connections: its acceptor, timeout and connection caps.
+/// The Node listener: the workspace's one bounded TLS accept loop (`bounded_http::tls`) with
+/// the Edge's limits, and what every authenticated connection needs.
+#[derive(Debug)]
 struct Handshakes {
-    acceptor: TlsAcceptor,
+    accept: Arc<TlsAccept>,
     codec: FrameCodec,
-    timeout: Duration,
-    permits: Arc<tokio::sync::Semaphore>,
-    per_ip_max: usize,
-    per_ip: Mutex<HashMap<std::net::IpAddr, usize>>,
     outbound_frames: usize,
-    metrics: Arc<Metrics>,
-    refusals: Mutex<crate::ratelog::RateLimited>,
 }
 
-impl std::fmt::Debug for Handshakes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Handshakes")
-            .field("timeout", &self.timeout)
-            .field("available", &self.permits.available_permits())
-            .field("per_ip_max", &self.per_ip_max)
-            .finish_non_exhaustive()
+/// Node-listener refusals and accept errors into the Edge's metrics.
+struct NodeListenerEvents(Arc<Metrics>);
+
+impl bounded_http::tls::TlsEvents for NodeListenerEvents {
+    fn accept_error(&self) {
+        self.0.accept_error();
+    }
+
+    fn refused(&self, reason: TlsRefusal) {
+        use crate::metrics::Refusal;
+        self.0.node_connection_refused(match reason {
+            TlsRefusal::PerIp => Refusal::PerIp,
+            TlsRefusal::HandshakeTimeout => Refusal::HandshakeTimeout,
+            TlsRefusal::HandshakeFailed => Refusal::HandshakeFailed,
+            _ => Refusal::Capacity,
+        });
     }
 }
 
 impl Handshakes {
     fn new(config: &TransportConfig) -> Self {
+        let limits = TlsLimits {
+            max_handshakes: config.max_unauthenticated,
+            max_handshakes_per_ip: config.max_unauthenticated_per_ip,
+            handshake_timeout: config.handshake_timeout,
+        };
         Self {
-            acceptor: TlsAcceptor::from(config.tls.clone()),
+            accept: TlsAccept::new(
+                TlsAcceptor::from(config.tls.clone()),
+                limits,
+                Some(Arc::new(NodeListenerEvents(config.metrics.clone()))),
+                "node",
+            ),
             codec: FrameCodec::with_max_frame_len(config.max_frame_len),
-            timeout: config.handshake_timeout,
-            permits: Arc::new(tokio::sync::Semaphore::new(config.max_unauthenticated)),
-            per_ip_max: config.max_unauthenticated_per_ip,
-            per_ip: Mutex::new(HashMap::new()),
             outbound_frames: config.outbound_frames.max(1),
-            metrics: config.metrics.clone(),
-            refusals: Mutex::new(crate::ratelog::RateLimited::new(Duration::from_secs(10))),
         }
     }
 
-    /// Counts a refused or failed handshake; logs one line per 10 s at most.
-    fn refused(&self, reason: crate::metrics::Refusal, peer: SocketAddr, detail: &str) {
-        self.metrics.node_connection_refused(reason);
-        let mut log = self
-            .refusals
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(suppressed) = log.hit() {
-            tracing::info!(
-                %peer,
-                reason = reason.as_str(),
-                detail,
-                suppressed,
-                "node connection refused (counted in iop_edge_node_connections_refused_total)"
-            );
-        }
-    }
-
-    /// Takes a slot for a connection from `ip` with a global `permit` the accept loop waited
-    /// for, or the refusal (the per-address cap reached).
-    fn admit(
-        self: &Arc<Self>,
-        permit: tokio::sync::OwnedSemaphorePermit,
-        ip: std::net::IpAddr,
-    ) -> Result<HandshakeSlot, crate::metrics::Refusal> {
-        let mut per_ip = self
-            .per_ip
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let n = per_ip.entry(ip).or_insert(0);
-        if *n >= self.per_ip_max {
-            return Err(crate::metrics::Refusal::PerIp);
-        }
-        *n += 1;
-        Ok(HandshakeSlot {
-            limits: self.clone(),
-            ip,
-            _permit: permit,
-        })
-    }
-}
-
-/// A connection's place among the handshakes in progress; freed on drop.
-struct HandshakeSlot {
-    limits: Arc<Handshakes>,
-    ip: std::net::IpAddr,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        let mut per_ip = self
-            .limits
-            .per_ip
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(n) = per_ip.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                per_ip.remove(&self.ip);
-            }
+    /// What runs on an authenticated connection: the slot is freed (registration has its own
+    /// deadline, the registry's), the peer's identity read, and the session run.
+    fn handler<S>(
+        &self,
+        shared: Weak<Shared>,
+    ) -> impl FnOnce(tokio_rustls::server::TlsStream<S>, SocketAddr, Slot) -> ConnFuture
+    + Clone
+    + Send
+    + Sync
+    + 'static
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (codec, outbound_frames) = (self.codec, self.outbound_frames);
+        move |tls, _peer, slot| {
+            Box::pin(async move {
+                drop(slot);
+                let Some(shared) = shared.upgrade() else {
+                    return;
+                };
+                let Ok(peer) = peer_identity(tls.get_ref().1) else {
+                    return;
+                };
+                connection(tls, peer.name().to_owned(), codec, outbound_frames, shared).await;
+            })
         }
     }
 }
 
-async fn accept_loop(listener: TcpListener, limits: Arc<Handshakes>, shared: Weak<Shared>) {
-    let mut errors = crate::ratelog::RateLimited::new(Duration::from_secs(10));
-    loop {
-        // Backpressure at the global cap: no connection is accepted while every handshake slot
-        // is taken, so the rest wait in the kernel's listen backlog (no descriptor, no state)
-        // instead of being closed and retrying a whole reconnect interval later (a restarted
-        // Edge's reconnect storm came in retry waves: 0.63× the raw handshake rate, 0.81×
-        // with the wait; benches/README.md, mesh_load storm).
-        let Ok(permit) = limits.permits.clone().acquire_owned().await else {
-            return;
-        };
-        let (tcp, peer_addr) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                // E.g. out of file descriptors: back off instead of spinning, log rarely.
-                limits.metrics.accept_error();
-                if let Some(suppressed) = errors.hit() {
-                    tracing::warn!(error = %e, suppressed, "node listener: accept failed; backing off");
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        let slot = match limits.admit(permit, peer_addr.ip()) {
-            Ok(slot) => slot,
-            Err(reason) => {
-                // Closed at once: a flood of silent connections costs no handshake state and
-                // cannot take the file descriptors the HTTP API needs.
-                drop(tcp);
-                limits.refused(reason, peer_addr, "connection cap reached");
-                continue;
-            }
-        };
-        if tcp.set_nodelay(true).is_err() {
-            continue;
-        }
-        tokio::spawn(serve(tcp, peer_addr, slot, limits.clone(), shared));
-    }
-}
-
-/// One accepted connection: the TLS handshake (within the limit, holding its slot), then the
-/// session.
-async fn serve<S>(
-    tcp: S,
-    peer_addr: SocketAddr,
-    slot: HandshakeSlot,
-    limits: Arc<Handshakes>,
-    shared: Arc<Shared>,
-) where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let tls = match tokio::time::timeout(limits.timeout, limits.acceptor.accept(tcp)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
-            let detail = e.to_string();
-            limits.refused(crate::metrics::Refusal::HandshakeFailed, peer_addr, &detail);
-            return;
-        }
-        Err(_) => {
-            limits.refused(
-                crate::metrics::Refusal::HandshakeTimeout,
-                peer_addr,
-                "tls handshake timed out",
-            );
-            return;
-        }
-    };
-    // Authenticated: registration has its own deadline (the registry's).
-    drop(slot);
-    let Ok(peer) = peer_identity(tls.get_ref().1) else {
-        return;
-    };
-    connection(
-        tls,
-        peer.name().to_owned(),
-        limits.codec,
-        limits.outbound_frames,
-        shared,
-    )
-    .await;
-}
+type ConnFuture = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The read buffer a connection starts with. It grows (doubling) to the largest frame the peer
 /// sends; most Nodes mostly send heartbeats, and tokio-util's default of 8 KiB, grown on a

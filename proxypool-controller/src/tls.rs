@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bounded_http::tls::{TlsAccept, TlsLimits};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -154,8 +155,11 @@ impl AsyncWrite for TlsConn {
     }
 }
 
-/// Accepts on `listener` (TCP_NODELAY), runs handshakes concurrently (bounded, with a timeout)
-/// and yields only connections with a valid worker identity.
+/// Accepts on `listener` through the workspace's one bounded TLS accept loop
+/// (`bounded_http::tls`: at most [`MAX_PENDING_HANDSHAKES`] handshakes at once, each within
+/// [`HANDSHAKE_TIMEOUT`], `TCP_NODELAY`, accept errors backed off, refusals logged at most once
+/// per 10 s) and yields only connections with a valid worker identity. Stops when the stream is
+/// dropped.
 pub fn incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
@@ -163,39 +167,32 @@ pub fn incoming(
     environment: String,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
     let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
-    tokio::spawn(async move {
-        let mut last_log: Option<std::time::Instant> = None;
-        loop {
-            let (tcp, remote) = match listener.accept().await {
-                Ok(a) => a,
-                Err(e) => {
-                    // E.g. out of file descriptors: back off, and log once per 10 s at most.
-                    let now = std::time::Instant::now();
-                    if last_log.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(10)) {
-                        last_log = Some(now);
-                        tracing::warn!(error = %e, "accept failed; backing off");
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            if tx.is_closed() {
-                return;
-            }
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                return;
-            };
-            let _ = tcp.set_nodelay(true);
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
-            let (td, env) = (trust_domain.clone(), environment.clone());
-            tokio::spawn(async move {
-                let _permit = permit;
-                let Ok(Ok(tls)) =
-                    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
-                else {
-                    return;
-                };
+    let accept = TlsAccept::new(
+        acceptor,
+        TlsLimits {
+            max_handshakes: MAX_PENDING_HANDSHAKES,
+            max_handshakes_per_ip: usize::MAX,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        },
+        None,
+        "worker",
+    );
+    let closed = tx.clone();
+    let refusals = Arc::new(std::sync::Mutex::new(bounded_http::RateLimited::new(
+        Duration::from_secs(10),
+    )));
+    let (trust_domain, environment) = (
+        Arc::<str>::from(trust_domain),
+        Arc::<str>::from(environment),
+    );
+    tokio::spawn(accept.run(
+        listener,
+        async move { closed.closed().await },
+        move |tls: TlsStream<TcpStream>, remote, slot| {
+            let (tx, td, env) = (tx.clone(), trust_domain.clone(), environment.clone());
+            let refusals = refusals.clone();
+            async move {
+                drop(slot);
                 let identity = tls
                     .get_ref()
                     .1
@@ -211,12 +208,22 @@ pub fn incoming(
                             }))
                             .await;
                     }
-                    Some(Err(e)) => tracing::info!(error = %e, "worker certificate refused"),
-                    None => tracing::info!("connection without a client certificate refused"),
+                    refused => {
+                        let hit = refusals
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .hit();
+                        if let Some(suppressed) = hit {
+                            match refused {
+                                Some(Err(e)) => tracing::info!(error = %e, %remote, suppressed, "worker certificate refused (at most one line per 10 s)"),
+                                _ => tracing::info!(%remote, suppressed, "connection without a client certificate refused (at most one line per 10 s)"),
+                            }
+                        }
+                    }
                 }
-            });
-        }
-    });
+            }
+        },
+    ));
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
