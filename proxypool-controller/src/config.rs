@@ -21,6 +21,7 @@
 //! clientCA = "/etc/proxypool/workers-ca.pem"
 //! trustDomain = "proxypool.example"   # lowercase DNS name, no port
 //! environment = "prod"                # one URI path segment
+//! reloadInterval = "5s"        # re-read the three files this often; "0s" = never (our addition)
 //!
 //! [redis]                      # required when controlPlane.enabled
 //! url = "redis://127.0.0.1:6379/"
@@ -115,6 +116,9 @@ pub struct TlsSection {
     pub trust_domain: Option<String>,
     /// `controlPlane.tls.environment`.
     pub environment: Option<String>,
+    /// `controlPlane.tls.reloadInterval`: how often the three files are re-read (default
+    /// `5s`; `0s` = never).
+    pub reload_interval: String,
 }
 
 impl Default for TlsSection {
@@ -126,6 +130,7 @@ impl Default for TlsSection {
             client_ca: None,
             trust_domain: None,
             environment: None,
+            reload_interval: "5s".into(),
         }
     }
 }
@@ -187,6 +192,8 @@ pub enum TlsMode {
         trust_domain: String,
         /// Environment.
         environment: String,
+        /// How often the three files are re-read (`None`: never).
+        reload: Option<Duration>,
     },
 }
 
@@ -345,12 +352,14 @@ impl File {
                         "must be one URI path segment of at most 64 bytes",
                     ));
                 }
+                let reload = parse_duration("controlPlane.tls.reloadInterval", &t.reload_interval)?;
                 TlsMode::Mtls {
                     server_cert,
                     server_key,
                     client_ca,
                     trust_domain,
                     environment,
+                    reload: (!reload.is_zero()).then_some(reload),
                 }
             }
             _ => return Err(err("controlPlane.tls.mode", "must be disabled or mtls")),

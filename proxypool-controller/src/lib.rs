@@ -15,7 +15,7 @@
 //! | [`redis_store`] | the Redis store: one Lua script per check-and-write, `{activity}` hash tag, persistent monotonic ownership epoch |
 //! | [`proto`] | the generated tonic/prost code of `proto/controlplane.proto` (committed; drift-checked) |
 //! | [`grpc`] | the tonic service: DTO mapping, status codes, the worker identity check; [`grpc::report`] decodes `ReportRuntime` straight into canonical counters (no allocation per counter) and routes it beside the generated server |
-//! | [`tls`] | mTLS: client CA, the `spiffe://TD/ENV/worker/ID` identity, the handshaking acceptor |
+//! | [`tls`] | mTLS: the `spiffe://TD/ENV/worker/ID` identity read after the handshake, over the workspace's bounded TLS accept loop (`bounded_http::tls`); the server's files are `workload_identity::HostTls`, re-read every `reloadInterval` |
 //! | [`config`] | the `controlPlane` block (seed 004 §6) and its validation |
 //! | [`server`] | bootstrap: limits, gRPC health and reflection, admin `/healthz` `/readyz` `/metrics`, bounded graceful stop |
 //! | [`metrics`] | Prometheus counters and histograms with bounded labels |

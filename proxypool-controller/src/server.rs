@@ -26,8 +26,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::sync::watch;
 
 use crate::config::{Config, TlsMode};
@@ -92,21 +90,6 @@ impl Running {
     pub async fn wait(self) -> Result<(), String> {
         self.task.await.map_err(|e| e.to_string())?
     }
-}
-
-fn read_pem_certs(
-    key: &'static str,
-    path: &std::path::Path,
-) -> Result<Vec<CertificateDer<'static>>, StartError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| StartError::Tls(format!("{key}: {}: {e}", path.display())))?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| StartError::Tls(format!("{key}: not a PEM certificate file")))?;
-    if certs.is_empty() {
-        return Err(StartError::Tls(format!("{key}: no certificate found")));
-    }
-    Ok(certs)
 }
 
 /// Starts the controller with the Redis store of `config`.
@@ -218,19 +201,46 @@ pub async fn start_with(
             client_ca,
             trust_domain,
             environment,
+            reload,
         } => {
-            let chain = read_pem_certs("controlPlane.tls.serverCert", server_cert)?;
-            let key_bytes = std::fs::read(server_key).map_err(|e| {
-                StartError::Tls(format!(
-                    "controlPlane.tls.serverKey: {}: {e}",
-                    server_key.display()
-                ))
+            let read = |key: &'static str, path: &std::path::Path| {
+                std::fs::read(path)
+                    .map_err(|e| StartError::Tls(format!("{key}: {}: {e}", path.display())))
+            };
+            let files = workload_identity::reload::TlsPaths {
+                ca: client_ca.clone(),
+                cert: server_cert.clone(),
+                key: server_key.clone(),
+            };
+            let material = workload_identity::HostTls::from_pem(
+                &read("controlPlane.tls.clientCA", client_ca)?,
+                &read("controlPlane.tls.serverCert", server_cert)?,
+                &read("controlPlane.tls.serverKey", server_key)?,
+            )
+            .map_err(|e| {
+                StartError::Tls(match e {
+                    workload_identity::MaterialError::Ca(why) => {
+                        format!("controlPlane.tls.clientCA: {why}")
+                    }
+                    workload_identity::MaterialError::Key(why) => {
+                        format!("controlPlane.tls.serverKey: {why}")
+                    }
+                    other => format!("controlPlane.tls.serverCert: {other}"),
+                })
             })?;
-            let key = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|_| {
-                StartError::Tls("controlPlane.tls.serverKey: no PEM private key".into())
-            })?;
-            let ca = read_pem_certs("controlPlane.tls.clientCA", client_ca)?;
-            let tls = crate::tls::server_config(chain, key, ca).map_err(StartError::Tls)?;
+            let tls = material
+                .server_config(&[b"h2"])
+                .map_err(|e| StartError::Tls(format!("controlPlane.tls: {e}")))?;
+            if let Some(every) = reload {
+                // New handshakes use rewritten files; the task ends with the lifecycle.
+                workload_identity::reload::spawn(
+                    material,
+                    files,
+                    *every,
+                    "proxypool-controller",
+                    hard_stop.child_token(),
+                );
+            }
             let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
             let incoming = crate::tls::incoming(
                 listener,

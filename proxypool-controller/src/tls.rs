@@ -1,7 +1,8 @@
 //! mTLS for the worker listener (seed 004 §6).
 //!
 //! The client certificate must chain to the configured client CA (rustls' WebPKI verifier,
-//! *ring* provider, TLS 1.3) and carry exactly one URI SAN of the form
+//! *ring* provider, TLS 1.3, from `workload_identity::HostTls`, whose files the controller
+//! re-reads every `controlPlane.tls.reloadInterval`) and carry exactly one URI SAN of the form
 //! `spiffe://TRUST_DOMAIN/ENVIRONMENT/worker/WORKER_ID`, with this listener's trust domain and
 //! environment and a valid worker id. That worker id is the connection's identity
 //! ([`PeerInfo`], in every request's extensions); each RPC's `worker_id` must equal it. A
@@ -15,7 +16,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bounded_http::tls::{TlsAccept, TlsLimits};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -76,33 +77,6 @@ pub fn worker_id(
         }
         _ => Err(IdentityError::Shape),
     }
-}
-
-/// A TLS server config requiring client certificates from `client_ca`.
-pub fn server_config(
-    chain: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
-    client_ca: Vec<CertificateDer<'static>>,
-) -> Result<rustls::ServerConfig, String> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in client_ca {
-        roots.add(c).map_err(|e| format!("client CA: {e}"))?;
-    }
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        Arc::new(roots),
-        provider.clone(),
-    )
-    .build()
-    .map_err(|e| format!("client CA: {e}"))?;
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| e.to_string())?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(chain, key)
-        .map_err(|e| format!("server certificate: {e}"))?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(config)
 }
 
 /// A verified TLS connection (tonic's `Connected` exposes its [`PeerInfo`]).

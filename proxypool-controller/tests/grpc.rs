@@ -563,13 +563,26 @@ mod mtls {
         (cert.pem(), key.serialize_pem())
     }
 
-    async fn server(dir: &std::path::Path, pki: &Pki) -> (Running, CancellationToken) {
+    /// Writes the server's three files for `pki` into `dir`.
+    fn write_files(dir: &std::path::Path, pki: &Pki) {
         let (cert, key) = leaf(pki, None, true);
         std::fs::write(dir.join("server.pem"), cert).unwrap();
         std::fs::write(dir.join("server.key"), key).unwrap();
         std::fs::write(dir.join("ca.pem"), &pki.ca_pem).unwrap();
+    }
+
+    async fn server(dir: &std::path::Path, pki: &Pki) -> (Running, CancellationToken) {
+        server_with(dir, pki, "").await
+    }
+
+    async fn server_with(
+        dir: &std::path::Path,
+        pki: &Pki,
+        extra: &str,
+    ) -> (Running, CancellationToken) {
+        write_files(dir, pki);
         let tls = format!(
-            "[controlPlane.tls]\nmode = \"mtls\"\nserverCert = {:?}\nserverKey = {:?}\nclientCA = {:?}\ntrustDomain = \"proxypool.test\"\nenvironment = \"staging\"\n",
+            "[controlPlane.tls]\nmode = \"mtls\"\nserverCert = {:?}\nserverKey = {:?}\nclientCA = {:?}\ntrustDomain = \"proxypool.test\"\nenvironment = \"staging\"\n{extra}",
             dir.join("server.pem").display().to_string(),
             dir.join("server.key").display().to_string(),
             dir.join("ca.pem").display().to_string()
@@ -677,6 +690,59 @@ mod mtls {
                 assert!(details.contains("CertificateRequired"), "{details}");
             }
         }
+        stop.cancel();
+        running.wait().await.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The controller re-reads its three files (`reloadInterval`): after a rotation to a new CA,
+    /// new connections get the new server certificate and only the new CA's workers are served;
+    /// no restart.
+    #[tokio::test]
+    async fn rewritten_certificates_are_used_without_a_restart() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir =
+            std::env::temp_dir().join(format!("proxypool-mtls-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (old, new) = (pki(), pki());
+        let (running, stop) = server_with(&dir, &old, "reloadInterval = \"50ms\"\n").await;
+        let addr = running.grpc_addr;
+        let worker = |pki: &Pki| {
+            leaf(
+                pki,
+                Some("spiffe://proxypool.test/staging/worker/w1"),
+                false,
+            )
+        };
+        let mut c = client(addr, &old, Some(worker(&old))).await.unwrap();
+        c.register_worker(register("w1")).await.unwrap();
+
+        write_files(&dir, &new);
+        // Waits for the reload (no time window: up to 30 s for the poll to see the files).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = client(addr, &new, Some(worker(&new))).await
+                && c.register_worker(register("w1")).await.is_ok()
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the new files were never used"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The old CA's workers are no longer served (the client no longer trusts the server's
+        // certificate either way; a worker trusting both CAs is refused for its own).
+        let both = Pki {
+            ca_pem: format!("{}{}", old.ca_pem, new.ca_pem),
+            ca: pki().ca,
+        };
+        let refused = match client(addr, &both, Some(worker(&old))).await {
+            Ok(mut c) => c.register_worker(register("w1")).await.is_err(),
+            Err(_) => true,
+        };
+        assert!(refused, "a worker of the replaced CA was served");
         stop.cancel();
         running.wait().await.unwrap();
         std::fs::remove_dir_all(&dir).unwrap();

@@ -576,7 +576,7 @@ impl fmt::Display for ExpectedPeer {
     }
 }
 
-pub use crate::material::{MaterialError, WorkloadTls};
+pub use crate::material::{HostTls, MaterialError, WorkloadTls};
 
 // === impl verifiers ===
 

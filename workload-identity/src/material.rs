@@ -74,7 +74,7 @@ pub struct WorkloadTls {
     current: RwLock<Arc<Material>>,
 }
 
-fn parse(ca: &[u8], cert: &[u8], key: &[u8]) -> Result<Material, MaterialError> {
+fn parse_roots(ca: &[u8]) -> Result<RootCertStore, MaterialError> {
     let mut roots = RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca) {
         let c = c.map_err(|_| MaterialError::Ca("not a PEM certificate bundle"))?;
@@ -85,24 +85,59 @@ fn parse(ca: &[u8], cert: &[u8], key: &[u8]) -> Result<Material, MaterialError> 
     if roots.is_empty() {
         return Err(MaterialError::Ca("no certificate found"));
     }
+    Ok(roots)
+}
+
+/// The chain and its key; `check_leaf` sees the leaf before the key is parsed.
+fn parse_certified<T>(
+    cert: &[u8],
+    key: &[u8],
+    check_leaf: impl FnOnce(&CertificateDer<'_>) -> Result<T, MaterialError>,
+) -> Result<(T, CertifiedKey), MaterialError> {
     let chain = CertificateDer::pem_slice_iter(cert)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|_| MaterialError::Cert("not a PEM certificate chain"))?;
     let leaf = chain
         .first()
         .ok_or(MaterialError::Cert("no certificate found"))?;
-    let id = WorkloadId::from_certificate(leaf).map_err(MaterialError::Identity)?;
+    let checked = check_leaf(leaf)?;
     let key = PrivateKeyDer::from_pem_slice(key)
         .map_err(|_| MaterialError::Key("no PEM private key found"))?;
     let provider = rustls::crypto::ring::default_provider();
     let certified = CertifiedKey::from_der(chain, key, &provider)
         .map_err(|_| MaterialError::Key("unsupported, or does not match the certificate"))?;
+    Ok((checked, certified))
+}
+
+fn parse(ca: &[u8], cert: &[u8], key: &[u8]) -> Result<Material, MaterialError> {
+    let roots = parse_roots(ca)?;
+    let (id, certified) = parse_certified(cert, key, |leaf| {
+        WorkloadId::from_certificate(leaf).map_err(MaterialError::Identity)
+    })?;
     Ok(Material {
         generation: 0,
         roots: Arc::new(roots),
         certified: Arc::new(certified),
         id,
     })
+}
+
+/// What the resolvers and reloading verifiers read at each handshake.
+trait Current: Send + Sync + std::fmt::Debug {
+    /// The material's generation and CA bundle.
+    fn roots(&self) -> (u64, Arc<RootCertStore>);
+    /// The own certificate and key.
+    fn certified(&self) -> Arc<CertifiedKey>;
+}
+
+impl Current for WorkloadTls {
+    fn roots(&self) -> (u64, Arc<RootCertStore>) {
+        let m = self.load();
+        (m.generation, m.roots.clone())
+    }
+    fn certified(&self) -> Arc<CertifiedKey> {
+        self.load().certified.clone()
+    }
 }
 
 impl WorkloadTls {
@@ -169,7 +204,7 @@ impl WorkloadTls {
         let verifier = Arc::new(ReloadingClientVerifier {
             tls: self.clone(),
             cache: RwLock::new(None),
-            expected,
+            expected: Some(expected),
         });
         verifier.current()?;
         let mut config =
@@ -178,10 +213,7 @@ impl WorkloadTls {
                 .map_err(IdentityError::Config)?
                 .with_client_cert_verifier(verifier)
                 .with_cert_resolver(Arc::new(Resolver(self.clone())));
-        // No resumption: a resumed session would carry the identity it began with past a
-        // rotation, a CA change or an expiry. Every handshake verifies the current material.
-        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
-        config.send_tls13_tickets = 0;
+        no_resumption(&mut config);
         Ok(config)
     }
 
@@ -210,24 +242,144 @@ impl WorkloadTls {
     }
 }
 
-// === impl resolvers and verifiers ===
+/// No resumption: a resumed session would carry the identity it began with past a rotation, a
+/// CA change or an expiry. Every handshake verifies the current material.
+fn no_resumption(config: &mut ServerConfig) {
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
+}
+
+// === impl HostTls ===
 
 #[derive(Debug)]
-struct Resolver(Arc<WorkloadTls>);
+struct HostMaterial {
+    generation: u64,
+    roots: Arc<RootCertStore>,
+    certified: Arc<CertifiedKey>,
+}
 
-impl ResolvesServerCert for Resolver {
-    fn resolve(&self, _client_hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.load().certified.clone())
+/// A server's replaceable TLS material when its own certificate names a host (a DNS name), not
+/// a SPIFFE workload: the CA bundle its clients must chain to, and its own chain and key.
+///
+/// Clients are verified with the WebPKI rules only (chain, validity, client-auth usage); which
+/// client it is, is the application's to read after the handshake (the proxy-pool controller
+/// reads a worker id of `spiffe://TD/ENV/worker/ID` and closes any other). Reload works as for
+/// [`WorkloadTls`]: [`HostTls::reload_pem`] refuses invalid material and keeps the old; new
+/// handshakes use the new; the own certificate may name another host after a reload.
+#[derive(Debug)]
+pub struct HostTls {
+    current: RwLock<Arc<HostMaterial>>,
+}
+
+fn parse_host(ca: &[u8], cert: &[u8], key: &[u8]) -> Result<HostMaterial, MaterialError> {
+    let roots = parse_roots(ca)?;
+    let ((), certified) = parse_certified(cert, key, |leaf| {
+        x509_parser::parse_x509_certificate(leaf)
+            .map(|_| ())
+            .map_err(|_| MaterialError::Cert("the certificate does not parse"))
+    })?;
+    Ok(HostMaterial {
+        generation: 0,
+        roots: Arc::new(roots),
+        certified: Arc::new(certified),
+    })
+}
+
+impl HostTls {
+    /// Material from PEM: the client CA bundle, the chain (leaf first) and its key.
+    pub fn from_pem(client_ca: &[u8], cert: &[u8], key: &[u8]) -> Result<Arc<Self>, MaterialError> {
+        Ok(Arc::new(Self {
+            current: RwLock::new(Arc::new(parse_host(client_ca, cert, key)?)),
+        }))
+    }
+
+    fn load(&self) -> Arc<HostMaterial> {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the material with new PEM unless it is invalid (the old then stays). Returns
+    /// whether anything changed.
+    pub fn reload_pem(
+        &self,
+        client_ca: &[u8],
+        cert: &[u8],
+        key: &[u8],
+    ) -> Result<bool, MaterialError> {
+        let mut new = parse_host(client_ca, cert, key)?;
+        let mut current = self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if new.certified.cert == current.certified.cert && new.roots.roots == current.roots.roots {
+            return Ok(false);
+        }
+        new.generation = current.generation + 1;
+        *current = Arc::new(new);
+        Ok(true)
+    }
+
+    /// How many times the material changed.
+    pub fn generation(&self) -> u64 {
+        self.load().generation
+    }
+
+    /// The end-entity certificate currently presented.
+    pub fn leaf(&self) -> CertificateDer<'static> {
+        self.load().certified.cert[0].clone()
+    }
+
+    /// A TLS 1.3 server configuration (ring) presenting the current certificate and requiring a
+    /// client certificate that chains to the current CA bundle, with `alpn` offered.
+    pub fn server_config(self: &Arc<Self>, alpn: &[&[u8]]) -> Result<ServerConfig, IdentityError> {
+        let verifier = Arc::new(ReloadingClientVerifier {
+            tls: self.clone(),
+            cache: RwLock::new(None),
+            expected: None,
+        });
+        verifier.current()?;
+        let mut config =
+            ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .map_err(IdentityError::Config)?
+                .with_client_cert_verifier(verifier)
+                .with_cert_resolver(Arc::new(Resolver(self.clone())));
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        no_resumption(&mut config);
+        Ok(config)
     }
 }
 
-impl ResolvesClientCert for Resolver {
+impl Current for HostTls {
+    fn roots(&self) -> (u64, Arc<RootCertStore>) {
+        let m = self.load();
+        (m.generation, m.roots.clone())
+    }
+    fn certified(&self) -> Arc<CertifiedKey> {
+        self.load().certified.clone()
+    }
+}
+
+// === impl resolvers and verifiers ===
+
+#[derive(Debug)]
+struct Resolver<T>(Arc<T>);
+
+impl<T: Current> ResolvesServerCert for Resolver<T> {
+    fn resolve(&self, _client_hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.certified())
+    }
+}
+
+impl<T: Current> ResolvesClientCert for Resolver<T> {
     fn resolve(
         &self,
         _root_hint_subjects: &[&[u8]],
         _sigschemes: &[SignatureScheme],
     ) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.load().certified.clone())
+        Some(self.0.certified())
     }
 
     fn has_certs(&self) -> bool {
@@ -240,23 +392,22 @@ type Cached<V> = RwLock<Option<(u64, Arc<V>)>>;
 
 fn cached<V: ?Sized>(
     cache: &Cached<V>,
-    tls: &WorkloadTls,
+    tls: &dyn Current,
     build: impl FnOnce(Arc<RootCertStore>) -> Result<Arc<V>, IdentityError>,
 ) -> Result<Arc<V>, IdentityError> {
-    let material = tls.load();
+    let (current, roots) = tls.roots();
     if let Some((generation, v)) = cache
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .as_ref()
-        && *generation == material.generation
+        && *generation == current
     {
         return Ok(v.clone());
     }
-    let v = build(material.roots.clone())?;
+    let v = build(roots)?;
     *cache
         .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) =
-        Some((material.generation, v.clone()));
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((current, v.clone()));
     Ok(v)
 }
 
@@ -264,22 +415,32 @@ fn verifier_failed(e: IdentityError) -> rustls::Error {
     rustls::Error::General(format!("certificate verifier unavailable: {e}"))
 }
 
+/// A client verifier over the current CA bundle: the SPIFFE one when `expected` is set, the
+/// WebPKI one alone otherwise ([`HostTls`]).
 #[derive(Debug)]
-struct ReloadingClientVerifier {
-    tls: Arc<WorkloadTls>,
+struct ReloadingClientVerifier<T> {
+    tls: Arc<T>,
     cache: Cached<dyn ClientCertVerifier>,
-    expected: ExpectedPeer,
+    expected: Option<ExpectedPeer>,
 }
 
-impl ReloadingClientVerifier {
+impl<T: Current> ReloadingClientVerifier<T> {
     fn current(&self) -> Result<Arc<dyn ClientCertVerifier>, IdentityError> {
-        cached(&self.cache, &self.tls, |roots| {
-            client_cert_verifier(roots, self.expected.clone())
+        cached(&self.cache, &*self.tls, |roots| match &self.expected {
+            Some(expected) => client_cert_verifier(roots, expected.clone()),
+            None => {
+                let provider = Arc::new(rustls::crypto::ring::default_provider());
+                let verifier: Arc<dyn ClientCertVerifier> =
+                    rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider)
+                        .build()
+                        .map_err(IdentityError::Verifier)?;
+                Ok(verifier)
+            }
         })
     }
 }
 
-impl ClientCertVerifier for ReloadingClientVerifier {
+impl<T: Current> ClientCertVerifier for ReloadingClientVerifier<T> {
     fn offer_client_auth(&self) -> bool {
         true
     }
@@ -343,7 +504,7 @@ struct ReloadingServerVerifier {
 
 impl ReloadingServerVerifier {
     fn current(&self) -> Result<Arc<dyn ServerCertVerifier>, IdentityError> {
-        cached(&self.cache, &self.tls, |roots| {
+        cached(&self.cache, &*self.tls, |roots| {
             server_cert_verifier(roots, self.expected.clone())
         })
     }
@@ -576,5 +737,98 @@ mod tests {
         );
         assert_eq!(handshake(&client, &server).unwrap(), edge.leaf());
         assert!(handshake(&stale_node, &server).is_err());
+    }
+
+    /// `(cert PEM, key PEM)` for a host certificate (DNS `localhost`, no SPIFFE ID).
+    fn host_leaf(ca: &Ca) -> (String, String) {
+        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &ca.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    #[test]
+    fn host_material_serves_without_an_own_spiffe_id_and_reloads() {
+        let server_ca = ca("server-ca");
+        let client_ca = ca("client-ca");
+        let (cert, key) = host_leaf(&server_ca);
+        // A WorkloadTls refuses a certificate without a SPIFFE ID; HostTls takes it.
+        assert!(matches!(
+            WorkloadTls::from_pem(client_ca.pem.as_bytes(), cert.as_bytes(), key.as_bytes()),
+            Err(MaterialError::Identity(_))
+        ));
+        let host =
+            HostTls::from_pem(client_ca.pem.as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap();
+        let server = Arc::new(host.server_config(&[b"h2"]).unwrap());
+        assert_eq!(server.alpn_protocols, vec![b"h2".to_vec()]);
+        // Any client chaining to the client CA passes the handshake (its identity is the
+        // application's to check); the client verifies the host name as usual.
+        let (worker_cert, worker_key) = leaf(&client_ca, "worker", "w-1");
+        let client_for = |ca_pem: &str, cert: &str, key: &str| {
+            let material =
+                WorkloadTls::from_pem(ca_pem.as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap();
+            let mut roots = RootCertStore::empty();
+            for c in CertificateDer::pem_slice_iter(server_ca.pem.as_bytes()) {
+                roots.add(c.unwrap()).unwrap();
+            }
+            Arc::new(
+                ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_client_cert_resolver(Arc::new(Resolver(material))),
+            )
+        };
+        let worker = client_for(&client_ca.pem, &worker_cert, &worker_key);
+        assert_eq!(handshake(&worker, &server).unwrap(), host.leaf());
+        // Without a client certificate: refused.
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(server_ca.pem.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let anonymous = Arc::new(
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth(),
+        );
+        assert!(handshake(&anonymous, &server).is_err());
+
+        // A rotated server certificate is presented by the next handshake; invalid material
+        // is refused and the old stays.
+        let first = host.leaf();
+        let (cert2, key2) = host_leaf(&server_ca);
+        assert!(
+            host.reload_pem(client_ca.pem.as_bytes(), cert2.as_bytes(), key2.as_bytes())
+                .unwrap()
+        );
+        assert!(
+            !host
+                .reload_pem(client_ca.pem.as_bytes(), cert2.as_bytes(), key2.as_bytes())
+                .unwrap()
+        );
+        assert_eq!(host.generation(), 1);
+        let second = handshake(&worker, &server).unwrap();
+        assert_ne!(second, first);
+        assert!(
+            host.reload_pem(client_ca.pem.as_bytes(), cert2.as_bytes(), key.as_bytes())
+                .is_err()
+        );
+        assert_eq!(handshake(&worker, &server).unwrap(), second);
+
+        // A new client CA: the old CA's workers are refused from the next handshake on.
+        let client_ca2 = ca("client-ca-2");
+        assert!(
+            host.reload_pem(client_ca2.pem.as_bytes(), cert2.as_bytes(), key2.as_bytes())
+                .unwrap()
+        );
+        assert!(handshake(&worker, &server).is_err());
+        let (w2_cert, w2_key) = leaf(&client_ca2, "worker", "w-2");
+        let worker2 = client_for(&client_ca2.pem, &w2_cert, &w2_key);
+        assert_eq!(handshake(&worker2, &server).unwrap(), second);
     }
 }

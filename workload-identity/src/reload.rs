@@ -1,6 +1,7 @@
 //! Hot reload of TLS files: a task re-reads the CA bundle, certificate and key every interval
-//! and hands changed material to [`WorkloadTls::reload_pem`] (which refuses invalid material
-//! and keeps the old). New connections then use the new files; established ones continue.
+//! and hands changed material to [`WorkloadTls::reload_pem`] or [`HostTls::reload_pem`] (which
+//! refuse invalid material and keep the old). New connections then use the new files;
+//! established ones continue.
 //!
 //! Each outcome is logged once per distinct content: `tls material reloaded` (INFO) or `new
 //! tls material refused; still using the current certificate` (WARN, with the reason). A
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::WorkloadTls;
+use crate::{HostTls, MaterialError, WorkloadTls};
 use tokio_util::sync::CancellationToken;
 
 /// The three files.
@@ -35,10 +36,44 @@ impl TlsPaths {
     }
 }
 
+/// Material that [`spawn`] can reload: [`WorkloadTls`] and [`HostTls`].
+pub trait Reload: Send + Sync + 'static {
+    /// Replaces the material (see the implementors).
+    fn reload_pem(&self, ca: &[u8], cert: &[u8], key: &[u8]) -> Result<bool, MaterialError>;
+    /// How many times the material changed.
+    fn generation(&self) -> u64;
+    /// Who presents it, for log lines (a SPIFFE ID; empty for a host certificate).
+    fn identity(&self) -> String;
+}
+
+impl Reload for WorkloadTls {
+    fn reload_pem(&self, ca: &[u8], cert: &[u8], key: &[u8]) -> Result<bool, MaterialError> {
+        Self::reload_pem(self, ca, cert, key)
+    }
+    fn generation(&self) -> u64 {
+        Self::generation(self)
+    }
+    fn identity(&self) -> String {
+        Self::identity(self).to_string()
+    }
+}
+
+impl Reload for HostTls {
+    fn reload_pem(&self, ca: &[u8], cert: &[u8], key: &[u8]) -> Result<bool, MaterialError> {
+        Self::reload_pem(self, ca, cert, key)
+    }
+    fn generation(&self) -> u64 {
+        Self::generation(self)
+    }
+    fn identity(&self) -> String {
+        String::new()
+    }
+}
+
 /// Watches `paths` every `interval` until `stop`, reloading `tls` when they change. `what`
 /// names the workload in log lines.
-pub fn spawn(
-    tls: Arc<WorkloadTls>,
+pub fn spawn<T: Reload>(
+    tls: Arc<T>,
     paths: TlsPaths,
     interval: Duration,
     what: &'static str,
