@@ -6,7 +6,9 @@
 //! |---|---|
 //! | crate root | [`WorkloadId`] (the SPIFFE ID in a certificate's one URI SAN), [`ExpectedPeer`], rustls verifiers that check role and name inside the handshake, [`peer_identity`] |
 //! | [`WorkloadTls`] | a workload's replaceable material (CA bundle, chain, key) and the server/client configs that read it at every handshake |
-//! | `reload` (feature `reload`, tokio) | a task that re-reads the three files and hands changes to [`WorkloadTls::reload_pem`] |
+//! | [`HostTls`] | the same for a server whose own certificate names a host, not a workload (the proxy-pool controller: clients verified by chain only, their identity read by the application) |
+//! | [`SpiffeId`] | a SPIFFE ID of any path length (the proxy-pool's `spiffe://TD/ENV/worker/ID`) |
+//! | `reload` (feature `reload`, tokio) | a task that re-reads the three files and hands changes to [`WorkloadTls::reload_pem`] or [`HostTls::reload_pem`] |
 //! | `ca` (feature `ca`, rcgen) | a small file-backed workload CA (`iop-ca`) |
 //! | `dev_ca` (feature `dev-ca`) | an in-memory development CA that hands out Edge, Node and Control Plane material with no file on disk |
 //!
