@@ -2,11 +2,12 @@
 //!
 //! One complete program, no file on disk: an in-memory development CA
 //! (`workload_identity::dev_ca`) hands out the Edge's and the Nodes' mTLS identities; the Edge
-//! is configured from TOML text in the program; two Nodes with the built-in `demo` adapter run
+//! is configured in code with `iop_edge::builder` (each Node, adapter and model named once);
+//! two Nodes with the built-in `demo` adapter run
 //! in the same process and register over real mTLS sockets. The application keeps its own
 //! routes, its own fallback and its own authentication middleware, which decides who may call
 //! the model API mounted under `/llm` (OpenAI chat completions, the Responses API and the
-//! Anthropic Messages API, as `/llm/v1/...`). The Edge's connection limits (`[limits]`) apply
+//! Anthropic Messages API, as `/llm/v1/...`). The Edge's connection limits (`Limits`) apply
 //! to the listener, and its certificate is rotated in place every `--rotate-secs`.
 //!
 //! ```sh
@@ -36,75 +37,37 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use iop_edge::Edge;
-use iop_edge::config::EdgeConfigFile;
+use iop_edge::builder::{AdapterSpec, EdgeBuilder, EdgeTls, NodeSpec};
+use iop_edge::config::{ConfigError, EdgeConfig, Limits};
 use iop_node::{AdapterRegistry, Node, NodeOptions};
 use workload_identity::dev_ca::DevCa;
 use workload_identity::role;
 
-/// The Edge's configuration: every key is documented in `iop_edge::config`. No `[tls]` files:
-/// the material comes from the development CA (`build_with_tls`).
-const EDGE_TOML: &str = r#"
-edge_id = "edge-1"
-
-[listen]
-nodes = "127.0.0.1:0"           # where Nodes dial (mTLS)
-http = "127.0.0.1:3000"         # informational here: the application binds its own listener
-
-[tls]
-trust_domain = "iop.local"
-
-[pool]
-queue_wait_sec = 10
-
-[limits]
-http_max_connections = 256      # enforced by Edge::serve on the application's listener
-http_header_timeout_sec = 10
-
-[[nodes]]
-node_id = "node-1"
-[[nodes.adapters]]
-name = "demo"
-type = "demo"
-capacity = 4
-
-[[nodes]]
-node_id = "node-2"
-[[nodes.adapters]]
-name = "demo"
-type = "demo"
-capacity = 4
-
-[[nodes]]
-node_id = "node-fn"              # example (b), from another process
-[[nodes.adapters]]
-name = "reverse"
-type = "reverse"                 # a native adapter type that Node registers
-capacity = 2
-
-[[models]]
-name = "demo"
-[[models.providers]]
-node_id = "node-1"
-provider_id = "demo-1"
-adapter = "demo"
-target = "demo"
-capacity = 4
-[[models.providers]]
-node_id = "node-2"
-provider_id = "demo-2"
-adapter = "demo"
-target = "demo"
-capacity = 4
-
-[[models]]
-name = "reverse"
-[[models.providers]]
-node_id = "node-fn"
-provider_id = "reverse-fn"
-adapter = "reverse"
-target = "reverse"
-capacity = 2
-"#;
+/// The Edge's configuration in code (`iop_edge::builder`): Nodes, their adapters and the models
+/// each adapter serves, every name written once (the TOML file's `[[models.providers]]` are
+/// derived). The same limits and keys as the file (`iop_edge::config`).
+fn edge_config(tls: Arc<workload_identity::WorkloadTls>) -> Result<EdgeConfig, ConfigError> {
+    let demo = || AdapterSpec::demo("demo").capacity(4).serves("demo");
+    EdgeBuilder::new("edge-1")
+        .listen_nodes(SocketAddr::from(([127, 0, 0, 1], 0))) // where Nodes dial (mTLS)
+        .queue(Duration::from_secs(10), 256)
+        .limits(Limits {
+            http_max_connections: 256, // enforced by Edge::serve on the application's listener
+            http_header_timeout_sec: 10,
+            ..Limits::default()
+        })
+        .node(NodeSpec::new("node-1").adapter(demo()))
+        .node(NodeSpec::new("node-2").adapter(demo()))
+        // Example (b), from another process: a native adapter type that Node registers.
+        .node(
+            NodeSpec::new("node-fn").adapter(
+                AdapterSpec::native("reverse", "reverse", "")
+                    .capacity(2)
+                    .serves("reverse"),
+            ),
+        )
+        .build(EdgeTls::Material(tls))
+}
 
 /// Who may call the model API: the application's own rule (here a header naming a known
 /// user; in a real service, your session or SSO check).
@@ -162,7 +125,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let edge_tls = ca.material(role::EDGE, "edge-1")?;
 
     // The Edge: Node listener, pool and queue.
-    let config = EdgeConfigFile::parse(EDGE_TOML)?.build_with_tls(edge_tls.clone())?;
+    let config = edge_config(edge_tls.clone())?;
     let edge = Edge::start(config).await?;
     let nodes_at = edge.node_addr();
 

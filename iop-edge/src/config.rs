@@ -118,6 +118,16 @@ pub enum ConfigError {
     },
 }
 
+/// Refused TLS material, under the key of the file it came from.
+pub(crate) fn material_error(e: workload_identity::MaterialError) -> ConfigError {
+    let key = match e {
+        workload_identity::MaterialError::Ca(_) => "tls.ca",
+        workload_identity::MaterialError::Key(_) => "tls.key",
+        _ => "tls.cert",
+    };
+    invalid(key, e)
+}
+
 fn invalid(key: &'static str, message: impl std::fmt::Display) -> ConfigError {
     ConfigError::Invalid {
         key,
@@ -482,14 +492,7 @@ impl EdgeConfigFile {
         let ca = read("tls.ca", &self.tls.ca)?;
         let cert = read("tls.cert", &self.tls.cert)?;
         let key = read("tls.key", &self.tls.key)?;
-        let tls = WorkloadTls::from_pem(&ca, &cert, &key).map_err(|e| {
-            let key = match e {
-                workload_identity::MaterialError::Ca(_) => "tls.ca",
-                workload_identity::MaterialError::Key(_) => "tls.key",
-                _ => "tls.cert",
-            };
-            invalid(key, e)
-        })?;
+        let tls = WorkloadTls::from_pem(&ca, &cert, &key).map_err(material_error)?;
         let files = TlsFiles {
             paths: TlsPaths {
                 ca: self.tls.ca.clone().unwrap_or_default(),

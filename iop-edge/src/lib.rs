@@ -79,6 +79,10 @@
 //! # }
 //! ```
 //!
+//! In code, [`builder::EdgeBuilder`] writes the same configuration as one typed tree (Nodes,
+//! their adapters, and the models each adapter serves), each name once; its
+//! [`builder::EdgeTls`] takes files (reloaded), PEM bytes or a `WorkloadTls`.
+//!
 //! [`control`] is the Control Plane connector (seed `001`): it dials out, says hello, answers
 //! status and commands, relays Node lifecycle events and reconnects; in managed mode
 //! (`credential_plane.enabled`) it keeps the principal projection and acquires credential
@@ -89,6 +93,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod builder;
 pub mod config;
 pub mod control;
 mod edge;
