@@ -2,21 +2,21 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use iop_edge::http::{self, ApiKeys, HttpConfig};
-use iop_edge::pool::{PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
+use iop_edge::builder::{AdapterSpec, ControlPlaneSpec, EdgeBuilder, EdgeTls, ModelSpec, NodeSpec};
+use iop_edge::config::{ConfigError, Limits};
+use iop_edge::control::SessionState;
+use iop_edge::http::ApiKeys;
 use iop_edge::profile::{DEFAULT_PRESET, Profile};
-use iop_edge::{Lifecycle, TransportConfig};
+use iop_edge::{Edge, Lifecycle};
 use iop_node::credential::LocalKey;
 use iop_node::{AdapterRegistry, NodeOptions, run_node};
-use iop_wire::runtime::{
-    AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, OpenAiCompatSettings,
-};
+use iop_wire::runtime::ConcreteProtocolProfile;
 use tokio_util::sync::CancellationToken;
 use workload_identity::dev_ca::DevCa;
+use workload_identity::role;
 
 /// Start a whole local IOP mesh: an Edge with its HTTP API (OpenAI chat completions, the
 /// Responses API and the Anthropic Messages API on every model), one or more Nodes connected to
@@ -117,7 +117,8 @@ struct Args {
     cp_admin_listen: SocketAddr,
 }
 
-fn adapter(args: &Args, target: &str) -> Result<(AdapterConfig, ProviderKind), String> {
+/// The upstream of `--openai-url` / `--anthropic-url` and its profile, if one is given.
+fn upstream(args: &Args) -> Result<Option<(String, ConcreteProtocolProfile)>, String> {
     let upstream = args
         .openai_url
         .as_ref()
@@ -132,47 +133,41 @@ fn adapter(args: &Args, target: &str) -> Result<(AdapterConfig, ProviderKind), S
                 .as_ref()
                 .map(|u| (u, args.upstream_profile.as_deref().unwrap_or("anthropic")))
         });
-    let (adapter_type, settings, kind) = if let Some((url, preset)) = upstream {
-        let profile = Profile::preset(preset).map_err(|e| format!("--upstream-profile: {e}"))?;
-        let s = OpenAiCompatSettings {
-            base_url: url.clone(),
-            protocol_profile: profile,
-            request_timeout_sec: 0,
-        };
-        (
-            "openai_compat",
-            AdapterSettings::OpenAiCompat(s),
-            ProviderKind::OpenAiCompat,
-        )
+    upstream
+        .map(|(url, preset)| {
+            let profile =
+                Profile::preset(preset).map_err(|e| format!("--upstream-profile: {e}"))?;
+            Ok((url.clone(), profile))
+        })
+        .transpose()
+}
+
+/// The one adapter every Node runs (named `provider`), serving the model.
+fn adapter(args: &Args, target: &str) -> Result<AdapterSpec, String> {
+    let spec = if let Some((url, profile)) = upstream(args)? {
+        AdapterSpec::openai_compat(ADAPTER, url).profile(profile.name)
     } else if let Some(url) = &args.ollama_url {
-        let s = NativeSettings {
-            base_url: url.clone(),
-            options: Default::default(),
-        };
-        ("ollama", AdapterSettings::Native(s), ProviderKind::Native)
+        AdapterSpec::ollama(ADAPTER, url)
     } else {
-        let options = [("delay_ms".to_owned(), args.demo_delay_ms.to_string())]
-            .into_iter()
-            .collect();
-        (
-            "demo",
-            AdapterSettings::Native(NativeSettings {
-                base_url: String::new(),
-                options,
-            }),
-            ProviderKind::Native,
-        )
+        AdapterSpec::demo(ADAPTER).option("delay_ms", args.demo_delay_ms.to_string())
     };
-    let config = AdapterConfig {
-        name: "provider".into(),
-        adapter_type: adapter_type.into(),
-        enabled: true,
-        capacity: args.capacity,
-        long_context_capacity: args.capacity,
-        targets: vec![target.to_owned()],
-        settings,
-    };
-    Ok((config, kind))
+    Ok(spec
+        .capacity(args.capacity)
+        .serves(ModelSpec::new(&args.model).target(target)))
+}
+
+/// The adapter instance name (a Node's local key is held for it).
+const ADAPTER: &str = "provider";
+
+/// A configuration error, named by the flag it comes from (`limits.http_max_connections` is
+/// `--http-max-connections`).
+fn flag_error(e: &ConfigError) -> String {
+    match e {
+        ConfigError::Invalid { key, message } if key.starts_with("limits.") => {
+            format!("--{}: {message}", key["limits.".len()..].replace('_', "-"))
+        }
+        other => other.to_string(),
+    }
 }
 
 async fn run(args: Args) -> Result<(), String> {
@@ -182,7 +177,6 @@ async fn run(args: Args) -> Result<(), String> {
             args.listen
         ));
     }
-    let api_keys = (!args.api_keys.is_empty()).then(|| Arc::new(ApiKeys::new(&args.api_keys)));
     if args.managed && args.openai_url.is_none() && args.anthropic_url.is_none() {
         return Err(
             "--managed leases an upstream key: give --openai-url or --anthropic-url with --upstream-api-key-env".into(),
@@ -199,75 +193,71 @@ async fn run(args: Args) -> Result<(), String> {
         .upstream_model
         .clone()
         .unwrap_or_else(|| args.model.clone());
-    let (adapter, kind) = adapter(&args, &target)?;
+    let adapter = adapter(&args, &target)?;
     let names: Vec<String> = (1..=args.nodes).map(|i| format!("node-{i}")).collect();
-    let providers: Vec<ProviderSpec> = names
-        .iter()
-        .map(|n| ProviderSpec {
-            key: ProviderKey {
-                node_id: n.clone(),
-                provider_id: format!("{n}-provider"),
-            },
-            adapter: adapter.name.clone(),
-            target: target.clone(),
-            kind,
-            category: if kind == ProviderKind::OpenAiCompat {
-                "api".into()
-            } else {
-                "local_inference".into()
-            },
-            capacity: args.capacity,
-            long_context_capacity: args.capacity,
-            response_stall_timeout: Duration::from_secs(300),
-            enabled: true,
-        })
-        .collect();
-    let mut transport = TransportConfig::new(
-        "127.0.0.1:0".parse().map_err(|_| "address")?,
-        ca.edge_tls("edge-1").map_err(|e| e.to_string())?,
-    );
-    transport.max_stream_buffer = args.stream_buffer_bytes.max(1);
-    transport.slow_consumer_timeout = Duration::from_secs(args.slow_consumer_timeout_sec.max(1));
-    transport.node_configs = names
-        .iter()
-        .map(|n| {
-            (
-                n.clone(),
-                NodeConfigPayload {
-                    adapters: vec![adapter.clone()],
-                    revision: 1,
-                    ..Default::default()
-                },
-            )
-        })
-        .collect();
-    transport.pool = Some(PoolConfig {
-        models: vec![(
-            args.model.clone(),
-            providers.iter().map(|p| p.key.clone()).collect(),
-        )],
-        providers,
-        max_queue: 1024,
-    });
-    let (edge, _accept) = iop_edge::bind(transport)
-        .await
-        .map_err(|e| format!("edge listener: {e}"))?;
-    let mut life = edge.subscribe();
 
     let shutdown = CancellationToken::new();
-    let managed = if args.managed {
-        Some(managed::start(&args, &ca, &edge, &adapter, &target, shutdown.clone()).await?)
-    } else {
-        None
+    // Managed: the Control Plane first, so that the Edge's connector has its address.
+    let managed = match upstream(&args)? {
+        Some((_, profile)) if args.managed => {
+            Some(managed::start(&args, &ca, &profile, &target, shutdown.clone()).await?)
+        }
+        _ => None,
     };
+    let mut builder = EdgeBuilder::new("edge-1")
+        .listen_nodes(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .listen_http(args.listen)
+        .queue(Duration::from_secs(args.queue_wait_sec), 1024)
+        .limits(Limits {
+            stream_buffer_bytes: args.stream_buffer_bytes.max(1),
+            slow_consumer_timeout_sec: args.slow_consumer_timeout_sec.max(1),
+            http_max_connections: args.http_max_connections.max(1),
+            http_header_timeout_sec: args.http_header_timeout_sec.max(1),
+            http_body_timeout_sec: args.http_body_timeout_sec.max(1),
+            ..Limits::default()
+        });
+    for name in &names {
+        builder = builder.node(NodeSpec::new(name).adapter(adapter.clone()));
+    }
+    if !args.api_keys.is_empty() {
+        builder = builder.api_keys(ApiKeys::new(&args.api_keys));
+    }
+    if let Some(m) = &managed {
+        builder = builder.control_plane(
+            ControlPlaneSpec::new([m.cp.local_addr().to_string()], "localhost", "cp-1").managed(),
+        );
+    }
+    let tls = ca
+        .material(role::EDGE, "edge-1")
+        .map_err(|e| e.to_string())?;
+    let config = builder
+        .build(EdgeTls::Material(tls))
+        .map_err(|e| flag_error(&e))?;
+    let edge = Edge::start(config)
+        .await
+        .map_err(|e| format!("edge: {e}"))?;
+    if let Some(control) = edge.control() {
+        // The hello's projection is installed before the session reports `Connected`.
+        let mut state = control.state();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| *s == SessionState::Connected),
+        )
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .ok_or_else(|| "the Edge did not connect to the embedded Control Plane".to_owned())?;
+    }
+    let mut life = edge.handle().subscribe();
+
     let mut node_tasks = Vec::new();
     for name in &names {
         let tls = ca.node_tls(name, "edge-1").map_err(|e| e.to_string())?;
-        let mut opts = NodeOptions::new(name, &edge.local_addr().to_string(), "localhost", tls)
+        let mut opts = NodeOptions::new(name, &edge.node_addr().to_string(), "localhost", tls)
             .map_err(|e| e.to_string())?
             .with_adapters(AdapterRegistry::with_builtins());
         if let Some(key) = &local_key {
-            opts = opts.with_local_key(&adapter.name, key.clone());
+            opts = opts.with_local_key(ADAPTER, key.clone());
         }
         if let Some(m) = &managed {
             opts = opts.with_credential_plane(m.recipient(name)?);
@@ -289,19 +279,6 @@ async fn run(args: Args) -> Result<(), String> {
         ));
     }
 
-    let metrics = edge.metrics().clone();
-    let app = http::router(
-        edge.clone(),
-        HttpConfig {
-            api_keys,
-            control: managed.as_ref().map(|m| m.control.clone()),
-            body_timeout: Duration::from_secs(args.http_body_timeout_sec.max(1)),
-            ..HttpConfig::new(
-                vec![args.model.clone()],
-                Duration::from_secs(args.queue_wait_sec),
-            )
-        },
-    );
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("--listen {}: {e}", args.listen))?;
@@ -340,12 +317,7 @@ async fn run(args: Args) -> Result<(), String> {
     println!("iop-mesh: Ctrl-C to stop");
     let stop = shutdown.clone();
     let signal = iop_bins::shutdown_signal();
-    let limits = http::ServeLimits {
-        max_connections: args.http_max_connections.max(1),
-        header_timeout: Duration::from_secs(args.http_header_timeout_sec.max(1)),
-        ..http::ServeLimits::default()
-    };
-    http::serve_with(listener, app, limits, Some(metrics), async move {
+    edge.serve(listener, edge.router(), async move {
         signal.await;
         stop.cancel();
     })
@@ -355,6 +327,7 @@ async fn run(args: Args) -> Result<(), String> {
     for t in node_tasks {
         let _ = t.await;
     }
+    edge.shutdown().await;
     drop(managed);
     println!("iop-mesh: stopped");
     Ok(())
@@ -365,34 +338,30 @@ mod managed {
 
     use std::net::SocketAddr;
     use std::sync::Arc;
-    use std::time::Duration;
 
     use iop_cp::admin::Admin;
     use iop_cp::lease::LeaseService;
     use iop_cp::seal::MasterKey;
     use iop_cp::server::{self, ServerConfig};
     use iop_cp::store::{SqliteStore, Store};
-    use iop_edge::EdgeHandle;
-    use iop_edge::control::{ControlConfig, ControlConnector, SessionState};
     use iop_lease::{
         IssuerPublicKey, IssuerSigningKey, OpenPolicy, Recipient, RecipientSecretKey,
         TrustedIssuers,
     };
-    use iop_wire::runtime::{AdapterConfig, AdapterSettings};
+    use iop_wire::runtime::ConcreteProtocolProfile;
     use tokio_util::sync::CancellationToken;
     use workload_identity::dev_ca::DevCa;
     use zeroize::Zeroizing;
 
     use super::Args;
 
-    /// The running Control Plane (store, master key and issuer key in memory only): the
-    /// Edge's connector and the token printed for the user.
+    /// The running Control Plane (store, master key and issuer key in memory only) and the
+    /// token printed for the user.
     pub(super) struct Managed {
-        pub(super) control: ControlConnector,
         pub(super) token: Zeroizing<String>,
         pub(super) admin_addr: SocketAddr,
+        pub(super) cp: server::ControlPlane,
         issuer: IssuerPublicKey,
-        cp: server::ControlPlane,
     }
 
     impl Drop for Managed {
@@ -412,13 +381,12 @@ mod managed {
     }
 
     /// Starts the Control Plane (an in-memory SQLite store and master key), stores the upstream key
-    /// in slot `upstream` with the adapter's profile and auth header, creates principal `mesh`
-    /// with a route for the model and a token, and connects the Edge to it in managed mode.
+    /// in slot `upstream` with the upstream's profile and auth header, and creates principal
+    /// `mesh` with a route for the model and a token. The Edge connects to it as `cp-1`.
     pub(super) async fn start(
         args: &Args,
         ca: &DevCa,
-        edge: &EdgeHandle,
-        adapter: &AdapterConfig,
+        profile: &ConcreteProtocolProfile,
         target: &str,
         shutdown: CancellationToken,
     ) -> Result<Managed, String> {
@@ -429,10 +397,6 @@ mod managed {
                 .filter(|v| !v.is_empty())
                 .ok_or_else(|| format!("--upstream-api-key-env: {var} is not set or empty"))?,
         );
-        let AdapterSettings::OpenAiCompat(settings) = &adapter.settings else {
-            return Err("--managed needs --openai-url or --anthropic-url".into());
-        };
-        let profile = &settings.protocol_profile;
         let (header, prefix) = if profile.auth_header.is_empty() {
             ("authorization", "Bearer ")
         } else {
@@ -492,7 +456,7 @@ mod managed {
         }
         let admin_addr = listener.local_addr().map_err(|e| e.to_string())?;
         let app = iop_cp::admin_http::router(admin, Some(cp.clone()), None);
-        let stop = shutdown.clone();
+        let stop = shutdown;
         tokio::spawn(async move {
             let _ = bounded_http::serve_with(
                 listener,
@@ -503,40 +467,11 @@ mod managed {
             )
             .await;
         });
-        let control = ControlConnector::start(
-            edge.clone(),
-            ControlConfig {
-                addresses: vec![cp.local_addr().to_string()],
-                server_name: "localhost".try_into().map_err(|_| "server name")?,
-                tls: ca
-                    .edge_client_tls("edge-1", "cp-1")
-                    .map_err(|e| e.to_string())?,
-                edge_id: "edge-1".into(),
-                managed: true,
-                max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
-                dialer: None,
-                jitter_seed: None,
-                binding: Default::default(),
-            },
-            shutdown,
-        )
-        .map_err(|e| fail("connector", &e))?;
-        // The hello's projection is installed before the session reports `Connected`.
-        let mut state = control.state();
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            state.wait_for(|s| *s == SessionState::Connected),
-        )
-        .await
-        .ok()
-        .and_then(Result::ok)
-        .ok_or_else(|| "the Edge did not connect to the embedded Control Plane".to_owned())?;
         Ok(Managed {
-            control,
             token: Zeroizing::new(token.as_str().to_owned()),
             admin_addr,
-            issuer,
             cp,
+            issuer,
         })
     }
 }
