@@ -125,6 +125,10 @@ addresses = ["127.0.0.1:{a}", "127.0.0.1:{b}"]
 server_name = "localhost"
 name = "cp-1"
 credential_plane = true
+# Generous for a loaded machine (the 1 s default rule is tested exactly, in virtual time, in
+# iop-edge/core/tests/binding.rs): a request whose binding went stale waits this long for a
+# newer projection or a live session.
+stale_binding_wait_ms = 10000
 [[models]]
 name = "fake-model"
 [[models.providers]]

@@ -204,6 +204,10 @@ address = "127.0.0.1:{cp_port}"
 server_name = "localhost"
 name = "cp-1"
 credential_plane = true
+# Generous for a loaded machine (the 1 s default rule is tested exactly, in virtual time, in
+# iop-edge/core/tests/binding.rs): a request whose binding went stale waits this long for a
+# newer projection or a live session.
+stale_binding_wait_ms = 10000
 [[models]]
 name = "fake-model"
 {providers}{node_sections}"#

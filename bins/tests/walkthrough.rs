@@ -398,9 +398,11 @@ fn the_readme_runs_managed_mode_and_admin_changes_fail_nothing_they_do_not_conce
     let b = steady(http, team_b.clone(), stop.clone());
     std::thread::sleep(Duration::from_millis(300));
     run.sh(&format!("iop-cp token revoke {team_b_id}"));
+    // The push is immediate; the bound is generous for a loaded machine (it is the test's
+    // outer limit, not the rule).
     wait_until(
         "the revoked token to be refused",
-        Duration::from_secs(5),
+        Duration::from_secs(30),
         || chat(http, &team_b, "revoked").0 == 401,
     );
     std::thread::sleep(Duration::from_millis(300));

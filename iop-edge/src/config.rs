@@ -28,7 +28,7 @@
 //! register_timeout_sec = 10          # Node listener: register and report ready, after accept
 //! max_unauthenticated = 256          # Node connections in their TLS handshake at once (more wait unaccepted)
 //! max_unauthenticated_per_ip = 32    #   of which from one address (more: closed at once)
-//! stream_buffer_bytes = 4194304      # unread bytes one response may hold for a slow client
+//! stream_buffer_bytes = 4194304      # memory one response's unread events may hold (counted as held, not payload)
 //! slow_consumer_timeout_sec = 30     # unread bytes and no read this long: stream ended
 //! http_max_connections = 4096        # HTTP connections (more: closed at once)
 //! http_header_timeout_sec = 30       # to send request headers; also the keep-alive idle limit

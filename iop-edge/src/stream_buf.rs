@@ -1,6 +1,7 @@
 //! The per-stream buffer between the Edge's machine and a stream's reader ([`RunStream`],
-//! [`TunnelStream`]): a queue whose unread **bytes** are counted, so that a reader that falls
-//! behind costs at most a bounded amount of memory.
+//! [`TunnelStream`]): a queue whose unread events are counted by the memory they hold (the
+//! machine's `run_event_size`/`tunnel_event_size`: queue slot and heap blocks, not only the
+//! payload), so that a reader that falls behind costs at most a bounded amount of memory.
 //!
 //! The writer never waits (it is the connection task that read the frame, holding the machine's
 //! lock: waiting for one slow reader would stall every stream of that Node and the machine); instead it sees how many bytes are

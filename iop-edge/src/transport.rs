@@ -114,7 +114,9 @@ pub struct TransportConfig {
     pub max_unauthenticated: usize,
     /// Of which from one source address.
     pub max_unauthenticated_per_ip: usize,
-    /// Unread bytes one stream may hold before it is ended as a slow consumer.
+    /// The memory one stream's unread events may hold before it is ended as a slow consumer:
+    /// each event counted as what it really holds (its queue slot and heap blocks, not only its
+    /// payload), so a stream of one-byte deltas is bounded like one of large bodies.
     pub max_stream_buffer: usize,
     /// How long a stream may hold unread bytes without its reader reading before it is ended
     /// as a slow consumer.

@@ -25,14 +25,14 @@ use tokio_util::sync::CancellationToken;
 use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
-/// How long the "provider" takes to return after being fenced: longer than the close grace.
-const SLOW_CLOSE: Duration = Duration::from_millis(1500);
 const CLOSE_GRACE: Duration = Duration::from_millis(200);
 
-/// Sends one delta, then never makes progress; once fenced it takes `SLOW_CLOSE` to return
-/// (like a provider connection that is slow to close). Its probe says the provider is down.
+/// Sends one delta, then never makes progress; once fenced it returns only when the test adds
+/// a permit to `close` (a provider connection slow to close, for as long as the test needs:
+/// no wall-clock window decides what the test observes). Its probe says the provider is down.
 struct StallingAdapter {
     returned: Arc<AtomicBool>,
+    close: Arc<tokio::sync::Semaphore>,
 }
 
 #[async_trait]
@@ -44,7 +44,9 @@ impl Adapter for StallingAdapter {
     ) -> Result<RunCompletion, AdapterError> {
         events.delta("partial ").await;
         events.cancelled().await;
-        tokio::time::sleep(SLOW_CLOSE).await;
+        if let Ok(permit) = self.close.acquire().await {
+            permit.forget();
+        }
         self.returned.store(true, Ordering::SeqCst);
         Err(AdapterError::Provider("closed".into()))
     }
@@ -58,7 +60,11 @@ impl Adapter for StallingAdapter {
     }
 }
 
-async fn mesh(ca: &Ca, returned: Arc<AtomicBool>) -> (EdgeHandle, CancellationToken) {
+async fn mesh(
+    ca: &Ca,
+    returned: Arc<AtomicBool>,
+    close: Arc<tokio::sync::Semaphore>,
+) -> (EdgeHandle, CancellationToken) {
     let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
     let adapter = AdapterConfig {
@@ -86,6 +92,7 @@ async fn mesh(ca: &Ca, returned: Arc<AtomicBool>) -> (EdgeHandle, CancellationTo
         Arc::new(move |_: &AdapterConfig| {
             Ok(Arc::new(StallingAdapter {
                 returned: returned.clone(),
+                close: close.clone(),
             }) as Arc<dyn Adapter>)
         }),
     );
@@ -133,7 +140,8 @@ async fn unconfirmed_fence_keeps_admission_until_the_provider_returns() {
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
         let returned = Arc::new(AtomicBool::new(false));
-        let (edge, shutdown) = mesh(&ca, returned.clone()).await;
+        let close = Arc::new(tokio::sync::Semaphore::new(0));
+        let (edge, shutdown) = mesh(&ca, returned.clone(), close.clone()).await;
 
         let events = all(&edge, request("s-1", 200)).await;
         let kinds: Vec<_> = events.iter().map(|e| e.kind).collect();
@@ -169,9 +177,13 @@ async fn unconfirmed_fence_keeps_admission_until_the_provider_returns() {
             refused.last().unwrap().execution_failure.is_none(),
             "non-stall failures carry no ExecutionFailure"
         );
-        // ...until the provider call really returns. The permit is released right after the
-        // adapter's future completes, so the first runs after `returned` may still be refused
-        // for capacity: retry on exactly that refusal (the event), never after a fixed sleep.
+        // ...until the provider call really returns (the test lets it now). The permit is
+        // released right after the adapter's future completes, so the first runs after
+        // `returned` may still be refused for capacity: retry on exactly that refusal (the
+        // event), never after a fixed sleep.
+        assert!(!returned.load(Ordering::SeqCst));
+        // (Enough permits that the next stalled run's provider returns at once too.)
+        close.add_permits(1000);
         while !returned.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -196,7 +208,9 @@ async fn unconfirmed_fence_keeps_admission_until_the_provider_returns() {
 async fn a_caller_cancel_before_the_stall_keeps_its_own_terminal() {
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
-        let (edge, shutdown) = mesh(&ca, Arc::new(AtomicBool::new(false))).await;
+        // A cancelled provider returns at once here.
+        let close = Arc::new(tokio::sync::Semaphore::new(1000));
+        let (edge, shutdown) = mesh(&ca, Arc::new(AtomicBool::new(false)), close).await;
         let mut s = edge.run("node-1", request("c-1", 60_000)).await.unwrap();
         assert_eq!(s.next().await.unwrap().kind, RunEventKind::Start);
         assert_eq!(s.next().await.unwrap().kind, RunEventKind::Delta);

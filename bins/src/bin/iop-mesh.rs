@@ -90,7 +90,7 @@ struct Args {
     /// How long a request may wait for a free provider before a 503.
     #[arg(long, default_value_t = 30)]
     queue_wait_sec: u64,
-    /// Unread bytes one response may hold for a slow client; past it the stream is ended and
+    /// Memory one response's unread events may hold for a slow client; past it the stream is ended and
     /// cancelled upstream.
     #[arg(long, default_value_t = iop_edge::transport::DEFAULT_MAX_STREAM_BUFFER)]
     stream_buffer_bytes: usize,

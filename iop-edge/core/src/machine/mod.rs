@@ -150,25 +150,58 @@ impl Pending {
     }
 }
 
-/// Approximate memory of a run event in a stream buffer.
-fn run_event_size(ev: &RunEvent) -> usize {
-    64 + ev.delta.len()
-        + ev.error.len()
-        + ev.metadata
-            .iter()
-            .map(|(k, v)| k.len() + v.len())
-            .sum::<usize>()
+/// What one buffered event really holds, counted against the stream's byte bound (the
+/// `stream_buffer_bytes` of the Edge's config): its slot in the stream's queue, counted twice
+/// (a growing `VecDeque` doubles, so up to half its slots are empty), plus every heap block it
+/// owns, rounded up to 16 bytes and with 16 bytes of allocator header. A run stream of one-byte
+/// deltas once cost 5–6× its bound when only the payload plus 64 bytes was counted.
+pub(crate) fn run_event_size(ev: &RunEvent) -> usize {
+    queue_slot::<RunEvent>()
+        + heap(ev.delta.capacity())
+        + heap(ev.error.capacity())
+        + metadata_size(&ev.metadata)
 }
 
-/// Approximate memory of a tunnel event in a stream buffer.
-fn tunnel_event_size(ev: &TunnelEvent) -> usize {
-    64 + match ev {
-        TunnelEvent::Frame(Delivery::Body(b)) => b.len(),
-        TunnelEvent::Frame(Delivery::Start { headers, .. }) => {
-            headers.iter().map(|h| h.name.len() + h.value.len()).sum()
+/// [`run_event_size`] for a tunnel event. A body's bytes are counted by length: they are a
+/// view of the frame that carried them.
+pub(crate) fn tunnel_event_size(ev: &TunnelEvent) -> usize {
+    queue_slot::<TunnelEvent>()
+        + match ev {
+            TunnelEvent::Frame(Delivery::Body(b)) => heap(b.len()),
+            TunnelEvent::Frame(Delivery::Start { headers, .. }) => {
+                heap(headers.capacity() * size_of::<iop_wire::runtime::Header>())
+                    + headers
+                        .iter()
+                        .map(|h| heap(h.name.capacity()) + heap(h.value.len()))
+                        .sum::<usize>()
+            }
+            TunnelEvent::Frame(Delivery::Error {
+                error, metadata, ..
+            }) => heap(error.capacity()) + metadata_size(metadata),
+            _ => 0,
         }
-        _ => 0,
+}
+
+/// A queue slot of `T` with its byte count, twice (see [`run_event_size`]).
+const fn queue_slot<T>() -> usize {
+    2 * size_of::<(T, usize)>()
+}
+
+/// A heap block of `capacity` bytes as the allocator holds it.
+const fn heap(capacity: usize) -> usize {
+    if capacity == 0 {
+        0
+    } else {
+        capacity.next_multiple_of(16) + 16
     }
+}
+
+/// A `BTreeMap<String, String>`: each entry's two strings and its share of a B-tree node
+/// (a node of up to 11 entries is about 560 bytes).
+fn metadata_size(m: &BTreeMap<String, String>) -> usize {
+    m.iter()
+        .map(|(k, v)| 64 + heap(k.capacity()) + heap(v.capacity()))
+        .sum()
 }
 
 fn stall(timeout: Duration) -> ResponseStallTimeout {

@@ -1,0 +1,213 @@
+//! What a run stream whose reader stops really costs the Edge (#28): a Node streams one-byte
+//! deltas as fast as it can to a caller that never reads. Every allocation of this process is
+//! counted (`cap`, the global allocator of this test binary): the growth while the stream
+//! fills is held to its byte bound (`TransportConfig::max_stream_buffer`) plus a fixed slack,
+//! and after the stream is ended (slow consumer) and dropped the memory comes back.
+//!
+//! Before the Edge counted what each buffered event holds (its queue slot and heap blocks), it
+//! counted a one-byte delta as 65 bytes while it held about 300: the same probe grew by 5–6×
+//! the bound (measured from outside as 21–26 MiB per stream against 4 MiB).
+#![allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+
+use std::alloc::System;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cap::Cap;
+use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
+use iop_node::{
+    Adapter, AdapterError, AdapterRegistry, NodeOptions, RunCompletion, RunEvents, run_node,
+};
+use iop_tests::pki::Ca;
+use iop_wire::runtime::{
+    AdapterConfig, AdapterSettings, NodeConfigPayload, ProviderStatus, RunEventKind, RunRequest,
+};
+use iop_wire::validate::ResponseStallTimeout;
+use tokio_util::sync::CancellationToken;
+use workload_identity::role;
+
+#[global_allocator]
+static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// The stream's byte bound.
+const BOUND: usize = 2 << 20;
+/// What else the process may allocate while the stream fills (TLS records, frame buffers,
+/// channel blocks, the runtime's timers).
+const SLACK: usize = 1 << 20;
+
+/// Streams one-byte deltas without end until cancelled.
+struct Firehose {
+    sent: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Adapter for Firehose {
+    async fn run(
+        &self,
+        _request: RunRequest,
+        events: RunEvents,
+    ) -> Result<RunCompletion, AdapterError> {
+        loop {
+            tokio::select! {
+                () = events.cancelled() => return Err(AdapterError::Provider("cancelled".into())),
+                open = events.delta("x") => {
+                    if !open {
+                        return Err(AdapterError::Provider("closed".into()));
+                    }
+                    self.sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    async fn probe(
+        &self,
+        _target: &str,
+        _credential: Option<&iop_node::credential::UpstreamCredential>,
+    ) -> ProviderStatus {
+        ProviderStatus::Available
+    }
+}
+
+async fn mesh(ca: &Ca, sent: Arc<AtomicU64>) -> (EdgeHandle, CancellationToken) {
+    let tls = iop_tests::pki::edge_server_tls(ca, "edge-1");
+    let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+    cfg.max_stream_buffer = BOUND;
+    // Only the byte bound may end the stream.
+    cfg.slow_consumer_timeout = Duration::from_secs(3600);
+    cfg.node_configs = vec![(
+        "node-1".into(),
+        NodeConfigPayload {
+            adapters: vec![AdapterConfig {
+                name: "fire".into(),
+                adapter_type: "firehose".into(),
+                enabled: true,
+                capacity: 1,
+                long_context_capacity: 0,
+                targets: vec!["m".into()],
+                settings: AdapterSettings::None,
+            }],
+            ..Default::default()
+        },
+    )];
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
+    let mut registry = AdapterRegistry::new();
+    registry.register(
+        "firehose",
+        Arc::new(move |_: &AdapterConfig| {
+            Ok(Arc::new(Firehose { sent: sent.clone() }) as Arc<dyn Adapter>)
+        }),
+    );
+    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
+    let opts = NodeOptions::new(
+        "node-1",
+        &edge.local_addr().to_string(),
+        "localhost",
+        node_tls,
+    )
+    .unwrap()
+    .with_adapters(registry);
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_node(opts, shutdown.clone()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    (edge, shutdown)
+}
+
+fn request(run_id: &str) -> RunRequest {
+    RunRequest {
+        run_id: run_id.into(),
+        adapter: "fire".into(),
+        target: "m".into(),
+        input: bytes::Bytes::new(),
+        metadata: Default::default(),
+        response_stall_timeout: ResponseStallTimeout::from_wire_ms(60_000).unwrap(),
+        timeout: None,
+        long_context: false,
+        credential: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stream_nobody_reads_costs_its_bound_and_gives_it_back() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let sent = Arc::new(AtomicU64::new(0));
+        let (edge, shutdown) = mesh(&ca, sent.clone()).await;
+        // Warm up every path once (a short read stream), so the baseline holds the buffers a
+        // connection keeps anyway.
+        let mut warm = edge.run("node-1", request("warm")).await.unwrap();
+        for _ in 0..100 {
+            warm.next().await.unwrap();
+        }
+        drop(warm);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let baseline = ALLOCATOR.allocated();
+
+        let mut stream = edge.run("node-1", request("stalled")).await.unwrap();
+        // Nobody reads: wait for the Edge to end the stream at its bound (the Node's adapter
+        // is cancelled then, and stops sending).
+        let mut peak = baseline;
+        let ended = || {
+            edge.metrics()
+                .render(0, 0)
+                .contains("iop_edge_slow_consumers_total 1")
+        };
+        loop {
+            peak = peak.max(ALLOCATOR.allocated());
+            if ended() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        peak = peak.max(ALLOCATOR.allocated());
+        let deltas = sent.load(Ordering::Relaxed);
+        let growth = peak.saturating_sub(baseline);
+        println!(
+            "{deltas} one-byte deltas sent; the Edge's process grew by {} KiB at most (bound {} KiB + slack {} KiB)",
+            growth >> 10,
+            BOUND >> 10,
+            SLACK >> 10
+        );
+        assert!(deltas > 1_000, "the stream filled ({deltas} deltas)");
+        assert!(
+            growth <= BOUND + SLACK,
+            "a stalled run stream held {} KiB against its bound of {} KiB",
+            growth >> 10,
+            BOUND >> 10
+        );
+        // The reader sees what was delivered before the cut, then the slow-consumer terminal.
+        let mut last = None;
+        while let Some(ev) = stream.next().await {
+            last = Some(ev);
+        }
+        let last = last.unwrap();
+        assert_eq!(last.kind, RunEventKind::Error);
+        assert!(last.error.contains("slow consumer"), "{}", last.error);
+        drop(stream);
+        // And the memory comes back (the buffer emptied, the Node's cancel settled).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = ALLOCATOR.allocated();
+            if now <= baseline + SLACK / 4 {
+                println!("after the stream: {} KiB above the baseline", now.saturating_sub(baseline) >> 10);
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} KiB above the baseline after the stream ended",
+                now.saturating_sub(baseline) >> 10
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
