@@ -186,7 +186,8 @@ impl AdapterSpec {
     }
 
     /// A native adapter type your Nodes register (`iop_node::AdapterRegistry::register`); a
-    /// Node without it refuses the configuration.
+    /// Node without it refuses the configuration. `base_url` is handed to the adapter as is
+    /// (`""` for one that needs none).
     pub fn native(
         name: impl Into<String>,
         adapter_type: impl Into<String>,
