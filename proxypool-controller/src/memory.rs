@@ -66,6 +66,17 @@ struct Expiring<T> {
     expires_at: u64,
 }
 
+/// One of a worker's three entries (three Redis keys, each with its own TTL).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Entry {
+    /// The session and its report fence.
+    Session,
+    /// The last published snapshot reference.
+    Reference,
+    /// The last accepted runtime report.
+    Runtime,
+}
+
 /// A report sequence fence: the last accepted sequence and its content digest.
 pub type Fence = (u64, [u8; 32]);
 
@@ -90,6 +101,23 @@ impl StoreState {
         self.sessions.retain(|_, e| e.expires_at > now_ms);
         self.references.retain(|_, e| e.expires_at > now_ms);
         self.runtime.retain(|_, e| e.expires_at > now_ms);
+    }
+
+    /// Drops one entry of `worker_id` as if its key's TTL ran out now: Redis expires keys
+    /// one at a time, so a session may be gone while its runtime or reference lives on (the
+    /// model checker explores every such order).
+    pub fn evict(&mut self, worker_id: &str, entry: Entry) {
+        match entry {
+            Entry::Session => {
+                self.sessions.remove(worker_id);
+            }
+            Entry::Reference => {
+                self.references.remove(worker_id);
+            }
+            Entry::Runtime => {
+                self.runtime.remove(worker_id);
+            }
+        }
     }
 
     /// The live session of a worker and its report sequence fence (sequence and digest).

@@ -11,7 +11,9 @@
 //!   a replaced one, of any tuple and checksum (published or not, stale or not);
 //! - `Report(session, seq, e, v, content)`: a runtime report of any sequence, tuple and
 //!   content, from any session;
-//! - `Expire`: time passes beyond the TTLs (sessions and references expire).
+//! - `Expire(entry)`: one key's TTL runs out: the session, the reference or the runtime, one
+//!   at a time and in any order (Redis expires keys independently; a session may be gone
+//!   while its runtime lives on, and a new session may register beside that runtime).
 //!
 //! Messages may arrive in any order and be duplicated, which is exactly what a worker on a lossy
 //! network with retries and a controller failover can produce. Every transition is checked
@@ -67,12 +69,11 @@ use std::time::{Duration, Instant};
 use proxypool_controller::domain::{
     Counter, Counters, Report, Session, SnapshotAcknowledgement, SnapshotReference, SnapshotTuple,
 };
-use proxypool_controller::memory::StoreState;
+use proxypool_controller::memory::{Entry, StoreState};
 use stateright::{Checker, Model, Property};
 
 const W: &str = "worker-1";
 const TTL: Duration = Duration::from_secs(30);
-const TTL_MS: u64 = 30_000;
 
 /// The size of the configuration explored.
 #[derive(Clone, Copy, Debug)]
@@ -136,7 +137,7 @@ enum Action {
         v: u64,
         content: u8,
     },
-    Expire,
+    Expire(Entry),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -203,7 +204,9 @@ impl Model for AckReportModel {
             out.push(Action::Register);
         }
         if s.expiries < b.expiries {
-            out.push(Action::Expire);
+            for entry in [Entry::Session, Entry::Reference, Entry::Runtime] {
+                out.push(Action::Expire(entry));
+            }
         }
         for &(e, v) in b.tuples {
             for c in 0..2 {
@@ -258,10 +261,9 @@ impl Model for AckReportModel {
                 };
                 s.store.open_session(now, &session, TTL);
             }
-            Action::Expire => {
+            Action::Expire(entry) => {
                 s.expiries += 1;
-                s.now_ms += TTL_MS;
-                s.store.expire(s.now_ms);
+                s.store.evict(W, entry);
             }
             Action::Publish { e, v, c } => {
                 let r = SnapshotReference {
