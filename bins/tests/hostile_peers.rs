@@ -278,10 +278,7 @@ fn slowloris_and_silent_http_connections_are_closed_while_the_api_answers() {
     }
     let dripped_for = start.elapsed();
     for s in &mut silent {
-        assert!(
-            closed_by_server(s, Duration::from_secs(5)),
-            "a silent connection was closed"
-        );
+        assert!(closed_by_server(s, LIMIT), "a silent connection was closed");
     }
     println!("slowloris closed after {dripped_for:?} (header timeout 2 s); silent ones too");
     // The body, too, must arrive in time.
@@ -292,7 +289,7 @@ fn slowloris_and_silent_http_connections_are_closed_while_the_api_answers() {
     )
     .unwrap();
     let mut answer = String::new();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.set_read_timeout(Some(LIMIT)).unwrap();
     let _ = s.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(
@@ -310,10 +307,7 @@ fn node_port_handshake_and_registration_have_deadlines() {
         .collect();
     let t = Instant::now();
     for s in &mut idle {
-        assert!(
-            closed_by_server(s, Duration::from_secs(10)),
-            "pre-TLS connection closed"
-        );
+        assert!(closed_by_server(s, LIMIT), "pre-TLS connection closed");
     }
     println!("50 pre-TLS connections closed after {:?}", t.elapsed());
     // A valid Node certificate that never registers: closed after the 2 s register timeout.
@@ -374,7 +368,7 @@ fn a_flooded_node_port_under_a_low_fd_limit_leaves_the_http_api_answering() {
     // The extras were closed at once; all of them within the handshake timeout.
     let mut closed = 0;
     for s in &mut flood {
-        if closed_by_server(s, Duration::from_secs(5)) {
+        if closed_by_server(s, LIMIT) {
             closed += 1;
         }
     }
