@@ -69,7 +69,7 @@ impl Adapter for Counting {
 }
 
 enum Out {
-    Frame(RuntimeFrame),
+    Frame(Box<RuntimeFrame>),
     Raw(Vec<u8>),
 }
 
@@ -78,7 +78,7 @@ enum Input {
         mpsc::UnboundedSender<Out>,
         tokio::sync::oneshot::Sender<ConnId>,
     ),
-    Frame(ConnId, RuntimeFrame),
+    Frame(ConnId, Box<RuntimeFrame>),
     Closed(ConnId),
 }
 
@@ -87,7 +87,7 @@ enum Input {
 enum Seen {
     Ready(ConnId),
     Closed(ConnId),
-    Frame(RuntimeFrame),
+    Frame(Box<RuntimeFrame>),
 }
 
 /// A raw Edge: the registry machine behind a minimal loop. Returns its address, the events,
@@ -129,7 +129,7 @@ async fn raw_edge(
                 loop {
                     tokio::select! {
                         out = out_rx.recv() => match out {
-                            Some(Out::Frame(f)) => { if framed.send(f).await.is_err() { break } }
+                            Some(Out::Frame(f)) => { if framed.send(*f).await.is_err() { break } }
                             Some(Out::Raw(bytes)) => {
                                 let io = framed.get_mut();
                                 if io.write_all(&bytes).await.is_err() || io.flush().await.is_err() {
@@ -139,7 +139,7 @@ async fn raw_edge(
                             None => break,
                         },
                         frame = framed.next() => match frame {
-                            Some(Ok(f)) => { let _ = inputs.send(Input::Frame(conn, f)); }
+                            Some(Ok(f)) => { let _ = inputs.send(Input::Frame(conn, Box::new(f))); }
                             _ => break,
                         },
                     }
@@ -175,7 +175,7 @@ async fn raw_edge(
                     conns.lock().unwrap().insert(conn, out);
                     let _ = reply.send(conn);
                 }
-                Input::Frame(conn, frame) => registry.handle_frame(now, conn, frame),
+                Input::Frame(conn, frame) => registry.handle_frame(now, conn, *frame),
                 Input::Closed(conn) => {
                     registry.handle_close(conn);
                     conns.lock().unwrap().remove(&conn);
@@ -184,7 +184,7 @@ async fn raw_edge(
             }
             while let Some((conn, frame)) = registry.poll_transmit() {
                 if let Some(out) = conns.lock().unwrap().get(&conn) {
-                    let _ = out.send(Out::Frame(frame));
+                    let _ = out.send(Out::Frame(Box::new(frame)));
                 }
             }
             while let Some(event) = registry.poll_event() {
@@ -193,7 +193,7 @@ async fn raw_edge(
                         let _ = seen_tx.send(Seen::Ready(conn));
                     }
                     RegistryEvent::Frame { frame, .. } => {
-                        let _ = seen_tx.send(Seen::Frame(frame));
+                        let _ = seen_tx.send(Seen::Frame(Box::new(frame)));
                     }
                     _ => {}
                 }
@@ -234,8 +234,7 @@ fn frame_with_stall_ms(ms: i64) -> Vec<u8> {
     )]
     let mut v = ms as u64;
     loop {
-        #[expect(clippy::cast_possible_truncation, reason = "seven bits at a time")]
-        let byte = (v & 0x7f) as u8;
+        let byte = u8::try_from(v & 0x7f).unwrap();
         v >>= 7;
         if v == 0 {
             varint.push(byte);
@@ -326,7 +325,7 @@ async fn a_negative_or_overflowing_stall_timeout_is_refused_before_any_provider_
     // The Node registers again; a valid run reaches the adapter.
     let conn = ready(&mut seen).await;
     let out = conns.lock().unwrap().get(&conn).cloned().unwrap();
-    out.send(Out::Frame(run(9, "good"))).unwrap();
+    out.send(Out::Frame(Box::new(run(9, "good")))).unwrap();
     loop {
         if let Seen::Frame(_) = next(&mut seen).await {
             break;
