@@ -95,6 +95,42 @@ pub struct ServerConfig {
     /// `data_version`, PostgreSQL `LISTEN/NOTIFY`) rather than only every `store_poll`. On by
     /// default; off only to hold a stale projection on purpose (tests).
     pub store_watch: bool,
+    /// The wall clock: when a lease's validity starts, when a staged issuer key is due. The
+    /// system clock; a simulation passes its own ([`UnixClock::new`]).
+    pub clock: UnixClock,
+}
+
+/// A wall clock in Unix milliseconds.
+#[derive(Clone)]
+pub struct UnixClock(Arc<dyn Fn() -> i64 + Send + Sync>);
+
+impl UnixClock {
+    /// The system clock.
+    pub fn system() -> Self {
+        Self(Arc::new(crate::store::unix_ms))
+    }
+
+    /// A clock read from `now` (a simulation's).
+    pub fn new(now: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
+        Self(Arc::new(now))
+    }
+
+    /// Now, in Unix milliseconds.
+    pub fn now_ms(&self) -> i64 {
+        (self.0)()
+    }
+}
+
+impl Default for UnixClock {
+    fn default() -> Self {
+        Self::system()
+    }
+}
+
+impl std::fmt::Debug for UnixClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UnixClock({})", self.now_ms())
+    }
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -117,6 +153,7 @@ impl ServerConfig {
             heartbeat: DEFAULT_HEARTBEAT,
             max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
             store_poll: DEFAULT_STORE_POLL,
+            clock: UnixClock::system(),
             store_watch: true,
         }
     }
@@ -421,6 +458,7 @@ fn start(
     let poll_every = config.store_poll;
     let watch = config.store_watch;
     let rotates = config.managed;
+    let clock = config.clock.clone();
     let poller = tokio::spawn(async move {
         let mut activation_log = RateLimited::new(Duration::from_secs(10));
         loop {
@@ -428,7 +466,8 @@ fn start(
             // first (the others' attempt finds no staged key and changes nothing).
             let mut wait = poll_every;
             if rotates {
-                wait = wait.min(activate_due_issuer(&poll_admin, &mut activation_log).await);
+                wait =
+                    wait.min(activate_due_issuer(&poll_admin, &clock, &mut activation_log).await);
             }
             // Returns at once when another process or replica committed (SQLite
             // `data_version`, PostgreSQL `NOTIFY`); `poll_every` is the safety net.
@@ -615,11 +654,9 @@ async fn connection<S>(
                         let edge_id = registered
                             .as_ref()
                             .map_or(String::new(), |(id, _)| id.clone());
+                        let clock = config.clock.clone();
                         tokio::spawn(async move {
-                            let answer = match leases
-                                .acquire(&request, crate::store::unix_ms())
-                                .await
-                            {
+                            let answer = match leases.acquire(&request, clock.now_ms()).await {
                                 Ok(lease) => AcquireLeaseResponse::Granted(lease),
                                 Err(refusal) => {
                                     tracing::info!(target: "iop_cp", event = "cp_lease_refused", edge_id = %edge_id, reason = refusal.as_str(), "lease refused");
@@ -762,7 +799,7 @@ async fn connection<S>(
 /// Activates the staged issuer key when its time has come; how long until it is due (at most
 /// an hour) otherwise, or until the next attempt after a failure (1 s; failures are logged at
 /// most once per 10 s).
-async fn activate_due_issuer(admin: &Admin, log: &mut RateLimited) -> Duration {
+async fn activate_due_issuer(admin: &Admin, clock: &UnixClock, log: &mut RateLimited) -> Duration {
     const IDLE: Duration = Duration::from_secs(3600);
     const RETRY: Duration = Duration::from_secs(1);
     let staged = match admin.store().issuer_keys().await {
@@ -777,7 +814,7 @@ async fn activate_due_issuer(admin: &Admin, log: &mut RateLimited) -> Duration {
     let Some(staged) = staged else {
         return IDLE;
     };
-    let due_in = staged.activates_at_unix_ms - crate::store::unix_ms();
+    let due_in = staged.activates_at_unix_ms - clock.now_ms();
     if due_in > 0 {
         // Woken a little late rather than early (a millisecond early would spin).
         return Duration::from_millis(u64::try_from(due_in).unwrap_or(0) + 1).min(IDLE);

@@ -52,6 +52,7 @@ use std::time::Duration;
 use iop_cp::admin::Admin;
 use iop_cp::lease::{DEFAULT_LEASE_TTL, LeaseService};
 use iop_cp::seal::MasterKey;
+use iop_cp::server::UnixClock;
 use iop_cp::server::{self, ServerConfig};
 use iop_cp::store::{SqliteStore, Store};
 use iop_edge::control::{ControlConfig, ControlConnector, LeaseError, SessionState};
@@ -64,12 +65,26 @@ use workload_identity::role;
 
 const PORT: u16 = 7600;
 
+/// The simulation's wall clock: a fixed epoch plus the simulated time, read by the Control
+/// Plane (`ServerConfig::clock`: when a lease starts) and by the Node when it opens a lease,
+/// so lease validity and expiry run in simulated time (the real `SystemTime` never moves in a
+/// simulation that skips its sleeps).
+const EPOCH_MS: i64 = 1_767_225_600_000;
+
+fn sim_now_ms() -> i64 {
+    let elapsed = turmoil::sim_elapsed().unwrap_or_default();
+    EPOCH_MS + i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX / 2)
+}
+
 // The workload's deterministic generator (splitmix64, as the reconnect jitter of a seeded run).
 use iop_wire::backoff::SplitMix64 as Rng;
 
 #[derive(Debug, Default)]
 struct Outcome {
     granted: usize,
+    /// Granted leases opened only after their validity (plus the clock-skew allowance) ended,
+    /// and refused as expired.
+    expired: usize,
     /// The issuer keys the granted leases were signed with.
     signers: std::collections::BTreeSet<String>,
     refused_stale: usize,
@@ -121,6 +136,8 @@ fn binding(c: &ControlConnector) -> Option<(CredentialLeaseBinding, String)> {
 /// store's keys after each lease answer was not enough: two rotations between a lease's
 /// signing and that read deleted the signing key before the Node could learn it.)
 struct Node {
+    /// Granted leases the Node opens later (some after they expired).
+    held: Vec<(ManagedCredential, CredentialLeaseBinding)>,
     recipient: Recipient,
     replay: MemoryReplayGuard,
     trusted: TrustedIssuers,
@@ -131,6 +148,7 @@ async fn lease_once(
     c: &ControlConnector,
     node: &Rc<RefCell<Node>>,
     out: &Rc<RefCell<Outcome>>,
+    hold: bool,
 ) -> bool {
     let Some((b, named)) = binding(c) else {
         out.borrow_mut().no_session += 1;
@@ -157,17 +175,11 @@ async fn lease_once(
                 lease,
                 binding: b.clone(),
             };
-            let now = iop_wire::time::unix_ms(std::time::SystemTime::now());
-            let mut n = node.borrow_mut();
-            let n = &mut *n;
-            n.recipient.set_trusted_issuers(n.trusted.clone());
-            match n.recipient.open(&envelope, &b, now, &mut n.replay) {
-                Ok(_) => {
-                    o.granted += 1;
-                    return true;
-                }
-                Err(e) => o.broken.push(format!("a granted lease does not open: {e}")),
+            if hold {
+                node.borrow_mut().held.push((envelope, b));
+                return true;
             }
+            return open(node, &mut o, &envelope, &b);
         }
         Err(LeaseError::Refused(r)) if r == "stale_generation" || r == "stale_revision" => {
             o.refused_stale += 1;
@@ -176,6 +188,52 @@ async fn lease_once(
         Err(e) => o.broken.push(format!("unexpected refusal: {e}")),
     }
     false
+}
+
+/// The Node opens a granted lease now (simulated time): it opens while valid, and is refused
+/// as expired once `now >= not_after + skew`, exactly.
+fn open(
+    node: &Rc<RefCell<Node>>,
+    o: &mut Outcome,
+    envelope: &ManagedCredential,
+    b: &CredentialLeaseBinding,
+) -> bool {
+    let now = sim_now_ms();
+    let skew = i64::try_from(iop_lease::DEFAULT_CLOCK_SKEW.as_millis()).unwrap();
+    let expired = now >= envelope.lease.not_after_unix_ms + skew;
+    let mut n = node.borrow_mut();
+    let n = &mut *n;
+    n.recipient.set_trusted_issuers(n.trusted.clone());
+    match (n.recipient.open(envelope, b, now, &mut n.replay), expired) {
+        (Ok(_), false) => {
+            o.granted += 1;
+            true
+        }
+        (Err(iop_lease::OpenError::Expired), true) => {
+            o.expired += 1;
+            false
+        }
+        (Ok(_), true) => {
+            o.broken.push(format!(
+                "a lease opened {} ms after it expired",
+                now - envelope.lease.not_after_unix_ms
+            ));
+            false
+        }
+        (Err(e), _) => {
+            o.broken.push(format!("a granted lease does not open: {e}"));
+            false
+        }
+    }
+}
+
+/// Opens every held lease now.
+fn open_held(node: &Rc<RefCell<Node>>, out: &Rc<RefCell<Outcome>>) {
+    let held = std::mem::take(&mut node.borrow_mut().held);
+    let mut o = out.borrow_mut();
+    for (envelope, b) in held {
+        open(node, &mut o, &envelope, &b);
+    }
 }
 
 fn simulate(seed: u64) -> Outcome {
@@ -217,6 +275,7 @@ fn simulate(seed: u64) -> Outcome {
         .block_on(setup);
     let trusted: TrustedIssuers = [issuer_public].into_iter().collect();
     let node = Rc::new(RefCell::new(Node {
+        held: Vec::new(),
         recipient: Recipient::new(node_key, trusted.clone(), OpenPolicy::default()),
         replay: MemoryReplayGuard::with_capacity(4096),
         trusted,
@@ -234,6 +293,7 @@ fn simulate(seed: u64) -> Outcome {
                 let leases = Arc::new(LeaseService::new(store, master, DEFAULT_LEASE_TTL));
                 let mut config = ServerConfig::new(([0, 0, 0, 0], PORT).into(), tls, true);
                 config.heartbeat = Duration::from_secs(2);
+                config.clock = UnixClock::new(sim_now_ms);
                 let cp = server::serve_unbound(config, admin.clone(), Some(leases))?;
                 let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
                 tokio::task::spawn_local(async move {
@@ -321,13 +381,18 @@ fn simulate(seed: u64) -> Outcome {
                 1 => turmoil::repair("edge", "cp"),
                 2 => turmoil::hold("edge", "cp"),
                 3 => turmoil::release("edge", "cp"),
-                _ => {
-                    lease_once(&c, &node, &result).await;
+                4 => open_held(&node, &result),
+                r => {
+                    // One granted lease in three is held and opened later (some expire).
+                    lease_once(&c, &node, &result, r % 3 == 0).await;
                 }
             }
             observe(&c, &result);
             tokio::time::sleep(Duration::from_millis(50 + rng.below(1500))).await;
         }
+        // What is still held is opened past its validity: refused as expired.
+        tokio::time::sleep(DEFAULT_LEASE_TTL + iop_lease::DEFAULT_CLOCK_SKEW).await;
+        open_held(&node, &result);
         turmoil::release("edge", "cp");
         turmoil::repair("edge", "cp");
         // Convergence: a session, the store's current generation, a lease for it.
@@ -338,7 +403,7 @@ fn simulate(seed: u64) -> Outcome {
             let connected = matches!(*c.state().borrow(), SessionState::Connected);
             let current = store.generation().await.unwrap();
             let held = c.projection().map(|p| p.generation());
-            if connected && held == Some(current) && lease_once(&c, &node, &result).await {
+            if connected && held == Some(current) && lease_once(&c, &node, &result, false).await {
                 converged = true;
                 break;
             }
@@ -419,6 +484,7 @@ fn seeded_control_plane_restarts_keep_projections_forward_and_leases_valid() {
     };
     let many = seeds.len() >= 20;
     let (mut granted, mut stale, mut no_session, mut generations) = (0, 0, 0, 0);
+    let mut expired = 0;
     let mut rotated = 0;
     for seed in seeds {
         let o = simulate(seed);
@@ -428,19 +494,21 @@ fn seeded_control_plane_restarts_keep_projections_forward_and_leases_valid() {
         );
         assert!(o.converged, "seed {seed}: the Edge did not converge: {o:?}");
         granted += o.granted;
+        expired += o.expired;
         stale += o.refused_stale;
         no_session += o.no_session;
         generations += o.generations.len();
         rotated += usize::from(o.signers.len() > 1);
     }
     eprintln!(
-        "control sim: {granted} leases granted and opened, {stale} refused as stale \
+        "control sim: {granted} leases granted and opened, {expired} opened after expiry and \
+         refused, {stale} refused as stale \
          (propagation), {no_session} without a session; {generations} projection generations \
          applied; {rotated} seeds granted leases under more than one issuer key"
     );
     if many {
         assert!(
-            granted > 0 && stale > 0 && no_session > 0,
+            granted > 0 && expired > 0 && stale > 0 && no_session > 0,
             "every outcome occurred"
         );
         assert!(rotated > 0, "issuer keys were rotated under way");

@@ -319,3 +319,37 @@ async fn a_lease_is_opened_only_after_capacity_admission() {
     .await
     .expect("scenario finishes");
 }
+
+/// Seed 000: `runtime.concurrency` is legacy metadata, not a Node-wide gate. With it at 1, two
+/// adapter instances each admit a stream at once (each instance's own capacity is the only
+/// gate), and a second stream on a full instance is still refused by that instance's gate.
+#[tokio::test]
+async fn runtime_concurrency_is_not_a_node_wide_gate() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let upstream = Upstream::start(Kind::ChatOnly, "", "slow").await;
+        let mut payload = config(&upstream);
+        payload.runtime.concurrency = 1;
+        let (edge, shutdown) = mesh(&ca, payload, None).await;
+        let mut t = edge
+            .tunnel("node-1", tunnel_request("t1", "openai-a", "slow"))
+            .await
+            .unwrap();
+        assert_eq!(first(&mut t).await, Ok(()));
+        let mut run = edge
+            .run("node-1", run_request("r1", "demo-a", "demo-model"))
+            .await
+            .unwrap();
+        assert_eq!(run.next().await.unwrap().kind, RunEventKind::Start);
+        assert_eq!(run.next().await.unwrap().kind, RunEventKind::Delta);
+        let mut r = edge
+            .run("node-1", run_request("r2", "openai-a", "slow"))
+            .await
+            .unwrap();
+        assert_eq!(run_error(&mut r).await, CAPACITY_EXHAUSTED);
+        drop((t, run));
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}

@@ -334,6 +334,43 @@ fn snapshot_figures_follow_the_seed() {
     );
 }
 
+/// Seed 000: a provider's `queued` is the number of distinct waiting requests that count it as
+/// a live candidate, and `long_queued` those of them that are long: one waiting request shows
+/// as pressure on every live candidate of its model, and on no provider that is not live.
+#[test]
+fn queued_is_candidate_pressure_on_every_live_candidate() {
+    let t = Instant::now();
+    let mut p = pool(8);
+    // n0 (p0: capacity 2, long 1) and n2 (p2: 3, long 2) are ready, n1 (p1) is not: model m's
+    // live candidates are p0 and p2. Fill both.
+    p.node_ready("n0", Generation(1));
+    p.node_ready("n2", Generation(2));
+    for _ in 0..5 {
+        assert!(matches!(
+            p.submit(t, "m", false, Duration::from_secs(1)),
+            Ok(Submitted::Granted(_))
+        ));
+    }
+    // One short and one long request wait for m; one request waits for "solo" (p1 only).
+    for long in [false, true] {
+        assert!(matches!(
+            p.submit(t, "m", long, Duration::from_secs(1)),
+            Ok(Submitted::Queued(_))
+        ));
+    }
+    assert!(matches!(
+        p.submit(t, "solo", false, Duration::from_secs(1)),
+        Ok(Submitted::Queued(_))
+    ));
+    let s = p.snapshot();
+    let figures = |i: usize| (s[i].provider_id.as_str(), s[i].queued, s[i].long_queued);
+    // Both requests for m on both live candidates (so the sum over providers, 4, is more than
+    // the 3 requests waiting); the solo waiter on no one, since p1 is not live.
+    assert_eq!(figures(0), ("p0", 2, 1));
+    assert_eq!(figures(2), ("p2", 2, 1));
+    assert_eq!(figures(1), ("p1", 0, 0));
+}
+
 #[test]
 fn full_queue_and_wait_timeout_are_errors_not_hangs() {
     let t = Instant::now();
