@@ -9,6 +9,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -30,6 +31,13 @@ use tokio_util::sync::CancellationToken;
 use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(30);
+
+/// Requests the upstream saw for `gpt-broken` and `gpt-after` (only the no-fallback test uses
+/// these models).
+static BROKEN_SEEN: AtomicUsize = AtomicUsize::new(0);
+static AFTER_SEEN: AtomicUsize = AtomicUsize::new(0);
+/// Breaks `gpt-broken`'s connection (after its first event reached the caller).
+static BREAK: Notify = Notify::const_new();
 const UPSTREAM_SSE: &[&[u8]] = &[
     b"data: {\"id\":\"u1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"from upstream\"}}]}\n\n",
     b"data: [DONE]\n\n",
@@ -63,6 +71,25 @@ async fn upstream(dropped: Arc<Notify>) -> SocketAddr {
         post(move |body: axum::Json<serde_json::Value>| {
             let dropped = dropped.clone();
             async move {
+                if body["model"] == "gpt-broken" {
+                    BROKEN_SEEN.fetch_add(1, Ordering::SeqCst);
+                    // One event; then, once the test has read it, the connection breaks.
+                    let first = futures_util::stream::iter([Ok(Bytes::from_static(
+                        b"data: {\"tick\":0}\n\n",
+                    ))]);
+                    let broken = futures_util::stream::once(async {
+                        BREAK.notified().await;
+                        Err(std::io::Error::other("upstream broke"))
+                    });
+                    let stream = futures_util::StreamExt::chain(first, broken);
+                    return Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(Body::from_stream(stream))
+                        .unwrap();
+                }
+                if body["model"] == "gpt-after" {
+                    AFTER_SEEN.fetch_add(1, Ordering::SeqCst);
+                }
                 if body["model"] == "gpt-hang" {
                     let _guard = DropNotify(dropped.clone());
                     std::future::pending::<()>().await;
@@ -170,6 +197,20 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             "gpt-hang",
             ProviderKind::OpenAiCompat,
         ),
+        provider(
+            "node-1",
+            "broken-a",
+            "openai",
+            "gpt-broken",
+            ProviderKind::OpenAiCompat,
+        ),
+        provider(
+            "node-1",
+            "broken-b",
+            "openai",
+            "gpt-after",
+            ProviderKind::OpenAiCompat,
+        ),
     ];
     let mut cfg = TransportConfig::new(
         "127.0.0.1:0".parse().unwrap(),
@@ -188,6 +229,11 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             ("gpt-4o-mini".into(), vec![providers[1].key.clone()]),
             ("slow".into(), vec![providers[2].key.clone()]),
             ("hang".into(), vec![providers[3].key.clone()]),
+            // Two candidates; with both free the first in configuration order is chosen.
+            (
+                "broken".into(),
+                vec![providers[4].key.clone(), providers[5].key.clone()],
+            ),
         ],
         providers,
         max_queue: 8,
@@ -203,7 +249,7 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
     let app = http::router(
         edge,
         HttpConfig {
-            models: vec!["demo".into(), "gpt-4o-mini".into()],
+            models: vec!["demo".into(), "gpt-4o-mini".into(), "broken".into()],
             queue_wait: Duration::from_secs(5),
             api_keys: None,
             control: None,
@@ -343,4 +389,47 @@ async fn client_disconnect_before_any_response_cancels_the_upstream_request() {
     })
     .await
     .expect("the upstream request is dropped after the client disconnects");
+}
+
+/// Seed 000: once a provider's bytes reached the caller there is no fallback to another
+/// candidate of the same model. The first candidate sends one event and then its connection
+/// breaks: the caller gets that event and an ended stream, and the second candidate (free,
+/// same model) never sees a request.
+#[tokio::test]
+async fn no_fallback_to_another_candidate_after_bytes_were_sent() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let base = surface(&ca, upstream(Arc::new(Notify::new())).await).await;
+        let req = serde_json::json!({"model": "broken", "stream": true, "messages": []});
+        let mut resp = client()
+            .post(format!("{base}/chat/completions"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.chunk().await.unwrap().unwrap().to_vec();
+        assert!(
+            String::from_utf8_lossy(&body).contains("tick"),
+            "the first bytes reached the caller"
+        );
+        BREAK.notify_one();
+        while let Ok(Some(chunk)) = resp.chunk().await {
+            body.extend_from_slice(&chunk);
+        }
+        let body = String::from_utf8_lossy(&body);
+        assert!(
+            body.contains("tick"),
+            "the first bytes reached the caller: {body}"
+        );
+        assert!(!body.contains("from upstream"), "{body}");
+        assert_eq!(BROKEN_SEEN.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            AFTER_SEEN.load(Ordering::SeqCst),
+            0,
+            "the other candidate was tried after bytes were sent"
+        );
+    })
+    .await
+    .expect("scenario finishes");
 }
