@@ -16,7 +16,8 @@
 //!   within the wait; any other dispatch error is a failure) or its stream ends with exactly one terminal event (the Node's
 //!   `Complete`, the Node's `response_stalled` error with its `ExecutionFailure` for a run that
 //!   met a stall and only for such a run, or the Edge's own error when its generation is
-//!   fenced); a stalled run never completes;
+//!   fenced, and only on a Node that a partition, a held link or the host kill touched in that
+//!   seed); a stalled run never completes;
 //! - **recovery**: after the faults stop, every Node is ready again within 60 s of simulated
 //!   time, and a run on each completes (retried when it lands on a half-open generation that
 //!   the Edge then fences for silence, which is the seed's rule, not a loss);
@@ -214,6 +215,8 @@ fn simulate(seed: u64) -> Outcome {
     }
     let edge_tls = iop_tests::pki::edge_server_tls(&ca, "edge-1");
     let result = out.clone();
+    // The Node host killed below (the same draw as there).
+    let victim = NODES[Rng(seed ^ 0x5EED).below(3) as usize];
     sim.client("edge", async move {
         let mut cfg = TransportConfig::new(([0, 0, 0, 0], PORT).into(), edge_tls);
         cfg.node_configs = NODES
@@ -230,6 +233,9 @@ fn simulate(seed: u64) -> Outcome {
             }
         });
         let mut rng = Rng(seed);
+        // The Nodes some fault touched (a partition, a held link, the host kill): only on these
+        // may a run end with the Edge's own `node disconnected` terminal.
+        let mut touched: std::collections::BTreeSet<&str> = [victim].into_iter().collect();
         // Faults and runs, interleaved by the seed.
         let mut runs = Vec::new();
         for step in 0..30u32 {
@@ -237,6 +243,7 @@ fn simulate(seed: u64) -> Outcome {
             match rng.below(10) {
                 0 => {
                     let n = NODES[rng.below(3) as usize];
+                    touched.insert(n);
                     turmoil::partition("edge", n);
                 }
                 1 => {
@@ -246,6 +253,7 @@ fn simulate(seed: u64) -> Outcome {
                 }
                 2 => {
                     let n = NODES[rng.below(3) as usize];
+                    touched.insert(n);
                     turmoil::hold("edge", n);
                 }
                 3 => {
@@ -285,11 +293,22 @@ fn simulate(seed: u64) -> Outcome {
                             match stream {
                                 Err(e) => Err(e),
                                 Ok(mut stream) => {
+                                    // The Node the run went to (through the pool: the one
+                                    // whose ready generation it was dispatched on, when that
+                                    // generation is still ready to be named).
+                                    let node = if through_pool {
+                                        edge.ready_nodes()
+                                            .into_iter()
+                                            .find(|(_, g)| *g == stream.generation)
+                                            .map(|(n, _)| n)
+                                    } else {
+                                        Some(n.to_owned())
+                                    };
                                     let mut events = Vec::new();
                                     while let Some(ev) = stream.next().await {
                                         events.push(ev);
                                     }
-                                    Ok(events)
+                                    Ok((node, events))
                                 }
                             }
                         }),
@@ -307,8 +326,8 @@ fn simulate(seed: u64) -> Outcome {
             let events = r.await.unwrap();
             let mut o = result.borrow_mut();
             o.dispatched += 1;
-            let events = match events {
-                Ok(events) => events,
+            let (node, events) = match events {
+                Ok(ran) => ran,
                 // Refused at dispatch: the Node's generation is not ready, or ended between
                 // admission and send.
                 Err(DispatchError::NotReady | DispatchError::Disconnected) => {
@@ -346,6 +365,13 @@ fn simulate(seed: u64) -> Outcome {
                 }
                 o.stalled += 1;
             } else if last.is_some_and(|e| e.error == iop_edge::transport::NODE_DISCONNECTED) {
+                if let Some(n) = node.as_deref()
+                    && !touched.contains(n)
+                {
+                    o.broken.push(format!(
+                        "a run on {n} ended `node disconnected`, and no fault touched {n}"
+                    ));
+                }
                 o.edge_terminals += 1;
             } else {
                 o.broken
