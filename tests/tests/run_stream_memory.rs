@@ -1,12 +1,15 @@
-//! What a run stream whose reader stops really costs the Edge (#28): a Node streams one-byte
-//! deltas as fast as it can to a caller that never reads. Every allocation of this process is
+//! What a stream whose reader stops really costs the Edge (#28): a Node streams one-byte
+//! deltas as fast as it can to a caller that never reads (a run), or an upstream streams 16 KiB
+//! chunks through a tunnel to one. Every allocation of this process is
 //! counted (`cap`, the global allocator of this test binary): the growth while the stream
 //! fills is held to its byte bound (`TransportConfig::max_stream_buffer`) plus a fixed slack,
 //! and after the stream is ended (slow consumer) and dropped the memory comes back.
 //!
 //! Before the Edge counted what each buffered event holds (its queue slot and heap blocks), it
 //! counted a one-byte delta as 65 bytes while it held about 300: the same probe grew by 5–6×
-//! the bound (measured from outside as 21–26 MiB per stream against 4 MiB).
+//! the bound (measured from outside as 21–26 MiB per stream against 4 MiB). A tunnel's bodies
+//! are views of the frames that carried them, sharing the connection's read buffer: before a
+//! body was copied out once its reader fell behind, the tunnel probe grew by 1.7× the bound.
 #![allow(
     clippy::unwrap_used,
     reason = "test scaffolding: failed setup should panic"
@@ -134,8 +137,15 @@ fn request(run_id: &str) -> RunRequest {
     }
 }
 
+/// One test for both cases, one after the other: the allocator's count is the whole
+/// process's, so two cases running at once would measure each other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_stream_nobody_reads_costs_its_bound_and_gives_it_back() {
+async fn stalled_streams_cost_their_bound_and_give_it_back() {
+    a_run_stream_nobody_reads().await;
+    a_tunnel_nobody_reads().await;
+}
+
+async fn a_run_stream_nobody_reads() {
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
         let sent = Arc::new(AtomicU64::new(0));
@@ -195,13 +205,153 @@ async fn a_run_stream_nobody_reads_costs_its_bound_and_gives_it_back() {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
             let now = ALLOCATOR.allocated();
-            if now <= baseline + SLACK / 4 {
+            if now <= baseline + SLACK / 2 {
                 println!("after the stream: {} KiB above the baseline", now.saturating_sub(baseline) >> 10);
                 break;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "{} KiB above the baseline after the stream ended",
+                now.saturating_sub(baseline) >> 10
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+/// The same for a tunnel: an OpenAI-style upstream streams 16 KiB chunks as fast as it can to
+/// a caller that never reads. The growth is held to the bound plus the same slack.
+async fn a_tunnel_nobody_reads() {
+    use iop_tests::upstream::{Kind, Upstream};
+    use iop_wire::runtime::{
+        ConcreteProtocolProfile, Header, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
+    };
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let upstream = Upstream::start(Kind::ChatOnly, "", "firehose").await;
+        let tls = iop_tests::pki::edge_server_tls(&ca, "edge-1");
+        let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+        cfg.max_stream_buffer = BOUND;
+        cfg.slow_consumer_timeout = Duration::from_secs(3600);
+        cfg.node_configs = vec![(
+            "node-1".into(),
+            NodeConfigPayload {
+                adapters: vec![AdapterConfig {
+                    name: "up".into(),
+                    adapter_type: "openai_compat".into(),
+                    enabled: true,
+                    capacity: 2,
+                    long_context_capacity: 0,
+                    targets: vec![],
+                    settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                        base_url: upstream.base_url(),
+                        protocol_profile: ConcreteProtocolProfile {
+                            name: "openai".into(),
+                            operation_paths: [(
+                                Operation::ChatCompletions,
+                                "/chat/completions".into(),
+                            )]
+                            .into_iter()
+                            .collect(),
+                            ..Default::default()
+                        },
+                        request_timeout_sec: 0,
+                    }),
+                }],
+                ..Default::default()
+            },
+        )];
+        let edge = bind(cfg).await.unwrap().0;
+        let mut life = edge.subscribe();
+        let node_tls = iop_tests::pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
+        let opts = NodeOptions::new(
+            "node-1",
+            &edge.local_addr().to_string(),
+            "localhost",
+            node_tls,
+        )
+        .unwrap()
+        .with_adapters(AdapterRegistry::with_builtins());
+        let shutdown = CancellationToken::new();
+        tokio::spawn(run_node(opts, shutdown.clone()));
+        while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+        let request = |id: &str| ProviderTunnelRequest {
+            run_id: id.into(),
+            adapter: "up".into(),
+            target: "firehose".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            headers: vec![Header {
+                name: "content-type".into(),
+                value: bytes::Bytes::from_static(b"application/json"),
+            }],
+            body: bytes::Bytes::from_static(
+                b"{\"model\":\"firehose\",\"stream\":true,\"messages\":[]}",
+            ),
+            stream: true,
+            timeout: None,
+            metadata: Default::default(),
+            session_id: String::new(),
+            long_context: false,
+            operation: Some(Operation::ChatCompletions),
+            response_stall_timeout: ResponseStallTimeout::DEFAULT,
+            credential: None,
+        };
+        // Warm up: a stream read for a while, then dropped (its cancel settles).
+        let mut warm = edge.tunnel("node-1", request("warm")).await.unwrap();
+        for _ in 0..50 {
+            warm.next().await.unwrap();
+        }
+        drop(warm);
+        while upstream.dropped_count() < 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let baseline = ALLOCATOR.allocated();
+        let stream = edge.tunnel("node-1", request("stalled")).await.unwrap();
+        let mut peak = baseline;
+        loop {
+            peak = peak.max(ALLOCATOR.allocated());
+            if edge
+                .metrics()
+                .render(0, 0)
+                .contains("iop_edge_slow_consumers_total 1")
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        peak = peak.max(ALLOCATOR.allocated());
+        let growth = peak.saturating_sub(baseline);
+        println!(
+            "tunnel: the process grew by {} KiB at most (bound {} KiB + slack {} KiB)",
+            growth >> 10,
+            BOUND >> 10,
+            SLACK >> 10
+        );
+        assert!(
+            growth <= BOUND + SLACK,
+            "a stalled tunnel held {} KiB against its bound of {} KiB",
+            growth >> 10,
+            BOUND >> 10
+        );
+        drop(stream);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = ALLOCATOR.allocated();
+            if now <= baseline + SLACK / 2 {
+                println!(
+                    "tunnel: after the stream, {} KiB above the baseline",
+                    now.saturating_sub(baseline) >> 10
+                );
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} KiB above the baseline after the tunnel ended",
                 now.saturating_sub(baseline) >> 10
             );
             tokio::time::sleep(Duration::from_millis(20)).await;

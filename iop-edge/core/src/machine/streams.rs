@@ -385,6 +385,16 @@ impl<S: Sinks> EdgeCore<S> {
                 };
                 let terminal = event.is_terminal();
                 let violation = matches!(event, TunnelEvent::Violation(_));
+                // A body is a view of the frame that carried it, which shares its allocation
+                // with the connection's read buffer: held in a backlog, one small body could
+                // keep a much larger block alive. When the reader is already behind, the body
+                // is copied out into a block of its own, so the backlog holds what it counts.
+                // A reader that keeps up never pays the copy.
+                if let TunnelEvent::Frame(Delivery::Body(body)) = &mut event
+                    && tx.level().bytes > 0
+                {
+                    *body = bytes::Bytes::copy_from_slice(body);
+                }
                 let size = tunnel_event_size(&event);
                 let delivered = tx.push(event, size);
                 match delivered {
