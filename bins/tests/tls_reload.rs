@@ -329,11 +329,17 @@ fn control_plane_reloads_its_certificate() {
     assert_eq!(first, file_leaf(dir.path(), "cp"));
     rotate(dir.path(), "control-plane", "cp-1", "cp", true);
     let second = file_leaf(dir.path(), "cp");
-    wait_until(
-        "the Control Plane to present the new certificate",
-        LIMIT,
-        || server_leaf(dir.path(), "edge", cp_peer(), port) == second,
-    );
+    // A generous outer limit (the reload runs every second; one full-suite run once took more
+    // than 20 s here), and the Control Plane's log if it is ever reached.
+    let start = std::time::Instant::now();
+    while server_leaf(dir.path(), "edge", cp_peer(), port) != second {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "timed out waiting for the Control Plane to present the new certificate; its log:\n{}",
+            proc.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     std::fs::write(dir.path().join("cp.key"), "garbage").unwrap();
     wait_until("the refusal to be logged", LIMIT, || {
         proc.log_text().contains("new tls material refused")
