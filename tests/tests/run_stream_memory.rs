@@ -137,6 +137,58 @@ fn request(run_id: &str) -> RunRequest {
     }
 }
 
+/// The process's allocation peak from `baseline` until `edge` has ended one stream as a slow
+/// consumer (nobody read it); its growth over `baseline` is checked against the bound.
+async fn growth_until_cut(edge: &EdgeHandle, baseline: usize, what: &str) {
+    let mut peak = baseline;
+    loop {
+        peak = peak.max(ALLOCATOR.allocated());
+        if edge
+            .metrics()
+            .render(0, 0)
+            .contains("iop_edge_slow_consumers_total 1")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let growth = peak.max(ALLOCATOR.allocated()).saturating_sub(baseline);
+    println!(
+        "{what}: the process grew by {} KiB at most (bound {} KiB + slack {} KiB)",
+        growth >> 10,
+        BOUND >> 10,
+        SLACK >> 10
+    );
+    assert!(
+        growth <= BOUND + SLACK,
+        "a stalled {what} held {} KiB against its bound of {} KiB",
+        growth >> 10,
+        BOUND >> 10
+    );
+}
+
+/// Waits (up to 30 s) for the process's allocations to come back near `baseline` after the
+/// stream ended and was dropped.
+async fn comes_back(baseline: usize, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = ALLOCATOR.allocated();
+        if now <= baseline + SLACK / 2 {
+            println!(
+                "{what}: after the stream, {} KiB above the baseline",
+                now.saturating_sub(baseline) >> 10
+            );
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} KiB above the baseline after the {what} ended",
+            now.saturating_sub(baseline) >> 10
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// One test for both cases, one after the other: the allocator's count is the whole
 /// process's, so two cases running at once would measure each other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,35 +215,10 @@ async fn a_run_stream_nobody_reads() {
         let mut stream = edge.run("node-1", request("stalled")).await.unwrap();
         // Nobody reads: wait for the Edge to end the stream at its bound (the Node's adapter
         // is cancelled then, and stops sending).
-        let mut peak = baseline;
-        let ended = || {
-            edge.metrics()
-                .render(0, 0)
-                .contains("iop_edge_slow_consumers_total 1")
-        };
-        loop {
-            peak = peak.max(ALLOCATOR.allocated());
-            if ended() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        peak = peak.max(ALLOCATOR.allocated());
+        growth_until_cut(&edge, baseline, "run stream").await;
         let deltas = sent.load(Ordering::Relaxed);
-        let growth = peak.saturating_sub(baseline);
-        println!(
-            "{deltas} one-byte deltas sent; the Edge's process grew by {} KiB at most (bound {} KiB + slack {} KiB)",
-            growth >> 10,
-            BOUND >> 10,
-            SLACK >> 10
-        );
+        println!("{deltas} one-byte deltas sent");
         assert!(deltas > 1_000, "the stream filled ({deltas} deltas)");
-        assert!(
-            growth <= BOUND + SLACK,
-            "a stalled run stream held {} KiB against its bound of {} KiB",
-            growth >> 10,
-            BOUND >> 10
-        );
         // The reader sees what was delivered before the cut, then the slow-consumer terminal.
         let mut last = None;
         while let Some(ev) = stream.next().await {
@@ -202,20 +229,7 @@ async fn a_run_stream_nobody_reads() {
         assert!(last.error.contains("slow consumer"), "{}", last.error);
         drop(stream);
         // And the memory comes back (the buffer emptied, the Node's cancel settled).
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let now = ALLOCATOR.allocated();
-            if now <= baseline + SLACK / 2 {
-                println!("after the stream: {} KiB above the baseline", now.saturating_sub(baseline) >> 10);
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{} KiB above the baseline after the stream ended",
-                now.saturating_sub(baseline) >> 10
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        comes_back(baseline, "run stream").await;
         shutdown.cancel();
     })
     .await
@@ -312,50 +326,9 @@ async fn a_tunnel_nobody_reads() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let baseline = ALLOCATOR.allocated();
         let stream = edge.tunnel("node-1", request("stalled")).await.unwrap();
-        let mut peak = baseline;
-        loop {
-            peak = peak.max(ALLOCATOR.allocated());
-            if edge
-                .metrics()
-                .render(0, 0)
-                .contains("iop_edge_slow_consumers_total 1")
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        peak = peak.max(ALLOCATOR.allocated());
-        let growth = peak.saturating_sub(baseline);
-        println!(
-            "tunnel: the process grew by {} KiB at most (bound {} KiB + slack {} KiB)",
-            growth >> 10,
-            BOUND >> 10,
-            SLACK >> 10
-        );
-        assert!(
-            growth <= BOUND + SLACK,
-            "a stalled tunnel held {} KiB against its bound of {} KiB",
-            growth >> 10,
-            BOUND >> 10
-        );
+        growth_until_cut(&edge, baseline, "tunnel").await;
         drop(stream);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let now = ALLOCATOR.allocated();
-            if now <= baseline + SLACK / 2 {
-                println!(
-                    "tunnel: after the stream, {} KiB above the baseline",
-                    now.saturating_sub(baseline) >> 10
-                );
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{} KiB above the baseline after the tunnel ended",
-                now.saturating_sub(baseline) >> 10
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        comes_back(baseline, "tunnel").await;
         shutdown.cancel();
     })
     .await
