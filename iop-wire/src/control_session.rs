@@ -203,7 +203,7 @@ pub enum EdgeControlEvent {
 }
 
 /// The Edge end of a control connection. `Clone` copies the whole machine (model checkers:
-/// `tests/control_model.rs`); its sets are ordered, so equal states print equally.
+/// `iop-cp/tests/control_model.rs`); its sets are ordered, so equal states print equally.
 #[derive(Clone, Debug)]
 pub struct EdgeControlSession {
     phase: Phase,

@@ -1,5 +1,6 @@
-//! What the seed 001 pair harness (`control_pair.rs`) and its model check (`control_model.rs`)
-//! share: the session settings, a projection of a generation, a lease binding.
+//! What the seed 001 pair harness (`control_pair.rs`) uses: the session settings, a projection
+//! of a generation, a lease binding. (The model check of the same machines is
+//! `iop-cp/tests/control_model.rs`, where the real lease service answers.)
 
 use std::time::Duration;
 
