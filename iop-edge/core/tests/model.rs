@@ -15,9 +15,14 @@
 //! - `Cut(l)`: the transport breaks; the Node sees it at once, the Edge only at
 //!   `EdgeEof(l)`, after the frames already in flight to it (the Node learns of an Edge-side
 //!   close at `NodeEof(l)`, likewise);
-//! - `Dispatch`: a caller asks the pool for model `m` (admit, then send the run on the lease in
-//!   the same task, as `iop-edge` does; a queued one is sent when it is granted);
-//! - `Complete(l, r)`: the Node's application ends run `r` it received on `l`;
+//! - `Dispatch` / `DispatchTunnel`: a caller asks the pool for model `m` (admit, then send the
+//!   run or the provider tunnel on the lease in the same task, as `iop-edge` does; a queued one
+//!   is sent when it is granted);
+//! - `Complete(l, r)`: the Node's application ends run or tunnel `r` it received on `l` (a
+//!   run's `Complete`; a tunnel's response start and END, two frames, each delivered on its
+//!   own);
+//! - `Command(n)` / `AnswerCommand(l, c)`: the Edge sends a command to ready Node `n`; the
+//!   Node's application answers command `c` it received on `l`;
 //! - `CallerGone(s)`: the caller of stream `s` goes away (`end_stream`);
 //! - `Tick`: virtual time jumps to the next timer of any machine (heartbeat silence,
 //!   handshake timeout, queue wait), which fires.
@@ -33,6 +38,12 @@
 //!   frame from a superseded or closed connection changes no stream and no lease;
 //! - **one-terminal**: no stream ever gets two terminals; at quiescence (every connection dead
 //!   on both sides, nothing in flight) every stream whose caller stayed has exactly one;
+//! - **tunnel-frames-in-order**: the Edge never reports an ordering violation for a Node that
+//!   numbers its frames correctly;
+//! - **command-answered-once**: every command gets exactly one answer (the Node's, or a failure
+//!   when its generation is fenced; all of them by quiescence), and a Node's answer completes
+//!   it only from the connection and generation it was sent to (under
+//!   **no-stale-generation-routed**);
 //! - **lease-released-once**: a stream's provider lease is held exactly while the stream has no
 //!   terminal and its caller stays, and the pool holds no other lease;
 //! - **registration-completes**: a connection both sides keep, with nothing in flight and no
@@ -55,10 +66,15 @@
 //! It also runs [`Bounds::TIMERS`]: one timer jump (every machine's next timer fires:
 //! heartbeat silence, handshake and queue deadlines), Node 1 dialling once, two dispatches, no
 //! cut: 139,396 unique states (500,582 generated) in ≈15 s in a debug build. Tunnels and
-//! commands are not modelled yet.
+//! commands get two bounds of their own: [`Bounds::WIRE`] (Node 1 ready at the start, a run, a
+//! tunnel and a command, one timer jump, one cut: 123,070 states, ≈10 s alone) and
+//! [`Bounds::REDIAL`] (the same with Node 1 dialling once more and no timer jump: 144,718
+//! states, ≈15 s alone). One bound with all of them (registration, a redial, a timer jump, a
+//! run, a tunnel and a command) ran past ten minutes here, so each bound drops what another
+//! covers. The four run in parallel in ≈60 s on 2 cores.
 //! `EDGE_MODEL=large` runs [`Bounds::LARGE`] by hand (both Nodes dialling twice, three
 //! dispatches, two cuts, one timer jump: heartbeats, handshake and queue deadlines), and
-//! `EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts` any other size. Timer jumps multiply
+//! `EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts[,tunnels,commands]` any other size. Timer jumps multiply
 //! the space most (every machine's pings become frames in flight).
 //!
 //! ## Does it catch bugs?
@@ -72,6 +88,12 @@
 //! registration, so the Edge then closes a connection no newer one superseded). Before the
 //! property existed, the same break went unnoticed by the safety rules alone (the Node just
 //! never became ready again), which is why the model also states the liveness of the handshake.
+//!
+//! For tunnels and commands: a fence made not to fail its generation's pending commands → "one
+//! command answer at quiescence" fails (`WIRE`, 18 steps). Dropping only the generation check
+//! when a command's answer is matched (`take_pending`) is *not* caught, and cannot be: a
+//! superseded connection's frames never reach the matching (the Edge ignores them), and its
+//! fence already failed the command.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 mod common;
@@ -87,10 +109,15 @@ use std::time::{Duration, Instant};
 use iop_edge_core::pool::LeaseId;
 use iop_edge_core::registry::{ConnId, FenceCause, Generation};
 use iop_edge_core::{
-    Admit, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink, TunnelEvent,
+    Admit, Answer, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink,
+    TunnelEvent,
 };
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
-use iop_wire::runtime::{RegisterRequest, RunEvent, RunEventKind, RuntimeFrame, RuntimeMessage};
+use iop_wire::runtime::{
+    NodeCommandKind, NodeCommandRequest, NodeCommandResponse, RegisterRequest, RunEvent,
+    RunEventKind, RuntimeFrame, RuntimeMessage, TunnelPayload,
+};
+use iop_wire::tunnel_order::TunnelWriter;
 use stateright::{Checker, Model, Property};
 
 /// What the Node's application writes into its terminals (the Edge's own say otherwise).
@@ -98,21 +125,54 @@ const FROM_NODE: &str = "from-node";
 
 // === Sinks: a token per stream; what the machine pushes is logged for the model ===
 
+/// What the machine pushed into a stream, as the checks read it.
+#[derive(Clone, Copy, Debug)]
+struct Pushed {
+    /// Written by the Node's application (a run event it sent, a tunnel frame), not by the
+    /// Edge itself.
+    from_node: bool,
+    terminal: bool,
+    /// A tunnel ordering violation (the model's Node numbers its frames correctly).
+    violation: bool,
+}
+
 thread_local! {
-    static PUSHED: RefCell<Vec<(u32, RunEvent)>> = const { RefCell::new(Vec::new()) };
+    static PUSHED: RefCell<Vec<(u32, Pushed)>> = const { RefCell::new(Vec::new()) };
 }
 
 #[derive(Clone, Debug)]
 struct Tok(u32);
 
+impl Tok {
+    fn log(&self, p: Pushed) {
+        PUSHED.with(|v| v.borrow_mut().push((self.0, p)));
+    }
+}
+
+fn run_pushed(ev: &RunEvent) -> Pushed {
+    Pushed {
+        from_node: ev.error == FROM_NODE || ev.delta == FROM_NODE,
+        terminal: ev.kind.is_terminal(),
+        violation: false,
+    }
+}
+
+fn tunnel_pushed(ev: &TunnelEvent) -> Pushed {
+    Pushed {
+        from_node: matches!(ev, TunnelEvent::Frame(_)),
+        terminal: ev.is_terminal(),
+        violation: matches!(ev, TunnelEvent::Violation(_)),
+    }
+}
+
 impl StreamSink<RunEvent> for Tok {
     fn push(&self, item: RunEvent, _size: usize) -> Option<Level> {
-        PUSHED.with(|p| p.borrow_mut().push((self.0, item)));
+        self.log(run_pushed(&item));
         // The reader keeps up (slow consumers are the pair harness's business).
         Some(Level::default())
     }
     fn replace_with(&self, item: RunEvent) {
-        PUSHED.with(|p| p.borrow_mut().push((self.0, item)));
+        self.log(run_pushed(&item));
     }
     fn level(&self) -> Level {
         Level::default()
@@ -120,10 +180,13 @@ impl StreamSink<RunEvent> for Tok {
 }
 
 impl StreamSink<TunnelEvent> for Tok {
-    fn push(&self, _item: TunnelEvent, _size: usize) -> Option<Level> {
-        unreachable!("the model opens runs only")
+    fn push(&self, item: TunnelEvent, _size: usize) -> Option<Level> {
+        self.log(tunnel_pushed(&item));
+        Some(Level::default())
     }
-    fn replace_with(&self, _item: TunnelEvent) {}
+    fn replace_with(&self, item: TunnelEvent) {
+        self.log(tunnel_pushed(&item));
+    }
     fn level(&self) -> Level {
         Level::default()
     }
@@ -145,7 +208,12 @@ struct Bounds {
     ready_at_start: [u8; 2],
     /// Connections each Node may open during the exploration.
     conns_per_node: [u8; 2],
+    /// Runs dispatched through the pool.
     dispatches: u8,
+    /// Tunnels dispatched through the pool.
+    tunnels: u8,
+    /// Commands sent to a Node.
+    commands: u8,
     ticks: u8,
     cuts: u8,
 }
@@ -155,6 +223,8 @@ impl Bounds {
         ready_at_start: [0, 1],
         conns_per_node: [2, 0],
         dispatches: 2,
+        tunnels: 0,
+        commands: 0,
         ticks: 0,
         cuts: 1,
     };
@@ -165,13 +235,39 @@ impl Bounds {
         ready_at_start: [0, 1],
         conns_per_node: [1, 0],
         dispatches: 2,
+        tunnels: 0,
+        commands: 0,
         ticks: 1,
         cuts: 0,
+    };
+    /// What the test command runs third: a run, a tunnel and a command on Node 1, ready at the
+    /// start (its registration is `SMALL`'s business), one timer jump, one cut.
+    const WIRE: Self = Self {
+        ready_at_start: [1, 0],
+        conns_per_node: [0, 0],
+        dispatches: 1,
+        tunnels: 1,
+        commands: 1,
+        ticks: 1,
+        cuts: 1,
+    };
+    /// And fourth: the same with Node 1 dialling once more (its new connection supersedes the
+    /// first with a run, a tunnel or a command in flight) and no timer jump.
+    const REDIAL: Self = Self {
+        ready_at_start: [1, 0],
+        conns_per_node: [1, 0],
+        dispatches: 1,
+        tunnels: 1,
+        commands: 1,
+        ticks: 0,
+        cuts: 1,
     };
     const LARGE: Self = Self {
         ready_at_start: [0, 0],
         conns_per_node: [2, 2],
         dispatches: 3,
+        tunnels: 1,
+        commands: 1,
         ticks: 1,
         cuts: 2,
     };
@@ -190,8 +286,11 @@ struct Link {
     edge_up: bool,
     /// The generation the Edge bound this connection to, once it registered.
     generation: Option<Generation>,
-    /// Runs the Node's application received: (stream id, run id, answered).
-    runs: Vec<(u64, String, bool)>,
+    /// Runs and tunnels the Node's application received: (stream id, run id, answered,
+    /// a tunnel).
+    runs: Vec<(u64, String, bool, bool)>,
+    /// Commands the Node's application received: (correlation id, answered).
+    commands: Vec<(u64, bool)>,
 }
 
 #[derive(Clone, Debug)]
@@ -201,8 +300,18 @@ struct Stream {
     node: usize,
     generation: Generation,
     lease: LeaseId,
+    tunnel: bool,
     terminals: u8,
     caller_gone: bool,
+}
+
+/// A command the Edge sent: to which Node's generation, and how many answers it got.
+#[derive(Clone, Debug)]
+struct Command {
+    ticket: u64,
+    node: usize,
+    generation: Generation,
+    answers: u8,
 }
 
 #[derive(Clone, Debug)]
@@ -211,9 +320,12 @@ struct Mesh {
     edge: EdgeCore<ModelSinks>,
     links: Vec<Link>,
     streams: Vec<Stream>,
-    queued: Vec<iop_edge_core::pool::RequestId>,
+    /// Queued admissions: (request, a tunnel).
+    queued: Vec<(iop_edge_core::pool::RequestId, bool)>,
+    commands: Vec<Command>,
     opened: [u8; 2],
     dispatches: u8,
+    tunnels: u8,
     ticks: u8,
     cuts: u8,
     last_ready: [Option<Generation>; 2],
@@ -224,14 +336,16 @@ impl Mesh {
     /// Everything, in a form where equal states are equal (ordered maps throughout).
     fn key(&self) -> String {
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{:?}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{:?}|{:?}",
             self.now,
             self.edge.state(),
             self.links,
             self.streams,
             self.queued,
+            self.commands,
             self.opened,
             self.dispatches,
+            self.tunnels,
             self.ticks,
             self.cuts,
             self.last_ready,
@@ -269,8 +383,10 @@ impl Mesh {
             links: Vec::new(),
             streams: Vec::new(),
             queued: Vec::new(),
+            commands: Vec::new(),
             opened: [0; 2],
             dispatches: 0,
+            tunnels: 0,
             ticks: 0,
             cuts: 0,
             last_ready: [None; 2],
@@ -291,8 +407,10 @@ impl Mesh {
                 self.broke("no-stale-generation-routed");
                 continue;
             };
-            let from_node = ev.error == FROM_NODE || ev.delta == FROM_NODE;
-            if from_node {
+            if ev.violation {
+                self.broke("tunnel-frames-in-order");
+            }
+            if ev.from_node {
                 let ok = from.is_some_and(|(li, current)| {
                     let l = &self.links[li];
                     current
@@ -303,7 +421,7 @@ impl Mesh {
                     self.broke("no-stale-generation-routed");
                 }
             }
-            if ev.kind.is_terminal() {
+            if ev.terminal {
                 let s = &mut self.streams[si];
                 s.terminals += 1;
                 if s.terminals > 1 {
@@ -352,12 +470,14 @@ impl Mesh {
                         }
                     }
                     Event::Admitted { request, result } => {
-                        self.queued.retain(|r| *r != request);
+                        let tunnel = self.queued.iter().any(|(r, t)| *r == request && *t);
+                        self.queued.retain(|(r, _)| *r != request);
                         if let Ok(admitted) = result {
-                            self.send_on(admitted.lease);
+                            self.send_on(admitted.lease, tunnel);
                         }
                     }
-                    Event::Lifecycle(_) | Event::Answered { .. } => {}
+                    Event::Answered { ticket, answer } => self.answered(ticket, &answer),
+                    Event::Lifecycle(_) => {}
                 }
             }
             self.take_pushed(None);
@@ -376,13 +496,24 @@ impl Mesh {
                         NodeEvent::ApplyConfig { .. } => {
                             let _ = l.session.config_applied(now);
                         }
-                        NodeEvent::Frame(frame) => {
-                            if let RuntimeMessage::RunRequest(r) = &frame.message
-                                && l.session.admit_run(&r.run_id).is_ok()
+                        NodeEvent::Frame(frame) => match &frame.message {
+                            RuntimeMessage::RunRequest(r)
+                                if l.session.admit_run(&r.run_id).is_ok() =>
                             {
-                                l.runs.push((frame.stream_id, r.run_id.clone(), false));
+                                l.runs
+                                    .push((frame.stream_id, r.run_id.clone(), false, false));
                             }
-                        }
+                            RuntimeMessage::ProviderTunnelRequest(r)
+                                if l.session.admit_run(&r.run_id).is_ok() =>
+                            {
+                                l.runs
+                                    .push((frame.stream_id, r.run_id.clone(), false, true));
+                            }
+                            RuntimeMessage::NodeCommandRequest(_) => {
+                                l.commands.push((frame.correlation_id, false));
+                            }
+                            _ => {}
+                        },
                         NodeEvent::Closed(_) => {
                             l.node_up = false;
                             l.to_node.clear();
@@ -398,13 +529,22 @@ impl Mesh {
         self.check_state();
     }
 
-    /// Sends a run on a granted lease, in the caller's task.
-    fn send_on(&mut self, lease: iop_edge_core::pool::Lease) {
-        let tok = u32::from(self.dispatches) + 100 * u32::try_from(self.streams.len()).unwrap();
+    /// Sends a run (or a tunnel) on a granted lease, in the caller's task.
+    fn send_on(&mut self, lease: iop_edge_core::pool::Lease, tunnel: bool) {
+        let tok = u32::try_from(self.streams.len()).unwrap();
         let node = NODES.iter().position(|n| *n == lease.key.node_id).unwrap();
-        let open = Open::Run {
-            request: common::run_request(&format!("run-{}", self.dispatches)),
-            sink: Tok(tok),
+        let id = format!("stream-{tok}");
+        let open = if tunnel {
+            Open::Tunnel {
+                request: common::tunnel_request(&id),
+                sink: Tok(tok),
+                response_wait: None,
+            }
+        } else {
+            Open::Run {
+                request: common::run_request(&id),
+                sink: Tok(tok),
+            }
         };
         if let Ok(o) = self.edge.send_admitted(self.now, &lease, open) {
             self.streams.push(Stream {
@@ -413,9 +553,38 @@ impl Mesh {
                 node,
                 generation: o.generation,
                 lease: lease.id,
+                tunnel,
                 terminals: 0,
                 caller_gone: false,
             });
+        }
+    }
+
+    /// A command's answer: exactly one per ticket, and a Node's answer only from the
+    /// connection and generation the command went to.
+    fn answered(&mut self, ticket: u64, answer: &Answer) {
+        let Some(c) = self.commands.iter_mut().find(|c| c.ticket == ticket) else {
+            return self.broke("command-answered-once");
+        };
+        c.answers += 1;
+        let (node, generation, answers) = (c.node, c.generation, c.answers);
+        if answers > 1 {
+            self.broke("command-answered-once");
+        }
+        match answer {
+            Answer::Command(Ok(response)) => {
+                let from = response
+                    .result
+                    .get("link")
+                    .and_then(|l| l.parse::<usize>().ok())
+                    .and_then(|l| self.links.get(l));
+                let ok = from.is_some_and(|l| l.node == node && l.generation == Some(generation));
+                if !ok {
+                    self.broke("no-stale-generation-routed");
+                }
+            }
+            Answer::Command(Err(_)) => {}
+            _ => self.broke("command-answered-once"),
         }
     }
 
@@ -516,6 +685,9 @@ enum Action {
     EdgeEof(usize),
     NodeEof(usize),
     Dispatch,
+    DispatchTunnel,
+    Command(usize),
+    AnswerCommand(usize, usize),
     Complete(usize, usize),
     CallerGone(usize),
     Tick,
@@ -582,15 +754,30 @@ impl Model for MeshModel {
                 out.push(Action::NodeEof(i));
             }
             if l.node_up && l.session.is_ready() {
-                for (r, (_, _, answered)) in l.runs.iter().enumerate() {
+                for (r, (_, _, answered, _)) in l.runs.iter().enumerate() {
                     if !answered {
                         out.push(Action::Complete(i, r));
+                    }
+                }
+                for (c, (_, answered)) in l.commands.iter().enumerate() {
+                    if !answered {
+                        out.push(Action::AnswerCommand(i, c));
                     }
                 }
             }
         }
         if m.dispatches < self.bounds.dispatches {
             out.push(Action::Dispatch);
+        }
+        if m.tunnels < self.bounds.tunnels {
+            out.push(Action::DispatchTunnel);
+        }
+        if m.commands.len() < usize::from(self.bounds.commands) {
+            for (n, node) in NODES.iter().enumerate() {
+                if m.edge.registry().ready_generation(node).is_some() {
+                    out.push(Action::Command(n));
+                }
+            }
         }
         for (i, s) in m.streams.iter().enumerate() {
             if s.terminals == 0 && !s.caller_gone {
@@ -625,6 +812,7 @@ impl Model for MeshModel {
                     edge_up: true,
                     generation: None,
                     runs: Vec::new(),
+                    commands: Vec::new(),
                 });
             }
             Action::ToEdge(i) => {
@@ -688,21 +876,81 @@ impl Model for MeshModel {
                 l.to_edge.clear();
                 l.session.handle_transport_closed();
             }
-            Action::Dispatch => {
-                m.dispatches += 1;
+            Action::Dispatch | Action::DispatchTunnel => {
+                let tunnel = action == Action::DispatchTunnel;
+                if tunnel {
+                    m.tunnels += 1;
+                } else {
+                    m.dispatches += 1;
+                }
                 match m.edge.admit(now, "m", ContextSize::Standard, QUEUE_WAIT) {
-                    Ok(Admit::Granted(a)) => m.send_on(a.lease),
-                    Ok(Admit::Queued(id)) => m.queued.push(id),
+                    Ok(Admit::Granted(a)) => m.send_on(a.lease, tunnel),
+                    Ok(Admit::Queued(id)) => m.queued.push((id, tunnel)),
                     Err(_) => {}
                 }
             }
-            Action::Complete(i, r) => {
-                let (stream_id, run_id, _) = m.links[i].runs[r].clone();
-                m.links[i].runs[r].2 = true;
-                let mut ev = RunEvent::new(RunEventKind::Complete);
-                ev.delta = FROM_NODE.into();
-                let frame = RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev));
+            Action::Command(n) => {
+                let generation = m
+                    .edge
+                    .registry()
+                    .ready_generation(NODES[n])
+                    .expect("ready")
+                    .1;
+                let request = NodeCommandRequest {
+                    kind: NodeCommandKind::Transport,
+                    adapter: String::new(),
+                    target: String::new(),
+                };
+                let ticket = m.edge.command(now, NODES[n], request).expect("ready");
+                m.commands.push(Command {
+                    ticket,
+                    node: n,
+                    generation,
+                    answers: 0,
+                });
+            }
+            Action::AnswerCommand(i, c) => {
+                let (correlation_id, _) = m.links[i].commands[c];
+                m.links[i].commands[c].1 = true;
+                let response = NodeCommandResponse {
+                    ok: true,
+                    error: String::new(),
+                    capabilities: Vec::new(),
+                    result: [("link".to_owned(), i.to_string())].into_iter().collect(),
+                };
+                let frame = RuntimeFrame::correlated(
+                    correlation_id,
+                    RuntimeMessage::NodeCommandResponse(response),
+                );
                 m.links[i].session.send(now, frame).expect("ready");
+            }
+            Action::Complete(i, r) => {
+                let (stream_id, run_id, _, tunnel) = m.links[i].runs[r].clone();
+                m.links[i].runs[r].2 = true;
+                let frames: Vec<RuntimeMessage> = if tunnel {
+                    // The response starts and ends: two frames, each delivered on its own.
+                    let mut w = TunnelWriter::new();
+                    let start = TunnelPayload::ResponseStart {
+                        status: 200,
+                        headers: Vec::new(),
+                    };
+                    [start, TunnelPayload::End]
+                        .into_iter()
+                        .map(|p| {
+                            let mut f = w.frame(p).expect("in order");
+                            f.metadata.insert("by".into(), FROM_NODE.into());
+                            RuntimeMessage::ProviderTunnelFrame(f)
+                        })
+                        .collect()
+                } else {
+                    let mut ev = RunEvent::new(RunEventKind::Complete);
+                    ev.delta = FROM_NODE.into();
+                    vec![RuntimeMessage::RunEvent(ev)]
+                };
+                for message in frames {
+                    let frame = RuntimeFrame::on_stream(stream_id, message);
+                    m.links[i].session.send(now, frame).expect("ready");
+                }
                 m.links[i].session.run_finished(&run_id);
             }
             Action::CallerGone(s) => {
@@ -736,6 +984,23 @@ impl Model for MeshModel {
             Property::always("one-terminal at quiescence", |_, m: &Mesh| {
                 !m.quiescent() || m.streams.iter().all(|s| s.caller_gone || s.terminals == 1)
             }),
+            Property::always("one command answer at quiescence", |_, m: &Mesh| {
+                !m.quiescent() || m.commands.iter().all(|c| c.answers == 1)
+            }),
+            Property::sometimes("a tunnel completed by its Node", |_, m: &Mesh| {
+                m.streams
+                    .iter()
+                    .any(|s| s.tunnel && s.terminals == 1 && !s.caller_gone)
+                    && m.links.iter().any(|l| l.runs.iter().any(|r| r.2 && r.3))
+            }),
+            Property::sometimes("a command answered by its Node", |_, m: &Mesh| {
+                m.commands.iter().any(|c| c.answers == 1)
+                    && m.links.iter().any(|l| l.commands.iter().any(|c| c.1))
+            }),
+            Property::sometimes("a command failed by a fence", |_, m: &Mesh| {
+                m.commands.iter().any(|c| c.answers == 1)
+                    && m.links.iter().all(|l| l.commands.iter().all(|c| !c.1))
+            }),
             Property::sometimes("a run completed by its Node", |_, m: &Mesh| {
                 m.streams.iter().any(|s| s.terminals == 1 && !s.caller_gone)
                     && m.links.iter().any(|l| l.runs.iter().any(|r| r.2))
@@ -748,8 +1013,20 @@ impl Model for MeshModel {
                     == 2
                     && m.streams.iter().any(|s| s.node == 0)
             }),
+            Property::sometimes(
+                "a supersede with a tunnel or a command in flight",
+                |_, m: &Mesh| {
+                    m.links
+                        .iter()
+                        .filter(|l| l.node == 0 && l.generation.is_some())
+                        .count()
+                        == 2
+                        && (m.streams.iter().any(|s| s.node == 0 && s.tunnel)
+                            || m.commands.iter().any(|c| c.node == 0))
+                },
+            ),
             Property::sometimes("a queued request granted", |_, m: &Mesh| {
-                m.streams.len() == 2 && m.dispatches == 2
+                m.streams.len() == 2 && m.dispatches + m.tunnels == 2
             }),
             Property::sometimes("a timer fired with a stream open", |_, m: &Mesh| {
                 m.ticks > 0 && !m.streams.is_empty()
@@ -814,6 +1091,8 @@ fn every_interleaving_keeps_the_runtime_wire_rules() {
             dispatches: v[4],
             ticks: v[5],
             cuts: v[6],
+            tunnels: v.get(7).copied().unwrap_or(0),
+            commands: v.get(8).copied().unwrap_or(0),
         };
     }
     check(
@@ -835,6 +1114,35 @@ fn a_timer_jump_keeps_the_runtime_wire_rules() {
             "a run completed by its Node",
             "a queued request granted",
             "a timer fired with a stream open",
+        ],
+    );
+}
+
+/// Tunnels and commands beside a run, across a timer jump and a cut ([`Bounds::WIRE`]).
+#[test]
+fn tunnels_and_commands_keep_the_runtime_wire_rules() {
+    check(
+        Bounds::WIRE,
+        &[
+            "a run completed by its Node",
+            "a tunnel completed by its Node",
+            "a command answered by its Node",
+            "a command failed by a fence",
+            "a timer fired with a stream open",
+        ],
+    );
+}
+
+/// Tunnels and commands across a supersede ([`Bounds::REDIAL`]).
+#[test]
+fn tunnels_and_commands_across_a_supersede_keep_the_runtime_wire_rules() {
+    check(
+        Bounds::REDIAL,
+        &[
+            "a tunnel completed by its Node",
+            "a command answered by its Node",
+            "a command failed by a fence",
+            "a supersede with a tunnel or a command in flight",
         ],
     );
 }

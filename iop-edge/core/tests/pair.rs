@@ -16,7 +16,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 mod common;
-use common::run_request;
+use common::{run_request, tunnel_request};
 use iop_edge_core::pool::ContextSize;
 
 use std::cell::RefCell;
@@ -35,13 +35,12 @@ use iop_edge_core::{
 use iop_wire::codec::FrameCodec;
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
 use iop_wire::runtime::{
-    Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, Header,
-    HealthEvidence, NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshResponse, ProviderStatus, ProviderTunnelRequest, RegisterRequest, RunEvent,
-    RunEventKind, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload,
+    Capability, ConfigRefreshOutcome, ExecutionFailure, FailureEvidence, Fence, HealthEvidence,
+    NodeCommandKind, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
+    NodeConfigRefreshResponse, ProviderStatus, RegisterRequest, RunEvent, RunEventKind,
+    RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload,
 };
 use iop_wire::tunnel_order::Delivery;
-use iop_wire::validate::ResponseStallTimeout;
 
 // === Stream buffers the test can read (or not) ===
 
@@ -388,29 +387,6 @@ impl Pair {
 
     fn leases(&self) -> u64 {
         self.edge.pool_stats().1
-    }
-}
-
-fn tunnel_request(run_id: &str) -> ProviderTunnelRequest {
-    ProviderTunnelRequest {
-        run_id: run_id.into(),
-        adapter: "a".into(),
-        target: "t".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        headers: vec![Header {
-            name: "content-type".into(),
-            value: Bytes::from_static(b"application/json"),
-        }],
-        body: Bytes::from_static(b"{}"),
-        stream: true,
-        timeout: None,
-        metadata: BTreeMap::new(),
-        session_id: String::new(),
-        long_context: false,
-        operation: None,
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
     }
 }
 

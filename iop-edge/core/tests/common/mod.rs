@@ -1,5 +1,6 @@
 //! The configuration the pair harness (`pair.rs`) and the model checker (`model.rs`) share:
-//! an Edge that knows `node-1` and `node-2`, and model `m` served by one provider on each.
+//! an Edge that knows `node-1` and `node-2`, model `m` served by one provider on each, and
+//! the requests they send.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use bytes::Bytes;
 use iop_edge_core::pool::{Pool, PoolConfig, ProviderKey, ProviderKind, ProviderSpec};
 use iop_edge_core::registry::{Registry, RegistryConfig};
 use iop_wire::HeartbeatConfig;
-use iop_wire::runtime::{NodeConfigPayload, RunRequest};
+use iop_wire::runtime::{Header, NodeConfigPayload, ProviderTunnelRequest, RunRequest};
 use iop_wire::validate::ResponseStallTimeout;
 
 /// The two Node ids.
@@ -80,6 +81,30 @@ pub(crate) fn run_request(run_id: &str) -> RunRequest {
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         timeout: None,
         long_context: false,
+        credential: None,
+    }
+}
+
+/// A tunnel request (adapter and target are filled in from the lease on pool dispatch).
+pub(crate) fn tunnel_request(run_id: &str) -> ProviderTunnelRequest {
+    ProviderTunnelRequest {
+        run_id: run_id.into(),
+        adapter: "a".into(),
+        target: "t".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from_static(b"{}"),
+        stream: true,
+        timeout: None,
+        metadata: BTreeMap::new(),
+        session_id: String::new(),
+        long_context: false,
+        operation: None,
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
     }
 }
