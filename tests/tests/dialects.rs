@@ -428,3 +428,71 @@ async fn client_disconnect_cancels_the_upstream_on_every_route() {
     .await
     .unwrap();
 }
+
+/// Seed 000: a stream is cancelled when the Edge's write to its client fails, also while the
+/// client's connection stays open. An HTTP/2 client (prior knowledge, the `h2` crate) opens two
+/// streamed chat completions on one connection and resets the first after its first chunk:
+/// that stream's upstream request is cancelled, the second keeps flowing, and the same
+/// connection then serves a new request.
+#[tokio::test]
+async fn a_reset_stream_cancels_its_upstream_and_the_connection_keeps_serving() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let authority = m.base.trim_start_matches("http://").to_owned();
+        let tcp = tokio::net::TcpStream::connect(&authority).await.unwrap();
+        let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let body = json!({"model": "slow-chat", "stream": true, "messages": [{"role": "user", "content": "x"}]});
+        let body = bytes::Bytes::from(serde_json::to_vec(&body).unwrap());
+        let request = |method: &str, path: &str| {
+            ::http::Request::builder()
+                .method(method)
+                .uri(format!("http://{authority}{path}"))
+                .header("authorization", format!("Bearer {KEY}"))
+                .header("content-type", "application/json")
+                .body(())
+                .unwrap()
+        };
+        let mut open = Vec::new();
+        for _ in 0..2 {
+            h2 = h2.ready().await.unwrap();
+            let (response, mut send) = h2
+                .send_request(request("POST", "/v1/chat/completions"), false)
+                .unwrap();
+            send.send_data(body.clone(), true).unwrap();
+            let response = response.await.unwrap();
+            assert_eq!(response.status(), 200);
+            let mut recv = response.into_body();
+            let first = recv.data().await.unwrap().unwrap();
+            recv.flow_control().release_capacity(first.len()).unwrap();
+            open.push((send, recv));
+        }
+        let before = m.chat.dropped_count();
+        let (mut reset, kept) = (open.remove(0), open.remove(0));
+        // The client resets the first stream; its connection stays open.
+        reset.0.send_reset(h2::Reason::CANCEL);
+        let waited = tokio::time::timeout(Duration::from_secs(10), async {
+            while m.chat.dropped_count() == before {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(waited.is_ok(), "the reset stream's upstream request was not cancelled");
+        // The other stream keeps flowing on the same connection, its upstream untouched.
+        let (_send, mut recv) = kept;
+        for _ in 0..3 {
+            let chunk = recv.data().await.unwrap().unwrap();
+            recv.flow_control().release_capacity(chunk.len()).unwrap();
+        }
+        assert_eq!(m.chat.dropped_count(), before + 1);
+        // And the connection serves a new request.
+        h2 = h2.ready().await.unwrap();
+        let (response, _) = h2.send_request(request("GET", "/v1/models"), true).unwrap();
+        assert_eq!(response.await.unwrap().status(), 200);
+        drop(reset);
+    })
+    .await
+    .unwrap();
+}
