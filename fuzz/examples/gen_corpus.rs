@@ -44,6 +44,79 @@ fn main() {
     signed_request_seeds(&root.join("signed_request"));
     stream_translate_seeds(&root.join("stream_translate"));
     report_decode_seeds(&root.join("report_decode"));
+    ping_scanner_seeds(&root.join("ping_scanner"));
+}
+
+// === ping_scanner ===
+
+/// A client's HTTP/2 bytes: the preface, SETTINGS, a call (HEADERS, DATA), pings between
+/// calls, a ping flood, acks of the server's pings, and bytes that are not HTTP/2. The first
+/// byte is the read size, the second the clock step per read (ms).
+fn ping_scanner_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let frame = |kind: u8, flags: u8, payload: &[u8]| {
+        let len = payload.len();
+        let mut f = vec![0, (len >> 8) as u8, len as u8, kind, flags, 0, 0, 0, 1];
+        f.extend_from_slice(payload);
+        f
+    };
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let settings = frame(0x4, 0, &[0, 3, 0, 0, 0, 100]);
+    let headers = frame(0x1, 0x4, &[0x83, 0x86]);
+    let data = frame(0x0, 0x1, &[0, 0, 0, 0, 2, 8, 1]);
+    let ping = frame(0x6, 0, &[7; 8]);
+    let ack = frame(0x6, 0x1, &[1; 8]);
+    let join = |parts: &[&[u8]]| parts.concat();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "call",
+            join(&[&[64, 0], &preface, &settings, &headers, &data]),
+        ),
+        (
+            "pings_between_calls",
+            join(&[
+                &[9, 0],
+                &preface,
+                &settings,
+                &ping,
+                &ping,
+                &headers,
+                &data,
+                &ping,
+                &ping,
+                &headers,
+            ]),
+        ),
+        (
+            "ping_flood",
+            join(&[
+                &[1, 0],
+                &preface,
+                &settings,
+                &ping,
+                &ping,
+                &ping,
+                &ping,
+                &ping,
+            ]),
+        ),
+        (
+            "slow_pings",
+            join(&[&[9, 200], &preface, &ping, &ping, &ping, &ping]),
+        ),
+        (
+            "server_ping_acks",
+            join(&[&[17, 0], &preface, &ack, &ack, &ack, &ack]),
+        ),
+        (
+            "not_http2",
+            join(&[&[5, 0], b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"]),
+        ),
+    ];
+    for (name, s) in cases {
+        iop_fuzz::ping_scanner::run(&s);
+        write(&dir, name, &s);
+    }
 }
 
 // === report_decode ===

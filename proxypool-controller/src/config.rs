@@ -13,6 +13,8 @@
 //! maxRuntimeCounters = 100000
 //! maxConcurrentStreams = 256   # per connection (our addition; the seed asks for a bound)
 //! shutdownTimeout = "10s"      # graceful stop bound, then hard stop (our addition)
+//! minPingInterval = "10s"      # keepalive enforcement: a client pinging more often than this,
+//!                              # three times with no call between, is disconnected; "0s" = off
 //!
 //! [controlPlane.tls]
 //! mode = "disabled"            # only on loopback listeners; or "mtls"
@@ -77,6 +79,8 @@ pub struct ControlPlaneSection {
     pub max_concurrent_streams: i64,
     /// `controlPlane.shutdownTimeout`.
     pub shutdown_timeout: String,
+    /// `controlPlane.minPingInterval` (keepalive enforcement; `0s` = off).
+    pub min_ping_interval: String,
     /// `[controlPlane.tls]`.
     pub tls: TlsSection,
 }
@@ -94,6 +98,7 @@ impl Default for ControlPlaneSection {
             max_runtime_counters: 100_000,
             max_concurrent_streams: 256,
             shutdown_timeout: "10s".into(),
+            min_ping_interval: "10s".into(),
             tls: TlsSection::default(),
         }
     }
@@ -212,6 +217,9 @@ pub struct Config {
     pub max_concurrent_streams: u32,
     /// Graceful stop bound.
     pub shutdown_timeout: Duration,
+    /// Keepalive enforcement: the shortest interval between a client's PINGs that is not a
+    /// strike (`None`: not enforced).
+    pub min_ping_interval: Option<Duration>,
     /// TLS.
     pub tls: TlsMode,
     /// Redis URL and namespace (required when enabled).
@@ -292,6 +300,9 @@ impl File {
         let max_stale_age = parse_duration("controlPlane.maxStaleAge", &cp.max_stale_age)?;
         let shutdown_timeout =
             parse_duration("controlPlane.shutdownTimeout", &cp.shutdown_timeout)?;
+        let min_ping_interval =
+            parse_duration("controlPlane.minPingInterval", &cp.min_ping_interval)?;
+        let min_ping_interval = (!min_ping_interval.is_zero()).then_some(min_ping_interval);
         if heartbeat.is_zero() {
             return Err(err("controlPlane.heartbeatInterval", "must be positive"));
         }
@@ -395,6 +406,7 @@ impl File {
             max_message_bytes: usize::try_from(max_message_bytes).unwrap_or(usize::MAX),
             max_concurrent_streams: u32::try_from(max_concurrent_streams).unwrap_or(u32::MAX),
             shutdown_timeout,
+            min_ping_interval,
             tls,
             redis,
             admin,

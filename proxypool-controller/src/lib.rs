@@ -15,6 +15,7 @@
 //! | [`redis_store`] | the Redis store: one Lua script per check-and-write, `{activity}` hash tag, persistent monotonic ownership epoch |
 //! | [`proto`] | the generated tonic/prost code of `proto/controlplane.proto` (committed; drift-checked) |
 //! | [`grpc`] | the tonic service: DTO mapping, status codes, the worker identity check; [`grpc::report`] decodes `ReportRuntime` straight into canonical counters (no allocation per counter) and routes it beside the generated server |
+//! | [`keepalive`] | keepalive enforcement, sans-io: scans the HTTP/2 frame headers a client sends and tells the connection to close when it pings faster than `controlPlane.minPingInterval` (gRPC-Go's strikes) |
 //! | [`tls`] | mTLS: the `spiffe://TD/ENV/worker/ID` identity read after the handshake, over the workspace's bounded TLS accept loop (`bounded_http::tls`); the server's files are `workload_identity::HostTls`, re-read every `reloadInterval` |
 //! | [`config`] | the `controlPlane` block (seed 004 §6) and its validation |
 //! | [`server`] | bootstrap: limits, gRPC health and reflection, admin `/healthz` `/readyz` `/metrics`, bounded graceful stop |
@@ -56,9 +57,11 @@
 //!   (`controlPlane.sessionTTL`, …) and durations written `10s`, `500ms`, `2m`. We add
 //!   `maxConcurrentStreams` (default 256) and `shutdownTimeout` (default 10 s).
 //! - Limits: HTTP/2 keepalive pings every 30 s (10 s timeout), 20 pending-accept and 256
-//!   local-error reset streams before GOAWAY, 16 KiB header lists, 30 s per RPC. tonic exposes no
-//!   server-side minimum client ping interval ("keepalive enforcement" in gRPC-Go's sense); h2's
-//!   own limits apply.
+//!   local-error reset streams before GOAWAY, 16 KiB header lists, 30 s per RPC. Keepalive
+//!   enforcement: tonic exposes no server-side minimum client ping interval, so [`keepalive`]
+//!   scans each connection's incoming HTTP/2 frame headers and closes a connection whose client
+//!   pings more often than `controlPlane.minPingInterval` (default 10 s) more than twice in a
+//!   row (gRPC-Go's strikes; a new call clears them).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -66,6 +69,7 @@ mod admin;
 pub mod config;
 pub mod domain;
 pub mod grpc;
+pub mod keepalive;
 pub mod memory;
 pub mod metrics;
 pub mod proto;

@@ -186,13 +186,16 @@ pub async fn start_with(
     let graceful = async move {
         let _ = graceful_rx.await;
     };
+    let pings = config
+        .min_ping_interval
+        .map(crate::keepalive::PingPolicy::new);
     let server: std::pin::Pin<
         Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
     > = match &config.tls {
         TlsMode::Disabled => {
             let incoming =
                 tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-            let incoming = stoppable(incoming, hard_stop.clone());
+            let incoming = stoppable(incoming, hard_stop.clone(), pings);
             Box::pin(router.serve_with_incoming_shutdown(incoming, graceful))
         }
         TlsMode::Mtls {
@@ -248,7 +251,7 @@ pub async fn start_with(
                 trust_domain.clone(),
                 environment.clone(),
             );
-            let incoming = stoppable(incoming, hard_stop.clone());
+            let incoming = stoppable(incoming, hard_stop.clone(), pings);
             Box::pin(router.serve_with_incoming_shutdown(incoming, graceful))
         }
     };
@@ -423,6 +426,7 @@ where
 fn stoppable<S, T, E>(
     incoming: S,
     stop: tokio_util::sync::CancellationToken,
+    pings: Option<crate::keepalive::PingPolicy>,
 ) -> impl tokio_stream::Stream<Item = Result<Stoppable<T>, E>>
 where
     S: tokio_stream::Stream<Item = Result<T, E>>,
@@ -431,16 +435,20 @@ where
         r.map(|io| Stoppable {
             io,
             stop: Box::pin(stop.clone().cancelled_owned()),
+            pings: pings.map(crate::keepalive::PingScanner::new),
         })
     })
 }
 
 /// A connection that fails its next read or write once the hard stop is cancelled. The stop
 /// future is polled on every read and write, so the connection task is woken by the stop itself
-/// even while idle; hyper then closes the connection and resets its streams.
+/// even while idle; hyper then closes the connection and resets its streams. Its reads also
+/// go through the keepalive enforcement ([`crate::keepalive`]): a read that completes a
+/// PING too many fails, and hyper closes the connection.
 struct Stoppable<T> {
     io: T,
     stop: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    pings: Option<crate::keepalive::PingScanner>,
 }
 
 impl<T> Stoppable<T> {
@@ -469,7 +477,24 @@ impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Stoppable<T> {
         if self.stopped(cx) {
             return std::task::Poll::Ready(Err(hard_stopped()));
         }
-        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut self.io).poll_read(cx, buf);
+        if let (std::task::Poll::Ready(Ok(())), Some(pings)) = (&read, self.pings.as_mut())
+            && pings
+                .feed(&buf.filled()[before..], std::time::Instant::now())
+                .is_err()
+        {
+            tracing::info!(
+                target: "proxypool_controller",
+                event = "too_many_pings",
+                "a client pinged more often than controlPlane.minPingInterval; connection closed"
+            );
+            return std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                crate::keepalive::TooManyPings,
+            )));
+        }
+        read
     }
 }
 

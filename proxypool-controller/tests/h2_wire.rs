@@ -4,6 +4,8 @@
 //!
 //! - With `maxConcurrentStreams = 2`, a third request on the connection cannot start while
 //!   two are open (the server's SETTINGS hold the client to two); it runs once one ends.
+//! - Keepalive enforcement: pings between calls are answered; a client that keeps pinging
+//!   faster than `controlPlane.minPingInterval` with no call between is disconnected.
 //! - A `RegisterWorker` whose `labels` map carries 33 entries with one key twice (32 unique
 //!   keys) is accepted, and the same with 33 unique keys is refused `INVALID_ARGUMENT` (at most
 //!   32 labels): the limit counts decoded keys, not wire entries.
@@ -177,4 +179,50 @@ async fn duplicate_label_keys_count_once() {
     })
     .await
     .expect("in time");
+}
+
+/// Seed 004 §6's keepalive enforcement (`controlPlane.minPingInterval`, 10 s by default): a
+/// client may ping between its calls, but one that keeps pinging faster than the interval with
+/// no call between is disconnected on its third strike; its next connection is served.
+#[tokio::test]
+async fn a_client_that_pings_too_often_is_disconnected() {
+    tokio::time::timeout(LIMIT, async {
+        let (running, stop) = controller().await;
+        let tcp = tokio::net::TcpStream::connect(running.grpc_addr)
+            .await
+            .unwrap();
+        let (mut send, mut connection) = h2::client::handshake(tcp).await.unwrap();
+        let mut pings = connection.ping_pong().expect("taken once");
+        let connection = tokio::spawn(connection);
+        // Two pings between calls: one strike each round, cleared by the next call.
+        for _ in 0..5 {
+            for _ in 0..2 {
+                pings.ping(h2::Ping::opaque()).await.unwrap();
+            }
+            assert_eq!(
+                unary(&mut send, REGISTER, &register_with_labels(&[])).await,
+                "0"
+            );
+        }
+        // Back to back with no call (the last ping was just before the last call, so each is
+        // a strike): the two strikes tolerated are answered, the third ends the connection.
+        let mut answered = 0;
+        for _ in 0..4 {
+            if pings.ping(h2::Ping::opaque()).await.is_err() {
+                break;
+            }
+            answered += 1;
+        }
+        assert_eq!(answered, 2);
+        let _ = connection.await.unwrap();
+        // The policy is per connection: a new one is served.
+        let mut again = connect(&running).await;
+        assert_eq!(
+            unary(&mut again, REGISTER, &register_with_labels(&[])).await,
+            "0"
+        );
+        stop.cancel();
+    })
+    .await
+    .unwrap();
 }
