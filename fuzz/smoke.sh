@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke run of every fuzz target: build once, then fuzz each for FUZZ_SECONDS (default 20)
+# Smoke run of every fuzz target: build once, then fuzz each for FUZZ_SECONDS (default 15)
 # starting from a temporary copy of its committed seed corpus (so new inputs never land in
 # fuzz/corpus/). Exits non-zero on the first crash, leak, timeout or OOM; the reproducer is
 # kept in fuzz/artifacts/<target>/. Prints one line per target with its exec count.
@@ -9,7 +9,7 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
-seconds="${FUZZ_SECONDS:-20}"
+seconds="${FUZZ_SECONDS:-15}"
 targets=(frame_decoder tunnel_sequencer registry_ops lease_open signed_request stream_translate report_decode ping_scanner)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then

@@ -10,7 +10,7 @@
 #   resolves through that BIND 9: scripts/pebble.sh), 4. a short smoke run of every cargo-fuzz
 #   target.
 #
-# Environment: FUZZ_SECONDS (per fuzz target, default 20), SKIP_FUZZ=1 to skip step 4 locally.
+# Environment: FUZZ_SECONDS (per fuzz target, default 15), SKIP_FUZZ=1 to skip step 4 locally.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -105,7 +105,7 @@ passed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1
 failed="$(sed -n 's/^test result: .*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$test_log" | awk '{s+=$1} END {print s+0}')"
 
 if [ "${SKIP_FUZZ:-0}" != "1" ]; then
-    step "fuzz smoke (${FUZZ_SECONDS:-20}s per target)"
+    step "fuzz smoke (${FUZZ_SECONDS:-15}s per target)"
     if ! cargo fuzz --version >/dev/null 2>&1; then
         echo "cargo-fuzz is missing; installing it (cargo install cargo-fuzz --locked)"
         cargo install cargo-fuzz --locked
