@@ -29,7 +29,11 @@
 //! - in managed mode (seed `001`), the principal [`projection`] index and the [`binding`] loop
 //!   of each request (bind, lease, re-bind on a stale generation within a bounded wait,
 //!   re-admission on a Node that does not trust the issuer key, the check right before
-//!   dispatch), a machine of its own per request, driven by `now` like the rest.
+//!   dispatch), a machine of its own per request, driven by `now` like the rest;
+//! - the [`ratelimit`] rule: GCRA per key for requests and tokens, token reservations
+//!   reconciled to the provider's usage, the in-flight count ([`ratelimit::KeyState`]), with
+//!   its overshoot bound property-tested. It is the first block of the governance work
+//!   (per-key limits, #29); no driver calls it yet.
 //!
 //! Streams deliver into caller-provided buffers ([`StreamSink`], chosen by the driver through
 //! [`Sinks`]): a routed frame reaches its stream's buffer inside
@@ -96,6 +100,7 @@ pub mod binding;
 mod machine;
 pub mod pool;
 pub mod projection;
+pub mod ratelimit;
 pub mod registry;
 
 pub use machine::{
