@@ -68,7 +68,10 @@ impl Adapter for DemoAdapter {
             return Err(AdapterError::UnknownTarget);
         }
         let input = &crate::adapter::last_message_text(&request.input)?;
-        let deltas = Self::reply(input, self.repeat);
+        // One word at a time, made as it is sent: a long reply holds the input text only, not
+        // a string per word.
+        let text = format!("echo: {input}");
+        let deltas = (0..self.repeat).flat_map(|_| text.split_inclusive(' '));
         let stalls = self.stall_on.as_deref() == Some(input);
         let mut completion_tokens = 0u64;
         for d in deltas {
