@@ -439,6 +439,7 @@ async fn managed_credentials_end_to_end() {
                 models: vec![MODEL.into()],
                 queue_wait: Duration::from_secs(5),
                 api_keys: None,
+                limiter: None,
                 control: Some(control.clone()),
                 body_timeout: http::DEFAULT_BODY_TIMEOUT,
             },

@@ -327,6 +327,7 @@ pub struct EdgeBuilder {
     pool: Pool,
     limits: Limits,
     api_keys: Option<Arc<ApiKeys>>,
+    rate_limits: Option<crate::limits::LimitsConfig>,
     control_plane: Option<ControlPlaneSpec>,
 }
 
@@ -345,6 +346,7 @@ impl EdgeBuilder {
             pool: Pool::default(),
             limits: Limits::default(),
             api_keys: None,
+            rate_limits: None,
             control_plane: None,
         }
     }
@@ -395,6 +397,12 @@ impl EdgeBuilder {
         self
     }
 
+    /// Per-key rate limits for the [`Self::api_keys`] ([`crate::limits`]; keys by their ids).
+    pub fn rate_limits(mut self, limits: crate::limits::LimitsConfig) -> Self {
+        self.rate_limits = Some(limits);
+        self
+    }
+
     /// The Control Plane connector.
     #[must_use]
     pub fn control_plane(mut self, control_plane: ControlPlaneSpec) -> Self {
@@ -426,6 +434,7 @@ impl EdgeBuilder {
             EdgeTls::Material(m) => m.clone(),
         };
         let api_keys = self.api_keys.clone();
+        let rate_limits = self.rate_limits.clone();
         if api_keys.is_some()
             && self
                 .control_plane
@@ -445,6 +454,22 @@ impl EdgeBuilder {
             EdgeTls::Files { .. } => file.build()?,
             EdgeTls::Pem { .. } | EdgeTls::Material(_) => file.build_with_tls(material)?,
         };
+        if let Some(limits) = rate_limits {
+            let Some(keys) = &api_keys else {
+                return Err(ConfigError::Invalid {
+                    key: "auth.limits",
+                    message: "rate limits apply to API keys: set api_keys too".into(),
+                });
+            };
+            let ids: std::collections::BTreeSet<&str> = keys.ids().collect();
+            if let Some(id) = limits.keys.keys().find(|id| !ids.contains(id.as_str())) {
+                return Err(ConfigError::Invalid {
+                    key: "auth.key_limits",
+                    message: format!("{id}: no key has this id"),
+                });
+            }
+            config.http.limiter = Some(Arc::new(crate::limits::Limiter::new(limits)));
+        }
         config.http.api_keys = api_keys;
         Ok(config)
     }

@@ -74,7 +74,7 @@
 //! - Upstream keys are not configured here: each Node holds its own (`iop_node::config`
 //!   `[[credentials]]`), or the Control Plane leases them (managed mode).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -206,6 +206,138 @@ pub struct Auth {
     pub keys_file: Option<PathBuf>,
     /// `auth.keys_env`.
     pub keys_env: Option<String>,
+    /// `auth.output_estimate`: output tokens reserved for a request that names no cap
+    /// (default [`crate::limits::DEFAULT_OUTPUT_ESTIMATE`]).
+    pub output_estimate: Option<u64>,
+    /// `[auth.limits]`: every key's own limits, unless `[auth.key_limits.<id>]` sets them.
+    pub limits: Option<KeyLimitsToml>,
+    /// `[auth.key_limits.<id>]`: one key's limits (replacing `[auth.limits]` for it).
+    #[serde(default)]
+    pub key_limits: BTreeMap<String, KeyLimitsToml>,
+}
+
+/// A key's limits as written (`[auth.limits]`, `[auth.key_limits.<id>]`); each omitted limit
+/// is not enforced.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyLimitsToml {
+    /// `requests_per_minute`.
+    pub requests_per_minute: Option<u64>,
+    /// `tokens_per_minute` (input + output).
+    pub tokens_per_minute: Option<u64>,
+    /// `concurrent`: requests in flight at once.
+    pub concurrent: Option<u32>,
+    /// `[….models.<model>]`: the key's limits on one model, checked as well.
+    #[serde(default)]
+    pub models: BTreeMap<String, ModelLimitsToml>,
+}
+
+/// A key × model's limits as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelLimitsToml {
+    /// `requests_per_minute`.
+    pub requests_per_minute: Option<u64>,
+    /// `tokens_per_minute`.
+    pub tokens_per_minute: Option<u64>,
+    /// `concurrent`.
+    pub concurrent: Option<u32>,
+}
+
+fn rate_limits(
+    key: &'static str,
+    requests: Option<u64>,
+    tokens: Option<u64>,
+    concurrent: Option<u32>,
+) -> Result<iop_edge_core::ratelimit::Limits, ConfigError> {
+    use iop_edge_core::ratelimit::Rate;
+    let rate = |v: Option<u64>| match v {
+        None => Ok(None),
+        Some(n) => Rate::per_minute(n)
+            .map(Some)
+            .ok_or_else(|| invalid(key, "a limit must be at least 1 (omit it for no limit)")),
+    };
+    if concurrent == Some(0) {
+        return Err(invalid(
+            key,
+            "concurrent must be at least 1 (omit it for no limit)",
+        ));
+    }
+    Ok(iop_edge_core::ratelimit::Limits {
+        requests: rate(requests)?,
+        tokens: rate(tokens)?,
+        concurrent,
+    })
+}
+
+impl KeyLimitsToml {
+    fn build(
+        &self,
+        key: &'static str,
+        models: &BTreeSet<&str>,
+    ) -> Result<crate::limits::KeyLimits, ConfigError> {
+        let limits = rate_limits(
+            key,
+            self.requests_per_minute,
+            self.tokens_per_minute,
+            self.concurrent,
+        )?;
+        let mut per_model = BTreeMap::new();
+        for (name, m) in &self.models {
+            if !models.contains(name.as_str()) {
+                return Err(invalid(
+                    key,
+                    format!("models.{name}: no [[models]] entry has this name"),
+                ));
+            }
+            per_model.insert(
+                name.clone(),
+                rate_limits(
+                    key,
+                    m.requests_per_minute,
+                    m.tokens_per_minute,
+                    m.concurrent,
+                )?,
+            );
+        }
+        Ok(crate::limits::KeyLimits {
+            limits,
+            models: per_model,
+        })
+    }
+}
+
+impl Auth {
+    /// The limits `[auth]` sets for `keys`, `None` when it sets none. `models` are the
+    /// configured model names.
+    fn limits(
+        &self,
+        keys: &ApiKeys,
+        models: &BTreeSet<&str>,
+    ) -> Result<Option<crate::limits::LimitsConfig>, ConfigError> {
+        let mut config = crate::limits::LimitsConfig::default();
+        if let Some(n) = self.output_estimate {
+            config.output_estimate = n;
+        }
+        if let Some(l) = &self.limits {
+            config.default = l.build("auth.limits", models)?;
+        }
+        let ids: BTreeSet<&str> = keys.ids().collect();
+        for (id, l) in &self.key_limits {
+            if !ids.contains(id.as_str()) {
+                return Err(invalid(
+                    "auth.key_limits",
+                    format!(
+                        "{id}: no key has this id (name a key in the key file: `<key or sha256:hex> {id}`)"
+                    ),
+                ));
+            }
+            config
+                .keys
+                .insert(id.clone(), l.build("auth.key_limits", models)?);
+        }
+        Ok((!config.is_unlimited()).then_some(config))
+    }
 }
 
 /// `[pool]`.
@@ -575,6 +707,14 @@ impl EdgeConfigFile {
                 })?,
             )),
         };
+        let limiter = match (&self.auth, &api_keys) {
+            (Some(a), Some(keys)) => {
+                let names: BTreeSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+                a.limits(keys, &names)?
+                    .map(|c| Arc::new(crate::limits::Limiter::new(c)))
+            }
+            _ => None,
+        };
 
         let mut node_configs = Vec::new();
         let mut kinds = HashMap::new();
@@ -701,6 +841,7 @@ impl EdgeConfigFile {
             http_listen: self.listen.http,
             http: HttpConfig {
                 api_keys,
+                limiter,
                 body_timeout: Duration::from_secs(self.limits.http_body_timeout_sec),
                 ..HttpConfig::new(
                     models.into_iter().map(|(m, _)| m).collect(),

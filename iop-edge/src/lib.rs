@@ -98,9 +98,10 @@ pub mod config;
 pub mod control;
 mod edge;
 pub mod http;
+pub mod limits;
 mod managed;
 pub mod metrics;
-pub use iop_edge_core::{binding, pool, projection, registry};
+pub use iop_edge_core::{binding, pool, projection, ratelimit, registry};
 pub mod profile;
 mod stream_buf;
 mod tools;
@@ -109,5 +110,5 @@ pub mod transport;
 pub use edge::{Edge, StartError};
 pub use transport::{
     Admission, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
-    TransportConfig, TunnelEvent, TunnelStream, bind, start_unbound,
+    StreamWatch, TransportConfig, TunnelEvent, TunnelStream, bind, start_unbound,
 };

@@ -75,6 +75,7 @@ use iop_wire::runtime::{
     NodeCommandRequest, NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse,
     ProviderSnapshot, ProviderTunnelRequest, RecipientKey, RunEvent, RunRequest, RuntimeFrame,
 };
+use iop_wire::tunnel_order::Delivery;
 use workload_identity::peer_identity;
 
 pub use iop_edge_core::{DispatchError, Lifecycle, NODE_DISCONNECTED, SLOW_CONSUMER, TunnelEvent};
@@ -256,6 +257,33 @@ impl DropNotice {
     }
 }
 
+/// Something that rides on one response stream ([`RunStream::watch`],
+/// [`TunnelStream::watch`]) and sees the provider's usage as the caller reads it; it is dropped
+/// with the stream, so its `Drop` marks the end of the request (the rate limiter's
+/// `crate::limits::Hold` is one).
+pub trait StreamWatch: Send + Sync + 'static {
+    /// The provider reported its usage (a run's terminal, a tunnel's usage frame).
+    fn usage(&mut self, usage: &iop_wire::runtime::Usage);
+
+    /// A tunnel's response started with this HTTP status.
+    fn status(&mut self, status: u16) {
+        let _ = status;
+    }
+}
+
+/// The watch a stream carries, if any.
+struct Watch(Option<Box<dyn StreamWatch>>);
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Watch(Some)"
+        } else {
+            "Watch(None)"
+        })
+    }
+}
+
 /// The events of one dispatched run; ends after exactly one terminal event. Dropping it before
 /// the terminal sends `CancelRequest` for the run id at once.
 #[derive(Debug)]
@@ -265,6 +293,7 @@ pub struct RunStream {
     events: StreamRx<RunEvent>,
     done: bool,
     on_drop: DropNotice,
+    watch: Watch,
 }
 
 impl Drop for RunStream {
@@ -283,7 +312,15 @@ impl RunStream {
         }
         let ev = self.events.recv().await?;
         self.done = ev.kind.is_terminal();
+        if let (Some(w), Some(u)) = (self.watch.0.as_mut(), ev.usage.as_ref()) {
+            w.usage(u);
+        }
         Some(ev)
+    }
+
+    /// Attaches `watch`: it sees the run's usage and is dropped with the stream.
+    pub fn watch(&mut self, watch: Box<dyn StreamWatch>) {
+        self.watch = Watch(Some(watch));
     }
 }
 
@@ -296,6 +333,7 @@ pub struct TunnelStream {
     events: StreamRx<TunnelEvent>,
     done: bool,
     on_drop: DropNotice,
+    watch: Watch,
 }
 
 impl Drop for TunnelStream {
@@ -314,7 +352,17 @@ impl TunnelStream {
         }
         let ev = self.events.recv().await?;
         self.done = ev.is_terminal();
+        match (self.watch.0.as_mut(), &ev) {
+            (Some(w), TunnelEvent::Frame(Delivery::Usage(u))) => w.usage(u),
+            (Some(w), TunnelEvent::Frame(Delivery::Start { status, .. })) => w.status(*status),
+            _ => {}
+        }
         Some(ev)
+    }
+
+    /// Attaches `watch`: it sees the tunnel's usage frames and is dropped with the stream.
+    pub fn watch(&mut self, watch: Box<dyn StreamWatch>) {
+        self.watch = Watch(Some(watch));
     }
 }
 
@@ -637,6 +685,7 @@ impl EdgeHandle {
             events,
             done: false,
             on_drop: self.drop_notice(opened.stream_id),
+            watch: Watch(None),
         })
     }
 
@@ -675,6 +724,7 @@ impl EdgeHandle {
             events,
             done: false,
             on_drop: self.drop_notice(opened.stream_id),
+            watch: Watch(None),
         })
     }
 
@@ -749,6 +799,7 @@ impl EdgeHandle {
                     events,
                     done: false,
                     on_drop: self.drop_notice(opened.stream_id),
+                    watch: Watch(None),
                 }))
             }
             PoolRequest::Tunnel(request) => {
@@ -769,6 +820,7 @@ impl EdgeHandle {
                     events,
                     done: false,
                     on_drop: self.drop_notice(opened.stream_id),
+                    watch: Watch(None),
                 }))
             }
         }

@@ -243,14 +243,25 @@ impl Adapter for OpenAiCompatAdapter {
     }
 }
 
-/// Finds the last `usage` object in an SSE stream's `data:` lines or a JSON body, without
-/// touching the bytes that are passed through.
+/// Finds the usage in an SSE stream's `data:` lines or a JSON body, without touching the bytes
+/// that are passed through. Each dialect reports it its own way, and all are read:
+///
+/// - OpenAI chat: a top-level `usage` with `prompt_tokens` and `completion_tokens` (in a
+///   stream, the last chunk when the request asked for `stream_options.include_usage`);
+/// - OpenAI Responses: `usage` with `input_tokens` and `output_tokens`, top-level in a body,
+///   under `response` in a stream's `response.completed` event;
+/// - Anthropic Messages: `usage` with `input_tokens` and `output_tokens` in a body; in a
+///   stream the input count comes under `message` in `message_start` and the (cumulative)
+///   output count in each `message_delta`'s top-level `usage`.
+///
+/// A later report of a count replaces an earlier one, so a stream's last figures win.
 #[derive(Debug)]
 pub(crate) struct UsageScanner {
     sse: bool,
     buf: Vec<u8>,
     overflow: bool,
-    last: Option<Usage>,
+    input: Option<u64>,
+    output: Option<u64>,
 }
 
 impl UsageScanner {
@@ -259,7 +270,8 @@ impl UsageScanner {
             sse,
             buf: Vec::new(),
             overflow: false,
-            last: None,
+            input: None,
+            output: None,
         }
     }
 
@@ -303,10 +315,15 @@ impl UsageScanner {
 
     fn line(&mut self, line: &[u8]) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(data) = line.strip_prefix(b"data:")
-            && let Some(u) = usage_of(data.trim_ascii_start())
-        {
-            self.last = Some(u);
+        if let Some(data) = line.strip_prefix(b"data:") {
+            self.json(data.trim_ascii_start());
+        }
+    }
+
+    fn json(&mut self, json: &[u8]) {
+        if let Some((input, output)) = usage_of(json) {
+            self.input = input.or(self.input);
+            self.output = output.or(self.output);
         }
     }
 
@@ -316,40 +333,56 @@ impl UsageScanner {
             if !self.overflow {
                 self.line(&rest);
             }
-            self.last
-        } else if self.overflow {
-            None
-        } else {
-            usage_of(&self.buf)
+        } else if !self.overflow {
+            let body = std::mem::take(&mut self.buf);
+            self.json(&body);
         }
+        if self.input.is_none() && self.output.is_none() {
+            return None;
+        }
+        let prompt = self.input.unwrap_or(0);
+        let completion = self.output.unwrap_or(0);
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt.saturating_add(completion),
+        })
     }
 }
 
-/// The top-level `usage` of a JSON object, read without building the rest of the document
-/// (every other member is skipped, not materialised: on a 1 KiB completion this was most of the
-/// Node's JSON cost).
+/// The `usage` of a JSON object (top-level, or under `message` or `response`), read without
+/// building the rest of the document (every other member is skipped, not materialised: on a
+/// 1 KiB completion this was most of the Node's JSON cost).
 #[derive(serde::Deserialize)]
 struct WithUsage {
     #[serde(default)]
     usage: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(default)]
+    message: Option<Nested>,
+    #[serde(default)]
+    response: Option<Nested>,
 }
 
-fn usage_of(json: &[u8]) -> Option<Usage> {
+#[derive(serde::Deserialize)]
+struct Nested {
+    #[serde(default)]
+    usage: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// The input and output counts one JSON document reports, each if present.
+fn usage_of(json: &[u8]) -> Option<(Option<u64>, Option<u64>)> {
     // Most stream chunks carry no usage at all: no parse for them.
     memchr::memmem::find(json, b"\"usage\"")?;
-    let u = serde_json::from_slice::<WithUsage>(json).ok()?.usage?;
+    let doc = serde_json::from_slice::<WithUsage>(json).ok()?;
+    let u = doc
+        .usage
+        .or_else(|| doc.response.and_then(|r| r.usage))
+        .or_else(|| doc.message.and_then(|m| m.usage))?;
     let n = |k: &str| u.get(k).and_then(serde_json::Value::as_u64);
-    // OpenAI names, then Anthropic-style names.
-    let prompt = n("prompt_tokens").or_else(|| n("input_tokens"))?;
-    let completion = n("completion_tokens")
-        .or_else(|| n("output_tokens"))
-        .unwrap_or(0);
-    let total = n("total_tokens").unwrap_or(prompt + completion);
-    Some(Usage {
-        prompt_tokens: prompt,
-        completion_tokens: completion,
-        total_tokens: total,
-    })
+    // OpenAI chat names, then Responses and Anthropic names.
+    let input = n("prompt_tokens").or_else(|| n("input_tokens"));
+    let output = n("completion_tokens").or_else(|| n("output_tokens"));
+    (input.is_some() || output.is_some()).then_some((input, output))
 }
 
 #[cfg(test)]
@@ -401,6 +434,30 @@ mod tests {
                     s.finish().map(|u| u.prompt_tokens),
                     Some(expected),
                     "piece {piece}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn usage_from_anthropic_and_responses_streams() {
+        // Anthropic: input under `message` in message_start, cumulative output in each
+        // message_delta.
+        let anthropic = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":7}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n";
+        // Responses: under `response` in response.completed.
+        let responses = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":5,\"output_tokens\":3,\"total_tokens\":8}}}\n\n";
+        for (stream, (input, output)) in [(&anthropic[..], (12, 9)), (&responses[..], (5, 3))] {
+            for cut in 0..stream.len() {
+                let mut s = UsageScanner::new(true);
+                s.feed(&stream[..cut]);
+                s.feed(&stream[cut..]);
+                assert_eq!(
+                    s.finish(),
+                    Some(Usage {
+                        prompt_tokens: input,
+                        completion_tokens: output,
+                        total_tokens: input + output
+                    })
                 );
             }
         }

@@ -252,6 +252,7 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             models: vec!["demo".into(), "gpt-4o-mini".into(), "broken".into()],
             queue_wait: Duration::from_secs(5),
             api_keys: None,
+            limiter: None,
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

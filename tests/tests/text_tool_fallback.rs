@@ -137,6 +137,7 @@ async fn surface(ca: &Ca, ollama: std::net::SocketAddr) -> String {
             models: vec!["tiny".into(), "plain".into()],
             queue_wait: Duration::from_secs(5),
             api_keys: None,
+            limiter: None,
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

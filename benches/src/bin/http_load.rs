@@ -191,6 +191,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
             models: vec!["m".into(), "slow".into()],
             queue_wait: Duration::from_secs(10),
             api_keys: None,
+            limiter: None,
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

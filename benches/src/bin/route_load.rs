@@ -318,6 +318,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
             models: names,
             queue_wait: Duration::from_secs(10),
             api_keys: None,
+            limiter: None,
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

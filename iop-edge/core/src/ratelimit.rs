@@ -256,6 +256,14 @@ pub struct Admitted {
     pub token_decision: Option<Decision>,
 }
 
+impl Admitted {
+    /// The tokens reserved at admission (0 without a token limit): what the request is
+    /// charged if its usage is never known.
+    pub fn reserved(&self) -> u64 {
+        self.tokens.as_ref().map_or(0, Reservation::units)
+    }
+}
+
 /// The in-process state of one key: one [`Gcra`] per rate and the requests in flight. One Edge
 /// with no shared store enforces a key's [`Limits`] with this alone.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -269,6 +277,20 @@ impl KeyState {
     /// Requests of this key in flight.
     pub fn in_flight(&self) -> u32 {
         self.in_flight
+    }
+
+    /// Whether [`KeyState::admit`] would admit the request now, changing nothing: a caller
+    /// that must admit against several states at once (a key and a key × model) checks every
+    /// one before it admits any.
+    pub fn check(&self, limits: &Limits, now_us: u64, estimate: u64) -> Result<(), Refused> {
+        let mut copy = *self;
+        copy.admit(limits, now_us, estimate).map(|_| ())
+    }
+
+    /// Whether this state is at rest: nothing in flight and every rate fully replenished at
+    /// `now_us`, so forgetting it changes no later decision.
+    pub fn is_idle(&self, now_us: u64) -> bool {
+        self.in_flight == 0 && self.requests.tat_us <= now_us && self.tokens.tat_us <= now_us
     }
 
     /// Admits one request reserving `estimate` tokens at `now_us`, or refuses it. All limits

@@ -13,16 +13,23 @@
 //!   that others can read (mode `o+r`) is refused with the reason, like `ssh` refuses a
 //!   world-readable private key;
 //! - an environment variable holding one key or several separated by commas.
+//!
+//! **Key ids.** Every key has an id, which is what the rate limiter, metrics and logs name (a
+//! key itself never appears anywhere): a key file line may name it after the key, separated by
+//! whitespace (`sha256:<hex> team-a`); a key without a name gets `key-<the first 12 hex digits
+//! of its SHA-256>`, stable across restarts and reorderings. Ids are 1–64 characters of
+//! letters, digits, `.`, `_` and `-`, and unique.
 
 use std::path::Path;
 
 use axum::http::{HeaderMap, header};
 use ring::digest::{SHA256, digest};
 
-/// A set of gateway API keys, as SHA-256 digests.
+/// A set of gateway API keys, as SHA-256 digests, each with its id.
 #[derive(Clone, Default)]
 pub struct ApiKeys {
     digests: Vec<[u8; 32]>,
+    ids: Vec<std::sync::Arc<str>>,
 }
 
 impl std::fmt::Debug for ApiKeys {
@@ -67,6 +74,25 @@ pub enum ApiKeysError {
     /// No key at all.
     #[error("no API key configured")]
     Empty,
+    /// A key id is not 1–64 letters, digits, `.`, `_` or `-`.
+    #[error("{path}:{line}: a key id must be 1-64 letters, digits, '.', '_' or '-'")]
+    BadId {
+        /// The file.
+        path: String,
+        /// The line number.
+        line: usize,
+    },
+    /// Two keys have the same id.
+    #[error("key id {0} is used twice")]
+    DuplicateId(String),
+}
+
+/// Whether `id` may name a key (it goes into metric labels and logs as is).
+pub fn valid_key_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 impl ApiKeys {
@@ -83,9 +109,51 @@ impl ApiKeys {
         k
     }
 
-    /// Adds one key.
+    /// Adds one key, its id derived from it (`key-<12 hex digits of its SHA-256>`).
     pub fn add(&mut self, key: &str) {
-        self.digests.push(sha256(key.as_bytes()));
+        self.push(sha256(key.as_bytes()), None);
+    }
+
+    /// Adds one key with the id `id`. Fails on an id that is not valid or already used.
+    pub fn add_named(&mut self, id: &str, key: &str) -> Result<(), ApiKeysError> {
+        if !valid_key_id(id) {
+            return Err(ApiKeysError::BadId {
+                path: "(code)".into(),
+                line: 0,
+            });
+        }
+        self.push_unique(sha256(key.as_bytes()), Some(id))
+    }
+
+    fn push(&mut self, digest: [u8; 32], id: Option<&str>) {
+        let id = match id {
+            Some(id) => std::sync::Arc::from(id),
+            None => {
+                let mut s = String::from("key-");
+                for b in &digest[..6] {
+                    s.push_str(&format!("{b:02x}"));
+                }
+                std::sync::Arc::from(s)
+            }
+        };
+        self.digests.push(digest);
+        self.ids.push(id);
+    }
+
+    fn push_unique(&mut self, digest: [u8; 32], id: Option<&str>) -> Result<(), ApiKeysError> {
+        self.push(digest, id);
+        let new = self.ids.last().map(|i| i.to_string()).unwrap_or_default();
+        if self.ids[..self.ids.len() - 1].iter().any(|i| **i == *new) {
+            self.digests.pop();
+            self.ids.pop();
+            return Err(ApiKeysError::DuplicateId(new));
+        }
+        Ok(())
+    }
+
+    /// The key ids, in the order the keys were added.
+    pub fn ids(&self) -> impl Iterator<Item = &str> {
+        self.ids.iter().map(|i| &**i)
     }
 
     /// Loads keys from a file and/or an environment variable (at least one key in all).
@@ -133,16 +201,23 @@ impl ApiKeys {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            match line.strip_prefix("sha256:") {
-                Some(hex) => {
-                    let d = parse_hex(hex.trim()).ok_or_else(|| ApiKeysError::BadDigest {
-                        path: shown.clone(),
-                        line: i + 1,
-                    })?;
-                    self.digests.push(d);
-                }
-                None => self.add(line),
+            let mut fields = line.split_whitespace();
+            let entry = fields.next().unwrap_or_default();
+            let id = fields.next();
+            if fields.next().is_some() || id.is_some_and(|id| !valid_key_id(id)) {
+                return Err(ApiKeysError::BadId {
+                    path: shown.clone(),
+                    line: i + 1,
+                });
             }
+            let digest = match entry.strip_prefix("sha256:") {
+                Some(hex) => parse_hex(hex).ok_or_else(|| ApiKeysError::BadDigest {
+                    path: shown.clone(),
+                    line: i + 1,
+                })?,
+                None => sha256(entry.as_bytes()),
+            };
+            self.push_unique(digest, id)?;
         }
         Ok(())
     }
@@ -159,12 +234,35 @@ impl ApiKeys {
 
     /// Whether `key` is one of the keys (constant time in the key and over every digest).
     pub fn verify(&self, key: &str) -> bool {
+        self.identify(key).is_some()
+    }
+
+    /// [`ApiKeys::identify`], the id shared rather than borrowed.
+    pub(crate) fn identify_shared(&self, key: &str) -> Option<std::sync::Arc<str>> {
+        self.ids.get(self.index_of(key)?).cloned()
+    }
+
+    /// The id of `key` if it is one of the keys (constant time in the key and over every
+    /// digest: each is compared, and the match selected without a branch).
+    pub fn identify(&self, key: &str) -> Option<&str> {
+        self.ids.get(self.index_of(key)?).map(|i| &**i)
+    }
+
+    fn index_of(&self, key: &str) -> Option<usize> {
+        use subtle::{ConditionallySelectable as _, ConstantTimeEq as _};
         let d = sha256(key.as_bytes());
         let mut found = subtle::Choice::from(0);
-        for k in &self.digests {
-            found |= subtle::ConstantTimeEq::ct_eq(&k[..], &d[..]);
+        let mut index = 0u64;
+        for (i, k) in self.digests.iter().enumerate() {
+            let hit = k[..].ct_eq(&d[..]);
+            index.conditional_assign(&u64::try_from(i).unwrap_or(u64::MAX), hit);
+            found |= hit;
         }
-        bool::from(found)
+        if bool::from(found) {
+            usize::try_from(index).ok()
+        } else {
+            None
+        }
     }
 
     /// `sha256:<hex>` of a key, the line a key file may hold instead of the key.

@@ -88,7 +88,7 @@ use iop_wire::runtime::{
 use iop_wire::validate::ResponseStallTimeout;
 use serde_json::{Value, json};
 
-pub use auth::{ApiKeys, ApiKeysError};
+pub use auth::{ApiKeys, ApiKeysError, valid_key_id};
 
 use crate::metrics::Endpoint;
 use crate::pool::ProviderKind;
@@ -110,6 +110,9 @@ pub struct HttpConfig {
     /// Legacy mode: the gateway API keys every request must present (`None` accepts every
     /// request: a local mesh on loopback). Not consulted in managed mode.
     pub api_keys: Option<Arc<ApiKeys>>,
+    /// Legacy mode: the per-key rate limits ([`crate::limits`]), keyed by [`ApiKeys`] ids;
+    /// `None` limits nothing. Share one `Arc` between routers: it holds the keys' state.
+    pub limiter: Option<Arc<crate::limits::Limiter>>,
     /// Managed mode: the Control Plane connector whose projection authenticates requests and
     /// resolves routes, and whose session delivers credential leases ([`crate::control`]).
     pub control: Option<crate::control::ControlConnector>,
@@ -125,6 +128,7 @@ impl HttpConfig {
             models,
             queue_wait,
             api_keys: None,
+            limiter: None,
             control: None,
             body_timeout: DEFAULT_BODY_TIMEOUT,
         }
@@ -530,8 +534,8 @@ fn next_request() -> u64 {
 
 /// Who is asking.
 enum Caller {
-    /// Legacy mode (gateway keys checked, or none configured).
-    Open,
+    /// Legacy mode: the gateway key's id, or `None` when no keys are configured.
+    Open(Option<Arc<str>>),
     /// Managed mode: the projection the request authenticated with.
     Managed {
         control: crate::control::ControlConnector,
@@ -573,12 +577,67 @@ fn authenticate(
             token,
         });
     }
-    if let Some(keys) = &state.config.api_keys
-        && !auth::presented_key(headers).is_some_and(|k| keys.verify(k))
-    {
-        return Err(unauthorized());
+    match &state.config.api_keys {
+        None => Ok(Caller::Open(None)),
+        Some(keys) => match auth::presented_key(headers).and_then(|k| keys.identify_shared(k)) {
+            Some(id) => Ok(Caller::Open(Some(id))),
+            None => Err(unauthorized()),
+        },
     }
-    Ok(Caller::Open)
+}
+
+/// The key's rate limits for one request ([`crate::limits`]): a hold (empty when nothing
+/// limits the key), or 429 in the route's dialect with `retry-after` and the quota headers.
+/// `chat` gives the request's chat form, for the input estimate; it is called only when a
+/// token limit applies.
+#[expect(
+    clippy::result_large_err,
+    reason = "the error is the response itself, returned at once"
+)]
+fn limit(
+    state: &AppState,
+    dialect: Dialect,
+    caller: &Caller,
+    group: &str,
+    request: &Value,
+    chat: impl FnOnce() -> Result<Value, TranslateError>,
+) -> Result<crate::limits::Hold, Response> {
+    let (Some(limiter), Caller::Open(Some(key))) = (&state.config.limiter, caller) else {
+        return Ok(crate::limits::Hold::default());
+    };
+    let config = limiter.config();
+    let estimate = if config.of(key).limits_tokens(group) {
+        let chat = chat().map_err(|e| bad_request(dialect, &e))?;
+        crate::limits::estimate(request, &chat, config.output_estimate)
+    } else {
+        0
+    };
+    limiter.admit(key, group, estimate).map_err(|refused| {
+        let mut r = render::error_with_code(
+            dialect,
+            StatusCode::TOO_MANY_REQUESTS,
+            &refused.message(),
+            Some("rate_limit_exceeded"),
+        );
+        let h = r.headers_mut();
+        refused.quota.write_headers(dialect, SystemTime::now(), h);
+        if let Some(secs) = refused.retry_after_secs() {
+            h.insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+            let ms = refused.retry_after.map_or(secs.saturating_mul(1000), |d| {
+                u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+            });
+            h.insert("retry-after-ms", header::HeaderValue::from(ms));
+        }
+        r
+    })
+}
+
+/// `response` with the quota headers of `hold` (none for an unlimited key).
+fn with_quota(mut response: Response, dialect: Dialect, quota: &crate::limits::Quota) -> Response {
+    if *quota != crate::limits::Quota::default() {
+        quota.write_headers(dialect, SystemTime::now(), response.headers_mut());
+    }
+    response
 }
 
 /// The pool model group a request for `model` goes to: the model itself, or in managed mode
@@ -594,7 +653,7 @@ fn model_group(
     model: &str,
 ) -> Result<String, Response> {
     let group = match caller {
-        Caller::Open => model.to_owned(),
+        Caller::Open(_) => model.to_owned(),
         Caller::Managed {
             index, principal, ..
         } => match index.route(principal, model) {
@@ -643,7 +702,7 @@ async fn send(
     request: PoolRequest,
 ) -> Result<Dispatched, Response> {
     let (admission, request) = match caller {
-        Caller::Open => (admission, request),
+        Caller::Open(_) => (admission, request),
         Caller::Managed {
             control,
             index,
@@ -803,7 +862,7 @@ async fn serve_route(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let dialect = route.dialect;
-    let mut parsed = match parse(dialect, body) {
+    let parsed = match parse(dialect, body) {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -826,6 +885,29 @@ async fn serve_route(
     {
         return unservable(dialect, &parsed.model, route.operation);
     }
+    let hold = match limit(state, dialect, &caller, &group, &parsed.json, || {
+        (route.to_chat)(&parsed.json)
+    }) {
+        Ok(h) => h,
+        Err(r) => return r,
+    };
+    let quota = *hold.quota();
+    let response = serve_admitted(state, route, headers, parsed, caller, group, hold).await;
+    with_quota(response, dialect, &quota)
+}
+
+/// The rest of [`serve_route`], once the key's limits admitted the request: the hold rides
+/// on the response stream (or is given back when nothing was sent).
+async fn serve_admitted(
+    state: &AppState,
+    route: &Route,
+    headers: &HeaderMap,
+    mut parsed: Parsed,
+    caller: Caller,
+    group: String,
+    mut hold: crate::limits::Hold,
+) -> Response {
+    let dialect = route.dialect;
     let admission = match admit(state, dialect, &group, &parsed.model).await {
         Ok(a) => a,
         Err(r) => return r,
@@ -892,7 +974,11 @@ async fn serve_route(
                     )
                     .await
                     {
-                        Ok(Dispatched::Run(s)) => {
+                        Ok(Dispatched::Run(mut s)) => {
+                            if !hold.is_empty() {
+                                hold.sent();
+                                s.watch(Box::new(hold));
+                            }
                             let events = render::NativeEvents::new(tools, parsed.stream);
                             render::native(s, events, client).await
                         }
@@ -916,7 +1002,13 @@ async fn serve_route(
     )
     .await
     {
-        Ok(Dispatched::Tunnel(s)) => s,
+        Ok(Dispatched::Tunnel(mut s)) => {
+            if !hold.is_empty() {
+                hold.sent();
+                s.watch(Box::new(hold));
+            }
+            s
+        }
         Ok(_) => return render::error(dialect, StatusCode::BAD_GATEWAY, render::PROVIDER_FAILED),
         Err(r) => return r,
     };
@@ -977,7 +1069,7 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
                 .filter(|m| index.route(&principal, m).is_some())
                 .cloned()
                 .collect(),
-            Ok(Caller::Open) => state.config.models.clone(),
+            Ok(Caller::Open(_)) => state.config.models.clone(),
         };
         let body = if anthropic {
             let data: Vec<Value> = names
@@ -999,7 +1091,10 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     let (queue, in_flight) = state.edge.pool_stats();
-    let text = state.edge.metrics().render(queue, in_flight);
+    let mut text = state.edge.metrics().render(queue, in_flight);
+    if let Some(limiter) = &state.config.limiter {
+        limiter.encode_metrics(&mut text);
+    }
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
 

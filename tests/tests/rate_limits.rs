@@ -1,0 +1,595 @@
+//! Per-key rate limits (issue #29) on one Edge with no shared store, over real sockets and mTLS:
+//! an Edge built from a configuration file with a key file naming its keys, a Node holding
+//! the upstream keys, and fake OpenAI-compatible and Anthropic upstreams that report usage.
+//!
+//! - the limits and key ids of `[auth]` are read from the file, and its errors name their key;
+//! - a request limit admits exactly its limit, then answers 429 in the route's dialect with
+//!   `retry-after` (the real wait, not a window) and the quota headers (`x-ratelimit-*` on
+//!   OpenAI routes, `anthropic-ratelimit-*` on `/v1/messages`), streamed responses included;
+//! - tokens are reserved from the estimate at admission and reconciled to the provider's
+//!   reported usage when the response ends, on every route and form (JSON, chat stream with
+//!   usage, Anthropic stream, Responses translated over chat): the next request's remaining
+//!   count is exact;
+//! - a concurrency limit frees when the response ends or its client goes away;
+//! - refusals are counted per key id in `/metrics`, and no key appears anywhere.
+//!
+//! Token arithmetic is exact because the test's rates replenish one token per 1000 s: the
+//! time between two requests adds nothing (the module docs of `iop_edge::limits` give the
+//! rule).
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_edge::config::EdgeConfigFile;
+use iop_edge::limits::{KeyLimits, Limiter, LimitsConfig};
+use iop_edge::ratelimit::{Limits, Rate};
+use iop_edge::{Lifecycle, bind, http};
+use iop_node::credential::LocalKey;
+use iop_node::{AdapterRegistry, NodeOptions, run_node};
+use iop_tests::pki::{self, Ca};
+use iop_tests::upstream::{Kind, Upstream};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use workload_identity::role;
+
+const UPSTREAM_KEY: &str = "sk-limits-upstream";
+const REQ_KEY: &str = "gw-limits-requests";
+const TOK_KEY: &str = "gw-limits-tokens";
+const CON_KEY: &str = "gw-limits-concurrent";
+const FREE_KEY: &str = "gw-limits-free";
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// One token per `TICK` seconds: nothing replenishes between two requests of a test.
+const TICK: u64 = 1000;
+
+fn slow_rate(limit: u64) -> Option<Rate> {
+    Rate::new(limit, Duration::from_secs(limit * TICK))
+}
+
+struct Mesh {
+    base: String,
+    chat: Upstream,
+    _anthropic: Upstream,
+    dir: std::path::PathBuf,
+}
+
+fn provider(model: &str, adapter: &str, target: &str) -> String {
+    format!(
+        "[[models]]\nname = \"{model}\"\n[[models.providers]]\nnode_id = \"node-1\"\nprovider_id = \"{model}\"\nadapter = \"{adapter}\"\ntarget = \"{target}\"\ncapacity = 8\n"
+    )
+}
+
+/// The Edge's file; `auth` is its `[auth]` section.
+fn config_text(dir: &std::path::Path, chat: &str, anth: &str, auth: &str) -> String {
+    format!(
+        r#"edge_id = "edge-1"
+[listen]
+nodes = "127.0.0.1:0"
+http = "127.0.0.1:0"
+[tls]
+trust_domain = "{td}"
+ca = "{d}/ca.pem"
+cert = "{d}/edge.pem"
+key = "{d}/edge.key"
+[pool]
+queue_wait_sec = 5
+{auth}
+[[nodes]]
+node_id = "node-1"
+[[nodes.adapters]]
+name = "chat"
+type = "openai_compat"
+base_url = "{chat}"
+capacity = 16
+[[nodes.adapters]]
+name = "anth"
+type = "openai_compat"
+base_url = "{anth}"
+profile = "anthropic"
+capacity = 16
+{p1}{p2}{p3}{p4}"#,
+        td = pki::TRUST_DOMAIN,
+        d = dir.display(),
+        p1 = provider("via-chat", "chat", "fake-model"),
+        p2 = provider("via-anth", "anth", "fake-model"),
+        p3 = provider("slow-chat", "chat", "slow"),
+        p4 = provider("chat-missing", "chat", "missing-model"),
+    )
+}
+
+async fn mesh() -> Mesh {
+    let chat = Upstream::start(Kind::ChatOnly, UPSTREAM_KEY, "fake-model").await;
+    let anthropic = Upstream::start(Kind::Anthropic, UPSTREAM_KEY, "fake-model").await;
+    let ca = Ca::new("limits CA");
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "iop-limits-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let edge_leaf = ca.workload(role::EDGE, "edge-1", true);
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.join("edge.pem"), &edge_leaf.cert_pem).unwrap();
+    std::fs::write(dir.join("edge.key"), &edge_leaf.key_pem).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(
+        &keys,
+        format!(
+            "# gateway keys: <key or sha256:hex> [id]\n{REQ_KEY} req\n{} tok\n{CON_KEY} con\n{FREE_KEY}\n",
+            http::ApiKeys::digest_line(TOK_KEY)
+        ),
+    )
+    .unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let auth = format!(
+        r#"[auth]
+keys_file = "{}"
+output_estimate = 64
+[auth.key_limits.req]
+requests_per_minute = 3
+[auth.key_limits.tok]
+tokens_per_minute = 1000
+[auth.key_limits.tok.models.via-anth]
+requests_per_minute = 100
+[auth.key_limits.con]
+concurrent = 1
+"#,
+        keys.display()
+    );
+    let text = config_text(&dir, &chat.base_url(), &anthropic.base_url(), &auth);
+    let mut built = EdgeConfigFile::parse(&text).unwrap().build().unwrap();
+    // What the file says, read back.
+    let limiter = built.http.limiter.as_ref().expect("limits configured");
+    let config = limiter.config();
+    assert_eq!(config.output_estimate, 64);
+    assert_eq!(config.keys["req"].limits.requests, Rate::per_minute(3));
+    assert_eq!(config.keys["tok"].limits.tokens, Rate::per_minute(1000));
+    assert_eq!(
+        config.keys["tok"].models["via-anth"].requests,
+        Rate::per_minute(100)
+    );
+    assert_eq!(config.keys["con"].limits.concurrent, Some(1));
+    assert!(
+        config.default.is_unlimited(),
+        "no [auth.limits]: unnamed keys are free"
+    );
+    // The same limits on rates that replenish one unit per 1000 s (exact arithmetic).
+    let mut keys = BTreeMap::new();
+    let limits = |requests, tokens, concurrent| KeyLimits {
+        limits: Limits {
+            requests,
+            tokens,
+            concurrent,
+        },
+        models: BTreeMap::new(),
+    };
+    keys.insert("req".to_owned(), limits(slow_rate(3), None, None));
+    keys.insert("tok".to_owned(), limits(None, slow_rate(1000), None));
+    keys.insert("con".to_owned(), limits(None, None, Some(1)));
+    built.http.limiter = Some(Arc::new(Limiter::new(LimitsConfig {
+        keys,
+        output_estimate: 64,
+        ..LimitsConfig::default()
+    })));
+    let (edge, _) = bind(built.transport).await.unwrap();
+    let mut life = edge.subscribe();
+    let tls = pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
+    let key = || LocalKey::new(UPSTREAM_KEY.as_bytes().to_vec()).unwrap();
+    let opts = NodeOptions::new("node-1", &edge.local_addr().to_string(), "localhost", tls)
+        .unwrap()
+        .with_adapters(AdapterRegistry::with_builtins())
+        .with_local_key("chat", key())
+        .with_local_key("anth", key());
+    tokio::spawn(run_node(opts, CancellationToken::new()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    let app = http::router(edge, built.http);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(http::serve(listener, app, std::future::pending()));
+    Mesh {
+        base,
+        chat,
+        _anthropic: anthropic,
+        dir,
+    }
+}
+
+fn client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+async fn post(base: &str, path: &str, key: &str, body: &Value) -> reqwest::Response {
+    client()
+        .post(format!("{base}{path}"))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+fn number(r: &reqwest::Response, name: &str) -> u64 {
+    header(r, name)
+        .unwrap_or_else(|| panic!("{name} missing: {:?}", r.headers()))
+        .parse()
+        .unwrap()
+}
+
+fn chat(model: &str, stream: bool) -> Value {
+    json!({"model": model, "max_tokens": 40, "stream": stream,
+           "messages": [{"role": "user", "content": "count my tokens please"}]})
+}
+
+#[tokio::test]
+async fn a_request_limit_admits_its_limit_then_429_with_the_real_wait() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let started = std::time::Instant::now();
+        // Three admitted, the quota counting down on every form of answer.
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            REQ_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(number(&r, "x-ratelimit-limit-requests"), 3);
+        assert_eq!(number(&r, "x-ratelimit-remaining-requests"), 2);
+        // Full again in 1000 s (one request's share of the period).
+        assert_eq!(header(&r, "x-ratelimit-reset-requests").unwrap(), "16m40s");
+        assert!(
+            header(&r, "x-ratelimit-limit-tokens").is_none(),
+            "tokens are not limited"
+        );
+        // A stream carries them too (headers go before the first byte).
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            REQ_KEY,
+            &chat("via-chat", true),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(number(&r, "x-ratelimit-remaining-requests"), 1);
+        assert!(r.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+        // Anthropic's names on /v1/messages, a stream, reset as an RFC 3339 time.
+        let r = post(&m.base, "/v1/messages", REQ_KEY, &chat("via-anth", true)).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(number(&r, "anthropic-ratelimit-requests-limit"), 3);
+        assert_eq!(number(&r, "anthropic-ratelimit-requests-remaining"), 0);
+        let reset = header(&r, "anthropic-ratelimit-requests-reset").unwrap();
+        assert!(reset.ends_with('Z') && reset.contains('T'), "{reset}");
+        assert!(header(&r, "x-ratelimit-remaining-requests").is_none());
+        let _ = r.text().await.unwrap();
+        // The fourth: 429, the route's dialect, the real wait (1000 s per request, less the
+        // time since the first admission), headers with nothing remaining.
+        let upstream_before = m.chat.seen().len();
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            REQ_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 429);
+        let elapsed = started.elapsed().as_secs();
+        let retry = number(&r, "retry-after");
+        assert!(
+            (TICK - elapsed - 1..=TICK).contains(&retry),
+            "retry-after {retry}"
+        );
+        let retry_ms = number(&r, "retry-after-ms");
+        assert!(
+            retry_ms.div_ceil(1000) == retry,
+            "{retry_ms} ms vs {retry} s"
+        );
+        assert_eq!(number(&r, "x-ratelimit-remaining-requests"), 0);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+        assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(!message.contains(REQ_KEY), "{message}");
+        let r = post(&m.base, "/v1/messages", REQ_KEY, &chat("via-anth", false)).await;
+        assert_eq!(r.status(), 429);
+        assert_eq!(number(&r, "anthropic-ratelimit-requests-remaining"), 0);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+        assert_eq!(
+            m.chat.seen().len(),
+            upstream_before,
+            "a refusal reaches no provider"
+        );
+        // Another key is not affected, and an unnamed key without limits gets no headers.
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            FREE_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert!(header(&r, "x-ratelimit-limit-requests").is_none());
+        // Counted per key id; no key anywhere in the exposition.
+        let metrics = client()
+            .get(format!("{}/metrics", m.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("iop_edge_ratelimit_refused_total{key=\"req\",limit=\"requests\"} 2"),
+            "{metrics}"
+        );
+        assert!(metrics.contains("iop_edge_ratelimit_admitted_total{key=\"req\"} 3"));
+        for secret in [REQ_KEY, TOK_KEY, CON_KEY, FREE_KEY] {
+            assert!(!metrics.contains(secret));
+        }
+        assert_eq!(metrics.matches("# EOF").count(), 1);
+        std::fs::remove_dir_all(&m.dir).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+/// The tokens the next admission of `body` on `path` reports remaining, and the usage the
+/// answer reported (0 when none).
+async fn tokens_after(base: &str, path: &str, body: &Value) -> (u64, u64, reqwest::Response) {
+    let r = post(base, path, TOK_KEY, body).await;
+    assert_eq!(r.status(), 200);
+    let remaining = number(
+        &r,
+        if path == "/v1/messages" {
+            "anthropic-ratelimit-tokens-remaining"
+        } else {
+            "x-ratelimit-remaining-tokens"
+        },
+    );
+    (remaining, 0, r)
+}
+
+/// The input estimate of `body` in chat form: 4 bytes of text per token, 4 per message.
+fn input_estimate(text: &str) -> u64 {
+    (text.len() as u64).div_ceil(4) + 4
+}
+
+#[tokio::test]
+async fn tokens_are_reserved_then_reconciled_to_the_reported_usage() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let text = "count my tokens please";
+        let estimate = 40 + input_estimate(text);
+        let mut left = 1000u64;
+        // JSON passthrough: the answer's usage is charged.
+        let (remaining, _, r) =
+            tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", false)).await;
+        assert_eq!(remaining, left - estimate, "the estimate is reserved");
+        let v: Value = r.json().await.unwrap();
+        let used = v["usage"]["total_tokens"].as_u64().unwrap();
+        assert!(used > 0 && used != estimate);
+        left -= used;
+        // A chat stream with include_usage: its usage chunk is charged.
+        let mut body = chat("via-chat", true);
+        body["stream_options"] = json!({"include_usage": true});
+        let (remaining, _, r) = tokens_after(&m.base, "/v1/chat/completions", &body).await;
+        assert_eq!(
+            remaining,
+            left - estimate,
+            "the previous answer was reconciled"
+        );
+        let sse = r.text().await.unwrap();
+        let usage_line = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find(|v| v["usage"].is_object())
+            .expect("usage chunk");
+        left -= usage_line["usage"]["total_tokens"].as_u64().unwrap();
+        // An Anthropic stream: input from message_start, output from message_delta.
+        let (remaining, _, r) =
+            tokens_after(&m.base, "/v1/messages", &chat("via-anth", true)).await;
+        assert_eq!(remaining, left - estimate);
+        let sse = r.text().await.unwrap();
+        let events: Vec<Value> = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .collect();
+        let input = events
+            .iter()
+            .find_map(|e| e["message"]["usage"]["input_tokens"].as_u64())
+            .unwrap();
+        let output = events
+            .iter()
+            .rev()
+            .find_map(|e| {
+                (e["type"] == "message_delta")
+                    .then(|| e["usage"]["output_tokens"].as_u64())
+                    .flatten()
+            })
+            .unwrap();
+        left -= input + output;
+        // Responses translated over chat (its estimate from the chat form of `input`).
+        let responses = json!({"model": "via-chat", "max_output_tokens": 40, "input": text});
+        let (remaining, _, r) = tokens_after(&m.base, "/v1/responses", &responses).await;
+        assert_eq!(remaining, left - (40 + input_estimate(text)));
+        let v: Value = r.json().await.unwrap();
+        left -= v["usage"]["total_tokens"].as_u64().unwrap();
+        // A request whose estimate alone exceeds the limit never fits: no retry-after.
+        let mut huge = chat("via-chat", false);
+        huge["max_tokens"] = json!(5000);
+        let r = post(&m.base, "/v1/chat/completions", TOK_KEY, &huge).await;
+        assert_eq!(r.status(), 429);
+        assert!(header(&r, "retry-after").is_none());
+        assert_eq!(number(&r, "x-ratelimit-remaining-tokens"), left);
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("estimate exceeds"),
+            "{v}"
+        );
+        // A request whose provider refuses it is given its tokens back (an upstream 404:
+        // nothing used), and the next one sees the quota unchanged.
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            TOK_KEY,
+            &chat("chat-missing", false),
+        )
+        .await;
+        assert_eq!(r.status(), 404);
+        assert_eq!(number(&r, "x-ratelimit-remaining-tokens"), left - estimate);
+        let _ = r.text().await;
+        let (remaining, _, _) =
+            tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", false)).await;
+        assert_eq!(remaining, left - estimate);
+        std::fs::remove_dir_all(&m.dir).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[tokio::test]
+async fn a_concurrency_limit_frees_when_the_client_goes_away() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let drops = m.chat.dropped_count();
+        // A stream that never ends holds the one slot.
+        let mut held = post(
+            &m.base,
+            "/v1/chat/completions",
+            CON_KEY,
+            &chat("slow-chat", true),
+        )
+        .await;
+        assert_eq!(held.status(), 200);
+        let _first = held.chunk().await.unwrap();
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            CON_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 429);
+        assert_eq!(
+            number(&r, "retry-after"),
+            1,
+            "frees when a request ends: 1 s"
+        );
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("in flight"),
+            "{v}"
+        );
+        // The client goes away: the upstream stream is cancelled and the slot freed.
+        drop(held);
+        while m.chat.dropped_count() == drops {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        loop {
+            let r = post(
+                &m.base,
+                "/v1/chat/completions",
+                CON_KEY,
+                &chat("via-chat", false),
+            )
+            .await;
+            if r.status() == 200 {
+                break;
+            }
+            assert_eq!(r.status(), 429);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        std::fs::remove_dir_all(&m.dir).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[test]
+fn limit_settings_errors_name_their_key() {
+    let dir = std::env::temp_dir().join(format!("iop-limits-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "sk-a team-a\nsk-b\n").unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let ca = Ca::new("limits cfg CA");
+    let leaf = ca.workload(role::EDGE, "edge-1", true);
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.join("edge.pem"), &leaf.cert_pem).unwrap();
+    std::fs::write(dir.join("edge.key"), &leaf.key_pem).unwrap();
+    let build = |auth: &str| {
+        let text = config_text(
+            &dir,
+            "http://127.0.0.1:9",
+            "http://127.0.0.1:9",
+            &format!("[auth]\nkeys_file = \"{}\"\n{auth}", keys.display()),
+        );
+        EdgeConfigFile::parse(&text)
+            .and_then(|f| f.build())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    build("").unwrap();
+    build("[auth.limits]\nrequests_per_minute = 10\n[auth.key_limits.team-a]\ntokens_per_minute = 5\n").unwrap();
+    for (auth, expected) in [
+        (
+            "[auth.limits]\nrequests_per_minute = 0\n",
+            "auth.limits: a limit must be at least 1 (omit it for no limit)",
+        ),
+        (
+            "[auth.limits]\nconcurrent = 0\n",
+            "auth.limits: concurrent must be at least 1",
+        ),
+        (
+            "[auth.key_limits.team-b]\nconcurrent = 2\n",
+            "auth.key_limits: team-b: no key has this id",
+        ),
+        (
+            "[auth.limits.models.nope]\nconcurrent = 2\n",
+            "auth.limits: models.nope: no [[models]] entry has this name",
+        ),
+        (
+            "[auth.limits]\nrequests_per_hour = 2\n",
+            "unknown field `requests_per_hour`",
+        ),
+    ] {
+        let e = build(auth).unwrap_err();
+        assert!(e.contains(expected), "{auth}: {e}");
+    }
+    // A key file line with a bad id names its line.
+    std::fs::write(&keys, "sk-a team/a\n").unwrap();
+    let e = build("").unwrap_err();
+    assert!(e.contains(":1: a key id must be"), "{e}");
+    std::fs::write(&keys, "sk-a same\nsk-b same\n").unwrap();
+    let e = build("").unwrap_err();
+    assert!(e.contains("key id same is used twice"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
