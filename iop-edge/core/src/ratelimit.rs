@@ -185,15 +185,94 @@ impl Gcra {
     pub fn reconcile(&mut self, rate: &Rate, now_us: u64, reservation: Reservation, actual: u64) {
         let reserved = reservation.units;
         if actual > reserved {
-            self.tat_us = self
-                .tat_us
-                .max(now_us)
-                .saturating_add(rate.span_up(actual - reserved));
+            self.charge(rate, now_us, actual - reserved);
         } else {
-            self.tat_us = self
-                .tat_us
-                .saturating_sub(rate.span_down(reserved - actual));
+            self.refund(rate, reserved - actual);
         }
+    }
+
+    /// Charges `units` at `now_us` whatever the state: units already used (an underestimate
+    /// settled), which the key owes even past its limit.
+    pub fn charge(&mut self, rate: &Rate, now_us: u64, units: u64) {
+        self.tat_us = self.tat_us.max(now_us).saturating_add(rate.span_up(units));
+    }
+
+    /// Gives back `units` that were charged and never used (rounded down: a refund never
+    /// gives back more than was charged).
+    pub fn refund(&mut self, rate: &Rate, units: u64) {
+        self.tat_us = self.tat_us.saturating_sub(rate.span_down(units));
+    }
+
+    /// Borrows for a shared store ([`Credit`]): takes `need` units at `now_us` and up to
+    /// `ahead` more, the extra at most `1/share` of what remains once `need` is taken, so the
+    /// shares borrowed shrink as the quantity nears its limit. Returns the units granted (at
+    /// least `need`) and the decision for them, or the refusal of `need` (nothing taken).
+    ///
+    /// This is the rule the Edge's Redis script runs (`iop_edge::limits`, checked against this
+    /// function by a differential test).
+    pub fn borrow(
+        &mut self,
+        rate: &Rate,
+        now_us: u64,
+        need: u64,
+        ahead: u64,
+        share: u64,
+    ) -> Result<(u64, Decision), Decision> {
+        let d = self.check(rate, now_us, need);
+        if !d.allowed {
+            return Err(d);
+        }
+        let extra = ahead.min(d.remaining / share.max(1));
+        let with_extra = self.take(rate, now_us, need.saturating_add(extra));
+        if with_extra.allowed {
+            return Ok((need.saturating_add(extra), with_extra));
+        }
+        // Rounding can leave `remaining` one unit short of what fits with `need`.
+        Ok((need, self.take(rate, now_us, need)))
+    }
+}
+
+/// One Edge's local share of one quantity of a key limited through a shared store: units
+/// [borrowed](Gcra::borrow) from the store (charged there already) and not yet spent.
+/// Spending from it needs no round trip; a request it does not cover asks the store for the
+/// difference.
+///
+/// **Why this cannot overshoot.** Every unit an Edge spends was charged to the shared
+/// [`Gcra`] when it was borrowed, before it was spent, and units go back to the store only if
+/// never spent. So the units spent by all Edges together up to any time are at most those the
+/// store charged up to then, less what was given back, and the store's own bound applies to
+/// the whole fleet: `limit × (t − t0) / period + limit + U`, for any number of Edges. The cost
+/// of borrowing is the other way: units an Edge holds are not available to the others until
+/// spent or given back (at most `ahead` per Edge and quantity, and less near the limit).
+/// Property-tested over generated interleavings of several Edges in `tests/ratelimit.rs`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Credit {
+    units: u64,
+}
+
+impl Credit {
+    /// Units held.
+    pub fn units(&self) -> u64 {
+        self.units
+    }
+
+    /// Takes up to `cost` units from the credit; returns what it took (the rest must be
+    /// borrowed).
+    pub fn take(&mut self, cost: u64) -> u64 {
+        let taken = self.units.min(cost);
+        self.units -= taken;
+        taken
+    }
+
+    /// Adds units: a grant's extra, units taken for a request that was refused, or an
+    /// overestimate settled locally.
+    pub fn add(&mut self, units: u64) {
+        self.units = self.units.saturating_add(units);
+    }
+
+    /// Takes everything (to give it back to the store).
+    pub fn take_all(&mut self) -> u64 {
+        std::mem::take(&mut self.units)
     }
 }
 

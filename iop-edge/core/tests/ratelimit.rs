@@ -14,6 +14,13 @@
 //! - **`retry_after` is exact**: a refused cost fits exactly `retry_after` later and not one
 //!   microsecond sooner.
 //!
+//! - **a fleet sharing one store** ([`Credit`], [`Gcra::borrow`]): several Edges, each
+//!   spending its own borrowed credit and borrowing the rest (with shares ahead that shrink
+//!   near the limit), settling over- and underestimates locally where they can, and giving
+//!   idle credit back, in any interleaving: the units the whole fleet used obey the same
+//!   bound, `U` now being the underestimates charged to the store since its last grant. The
+//!   number of Edges does not appear in it: borrowing cannot overshoot.
+//!
 //! Does it catch a bug? Checked against broken rules (made, run, reverted): an underestimate
 //! left uncharged at reconciliation, and a reconciliation that gives back the whole
 //! reservation rather than what was not used; the bound fails for each. (A refund rounded up
@@ -21,7 +28,7 @@
 //! one unit's time at the rates generated.)
 #![allow(clippy::unwrap_used, reason = "tests")]
 
-use iop_edge_core::ratelimit::{Gcra, Rate, Reservation};
+use iop_edge_core::ratelimit::{Credit, Gcra, Rate, Reservation};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -147,8 +154,151 @@ fn run(rate: Rate, ops: Vec<Op>) {
     }
 }
 
+#[derive(Clone, Debug)]
+enum FleetOp {
+    Wait(u64),
+    /// Edge `edge` (modulo the fleet) admits a request reserving `estimate`; it will use
+    /// `actual`.
+    Request {
+        edge: usize,
+        estimate: u64,
+        actual: u64,
+    },
+    /// The `i`-th request in flight ends.
+    Finish(usize),
+    /// Edge `edge` gives its idle credit back.
+    Return(usize),
+}
+
+fn fleet_op() -> impl Strategy<Value = FleetOp> {
+    prop_oneof![
+        (0u64..3_000_000).prop_map(FleetOp::Wait),
+        (0usize..8, 0u64..400, 0u64..500).prop_map(|(edge, estimate, actual)| {
+            FleetOp::Request {
+                edge,
+                estimate,
+                actual,
+            }
+        }),
+        (0usize..16).prop_map(FleetOp::Finish),
+        (0usize..8).prop_map(FleetOp::Return),
+    ]
+}
+
+struct Fleet {
+    rate: Rate,
+    g: Gcra,
+    credits: Vec<Credit>,
+    ahead: u64,
+    share: u64,
+    t0: u64,
+    now: u64,
+    in_flight: Vec<(usize, u64, u64)>,
+    used: u128,
+    /// Underestimates charged to the store since its last grant.
+    under: u128,
+}
+
+impl Fleet {
+    fn step(&mut self, op: FleetOp) {
+        let n = self.credits.len();
+        match op {
+            FleetOp::Wait(us) => self.now += us,
+            FleetOp::Request {
+                edge,
+                estimate,
+                actual,
+            } => {
+                let e = edge % n;
+                let taken = self.credits[e].take(estimate);
+                let need = estimate - taken;
+                if need > 0 {
+                    match self
+                        .g
+                        .borrow(&self.rate, self.now, need, self.ahead, self.share)
+                    {
+                        Ok((granted, _)) => {
+                            assert!(granted >= need);
+                            self.credits[e].add(granted - need);
+                            self.under = 0;
+                        }
+                        Err(_) => {
+                            self.credits[e].add(taken);
+                            return;
+                        }
+                    }
+                }
+                self.used += u128::from(estimate);
+                self.in_flight.push((e, estimate, actual));
+            }
+            FleetOp::Finish(i) => {
+                if self.in_flight.is_empty() {
+                    return;
+                }
+                let (e, estimate, actual) = self.in_flight.remove(i % self.in_flight.len());
+                if actual <= estimate {
+                    self.credits[e].add(estimate - actual);
+                } else {
+                    let owed = actual - estimate;
+                    let from_credit = self.credits[e].take(owed);
+                    if owed > from_credit {
+                        self.g.charge(&self.rate, self.now, owed - from_credit);
+                        self.under += u128::from(owed - from_credit);
+                    }
+                }
+                self.used = self.used + u128::from(actual) - u128::from(estimate);
+            }
+            FleetOp::Return(edge) => {
+                let units = self.credits[edge % n].take_all();
+                self.g.refund(&self.rate, units);
+            }
+        }
+    }
+
+    fn check_bound(&self) {
+        let period = u128::from(self.rate.period().as_micros() as u64);
+        let limit = u128::from(self.rate.limit());
+        let elapsed = u128::from(self.now - self.t0);
+        assert!(
+            self.used * period <= limit * elapsed + limit * period + self.under * period,
+            "a fleet of {} used {} units in {elapsed} us at {limit} per {period} us (underestimates {})",
+            self.credits.len(),
+            self.used,
+            self.under
+        );
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Several Edges borrowing from one store keep the single store's bound.
+    #[test]
+    fn a_fleet_borrowing_from_one_store_keeps_the_bound(
+        rate in rate(),
+        edges in 1usize..6,
+        ahead in 0u64..300,
+        share in 1u64..8,
+        ops in prop::collection::vec(fleet_op(), 1..200),
+    ) {
+        let t0 = 1_767_225_600_000_000;
+        let mut f = Fleet {
+            rate,
+            g: Gcra::default(),
+            credits: vec![Credit::default(); edges],
+            ahead,
+            share,
+            t0,
+            now: t0,
+            in_flight: Vec::new(),
+            used: 0,
+            under: 0,
+        };
+        for op in ops {
+            f.step(op);
+            f.check_bound();
+        }
+    }
 
     #[test]
     fn any_interleaving_keeps_the_bound(rate in rate(), ops in prop::collection::vec(op(), 1..200)) {

@@ -46,6 +46,8 @@
 //! - A request the Edge could not send (no provider within the wait, a refused lease) keeps
 //!   its request unit but gives its tokens back.
 
+pub mod shared;
+
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
