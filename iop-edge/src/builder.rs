@@ -468,7 +468,12 @@ impl EdgeBuilder {
                     message: format!("{id}: no key has this id"),
                 });
             }
-            config.http.limiter = Some(Arc::new(crate::limits::Limiter::new(limits)));
+            let limiter =
+                crate::limits::Limiter::new(limits).map_err(|e| ConfigError::Invalid {
+                    key: "auth.shared.redis",
+                    message: e.to_string(),
+                })?;
+            config.http.limiter = Some(Arc::new(limiter));
         }
         config.http.api_keys = api_keys;
         Ok(config)

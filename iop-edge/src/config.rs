@@ -214,6 +214,97 @@ pub struct Auth {
     /// `[auth.key_limits.<id>]`: one key's limits (replacing `[auth.limits]` for it).
     #[serde(default)]
     pub key_limits: BTreeMap<String, KeyLimitsToml>,
+    /// `[auth.shared]`: share the limits with other Edges through Redis.
+    pub shared: Option<SharedToml>,
+}
+
+/// `[auth.shared]` ([`crate::limits::SharedConfig`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedToml {
+    /// `redis`: the store's URL.
+    pub redis: Option<String>,
+    /// `redis_env`: or the variable holding it (a URL with a password stays out of the file).
+    pub redis_env: Option<String>,
+    /// `prefix` (default `iop:rl`).
+    pub prefix: Option<String>,
+    /// `on_unavailable`: `local` (default) or `closed`.
+    pub on_unavailable: Option<String>,
+    /// `borrow_divisor` (default 16).
+    pub borrow_divisor: Option<u64>,
+    /// `share` (default 4).
+    pub share: Option<u64>,
+    /// `timeout_ms` (default 250).
+    pub timeout_ms: Option<u64>,
+    /// `credit_idle_ms` (default 2000).
+    pub credit_idle_ms: Option<u64>,
+}
+
+impl SharedToml {
+    fn build(&self) -> Result<crate::limits::SharedConfig, ConfigError> {
+        let url = match (&self.redis, &self.redis_env) {
+            (Some(u), None) => u.clone(),
+            (None, Some(var)) => std::env::var(var)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| {
+                    invalid(
+                        "auth.shared.redis_env",
+                        format!("environment variable {var} is not set or empty"),
+                    )
+                })?,
+            _ => {
+                return Err(invalid(
+                    "auth.shared",
+                    "set exactly one of redis and redis_env",
+                ));
+            }
+        };
+        let mut c = crate::limits::SharedConfig::new(url);
+        if let Some(p) = &self.prefix {
+            if p.is_empty() || p.contains(['{', '}']) {
+                return Err(invalid(
+                    "auth.shared.prefix",
+                    "must be non-empty, without { or } (the key id is the hash tag)",
+                ));
+            }
+            c.prefix = p.clone();
+        }
+        c.on_unavailable = match self.on_unavailable.as_deref() {
+            None | Some("local") => crate::limits::OnUnavailable::Local,
+            Some("closed") => crate::limits::OnUnavailable::Closed,
+            Some(other) => {
+                return Err(invalid(
+                    "auth.shared.on_unavailable",
+                    format!("`{other}`: expected `local` or `closed`"),
+                ));
+            }
+        };
+        for (key, value, slot) in [
+            (
+                "auth.shared.borrow_divisor",
+                self.borrow_divisor,
+                &mut c.borrow_divisor,
+            ),
+            ("auth.shared.share", self.share, &mut c.share),
+        ] {
+            match value {
+                Some(0) => return Err(invalid(key, "must be at least 1")),
+                Some(v) => *slot = v,
+                None => {}
+            }
+        }
+        if let Some(ms) = self.timeout_ms {
+            if ms == 0 {
+                return Err(invalid("auth.shared.timeout_ms", "must be at least 1"));
+            }
+            c.timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = self.credit_idle_ms {
+            c.credit_idle = Duration::from_millis(ms.max(10));
+        }
+        Ok(c)
+    }
 }
 
 /// A key's limits as written (`[auth.limits]`, `[auth.key_limits.<id>]`); each omitted limit
@@ -335,6 +426,25 @@ impl Auth {
             config
                 .keys
                 .insert(id.clone(), l.build("auth.key_limits", models)?);
+        }
+        if let Some(shared) = &self.shared {
+            config.shared = Some(shared.build()?);
+            let rates = std::iter::once(&config.default)
+                .chain(config.keys.values())
+                .flat_map(|k| std::iter::once(&k.limits).chain(k.models.values()))
+                .flat_map(|l| [l.requests, l.tokens])
+                .flatten();
+            for rate in rates {
+                if !crate::limits::shared::exact_in_lua(&rate) {
+                    return Err(invalid(
+                        "auth.shared",
+                        format!(
+                            "a shared limit of {} per minute is more than the store computes exactly (150000000)",
+                            rate.limit()
+                        ),
+                    ));
+                }
+            }
         }
         Ok((!config.is_unlimited()).then_some(config))
     }
@@ -710,8 +820,13 @@ impl EdgeConfigFile {
         let limiter = match (&self.auth, &api_keys) {
             (Some(a), Some(keys)) => {
                 let names: BTreeSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
-                a.limits(keys, &names)?
-                    .map(|c| Arc::new(crate::limits::Limiter::new(c)))
+                match a.limits(keys, &names)? {
+                    Some(c) => Some(Arc::new(
+                        crate::limits::Limiter::new(c)
+                            .map_err(|e| invalid("auth.shared.redis", e))?,
+                    )),
+                    None => None,
+                }
             }
             _ => None,
         };

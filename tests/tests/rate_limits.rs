@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_edge::config::EdgeConfigFile;
-use iop_edge::limits::{KeyLimits, Limiter, LimitsConfig};
+use iop_edge::limits::{KeyLimits, Limiter, LimitsConfig, OnUnavailable, SharedConfig};
 use iop_edge::ratelimit::{Limits, Rate};
 use iop_edge::{Lifecycle, bind, http};
 use iop_node::credential::LocalKey;
@@ -39,6 +39,11 @@ const REQ_KEY: &str = "gw-limits-requests";
 const TOK_KEY: &str = "gw-limits-tokens";
 const CON_KEY: &str = "gw-limits-concurrent";
 const FREE_KEY: &str = "gw-limits-free";
+const TEAM_KEY: &str = "gw-limits-team";
+const BIG_KEY: &str = "gw-limits-big";
+/// The shared key's limits (per `TICK` × limit seconds: nothing replenishes in a test).
+const TEAM_REQUESTS: u64 = 40;
+const TEAM_TOKENS: u64 = 3000;
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// One token per `TICK` seconds: nothing replenishes between two requests of a test.
@@ -100,6 +105,12 @@ capacity = 16
 }
 
 async fn mesh() -> Mesh {
+    mesh_with("", None).await
+}
+
+/// A mesh whose `[auth]` has `extra` appended; with `shared`, the limits are shared through
+/// that store.
+async fn mesh_with(extra: &str, shared: Option<SharedConfig>) -> Mesh {
     let chat = Upstream::start(Kind::ChatOnly, UPSTREAM_KEY, "fake-model").await;
     let anthropic = Upstream::start(Kind::Anthropic, UPSTREAM_KEY, "fake-model").await;
     let ca = Ca::new("limits CA");
@@ -118,7 +129,7 @@ async fn mesh() -> Mesh {
     std::fs::write(
         &keys,
         format!(
-            "# gateway keys: <key or sha256:hex> [id]\n{REQ_KEY} req\n{} tok\n{CON_KEY} con\n{FREE_KEY}\n",
+            "# gateway keys: <key or sha256:hex> [id]\n{REQ_KEY} req\n{} tok\n{CON_KEY} con\n{FREE_KEY}\n{TEAM_KEY} team\n{BIG_KEY} big\n",
             http::ApiKeys::digest_line(TOK_KEY)
         ),
     )
@@ -140,7 +151,7 @@ tokens_per_minute = 1000
 requests_per_minute = 100
 [auth.key_limits.con]
 concurrent = 1
-"#,
+{extra}"#,
         keys.display()
     );
     let text = config_text(&dir, &chat.base_url(), &anthropic.base_url(), &auth);
@@ -173,11 +184,20 @@ concurrent = 1
     keys.insert("req".to_owned(), limits(slow_rate(3), None, None));
     keys.insert("tok".to_owned(), limits(None, slow_rate(1000), None));
     keys.insert("con".to_owned(), limits(None, None, Some(1)));
-    built.http.limiter = Some(Arc::new(Limiter::new(LimitsConfig {
-        keys,
-        output_estimate: 64,
-        ..LimitsConfig::default()
-    })));
+    keys.insert(
+        "team".to_owned(),
+        limits(slow_rate(TEAM_REQUESTS), slow_rate(TEAM_TOKENS), None),
+    );
+    keys.insert("big".to_owned(), limits(slow_rate(1_000_000), None, None));
+    built.http.limiter = Some(Arc::new(
+        Limiter::new(LimitsConfig {
+            keys,
+            output_estimate: 64,
+            shared,
+            ..LimitsConfig::default()
+        })
+        .unwrap(),
+    ));
     let (edge, _) = bind(built.transport).await.unwrap();
     let mut life = edge.subscribe();
     let tls = pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
@@ -584,6 +604,41 @@ fn limit_settings_errors_name_their_key() {
         let e = build(auth).unwrap_err();
         assert!(e.contains(expected), "{auth}: {e}");
     }
+    // [auth.shared].
+    build("[auth.limits]\nrequests_per_minute = 10\n[auth.shared]\nredis = \"redis://127.0.0.1:9/\"\non_unavailable = \"closed\"\n").unwrap();
+    for (auth, expected) in [
+        (
+            "[auth.shared]\nredis = \"redis://x/\"\non_unavailable = \"maybe\"\n",
+            "auth.shared.on_unavailable: `maybe`: expected `local` or `closed`",
+        ),
+        (
+            "[auth.shared]\nredis = \"redis://x/\"\nredis_env = \"X\"\n",
+            "auth.shared: set exactly one of redis and redis_env",
+        ),
+        (
+            "[auth.shared]\nredis_env = \"IOP_SURELY_UNSET_REDIS\"\n",
+            "auth.shared.redis_env: environment variable IOP_SURELY_UNSET_REDIS is not set or empty",
+        ),
+        (
+            "[auth.shared]\nredis = \"redis://x/\"\nprefix = \"a{b}\"\n",
+            "auth.shared.prefix: must be non-empty",
+        ),
+        (
+            "[auth.shared]\nredis = \"redis://x/\"\nshare = 0\n",
+            "auth.shared.share: must be at least 1",
+        ),
+        (
+            "[auth.limits]\ntokens_per_minute = 200000000\n[auth.shared]\nredis = \"redis://x/\"\n",
+            "more than the store computes exactly",
+        ),
+        (
+            "[auth.limits]\nconcurrent = 2\n[auth.shared]\nredis = \"nope://x\"\n",
+            "auth.shared.redis: rate limit store unavailable",
+        ),
+    ] {
+        let e = build(auth).unwrap_err();
+        assert!(e.contains(expected), "{auth}: {e}");
+    }
     // A key file line with a bad id names its line.
     std::fs::write(&keys, "sk-a team/a\n").unwrap();
     let e = build("").unwrap_err();
@@ -592,4 +647,238 @@ fn limit_settings_errors_name_their_key() {
     let e = build("").unwrap_err();
     assert!(e.contains("key id same is used twice"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+// === Shared through Redis ===
+
+/// A private `redis-server` on a free loopback port, which a test may kill and start again
+/// on the same port.
+struct Redis {
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl Redis {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut r = Self { port, child: None };
+        r.restart();
+        r
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    fn restart(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is required: apt-get install redis-server (scripts/test-all.sh installs it)");
+        self.child = Some(child);
+        for _ in 0..500 {
+            if self.ping() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("redis-server did not answer on port {}", self.port);
+    }
+
+    fn ping(&self) -> bool {
+        use std::io::{Read as _, Write as _};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn keys(&self, pattern: &str) -> usize {
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut conn = client.get_connection().unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut conn).unwrap();
+        keys.len()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn metric(base: &str, line_start: &str) -> u64 {
+    let text = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start))
+        .map_or(0, |v| v.trim().parse::<f64>().unwrap() as u64)
+}
+
+#[tokio::test]
+async fn two_edges_share_one_keys_requests_and_tokens_through_redis() {
+    tokio::time::timeout(LIMIT, async {
+        let redis = Redis::start();
+        let shared = SharedConfig::new(redis.url());
+        // The file's [auth.shared] is read (the test then sets the same store in code).
+        let extra = format!(
+            "[auth.shared]\nredis = \"{}\"\non_unavailable = \"closed\"\nborrow_divisor = 8\n",
+            redis.url()
+        );
+        let a = mesh_with(&extra, Some(shared.clone())).await;
+        let b = mesh_with(&extra, Some(shared)).await;
+        // 100 requests at once, half on each Edge; each reserves its cap (40) plus its input
+        // estimate, and uses less (an upper-bound estimate: U = 0, no overshoot at all).
+        let mut calls = Vec::new();
+        for i in 0..100 {
+            let base = if i % 2 == 0 {
+                a.base.clone()
+            } else {
+                b.base.clone()
+            };
+            calls.push(tokio::spawn(async move {
+                let r = post(
+                    &base,
+                    "/v1/chat/completions",
+                    TEAM_KEY,
+                    &chat("via-chat", false),
+                )
+                .await;
+                let status = r.status().as_u16();
+                let used = if status == 200 {
+                    let v: Value = r.json().await.unwrap();
+                    v["usage"]["total_tokens"].as_u64().unwrap()
+                } else {
+                    assert_eq!(status, 429);
+                    // Refused by the store or by this Edge's memory of its refusal: the wait
+                    // until one more request fits (1000 s per request, less what has passed).
+                    let retry = number(&r, "retry-after");
+                    assert!((TICK - 60..=TICK).contains(&retry), "retry-after {retry}");
+                    0
+                };
+                (status, used)
+            }));
+        }
+        let mut admitted = 0;
+        let mut tokens = 0;
+        for c in calls {
+            let (status, used) = c.await.unwrap();
+            if status == 200 {
+                admitted += 1;
+                tokens += used;
+            }
+        }
+        // Together no more than the limits (nothing replenishes in the test's time).
+        assert!(admitted <= TEAM_REQUESTS, "{admitted} requests admitted");
+        assert!(tokens <= TEAM_TOKENS, "{tokens} tokens used");
+        // And not much less: each Edge holds at most limit / 8 borrowed ahead when its last
+        // request was admitted.
+        let estimate = 40 + input_estimate("count my tokens please");
+        let by_tokens = TEAM_TOKENS / estimate;
+        assert!(
+            admitted + 2 * (TEAM_REQUESTS / 8) + 2 >= TEAM_REQUESTS.min(by_tokens),
+            "only {admitted} admitted"
+        );
+        let borrows = metric(
+            &a.base,
+            "iop_edge_ratelimit_store_calls_total{op=\"borrow\"} ",
+        )
+        .await
+            + metric(
+                &b.base,
+                "iop_edge_ratelimit_store_calls_total{op=\"borrow\"} ",
+            )
+            .await;
+        eprintln!(
+            "two Edges: {admitted} of 100 admitted, {tokens} tokens, {borrows} store borrows"
+        );
+        assert!(borrows < 100, "{borrows} store calls for 100 requests");
+        // The store holds the key's state under its hash tag.
+        assert_eq!(redis.keys("iop:rl:{team}:*"), 2);
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[tokio::test]
+async fn redis_killed_and_restarted_under_load_fails_as_configured_and_recovers() {
+    tokio::time::timeout(LIMIT, async {
+        let mut redis = Redis::start();
+        let mut local = SharedConfig::new(redis.url());
+        local.borrow_divisor = u64::MAX;
+        let mut closed = local.clone();
+        closed.on_unavailable = OnUnavailable::Closed;
+        let open = mesh_with("", Some(local)).await;
+        let shut = mesh_with("", Some(closed)).await;
+        let ok = |base: String| async move {
+            post(
+                &base,
+                "/v1/chat/completions",
+                BIG_KEY,
+                &chat("via-chat", false),
+            )
+            .await
+        };
+        assert_eq!(ok(open.base.clone()).await.status(), 200);
+        assert_eq!(ok(shut.base.clone()).await.status(), 200);
+        redis.kill();
+        // Every request borrows (a share of 1): the store is on every request's path.
+        let r = ok(open.base.clone()).await;
+        assert_eq!(
+            r.status(),
+            200,
+            "on_unavailable = local: this Edge alone decides"
+        );
+        assert!(header(&r, "x-ratelimit-remaining-requests").is_some());
+        let r = ok(shut.base.clone()).await;
+        assert_eq!(r.status(), 503, "on_unavailable = closed");
+        assert_eq!(number(&r, "retry-after"), 1);
+        assert!(metric(&open.base, "iop_edge_ratelimit_store_errors_total ").await >= 1);
+        assert!(
+            metric(
+                &shut.base,
+                "iop_edge_ratelimit_store_unavailable_total{key=\"big\"} "
+            )
+            .await
+                >= 1
+        );
+        // Back on the same port: both recover without a restart (the reconnect waits at most
+        // a second between attempts; polled, not timed).
+        redis.restart();
+        for base in [&open.base, &shut.base] {
+            let before = redis.keys("iop:rl:{big}:*");
+            assert_eq!(before, 0, "a fresh Redis");
+            loop {
+                let r = ok(base.clone()).await;
+                if r.status() == 200 && redis.keys("iop:rl:{big}:*") == 1 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            redis.kill();
+            redis.restart();
+        }
+    })
+    .await
+    .expect("within the limit");
 }

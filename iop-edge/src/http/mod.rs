@@ -587,14 +587,11 @@ fn authenticate(
 }
 
 /// The key's rate limits for one request ([`crate::limits`]): a hold (empty when nothing
-/// limits the key), or 429 in the route's dialect with `retry-after` and the quota headers.
+/// limits the key), or 429 in the route's dialect with `retry-after` and the quota headers
+/// (503 + `retry-after: 1` when shared limits fail closed and their store is unavailable).
 /// `chat` gives the request's chat form, for the input estimate; it is called only when a
 /// token limit applies.
-#[expect(
-    clippy::result_large_err,
-    reason = "the error is the response itself, returned at once"
-)]
-fn limit(
+async fn limit(
     state: &AppState,
     dialect: Dialect,
     caller: &Caller,
@@ -612,24 +609,32 @@ fn limit(
     } else {
         0
     };
-    limiter.admit(key, group, estimate).map_err(|refused| {
-        let mut r = render::error_with_code(
-            dialect,
-            StatusCode::TOO_MANY_REQUESTS,
-            &refused.message(),
-            Some("rate_limit_exceeded"),
-        );
-        let h = r.headers_mut();
-        refused.quota.write_headers(dialect, SystemTime::now(), h);
-        if let Some(secs) = refused.retry_after_secs() {
-            h.insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
-            let ms = refused.retry_after.map_or(secs.saturating_mul(1000), |d| {
-                u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-            });
-            h.insert("retry-after-ms", header::HeaderValue::from(ms));
+    let refused = match limiter.admit(key, group, estimate).await {
+        Ok(hold) => return Ok(hold),
+        Err(crate::limits::LimitError::Refused(r)) => r,
+        Err(_) => {
+            let mut r = render::overloaded(dialect, "rate limit store unavailable");
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(1));
+            return Err(r);
         }
-        r
-    })
+    };
+    let mut r = render::error_with_code(
+        dialect,
+        StatusCode::TOO_MANY_REQUESTS,
+        &refused.message(),
+        Some("rate_limit_exceeded"),
+    );
+    let h = r.headers_mut();
+    refused.quota.write_headers(dialect, SystemTime::now(), h);
+    if let Some(secs) = refused.retry_after_secs() {
+        h.insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+        let ms = refused.retry_after.map_or(secs.saturating_mul(1000), |d| {
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+        });
+        h.insert("retry-after-ms", header::HeaderValue::from(ms));
+    }
+    Err(r)
 }
 
 /// `response` with the quota headers of `hold` (none for an unlimited key).
@@ -887,7 +892,9 @@ async fn serve_route(
     }
     let hold = match limit(state, dialect, &caller, &group, &parsed.json, || {
         (route.to_chat)(&parsed.json)
-    }) {
+    })
+    .await
+    {
         Ok(h) => h,
         Err(r) => return r,
     };

@@ -55,7 +55,7 @@ use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderValue};
 use iop_dialect::Dialect;
-use iop_edge_core::ratelimit::{Admitted, Decision, Exceeded, KeyState, Limits, Rate};
+use iop_edge_core::ratelimit::{Admitted, Credit, Decision, Exceeded, KeyState, Limits, Rate};
 use iop_wire::runtime::Usage;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -94,6 +94,59 @@ pub struct LimitsConfig {
     pub keys: BTreeMap<String, KeyLimits>,
     /// Output tokens reserved for a request that names no output cap.
     pub output_estimate: u64,
+    /// Share the keys' request and token limits with other Edges through Redis; `None`: this
+    /// Edge enforces them alone.
+    pub shared: Option<SharedConfig>,
+}
+
+/// What an Edge does when the shared store cannot decide (down, slow, unreachable).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnUnavailable {
+    /// Enforce each key's limits in this Edge alone until the store answers again (the
+    /// default): requests keep flowing, and N Edges together may admit up to N times a limit
+    /// while the store is away.
+    #[default]
+    Local,
+    /// Refuse every limited request (503, `retry-after: 1`) until the store answers again.
+    Closed,
+}
+
+/// Limits shared by several Edges through Redis ([`shared`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedConfig {
+    /// `redis://host:port/db` (`rediss://` for TLS).
+    pub url: String,
+    /// Prefix of every key (default `iop:rl`).
+    pub prefix: String,
+    /// When the store cannot decide.
+    pub on_unavailable: OnUnavailable,
+    /// A borrow takes up to `limit / borrow_divisor` units ahead of need (default 16): the
+    /// larger, the more requests an Edge admits without a round trip, and the more quota an
+    /// idle Edge holds (until [`SharedConfig::credit_idle`] gives it back).
+    pub borrow_divisor: u64,
+    /// The units taken ahead are at most `1/share` of what remains (default 4): shares shrink
+    /// as a key nears its limit.
+    pub share: u64,
+    /// Each store call is bounded by this (default 250 ms); past it, the store is unavailable
+    /// for that request.
+    pub timeout: Duration,
+    /// Credit unused this long goes back to the store (default 2 s).
+    pub credit_idle: Duration,
+}
+
+impl SharedConfig {
+    /// The defaults, at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            prefix: "iop:rl".into(),
+            on_unavailable: OnUnavailable::Local,
+            borrow_divisor: 16,
+            share: 4,
+            timeout: Duration::from_millis(250),
+            credit_idle: Duration::from_secs(2),
+        }
+    }
 }
 
 /// Default [`LimitsConfig::output_estimate`].
@@ -105,6 +158,7 @@ impl Default for LimitsConfig {
             default: KeyLimits::default(),
             keys: BTreeMap::new(),
             output_estimate: DEFAULT_OUTPUT_ESTIMATE,
+            shared: None,
         }
     }
 }
@@ -297,11 +351,94 @@ impl Refused {
     }
 }
 
+/// Which limited quantity: the key's or its per-model limit's, requests or tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Requests { per_model: bool },
+    Tokens { per_model: bool },
+}
+
+impl Slot {
+    fn index(self) -> usize {
+        match self {
+            Self::Requests { .. } => 0,
+            Self::Tokens { .. } => 1,
+        }
+    }
+
+    fn per_model(self) -> bool {
+        match self {
+            Self::Requests { per_model } | Self::Tokens { per_model } => per_model,
+        }
+    }
+
+    fn kind(self) -> char {
+        match self {
+            Self::Requests { .. } => 'r',
+            Self::Tokens { .. } => 't',
+        }
+    }
+
+    fn exceeded(self) -> Exceeded {
+        match self {
+            Self::Requests { .. } => Exceeded::Requests,
+            Self::Tokens { .. } => Exceeded::Tokens,
+        }
+    }
+}
+
+/// One limit's state on this Edge: the in-process rule (local mode; in shared mode only its
+/// in-flight count, and the whole rule again while the store is unavailable and
+/// [`OnUnavailable::Local`]), and in shared mode the credit borrowed from the store and what
+/// the store last said, per quantity (requests, tokens).
+#[derive(Debug, Default)]
+struct LimitState {
+    rule: KeyState,
+    credit: [Credit; 2],
+    shown: [Option<Shown>; 2],
+    /// The store refused a borrow of `need` units until `until_us` (this limiter's clock): a
+    /// request needing as much is refused here until then, without a round trip (the store
+    /// could only be less strict if another Edge gave credit back meanwhile).
+    blocked: [Option<Blocked>; 2],
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Blocked {
+    until_us: u64,
+    need: u64,
+}
+
+impl LimitState {
+    /// In shared mode, what a client is told for `slot`: what the store last said remained,
+    /// plus this Edge's credit.
+    fn shown(&self, slot: Slot) -> Option<Shown> {
+        let i = slot.index();
+        self.shown[i].map(|s| Shown {
+            remaining: s.remaining.saturating_add(self.credit[i].units()),
+            ..s
+        })
+    }
+}
+
 #[derive(Debug, Default)]
 struct KeyEntry {
     id: Arc<str>,
-    state: KeyState,
-    models: HashMap<String, KeyState>,
+    own: LimitState,
+    models: HashMap<String, LimitState>,
+    /// Last admission (µs on the limiter's clock), for giving idle credit back.
+    last_used: u64,
+    /// Held while this Edge borrows for the key.
+    borrowing: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl KeyEntry {
+    fn state(&mut self, slot: Slot, model: &str) -> Option<&mut LimitState> {
+        if slot.per_model() {
+            self.models.get_mut(model)
+        } else {
+            Some(&mut self.own)
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -315,6 +452,11 @@ struct RefusedLabels {
     limit: &'static str,
 }
 
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
 /// The limiter's Prometheus metrics (labelled by key id: configured ids only).
 #[derive(Debug)]
 struct LimiterMetrics {
@@ -322,6 +464,9 @@ struct LimiterMetrics {
     admitted: Family<KeyLabel, Counter>,
     refused: Family<RefusedLabels, Counter>,
     in_flight: Family<KeyLabel, Gauge>,
+    store_calls: Family<OpLabel, Counter>,
+    store_errors: Counter,
+    unavailable: Family<KeyLabel, Counter>,
 }
 
 impl LimiterMetrics {
@@ -345,33 +490,87 @@ impl LimiterMetrics {
             "Requests of a rate-limited key in flight",
             in_flight.clone(),
         );
+        let store_calls = Family::<OpLabel, Counter>::default();
+        registry.register(
+            "iop_edge_ratelimit_store_calls",
+            "Calls to the shared limits' Redis store, by operation (borrow, charge, refund)",
+            store_calls.clone(),
+        );
+        let store_errors = Counter::default();
+        registry.register(
+            "iop_edge_ratelimit_store_errors",
+            "Shared limits' store calls that failed (down, slow, unreachable)",
+            store_errors.clone(),
+        );
+        let unavailable = Family::<KeyLabel, Counter>::default();
+        registry.register(
+            "iop_edge_ratelimit_store_unavailable",
+            "Requests decided without the shared store: by this Edge alone (on_unavailable = local) or refused (closed)",
+            unavailable.clone(),
+        );
         Self {
             registry,
             admitted,
             refused,
             in_flight,
+            store_calls,
+            store_errors,
+            unavailable,
         }
     }
 }
 
-/// The in-process limiter: one Edge enforces each key's [`Limits`] alone.
+/// Why [`Limiter::admit`] did not admit a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LimitError {
+    /// The key's limits refuse it (429).
+    Refused(Refused),
+    /// Shared limits with [`OnUnavailable::Closed`], and the store cannot decide (503).
+    Unavailable,
+}
+
+/// How often a store outage is logged (it is counted every time).
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// The limiter: in process, or shared through Redis ([`LimitsConfig::shared`]).
 #[derive(Debug)]
 pub struct Limiter {
     config: LimitsConfig,
     epoch: tokio::time::Instant,
     keys: Mutex<HashMap<String, KeyEntry>>,
     metrics: LimiterMetrics,
+    store: Option<shared::RateStore>,
+    warned: Mutex<Option<tokio::time::Instant>>,
+    returner: std::sync::OnceLock<()>,
+}
+
+/// A quantity one admission asks of the store.
+struct Ask {
+    slot: Slot,
+    rate: Rate,
+    cost: u64,
+    /// Taken from this Edge's credit already.
+    taken: u64,
 }
 
 impl Limiter {
-    /// A limiter enforcing `config`, its clock starting now.
-    pub fn new(config: LimitsConfig) -> Self {
-        Self {
+    /// A limiter enforcing `config`, its clock starting now. With [`LimitsConfig::shared`],
+    /// nothing connects until the first request; a URL that does not parse is an error here.
+    pub fn new(config: LimitsConfig) -> Result<Self, shared::StoreError> {
+        let store = match &config.shared {
+            Some(s) => Some(shared::RateStore::new(&s.url, &s.prefix, s.timeout)?),
+            None => None,
+        };
+        Ok(Self {
             config,
             epoch: tokio::time::Instant::now(),
             keys: Mutex::new(HashMap::new()),
             metrics: LimiterMetrics::new(),
-        }
+            store,
+            warned: Mutex::new(None),
+            returner: std::sync::OnceLock::new(),
+        })
     }
 
     /// What it enforces.
@@ -389,16 +588,13 @@ impl Limiter {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Admits one request of key `key` to model group `model`, reserving `estimate` tokens,
-    /// or refuses it having taken nothing. A key without limits gets an empty [`Hold`].
-    pub fn admit(self: &Arc<Self>, key: &str, model: &str, estimate: u64) -> Result<Hold, Refused> {
-        let limits = self.config.of(key);
-        let model_limits = limits.models.get(model);
-        if limits.limits == Limits::default() && model_limits.is_none() {
-            return Ok(Hold::default());
-        }
-        let now = self.now_us();
-        let mut keys = self.lock();
+    /// The entry of `key` (and its state for `model` when `per_model`), made on first use.
+    fn entry<'a>(
+        keys: &'a mut HashMap<String, KeyEntry>,
+        key: &str,
+        model: &str,
+        per_model: bool,
+    ) -> &'a mut KeyEntry {
         if !keys.contains_key(key) {
             keys.insert(
                 key.to_owned(),
@@ -408,19 +604,57 @@ impl Limiter {
                 },
             );
         }
-        let Some(entry) = keys.get_mut(key) else {
-            return Ok(Hold::default());
-        };
-        if model_limits.is_some() && !entry.models.contains_key(model) {
-            entry.models.insert(model.to_owned(), KeyState::default());
+        #[expect(
+            clippy::unwrap_used,
+            reason = "inserted just above, under the same lock"
+        )]
+        let entry = keys.get_mut(key).unwrap();
+        if per_model && !entry.models.contains_key(model) {
+            entry.models.insert(model.to_owned(), LimitState::default());
         }
-        let model_state = model_limits.and(entry.models.get_mut(model));
-        // Every limit is checked before any is charged.
-        let own = entry.state.check(&limits.limits, now, estimate);
-        let per_model = match (model_limits, &model_state) {
-            (Some(l), Some(s)) => s.check(l, now, estimate),
+        entry
+    }
+
+    /// Admits one request of key `key` to model group `model`, reserving `estimate` tokens,
+    /// or refuses it having taken nothing. A key without limits gets an empty [`Hold`].
+    pub async fn admit(
+        self: &Arc<Self>,
+        key: &str,
+        model: &str,
+        estimate: u64,
+    ) -> Result<Hold, LimitError> {
+        let limits = self.config.of(key);
+        let model_limits = limits.models.get(model);
+        if limits.limits == Limits::default() && model_limits.is_none() {
+            return Ok(Hold::default());
+        }
+        match (&self.store, &self.config.shared) {
+            (Some(store), Some(shared)) => {
+                self.admit_shared(store, shared, key, model, estimate).await
+            }
+            _ => self.admit_local(key, model, estimate),
+        }
+    }
+
+    /// The in-process rule: this Edge alone.
+    fn admit_local(
+        self: &Arc<Self>,
+        key: &str,
+        model: &str,
+        estimate: u64,
+    ) -> Result<Hold, LimitError> {
+        let limits = self.config.of(key);
+        let model_limits = limits.models.get(model);
+        let now = self.now_us();
+        let mut keys = self.lock();
+        let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
+        entry.last_used = now;
+        let own = entry.own.rule.check(&limits.limits, now, estimate);
+        let per_model = match (model_limits, entry.models.get(model)) {
+            (Some(l), Some(s)) => s.rule.check(l, now, estimate),
             _ => Ok(()),
         };
+        // Every limit is checked before any is charged.
         let refusal = match (own, per_model) {
             (Ok(()), Ok(())) => None,
             (Err(r), Ok(())) => Some((r, false)),
@@ -435,22 +669,17 @@ impl Limiter {
         };
         if let Some((r, per_model)) = refusal {
             let quota = Quota::of(&limits.limits, r.requests.as_ref(), r.tokens.as_ref());
-            self.metrics
-                .refused
-                .get_or_create(&RefusedLabels {
-                    key: Arc::clone(&entry.id),
-                    limit: r.exceeded.as_str(),
-                })
-                .inc();
-            return Err(Refused {
+            let refused = Refused {
                 exceeded: r.exceeded,
                 per_model,
                 retry_after: r.retry_after,
                 quota,
-            });
+            };
+            self.count_refusal(&entry.id, &refused);
+            return Err(LimitError::Refused(refused));
         }
-        let (model_admitted, model_quota) = match (model_limits, model_state) {
-            (Some(l), Some(s)) => match s.admit(l, now, estimate) {
+        let (model_admitted, model_quota) = match (model_limits, entry.models.get_mut(model)) {
+            (Some(l), Some(s)) => match s.rule.admit(l, now, estimate) {
                 Ok(a) => {
                     let q = Quota::of(l, a.requests.as_ref(), a.token_decision.as_ref());
                     (Some(a), q)
@@ -459,7 +688,7 @@ impl Limiter {
             },
             _ => (None, Quota::default()),
         };
-        let (own_admitted, own_quota) = match entry.state.admit(&limits.limits, now, estimate) {
+        let (own_admitted, own_quota) = match entry.own.rule.admit(&limits.limits, now, estimate) {
             Ok(a) => {
                 let q = Quota::of(
                     &limits.limits,
@@ -470,57 +699,515 @@ impl Limiter {
             }
             Err(_) => (None, Quota::default()),
         };
-        let label = KeyLabel {
-            key: Arc::clone(&entry.id),
-        };
-        self.metrics.admitted.get_or_create(&label).inc();
-        self.metrics.in_flight.get_or_create(&label).inc();
+        let id = Arc::clone(&entry.id);
+        self.count_admission(&id);
         Ok(Hold {
             limiter: Some(Arc::clone(self)),
-            key: Some(Arc::clone(&entry.id)),
+            key: Some(id),
             model: model_admitted.as_ref().map(|_| model.to_owned()),
             own: own_admitted,
             per_model: model_admitted,
+            shared: None,
             usage: None,
             sent: false,
             quota: own_quota.tighter(model_quota),
         })
     }
 
-    fn finish(&self, hold: &mut Hold) {
-        let Some(key) = hold.key.take() else { return };
+    fn count_admission(&self, id: &Arc<str>) {
+        let label = KeyLabel {
+            key: Arc::clone(id),
+        };
+        self.metrics.admitted.get_or_create(&label).inc();
+        self.metrics.in_flight.get_or_create(&label).inc();
+    }
+
+    fn count_refusal(&self, id: &Arc<str>, r: &Refused) {
+        self.metrics
+            .refused
+            .get_or_create(&RefusedLabels {
+                key: Arc::clone(id),
+                limit: r.exceeded.as_str(),
+            })
+            .inc();
+    }
+
+    /// Shared through the store: concurrency in this Edge, requests and tokens from this
+    /// Edge's credit, the rest borrowed in one store call.
+    async fn admit_shared(
+        self: &Arc<Self>,
+        store: &shared::RateStore,
+        shared: &SharedConfig,
+        key: &str,
+        model: &str,
+        estimate: u64,
+    ) -> Result<Hold, LimitError> {
+        self.start_returner();
+        let limits = self.config.of(key);
+        let model_limits = limits.models.get(model);
+        let concurrency = |l: &Limits| Limits {
+            requests: None,
+            tokens: None,
+            concurrent: l.concurrent,
+        };
         let now = self.now_us();
+        let mut asks = Vec::with_capacity(4);
+        let (own, per_model, id, borrowing) = {
+            let mut keys = self.lock();
+            let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
+            entry.last_used = now;
+            let concurrent_refusal = |per_model| Refused {
+                exceeded: Exceeded::Concurrent,
+                per_model,
+                retry_after: None,
+                quota: Quota::default(),
+            };
+            let Ok(own) = entry.own.rule.admit(&concurrency(&limits.limits), now, 0) else {
+                let r = concurrent_refusal(false);
+                self.count_refusal(&entry.id, &r);
+                return Err(LimitError::Refused(r));
+            };
+            let per_model = match (model_limits, entry.models.get_mut(model)) {
+                (Some(l), Some(s)) => match s.rule.admit(&concurrency(l), now, 0) {
+                    Ok(a) => Some(a),
+                    Err(_) => {
+                        entry.own.rule.finish(&limits.limits, now, own, 0);
+                        let r = concurrent_refusal(true);
+                        self.count_refusal(&entry.id, &r);
+                        return Err(LimitError::Refused(r));
+                    }
+                },
+                _ => None,
+            };
+            let wanted = [
+                (
+                    Slot::Requests { per_model: false },
+                    limits.limits.requests,
+                    1,
+                ),
+                (
+                    Slot::Tokens { per_model: false },
+                    limits.limits.tokens,
+                    estimate,
+                ),
+                (
+                    Slot::Requests { per_model: true },
+                    model_limits.and_then(|l| l.requests),
+                    1,
+                ),
+                (
+                    Slot::Tokens { per_model: true },
+                    model_limits.and_then(|l| l.tokens),
+                    estimate,
+                ),
+            ];
+            for (slot, rate, cost) in wanted {
+                if let (Some(rate), Some(_)) = (rate, entry.state(slot, model)) {
+                    asks.push(Ask {
+                        slot,
+                        rate,
+                        cost,
+                        taken: 0,
+                    });
+                }
+            }
+            (
+                own,
+                per_model,
+                Arc::clone(&entry.id),
+                Arc::clone(&entry.borrowing),
+            )
+        };
+        let token_slots: Vec<Slot> = asks
+            .iter()
+            .map(|a| a.slot)
+            .filter(|s| matches!(s, Slot::Tokens { .. }))
+            .collect();
+        // Spends the credit if it covers every quantity; else takes what it has (the rest is
+        // borrowed) and says no.
+        let from_credit = |asks: &mut [Ask]| -> Result<bool, (Slot, u64)> {
+            let mut keys = self.lock();
+            let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
+            for a in asks.iter_mut() {
+                if let Some(s) = entry.state(a.slot, model) {
+                    a.taken += s.credit[a.slot.index()].take(a.cost - a.taken);
+                }
+            }
+            if asks.iter().all(|a| a.taken == a.cost) {
+                return Ok(true);
+            }
+            let now = self.now_us();
+            for a in asks.iter() {
+                let need = a.cost - a.taken;
+                if let Some(b) = entry
+                    .state(a.slot, model)
+                    .and_then(|s| s.blocked[a.slot.index()])
+                    && need >= b.need
+                    && now < b.until_us
+                {
+                    return Err((a.slot, b.until_us - now));
+                }
+            }
+            Ok(false)
+        };
+        // One borrow per key at a time on this Edge: requests that arrive while one is out
+        // wait for it and are then usually covered by what it took ahead (without this, a
+        // burst sends a borrow per request, and the shares taken ahead sit idle while the
+        // requests that asked are refused).
+        let mut _borrowing = None;
+        let mut covered = from_credit(&mut asks);
+        if covered == Ok(false) {
+            _borrowing = Some(borrowing.lock_owned().await);
+            covered = from_credit(&mut asks);
+        }
+        let answer = match covered {
+            Ok(true) => None,
+            Err((slot, wait_us)) => Some(Ok(shared::Borrowed {
+                allowed: false,
+                now_us: 0,
+                quantities: asks
+                    .iter()
+                    .map(|a| {
+                        let refusing = a.slot == slot;
+                        (
+                            0,
+                            Decision {
+                                allowed: !refusing,
+                                remaining: 0,
+                                reset_after: Duration::ZERO,
+                                retry_after: refusing.then(|| Duration::from_micros(wait_us)),
+                            },
+                        )
+                    })
+                    .collect(),
+            })),
+            Ok(false) => {
+                let q: Vec<shared::Quantity> = asks
+                    .iter()
+                    .map(|a| shared::Quantity {
+                        key: store.key(&id, a.slot.per_model().then_some(model), a.slot.kind()),
+                        rate: a.rate,
+                        units: a.cost - a.taken,
+                        ahead: a.rate.limit() / shared.borrow_divisor.max(1),
+                        share: shared.share,
+                    })
+                    .collect();
+                self.metrics
+                    .store_calls
+                    .get_or_create(&OpLabel { op: "borrow" })
+                    .inc();
+                Some(store.borrow(&q, None).await)
+            }
+        };
         let mut keys = self.lock();
-        let Some(entry) = keys.get_mut(&*key) else {
+        let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
+        let give_back = |entry: &mut KeyEntry, asks: &[Ask]| {
+            for a in asks {
+                if let Some(s) = entry.state(a.slot, model) {
+                    s.credit[a.slot.index()].add(a.taken);
+                }
+            }
+        };
+        let end_concurrency = |entry: &mut KeyEntry, own, per_model: Option<Admitted>| {
+            entry.own.rule.finish(&limits.limits, now, own, 0);
+            if let (Some(a), Some(l), Some(s)) =
+                (per_model, model_limits, entry.models.get_mut(model))
+            {
+                s.rule.finish(l, now, a, 0);
+            }
+        };
+        match answer {
+            None => {}
+            Some(Ok(b)) if b.allowed => {
+                for (a, (granted, d)) in asks.iter().zip(&b.quantities) {
+                    if let Some(s) = entry.state(a.slot, model) {
+                        let need = a.cost - a.taken;
+                        s.credit[a.slot.index()].add(granted.saturating_sub(need));
+                        s.shown[a.slot.index()] = Some(Shown::of(&a.rate, d));
+                        s.blocked[a.slot.index()] = None;
+                    }
+                }
+            }
+            Some(Ok(b)) => {
+                give_back(entry, &asks);
+                end_concurrency(entry, own, per_model);
+                // Of the quantities that refused, the longest wait (one that never fits first).
+                let mut refusing: Option<(Slot, Option<Duration>)> = None;
+                let from_store = b.now_us != 0;
+                let now = self.now_us();
+                for (a, (_, d)) in asks.iter().zip(&b.quantities) {
+                    if let (Some(s), true) = (entry.state(a.slot, model), from_store) {
+                        s.shown[a.slot.index()] = Some(Shown::of(&a.rate, d));
+                        s.blocked[a.slot.index()] = match (d.allowed, d.retry_after) {
+                            (false, Some(w)) => Some(Blocked {
+                                until_us: now.saturating_add(
+                                    u64::try_from(w.as_micros()).unwrap_or(u64::MAX),
+                                ),
+                                need: a.cost - a.taken,
+                            }),
+                            _ => None,
+                        };
+                    }
+                    if d.allowed {
+                        continue;
+                    }
+                    let longer = match refusing {
+                        None => true,
+                        Some((_, None)) => false,
+                        Some((_, Some(w))) => d.retry_after.is_none_or(|x| x > w),
+                    };
+                    if longer {
+                        refusing = Some((a.slot, d.retry_after));
+                    }
+                }
+                let (slot, retry_after) =
+                    refusing.unwrap_or((Slot::Requests { per_model: false }, None));
+                let refused = Refused {
+                    exceeded: slot.exceeded(),
+                    per_model: slot.per_model(),
+                    retry_after,
+                    quota: Self::shared_quota(entry, model),
+                };
+                self.count_refusal(&entry.id, &refused);
+                return Err(LimitError::Refused(refused));
+            }
+            Some(Err(e)) => {
+                give_back(entry, &asks);
+                end_concurrency(entry, own, per_model);
+                drop(keys);
+                self.store_failed(&e, &id);
+                return match shared.on_unavailable {
+                    OnUnavailable::Local => self.admit_local(key, model, estimate),
+                    OnUnavailable::Closed => Err(LimitError::Unavailable),
+                };
+            }
+        }
+        let quota = Self::shared_quota(entry, model);
+        drop(keys);
+        self.count_admission(&id);
+        Ok(Hold {
+            limiter: Some(Arc::clone(self)),
+            key: Some(id),
+            model: model_limits.map(|_| model.to_owned()),
+            own: Some(own),
+            per_model,
+            shared: Some(SharedHold {
+                reserved: estimate,
+                token_slots,
+            }),
+            usage: None,
+            sent: false,
+            quota,
+        })
+    }
+
+    fn shared_quota(entry: &KeyEntry, model: &str) -> Quota {
+        let own = Quota {
+            requests: entry.own.shown(Slot::Requests { per_model: false }),
+            tokens: entry.own.shown(Slot::Tokens { per_model: false }),
+        };
+        let per_model = entry
+            .models
+            .get(model)
+            .map_or_else(Quota::default, |s| Quota {
+                requests: s.shown(Slot::Requests { per_model: true }),
+                tokens: s.shown(Slot::Tokens { per_model: true }),
+            });
+        own.tighter(per_model)
+    }
+
+    fn store_failed(&self, e: &shared::StoreError, id: &Arc<str>) {
+        self.metrics.store_errors.inc();
+        self.metrics
+            .unavailable
+            .get_or_create(&KeyLabel {
+                key: Arc::clone(id),
+            })
+            .inc();
+        let mut warned = self
+            .warned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if warned.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+            *warned = Some(tokio::time::Instant::now());
+            let mode = match self.config.shared.as_ref().map(|s| s.on_unavailable) {
+                Some(OnUnavailable::Closed) => {
+                    "refusing limited requests (on_unavailable = closed)"
+                }
+                _ => "each Edge enforcing limits alone (on_unavailable = local)",
+            };
+            tracing::warn!(error = %e, "shared rate limit store unavailable: {mode}; logged at most every {} s, counted in iop_edge_ratelimit_store_errors_total", WARN_EVERY.as_secs());
+        }
+    }
+
+    /// Starts the task that gives idle credit back to the store (once, on the first shared
+    /// admission: the limiter may be made outside a runtime).
+    fn start_returner(self: &Arc<Self>) {
+        let Some(idle) = self.config.shared.as_ref().map(|s| s.credit_idle) else {
             return;
         };
-        let limits = self.config.of(&key);
-        let actual = |a: &Admitted| match (hold.sent, hold.usage) {
-            (false, _) => 0,
-            (true, Some(u)) => u,
-            (true, None) => a.reserved(),
-        };
-        if let Some(a) = hold.own.take() {
-            let n = actual(&a);
-            entry.state.finish(&limits.limits, now, a, n);
-        }
-        self.metrics
-            .in_flight
-            .get_or_create(&KeyLabel {
-                key: Arc::clone(&entry.id),
-            })
-            .dec();
-        if let (Some(a), Some(model)) = (hold.per_model.take(), hold.model.as_deref())
-            && let (Some(l), Some(s)) = (limits.models.get(model), entry.models.get_mut(model))
+        self.returner.get_or_init(|| {
+            let weak = Arc::downgrade(self);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(idle.max(Duration::from_millis(10)));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    let Some(limiter) = weak.upgrade() else {
+                        return;
+                    };
+                    limiter.return_idle_credit(idle).await;
+                }
+            });
+        });
+    }
+
+    /// Gives back the credit of every key unused for `idle` (one store call per key: its
+    /// quantities share a slot).
+    async fn return_idle_credit(&self, idle: Duration) {
+        let Some(store) = &self.store else { return };
+        let now = self.now_us();
+        let idle_us = u64::try_from(idle.as_micros()).unwrap_or(u64::MAX);
+        let mut returns: Vec<Vec<shared::Quantity>> = Vec::new();
         {
-            let n = actual(&a);
-            s.finish(l, now, a, n);
+            let mut keys = self.lock();
+            for entry in keys.values_mut() {
+                if now.saturating_sub(entry.last_used) < idle_us {
+                    continue;
+                }
+                let limits = self.config.of(&entry.id);
+                let mut q = Vec::new();
+                let mut take =
+                    |state: &mut LimitState, l: &Limits, model: Option<&str>, per_model| {
+                        for (slot, rate) in [
+                            (Slot::Requests { per_model }, l.requests),
+                            (Slot::Tokens { per_model }, l.tokens),
+                        ] {
+                            let units = state.credit[slot.index()].take_all();
+                            if let (Some(rate), true) = (rate, units > 0) {
+                                q.push(shared::Quantity {
+                                    key: store.key(&entry.id, model, slot.kind()),
+                                    rate,
+                                    units,
+                                    ahead: 0,
+                                    share: 1,
+                                });
+                            }
+                        }
+                    };
+                take(&mut entry.own, &limits.limits, None, false);
+                for (m, state) in &mut entry.models {
+                    if let Some(l) = limits.models.get(m) {
+                        take(state, l, Some(m), true);
+                    }
+                }
+                if !q.is_empty() {
+                    returns.push(q);
+                }
+            }
+        }
+        for q in returns {
+            self.metrics
+                .store_calls
+                .get_or_create(&OpLabel { op: "refund" })
+                .inc();
+            // A failed return leaves the units charged: the limit is only stricter for a while.
+            if store.refund(&q, None).await.is_err() {
+                self.metrics.store_errors.inc();
+            }
+        }
+    }
+
+    fn finish(self: &Arc<Self>, hold: &mut Hold) {
+        let Some(key) = hold.key.take() else { return };
+        let now = self.now_us();
+        let mut charges = Vec::new();
+        {
+            let mut keys = self.lock();
+            let Some(entry) = keys.get_mut(&*key) else {
+                return;
+            };
+            let limits = self.config.of(&key);
+            let actual = |reserved: u64| match (hold.sent, hold.usage) {
+                (false, _) => 0,
+                (true, Some(u)) => u,
+                (true, None) => reserved,
+            };
+            if let Some(a) = hold.own.take() {
+                let n = actual(a.reserved());
+                entry.own.rule.finish(&limits.limits, now, a, n);
+            }
+            if let (Some(a), Some(model)) = (hold.per_model.take(), hold.model.as_deref())
+                && let (Some(l), Some(s)) = (limits.models.get(model), entry.models.get_mut(model))
+            {
+                let n = actual(a.reserved());
+                s.rule.finish(l, now, a, n);
+            }
+            if let Some(sh) = hold.shared.take() {
+                let used = actual(sh.reserved);
+                let model = hold.model.as_deref().unwrap_or_default();
+                for slot in sh.token_slots {
+                    let rate = if slot.per_model() {
+                        limits.models.get(model).and_then(|l| l.tokens)
+                    } else {
+                        limits.limits.tokens
+                    };
+                    let Some(state) = entry.state(slot, model) else {
+                        continue;
+                    };
+                    let credit = &mut state.credit[slot.index()];
+                    if used <= sh.reserved {
+                        credit.add(sh.reserved - used);
+                    } else {
+                        let owed = used - sh.reserved;
+                        let from_credit = credit.take(owed);
+                        if let (Some(rate), true) = (rate, owed > from_credit) {
+                            charges.push(shared::Quantity {
+                                key: String::new(),
+                                rate,
+                                units: owed - from_credit,
+                                ahead: 0,
+                                share: 1,
+                            });
+                            if let (Some(store), Some(q)) = (&self.store, charges.last_mut()) {
+                                q.key =
+                                    store.key(&key, slot.per_model().then_some(model), slot.kind());
+                            }
+                        }
+                    }
+                }
+            }
+            self.metrics
+                .in_flight
+                .get_or_create(&KeyLabel {
+                    key: Arc::clone(&entry.id),
+                })
+                .dec();
+        }
+        // An underestimate the credit did not cover: charged to the store in the background
+        // (the key owes it; a failure only makes the limit looser by that much, counted).
+        if !charges.is_empty()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let limiter = Arc::clone(self);
+            rt.spawn(async move {
+                let Some(store) = &limiter.store else { return };
+                limiter
+                    .metrics
+                    .store_calls
+                    .get_or_create(&OpLabel { op: "charge" })
+                    .inc();
+                if store.charge(&charges, None).await.is_err() {
+                    limiter.metrics.store_errors.inc();
+                }
+            });
         }
     }
 
     /// Appends the limiter's metrics to `out`, an OpenMetrics text that may already end with
     /// `# EOF` (the Edge's own metrics): admissions and refusals (by limit) and requests in
-    /// flight, per key id.
+    /// flight, per key id; in shared mode, store calls, errors and requests decided without
+    /// the store.
     pub fn encode_metrics(&self, out: &mut String) {
         if out.ends_with("# EOF\n") {
             out.truncate(out.len() - "# EOF\n".len());
@@ -528,6 +1215,13 @@ impl Limiter {
         // Writing to a String does not fail.
         let _ = prometheus_client::encoding::text::encode(out, &self.metrics.registry);
     }
+}
+
+/// The shared part of a hold: the tokens reserved, and which token quantities they came from.
+#[derive(Debug)]
+struct SharedHold {
+    reserved: u64,
+    token_slots: Vec<Slot>,
 }
 
 /// An admitted request's hold on its key's limits. It is finished when dropped: reconciled
@@ -540,6 +1234,7 @@ pub struct Hold {
     model: Option<String>,
     own: Option<Admitted>,
     per_model: Option<Admitted>,
+    shared: Option<SharedHold>,
     usage: Option<u64>,
     sent: bool,
     quota: Quota,
@@ -646,9 +1341,9 @@ mod tests {
             },
             ..LimitsConfig::default()
         };
-        let l = Arc::new(Limiter::new(config));
+        let l = Arc::new(Limiter::new(config).unwrap());
         // Sent with usage: 400 reserved, 100 charged.
-        let mut h = l.admit("k", "m", 400).unwrap();
+        let mut h = l.admit("k", "m", 400).await.unwrap();
         assert_eq!(h.quota().tokens.unwrap().remaining, 600);
         h.sent();
         h.usage(&Usage {
@@ -658,12 +1353,12 @@ mod tests {
         });
         drop(h);
         // Never sent: nothing charged.
-        drop(l.admit("k", "m", 500).unwrap());
+        drop(l.admit("k", "m", 500).await.unwrap());
         // Sent, no usage: the reservation stands.
-        let mut h = l.admit("k", "m", 300).unwrap();
+        let mut h = l.admit("k", "m", 300).await.unwrap();
         h.sent();
         drop(h);
-        let h = l.admit("k", "m", 0).unwrap();
+        let h = l.admit("k", "m", 0).await.unwrap();
         assert_eq!(h.quota().tokens.unwrap().remaining, 600);
         assert_eq!(h.quota().requests.unwrap().remaining, 96);
     }
@@ -679,23 +1374,25 @@ mod tests {
             },
             ..LimitsConfig::default()
         };
-        let l = Arc::new(Limiter::new(config));
-        let a = l.admit("k", "big", 1).unwrap();
+        let l = Arc::new(Limiter::new(config).unwrap());
+        let a = l.admit("k", "big", 1).await.unwrap();
         assert_eq!(
             a.quota().requests.unwrap().remaining,
             1,
             "the tighter shown"
         );
-        let _b = l.admit("k", "big", 1).unwrap();
-        let r = l.admit("k", "big", 1).unwrap_err();
+        let _b = l.admit("k", "big", 1).await.unwrap();
+        let Err(LimitError::Refused(r)) = l.admit("k", "big", 1).await else {
+            panic!("refused")
+        };
         assert!(r.per_model);
         assert_eq!(r.exceeded, Exceeded::Requests);
         assert_eq!(r.retry_after_secs(), Some(30));
         // The refusal took nothing from the key: 8 left on another model.
-        let c = l.admit("k", "small", 1).unwrap();
+        let c = l.admit("k", "small", 1).await.unwrap();
         assert_eq!(c.quota().requests.unwrap().remaining, 7);
         // Another key is limited on its own.
-        let d = l.admit("other", "big", 1).unwrap();
+        let d = l.admit("other", "big", 1).await.unwrap();
         assert_eq!(d.quota().requests.unwrap().remaining, 1);
         let mut m = String::from("# EOF\n");
         l.encode_metrics(&mut m);
