@@ -16,8 +16,29 @@
 //! reload_sec = 5                     # re-read the three files this often (0 = never)
 //!
 //! [auth]                             # gateway API keys (legacy mode); omitted = no key needed
-//! keys_file = "/etc/iop/api-keys"    # one key, or sha256:<hex>, per line; not world-readable
+//! keys_file = "/etc/iop/api-keys"    # per line: a key or sha256:<hex>, then optionally its id
+//!                                    #   (`sha256:ab12… team-a`); not world-readable
 //! keys_env = "IOP_API_KEYS"          # and/or keys (comma-separated) in this variable
+//! output_estimate = 1024             # tokens reserved for a request that names no output cap
+//!
+//! [auth.limits]                      # every key's own limits (omitted: none); each optional
+//! requests_per_minute = 60
+//! tokens_per_minute = 100000         # input + output, reserved at admission, settled to usage
+//! concurrent = 8                     # requests in flight (per Edge)
+//! [auth.limits.models."gpt-4o"]      # and per model, checked as well
+//! tokens_per_minute = 20000
+//!
+//! [auth.key_limits.team-a]           # key id team-a: exactly these instead of [auth.limits]
+//! requests_per_minute = 600
+//!
+//! [auth.shared]                      # optional: share the limits with other Edges via Redis
+//! redis = "redis://127.0.0.1:6379/"  # or redis_env = "IOP_LIMITS_REDIS_URL" (keeps a password
+//!                                    #   out of the file)
+//! on_unavailable = "local"           # store down: "local" (each Edge alone) or "closed" (503)
+//! borrow_divisor = 16                # borrow up to limit/16 ahead of need
+//! share = 4                          #   at most 1/4 of what remains
+//! timeout_ms = 250                   # per store call
+//! credit_idle_ms = 2000              # unused credit goes back after this
 //!
 //! [pool]
 //! queue_wait_sec = 30                # how long a request may wait for a provider (then 503)
@@ -71,6 +92,9 @@
 //!   its name, auth header and fixed headers.
 //! - `[auth]` applies in legacy mode; managed mode (`credential_plane = true`) authenticates
 //!   against the Control Plane's projection and refuses an `[auth]` section.
+//! - Rate limits (`[auth.limits]`, `[auth.key_limits.<id>]`, `[auth.shared]`) are
+//!   [`crate::limits`]'s: the rule, the headers clients see, and what sharing through Redis
+//!   guarantees.
 //! - Upstream keys are not configured here: each Node holds its own (`iop_node::config`
 //!   `[[credentials]]`), or the Control Plane leases them (managed mode).
 

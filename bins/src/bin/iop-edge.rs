@@ -32,7 +32,12 @@ use iop_edge::{Edge, StartError};
 completions, the Responses API and the Anthropic Messages API on every model (passed through or \
 translated, per each adapter's protocol profile), and an optional Control Plane connector.\n\n\
 The configuration file is TOML; its keys are documented in the iop_edge::config crate docs \
-(edge_id, [listen], [tls] with reload_sec, [auth] gateway keys, [pool], [[nodes]] with \
+(edge_id, [listen], [tls] with reload_sec, [auth] gateway keys (a key file line may name its \
+key: `<key or sha256:hex> <id>`), [auth.limits] and [auth.key_limits.<id>] per-key rate limits \
+(requests_per_minute, tokens_per_minute, concurrent, and per model under .models.<model>), \
+auth.output_estimate (tokens reserved for a request that names no cap, 1024), [auth.shared] \
+limits shared by several Edges through Redis (redis or redis_env, on_unavailable = local | \
+closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [pool], [[nodes]] with \
 [[nodes.adapters]] and their profile = chat_only | openai | anthropic, [[models]], \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
@@ -87,6 +92,23 @@ async fn main() {
     let http = edge.http_config();
     if http.api_keys.is_none() && http.control.is_none() {
         eprintln!("iop-edge: no [auth] section: every request is accepted without a key");
+    }
+    if let Some(limiter) = &http.limiter {
+        let c = limiter.config();
+        let shared = match &c.shared {
+            Some(s) => format!(
+                "shared through Redis (on_unavailable = {})",
+                match s.on_unavailable {
+                    iop_edge::limits::OnUnavailable::Closed => "closed",
+                    _ => "local",
+                }
+            ),
+            None => "enforced by this Edge alone".to_owned(),
+        };
+        println!(
+            "iop-edge: rate limits on {} key(s) and the default, {shared}",
+            c.keys.len()
+        );
     }
     if let Err(e) = edge.serve(listener, edge.router(), shutdown).await {
         eprintln!("iop-edge: http: {e}");

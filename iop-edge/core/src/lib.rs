@@ -31,9 +31,10 @@
 //!   re-admission on a Node that does not trust the issuer key, the check right before
 //!   dispatch), a machine of its own per request, driven by `now` like the rest;
 //! - the [`ratelimit`] rule: GCRA per key for requests and tokens, token reservations
-//!   reconciled to the provider's usage, the in-flight count ([`ratelimit::KeyState`]), with
-//!   its overshoot bound property-tested. It is the first block of the governance work
-//!   (per-key limits, #29); no driver calls it yet.
+//!   reconciled to the provider's usage, the in-flight count ([`ratelimit::KeyState`]), and
+//!   the borrowing a fleet of Edges does from one shared store ([`ratelimit::Gcra::borrow`],
+//!   [`ratelimit::Credit`]), with the overshoot bound property-tested for one Edge and for
+//!   several. `iop-edge`'s `limits` module drives it (in process, or through Redis).
 //!
 //! Streams deliver into caller-provided buffers ([`StreamSink`], chosen by the driver through
 //! [`Sinks`]): a routed frame reaches its stream's buffer inside

@@ -4,7 +4,11 @@
 //!
 //! The rule is [`iop_edge_core::ratelimit`]'s (GCRA, pure and property-tested); this module
 //! keeps one [`KeyState`] per limited key (and key × model) in process, behind one mutex held
-//! for one decision, on tokio's clock (so tests in paused time drive it).
+//! for one decision, on tokio's clock (so tests in paused time drive it), or shares the limits
+//! with other Edges through Redis (below).
+//!
+//! `/v1/messages/count_tokens` and `/v1/models` are not limited (they cost the provider
+//! nothing, and Anthropic limits them apart).
 //!
 //! # A request's life
 //!
@@ -35,6 +39,43 @@
 //! `retry-after` (whole seconds, rounded up) and `retry-after-ms` (both official SDKs read it
 //! first): the real time until the request would fit if nothing else were admitted, not a
 //! whole window; for a concurrency refusal, which frees when a request ends, 1 s.
+//!
+//! # Shared by several Edges ([`LimitsConfig::shared`])
+//!
+//! With `[auth.shared]`, a key's request and token limits hold for all Edges together. The
+//! rule stays the same GCRA, kept in Redis ([`shared`]: one Lua script per decision, keys
+//! hash-tagged by key id so one key's quantities share a Redis Cluster slot). To keep Redis
+//! off the hot path, an Edge **borrows ahead**: when its credit for a key does not cover a
+//! request, it asks the store for what is missing plus up to `limit / borrow_divisor` more,
+//! the extra at most `1/share` of what remains (so shares shrink as the key nears its limit),
+//! and spends that credit on later requests with no round trip. One borrow per key is out at
+//! a time on an Edge (a burst waits for it, then spends what it took ahead); a refusal from the
+//! store is remembered until its `retry-after` (an abusive client costs one store call per
+//! wait, not one per request); an overestimate settled at the end goes back into the Edge's
+//! credit, an underestimate beyond the credit is charged to the store in the background; and
+//! credit unused for `credit_idle` goes back to the store.
+//!
+//! **Worst-case overshoot across N Edges: none beyond the single rule's.** Every unit an Edge
+//! spends was charged to the store when borrowed, before it was spent, and only never-spent
+//! units go back; so the fleet's usage from `t0` to `t` is at most
+//! `limit × (t − t0) / period + limit + U` (`U`: underestimates charged since the store's last
+//! grant), whatever N is. Property-tested over generated interleavings of several Edges in
+//! `iop-edge-core`'s `tests/ratelimit.rs`; measured with two real Edges and Redis in the
+//! workspace's `tests/tests/rate_limits.rs` (100 concurrent requests for a limit of 40: exactly
+//! 40 admitted). The price of borrowing is the other way: units an Edge holds are not
+//! available to the others until spent or given back (at most `limit / borrow_divisor` per
+//! Edge and quantity).
+//!
+//! What stays per Edge: the in-flight limit (`concurrent` counts this Edge's requests), and
+//! the quota headers, which show what the store last said remained plus this Edge's credit.
+//!
+//! **When the store cannot decide** (down, slower than `timeout_ms`, unreachable), each such
+//! request is counted (`iop_edge_ratelimit_store_errors_total`,
+//! `iop_edge_ratelimit_store_unavailable_total{key}`), a warning is logged at most every 10 s,
+//! and by `on_unavailable`: `local` (the default) enforces the same limits in this Edge alone
+//! (so N Edges may together admit up to N times a limit while the store is away), `closed`
+//! answers 503 with `retry-after: 1`. The connection is re-made at most once a second; nothing
+//! needs a restart.
 //!
 //! # Choices where the issue was silent
 //!
