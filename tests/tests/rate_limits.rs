@@ -422,6 +422,20 @@ async fn tokens_are_reserved_then_reconciled_to_the_reported_usage() {
             .find(|v| v["usage"].is_object())
             .expect("usage chunk");
         left -= usage_line["usage"]["total_tokens"].as_u64().unwrap();
+        assert_eq!(usage_line["usage"]["total_tokens"], used, "the same answer");
+        // A chat stream without include_usage: the Edge asks the upstream for it, charges it
+        // exactly, and the client sees the stream it asked for (no usage chunk, [DONE] last).
+        let (remaining, _, r) =
+            tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", true)).await;
+        assert_eq!(remaining, left - estimate);
+        let sent = m.chat.seen().into_iter().last().unwrap();
+        let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+        assert_eq!(sent["stream_options"]["include_usage"], true, "{sent}");
+        let sse = r.text().await.unwrap();
+        assert!(!sse.contains("\"usage\":{"), "{sse}");
+        assert!(sse.ends_with("data: [DONE]\n\n"), "{sse}");
+        assert!(sse.contains("\"finish_reason\":\"stop\""), "{sse}");
+        left -= used;
         // An Anthropic stream: input from message_start, output from message_delta.
         let (remaining, _, r) =
             tokens_after(&m.base, "/v1/messages", &chat("via-anth", true)).await;

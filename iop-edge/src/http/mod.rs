@@ -836,6 +836,26 @@ fn native_run(run_id: String, input: &Value) -> PoolRequest {
     })
 }
 
+/// Asks a chat completions stream for its usage (`stream_options.include_usage`), so that it
+/// is charged exactly; `true` when the client had not asked (its chunk is then taken out of a
+/// passthrough, `render::UsageChunkFilter`).
+fn ask_for_usage(body: &mut Value) -> bool {
+    if body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return false;
+    }
+    match body.get_mut("stream_options") {
+        Some(Value::Object(o)) => {
+            o.insert("include_usage".into(), Value::Bool(true));
+        }
+        _ => body["stream_options"] = json!({ "include_usage": true }),
+    }
+    true
+}
+
 fn with_model(mut body: Value, target: &str) -> Value {
     body["model"] = Value::String(target.to_owned());
     body
@@ -928,11 +948,15 @@ async fn serve_admitted(
     let target = lease.target.clone();
     let n = next_request();
     let run_id = format!("{}-{n}", route.run_prefix);
+    let mut strip_usage = false;
     let request = match plan {
         Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
         Plan::Passthrough(op) => {
             // The body is not needed again on a passthrough: move it rather than copy it.
-            let body = with_model(std::mem::take(&mut parsed.json), &target);
+            let mut body = with_model(std::mem::take(&mut parsed.json), &target);
+            if op == Operation::ChatCompletions && parsed.stream {
+                strip_usage = ask_for_usage(&mut body);
+            }
             let mut request = tunnel(run_id, op, &body, parsed.stream);
             if dialect == Dialect::Messages {
                 forward_anthropic_beta(headers, &mut request);
@@ -945,12 +969,14 @@ async fn serve_admitted(
                 Err(e) => return bad_request(dialect, &e),
             };
             match plan {
-                Plan::ViaChat => tunnel(
-                    run_id,
-                    Operation::ChatCompletions,
-                    &with_model(chat, &target),
-                    parsed.stream,
-                ),
+                Plan::ViaChat => {
+                    let mut body = with_model(chat, &target);
+                    if parsed.stream {
+                        // The translator reads the usage chunk; the client never sees it.
+                        ask_for_usage(&mut body);
+                    }
+                    tunnel(run_id, Operation::ChatCompletions, &body, parsed.stream)
+                }
                 Plan::ViaMessages => match iop_dialect::request::chat_to_messages(&chat) {
                     Ok(m) => tunnel(
                         run_id,
@@ -1022,7 +1048,10 @@ async fn serve_admitted(
     let upstream = match plan {
         Plan::ViaChat => Upstream::Chat,
         Plan::ViaMessages => Upstream::Messages,
-        _ => return render::passthrough(dialect, dispatched).await,
+        _ => {
+            let strip = strip_usage.then(render::UsageChunkFilter::default);
+            return render::passthrough_with(dialect, dispatched, strip).await;
+        }
     };
     let meta = Meta {
         id: (route.id)(n),
