@@ -45,6 +45,58 @@ fn main() {
     stream_translate_seeds(&root.join("stream_translate"));
     report_decode_seeds(&root.join("report_decode"));
     ping_scanner_seeds(&root.join("ping_scanner"));
+    usage_filter_seeds(&root.join("usage_filter"));
+}
+
+// === usage_filter ===
+
+/// Chat streams as providers send them: with the usage chunk (LF and CRLF), without it, a text
+/// that says "usage", an unterminated last event, and bare-CR events. Byte 0 is the read size.
+fn usage_filter_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let delta = |t: &str| {
+        format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{t}\"}}}}]}}\n\n"
+        )
+    };
+    let usage = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11}}\n\n";
+    let done = "data: [DONE]\n\n";
+    let cases: Vec<(&str, u8, String)> = vec![
+        (
+            "with_usage",
+            7,
+            format!("{}{}{usage}{done}", delta("Hello"), delta(" world")),
+        ),
+        (
+            "crlf",
+            13,
+            format!(
+                "{}{}{done}",
+                delta("a").replace("\n\n", "\r\n\r\n"),
+                usage.replace("\n\n", "\r\n\r\n")
+            ),
+        ),
+        ("no_usage", 64, format!("{}{done}", delta("hi"))),
+        (
+            "text_says_usage",
+            5,
+            format!("{}{usage}{done}", delta("\\\"usage\\\"")),
+        ),
+        ("unterminated", 3, format!("{}data: [DONE]", delta("x"))),
+        ("bare_cr", 4, format!("{}\r\r", usage.trim_end())),
+        (
+            "usage_with_choices",
+            200,
+            "data: {\"choices\":[{\"index\":0,\"delta\":{}}],\"usage\":{\"total_tokens\":1}}\n\n"
+                .to_owned(),
+        ),
+    ];
+    for (name, read, body) in cases {
+        let mut s = vec![read];
+        s.extend_from_slice(body.as_bytes());
+        iop_fuzz::usage_filter::run(&s);
+        write(&dir, name, &s);
+    }
 }
 
 // === ping_scanner ===

@@ -12,3 +12,4 @@ pub mod seed;
 pub mod signed_request;
 pub mod stream_translate;
 pub mod tunnel_sequencer;
+pub mod usage_filter;

@@ -838,7 +838,7 @@ fn native_run(run_id: String, input: &Value) -> PoolRequest {
 
 /// Asks a chat completions stream for its usage (`stream_options.include_usage`), so that it
 /// is charged exactly; `true` when the client had not asked (its chunk is then taken out of a
-/// passthrough, `render::UsageChunkFilter`).
+/// passthrough, `iop_dialect::sse::UsageChunkFilter`).
 fn ask_for_usage(body: &mut Value) -> bool {
     if body
         .pointer("/stream_options/include_usage")
@@ -1049,7 +1049,7 @@ async fn serve_admitted(
         Plan::ViaChat => Upstream::Chat,
         Plan::ViaMessages => Upstream::Messages,
         _ => {
-            let strip = strip_usage.then(render::UsageChunkFilter::default);
+            let strip = strip_usage.then(iop_dialect::sse::UsageChunkFilter::default);
             return render::passthrough_with(dialect, dispatched, strip).await;
         }
     };

@@ -152,7 +152,7 @@ pub(super) async fn passthrough(dialect: Dialect, s: TunnelStream) -> Response {
 pub(super) async fn passthrough_with(
     dialect: Dialect,
     mut s: TunnelStream,
-    strip: Option<UsageChunkFilter>,
+    strip: Option<iop_dialect::sse::UsageChunkFilter>,
 ) -> Response {
     let Some((status, headers)) = response_start(&mut s).await else {
         return error(dialect, StatusCode::BAD_GATEWAY, PROVIDER_FAILED);
@@ -178,7 +178,7 @@ pub(super) async fn passthrough_with(
                 TunnelEvent::Frame(Delivery::End) => {
                     let rest = strip
                         .as_mut()
-                        .map(UsageChunkFilter::finish)
+                        .map(iop_dialect::sse::UsageChunkFilter::finish)
                         .unwrap_or_default();
                     if rest.is_empty() {
                         return None;
@@ -203,127 +203,6 @@ pub(super) async fn passthrough_with(
         }
     }
     response
-}
-
-/// Takes the usage-only chunk (`"choices": []` with a `usage` object) out of a chat completions
-/// stream passed through, leaving every other byte as the provider sent it: the Edge asks the
-/// upstream for usage (`stream_options.include_usage`) to charge a stream exactly, and a client
-/// that did not ask must not see the extra chunk.
-///
-/// Events are split at their blank line; a chunk that holds whole events without a usage chunk
-/// goes out as it came (no copy). Only an event cut across chunks is held until its end, at most
-/// [`UsageChunkFilter::MAX_HELD`] bytes (past that, the filter gives up and passes the rest
-/// through untouched).
-#[derive(Debug, Default)]
-pub(super) struct UsageChunkFilter {
-    held: Vec<u8>,
-    gave_up: bool,
-}
-
-impl UsageChunkFilter {
-    /// Largest partial event held.
-    pub(super) const MAX_HELD: usize = 1024 * 1024;
-
-    /// The bytes of `chunk` to pass on now.
-    pub(super) fn feed(&mut self, chunk: bytes::Bytes) -> bytes::Bytes {
-        if self.gave_up {
-            return chunk;
-        }
-        let mut data = if self.held.is_empty() {
-            chunk
-        } else {
-            let mut joined = std::mem::take(&mut self.held);
-            joined.extend_from_slice(&chunk);
-            bytes::Bytes::from(joined)
-        };
-        // Whole events end at the last blank line; the rest is held.
-        let Some(end) = last_event_end(&data) else {
-            if data.len() > Self::MAX_HELD {
-                self.gave_up = true;
-                return data;
-            }
-            self.held = data.to_vec();
-            return bytes::Bytes::new();
-        };
-        let tail = data.split_off(end);
-        if !tail.is_empty() {
-            if tail.len() > Self::MAX_HELD {
-                self.gave_up = true;
-                let mut all = data.to_vec();
-                all.extend_from_slice(&tail);
-                return bytes::Bytes::from(all);
-            }
-            self.held = tail.to_vec();
-        }
-        if memchr::memmem::find(&data, b"\"usage\"").is_none() {
-            return data;
-        }
-        let mut out = Vec::with_capacity(data.len());
-        for event in Events(&data) {
-            if !is_usage_chunk(event) {
-                out.extend_from_slice(event);
-            }
-        }
-        bytes::Bytes::from(out)
-    }
-
-    /// What is held at the end of the stream (an unterminated last event), as it came.
-    pub(super) fn finish(&mut self) -> bytes::Bytes {
-        bytes::Bytes::from(std::mem::take(&mut self.held))
-    }
-}
-
-/// The offset just past the last blank line (`\n\n` or `\r\n\r\n`) of `data`.
-fn last_event_end(data: &[u8]) -> Option<usize> {
-    let lf = memchr::memmem::rfind(data, b"\n\n").map(|i| i + 2);
-    let crlf = memchr::memmem::rfind(data, b"\r\n\r\n").map(|i| i + 4);
-    lf.max(crlf)
-}
-
-/// The events of whole-event bytes, each with its closing blank line.
-struct Events<'a>(&'a [u8]);
-
-impl<'a> Iterator for Events<'a> {
-    type Item = &'a [u8];
-
-    fn next(&mut self) -> Option<&'a [u8]> {
-        if self.0.is_empty() {
-            return None;
-        }
-        let lf = memchr::memmem::find(self.0, b"\n\n").map(|i| i + 2);
-        let crlf = memchr::memmem::find(self.0, b"\r\n\r\n").map(|i| i + 4);
-        let end = match (lf, crlf) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b).unwrap_or(self.0.len()),
-        };
-        let (event, rest) = self.0.split_at(end);
-        self.0 = rest;
-        Some(event)
-    }
-}
-
-/// Whether one SSE event is the usage-only chat chunk.
-fn is_usage_chunk(event: &[u8]) -> bool {
-    if memchr::memmem::find(event, b"\"usage\"").is_none() {
-        return false;
-    }
-    let mut data = Vec::new();
-    for line in event.split(|b| *b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(d) = line.strip_prefix(b"data:") {
-            if !data.is_empty() {
-                data.push(b'\n');
-            }
-            data.extend_from_slice(d.strip_prefix(b" ").unwrap_or(d));
-        }
-    }
-    #[derive(serde::Deserialize)]
-    struct Chunk {
-        choices: Option<Vec<serde::de::IgnoredAny>>,
-        usage: Option<serde_json::Map<String, Value>>,
-    }
-    serde_json::from_slice::<Chunk>(&data)
-        .is_ok_and(|c| c.usage.is_some() && c.choices.is_some_and(|c| c.is_empty()))
 }
 
 /// Reads the rest of a tunnel's body, at most `limit` bytes (`None` past it or on failure).
@@ -631,32 +510,6 @@ mod tests {
     use http_body_util::BodyExt as _;
 
     use super::*;
-
-    /// The usage-only chunk is taken out however the stream is cut, and nothing else changes.
-    #[test]
-    fn the_usage_chunk_is_taken_out_of_a_stream_cut_anywhere() {
-        let kept = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"usage\"}}]}\n\ndata: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\r\n\r\n";
-        let usage = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2,\"total_tokens\":5}}\n\n";
-        let done = "data: [DONE]\n\n";
-        let stream = format!("{kept}{usage}{done}");
-        let expected = format!("{kept}{done}");
-        for a in 0..stream.len() {
-            for b in [a, (a + 7).min(stream.len()), stream.len()] {
-                let mut f = UsageChunkFilter::default();
-                let mut out = Vec::new();
-                for piece in [&stream[..a], &stream[a..b], &stream[b..]] {
-                    out.extend_from_slice(&f.feed(bytes::Bytes::copy_from_slice(piece.as_bytes())));
-                }
-                out.extend_from_slice(&f.finish());
-                assert_eq!(String::from_utf8(out).unwrap(), expected, "cut at {a}, {b}");
-            }
-        }
-        // An unterminated last event comes out as it was.
-        let mut f = UsageChunkFilter::default();
-        let mut out = f.feed(bytes::Bytes::from_static(b"data: [DONE]")).to_vec();
-        out.extend_from_slice(&f.finish());
-        assert_eq!(out, b"data: [DONE]");
-    }
 
     /// The events go out in the `text/event-stream` form `SseEvent::write_to` documents, and a
     /// quiet stream gets a keep-alive comment every 15 s (in virtual time).
