@@ -9,7 +9,8 @@
 //! declares tools and the user asks about the weather (and no tool result came back yet), the
 //! model calls `get_weather` with `{"city":"Paris"}`; after a tool result `r` it answers
 //! `It is r in Paris.`. Streams split the answer into words, as real providers send tokens.
-//! The model `slow` streams one word every 50 ms without end, `firehose` streams 16 KiB chunks
+//! The model `slow` streams one word every 50 ms without end, `hang` (chat, Messages) one event then
+//! nothing, `firehose` streams 16 KiB chunks
 //! as fast as its reader takes them and `trickle` 64 KiB every 100 ms, without end; they
 //! report when their client went away ([`Upstream::dropped`], [`Upstream::dropped_count`]).
 //! On the Anthropic fake, the user message `redirect me` is answered `307` to `/v1/elsewhere`
@@ -346,6 +347,24 @@ fn slow(s: Arc<Shared>, frame: fn(&str) -> String) -> Response {
     r
 }
 
+/// One event, then nothing, the connection held open until the client goes away (a provider
+/// that stalls mid-stream).
+fn hang(s: Arc<Shared>, first: String) -> Response {
+    let guard = OnDrop(s);
+    let stream = futures_util::stream::unfold((guard, Some(first)), |(g, first)| async move {
+        match first {
+            Some(f) => Some((Ok::<_, Infallible>(Bytes::from(f)), (g, None))),
+            None => std::future::pending().await,
+        }
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("valid"),
+    );
+    r
+}
+
 /// Chat chunks of `size` bytes of text every `every` (or as fast as the reader takes them),
 /// until it goes away.
 fn firehose(s: Arc<Shared>, size: usize, every: Option<Duration>) -> Response {
@@ -395,6 +414,15 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
                 json!({ "choices": [{ "index": 0, "delta": { "content": w } }] })
             )
         });
+    }
+    if model == "hang" && stream {
+        return hang(
+            s,
+            format!(
+                "data: {}\n\n",
+                json!({ "choices": [{ "index": 0, "delta": { "content": "Hel" } }] })
+            ),
+        );
     }
     if model != s.model {
         return openai_error(
@@ -499,6 +527,15 @@ async fn messages(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes)
     let model = req["model"].as_str().unwrap_or_default();
     let stream = req["stream"] == true;
     let event = |kind: &str, data: Value| format!("event: {kind}\ndata: {data}\n\n");
+    if model == "hang" && stream {
+        return hang(
+            s,
+            event(
+                "message_start",
+                json!({ "type": "message_start", "message": { "id": "msg_hang", "type": "message", "role": "assistant", "content": [], "model": "hang", "usage": { "input_tokens": 3, "output_tokens": 1 } } }),
+            ),
+        );
+    }
     if model == "slow" && stream {
         return slow(s, |w| {
             format!(

@@ -9,7 +9,9 @@
 //! - unknown paths, wrong methods, bodies over the limit and bad or missing keys get the
 //!   route's dialect (Anthropic's shape and types on `/v1/messages*`);
 //! - a client that disconnects cancels the upstream request on every route, passed through or
-//!   translated.
+//!   translated;
+//! - a passed-through stream whose provider stalls after it started ends with an error event in
+//!   the route's dialect (the Node's stall watchdog), not with a bare cut.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::time::Duration;
@@ -55,6 +57,12 @@ async fn mesh() -> Mesh {
             "[[models]]\nname = \"{model}\"\n[[models.providers]]\nnode_id = \"node-1\"\nprovider_id = \"{model}\"\nadapter = \"{adapter}\"\ntarget = \"{target}\"\ncapacity = 4\n"
         )
     };
+    // A provider whose stalls the Node's watchdog ends after 1 s of silence.
+    let stalling = |model: &str, adapter: &str| {
+        let mut p = provider(model, adapter, "hang");
+        p.push_str("response_stall_timeout_sec = 1\n");
+        p
+    };
     let text = format!(
         r#"edge_id = "edge-1"
 [listen]
@@ -86,7 +94,7 @@ type = "openai_compat"
 base_url = "{chat}"
 operations = {{ models = "/models" }}
 capacity = 8
-{p1}{p2}{p3}{p4}{p5}{p6}"#,
+{p1}{p2}{p3}{p4}{p5}{p6}{p7}{p8}"#,
         td = pki::TRUST_DOMAIN,
         d = dir.display(),
         chat = chat.base_url(),
@@ -97,6 +105,8 @@ capacity = 8
         p4 = provider("slow-chat", "chat", "slow"),
         p5 = provider("slow-anth", "anth", "slow"),
         p6 = provider("nothing", "listing", "fake-model"),
+        p7 = stalling("hang-chat", "chat"),
+        p8 = stalling("hang-anth", "anth"),
     );
     // A custom profile must serve a route; the `listing` adapter only lists models.
     let err = EdgeConfigFile::parse(&text).unwrap().build().unwrap_err();
@@ -495,4 +505,47 @@ async fn a_reset_stream_cancels_its_upstream_and_the_connection_keeps_serving() 
     })
     .await
     .unwrap();
+}
+
+#[tokio::test]
+async fn a_passthrough_stream_that_stalls_ends_with_the_routes_error_event() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        // Chat: the provider's first chunk, then (1 s of silence later) OpenAI's error chunk,
+        // and the body ends cleanly.
+        let body = json!({"model": "hang-chat", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+        let r = client()
+            .post(format!("{}/v1/chat/completions", m.base))
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.expect("a clean end, not a cut");
+        assert!(text.starts_with("data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}"), "{text}");
+        let last = text.trim_end().lines().last().unwrap();
+        let v: Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(v["error"]["type"], "server_error", "{text}");
+        assert_eq!(v["error"]["message"], "provider request failed");
+        // Messages: the provider's message_start, then Anthropic's `event: error`.
+        let body = json!({"model": "hang-anth", "max_tokens": 8, "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+        let r = client()
+            .post(format!("{}/v1/messages", m.base))
+            .header("x-api-key", KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.expect("a clean end, not a cut");
+        assert!(text.starts_with("event: message_start\n"), "{text}");
+        assert!(text.ends_with("\n\n"), "{text}");
+        let tail: Vec<&str> = text.trim_end().lines().rev().take(2).collect();
+        assert_eq!(tail[1], "event: error", "{text}");
+        let v: Value = serde_json::from_str(tail[0].strip_prefix("data: ").unwrap()).unwrap();
+        anthropic_error(&v, "api_error");
+    })
+    .await
+    .expect("within the limit");
 }

@@ -49,7 +49,14 @@
 //!   events render in any dialect, tool calls included.
 //!
 //! A client that goes away drops the response stream, which cancels the upstream request
-//! (`CancelRequest` to the Node), on every route and plan.
+//! (`CancelRequest` to the Node), on every route and plan. A stream that fails after it
+//! started (the Node's stall watchdog, a fence, a slow-consumer cut) ends with the route's
+//! error event (chat's `data: {"error": …}`, Responses' `response.failed`, Messages'
+//! `event: error`), passed through or translated; a JSON body that fails mid-way is cut short.
+//!
+//! Chat streams ask their upstream for usage (`stream_options.include_usage`) so the key's
+//! limits are settled exactly; the usage-only chunk is taken out of a passthrough when the
+//! client had not asked for it (`iop_dialect::sse::UsageChunkFilter`).
 //!
 //! # Errors
 //!

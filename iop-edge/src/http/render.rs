@@ -161,37 +161,65 @@ pub(super) async fn passthrough_with(
     let sse = headers.iter().any(|h| {
         h.name.eq_ignore_ascii_case("content-type") && h.value.starts_with(b"text/event-stream")
     });
-    let strip = strip.filter(|_| sse && (200..300).contains(&status));
-    let body = futures_util::stream::unfold((s, strip), |(mut s, mut strip)| async move {
-        loop {
-            match s.next().await? {
-                TunnelEvent::Frame(Delivery::Body(b)) => {
-                    let b = match strip.as_mut() {
-                        Some(f) => f.feed(b),
-                        None => b,
-                    };
-                    if b.is_empty() {
-                        continue;
+    let ok = (200..300).contains(&status);
+    let strip = strip.filter(|_| sse && ok);
+    // A stream that fails after it started (the Node's stall watchdog, a fence, a slow
+    // consumer cut) ends with an error event in the route's dialect, as translated streams do,
+    // rather than a bare cut; `last` is the last two bytes sent, to close an event left open.
+    let fail_as_event = sse && ok;
+    let state = (s, strip, fail_as_event, [0u8; 2]);
+    let body = futures_util::stream::unfold(
+        state,
+        move |(mut s, mut strip, fail_as_event, mut last)| async move {
+            loop {
+                match s.next().await? {
+                    TunnelEvent::Frame(Delivery::Body(b)) => {
+                        let b = match strip.as_mut() {
+                            Some(f) => f.feed(b),
+                            None => b,
+                        };
+                        if b.is_empty() {
+                            continue;
+                        }
+                        match b.len() {
+                            1 => last = [last[1], b[0]],
+                            n => last = [b[n - 2], b[n - 1]],
+                        }
+                        return Some((Ok::<_, std::io::Error>(b), (s, strip, fail_as_event, last)));
                     }
-                    return Some((Ok::<_, std::io::Error>(b), (s, strip)));
-                }
-                TunnelEvent::Frame(Delivery::End) => {
-                    let rest = strip
-                        .as_mut()
-                        .map(iop_dialect::sse::UsageChunkFilter::finish)
-                        .unwrap_or_default();
-                    if rest.is_empty() {
-                        return None;
+                    TunnelEvent::Frame(Delivery::End) => {
+                        let rest = strip
+                            .as_mut()
+                            .map(iop_dialect::sse::UsageChunkFilter::finish)
+                            .unwrap_or_default();
+                        if rest.is_empty() {
+                            return None;
+                        }
+                        // The held tail goes out; the next call ends the body.
+                        return Some((Ok(rest), (s, None, fail_as_event, last)));
                     }
-                    // The held tail goes out; the next call ends the body.
-                    return Some((Ok(rest), (s, None)));
+                    TunnelEvent::Frame(Delivery::Usage(_)) => {}
+                    // A failure after an event stream started: the dialect's error event, then
+                    // the end (the next call finds the stream done).
+                    _ if fail_as_event => {
+                        let mut out = Vec::new();
+                        if last != *b"\n\n" && last != [0, 0] {
+                            out.extend_from_slice(b"\n\n");
+                        }
+                        out.extend_from_slice(&error_event(dialect));
+                        return Some((Ok(bytes::Bytes::from(out)), (s, None, false, *b"\n\n")));
+                    }
+                    // A failure after a JSON body started: cut it short so the client sees it.
+                    _ => {
+                        return Some((
+                            Err(std::io::Error::other(PROVIDER_FAILED)),
+                            (s, strip, fail_as_event, last),
+                        ));
+                    }
                 }
-                TunnelEvent::Frame(Delivery::Usage(_)) => {}
-                // A failure after the status was sent: cut the body short so the client sees it.
-                _ => return Some((Err(std::io::Error::other(PROVIDER_FAILED)), (s, strip))),
             }
-        }
-    });
+        },
+    );
     let mut response = Response::new(Body::from_stream(body));
     *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
     for h in headers {
@@ -203,6 +231,32 @@ pub(super) async fn passthrough_with(
         }
     }
     response
+}
+
+/// The route's error event for a stream that failed after it started (the translated
+/// streams' form: chat's `data: {"error": …}`, Responses' `response.failed`, Messages'
+/// `event: error`), with the stable provider-failure text.
+fn error_event(dialect: Dialect) -> Vec<u8> {
+    let meta = iop_dialect::Meta {
+        id: "error".into(),
+        model: String::new(),
+        created: 0,
+    };
+    let mut encoder = match dialect {
+        Dialect::Chat => Encoder::Chat(iop_dialect::encode::ChatStreamEncoder::new(meta, false)),
+        Dialect::Responses => Encoder::Responses(iop_dialect::encode::ResponsesStreamEncoder::new(
+            meta,
+            Value::Object(Default::default()),
+        )),
+        Dialect::Messages => {
+            Encoder::Messages(iop_dialect::encode::MessagesStreamEncoder::new(meta))
+        }
+    };
+    let mut events = Vec::new();
+    encoder.event(&Event::Error(PROVIDER_FAILED.to_owned()), &mut events);
+    let mut out = Vec::new();
+    SseEvent::write_all(&events, &mut out);
+    out
 }
 
 /// Reads the rest of a tunnel's body, at most `limit` bytes (`None` past it or on failure).
