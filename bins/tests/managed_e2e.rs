@@ -440,6 +440,7 @@ async fn managed_credentials_end_to_end() {
                 queue_wait: Duration::from_secs(5),
                 api_keys: None,
                 limiter: None,
+                usage: None,
                 control: Some(control.clone()),
                 body_timeout: http::DEFAULT_BODY_TIMEOUT,
             },

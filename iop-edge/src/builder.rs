@@ -328,6 +328,7 @@ pub struct EdgeBuilder {
     limits: Limits,
     api_keys: Option<Arc<ApiKeys>>,
     rate_limits: Option<crate::limits::LimitsConfig>,
+    usage: Option<Arc<dyn crate::usage::UsageSink>>,
     control_plane: Option<ControlPlaneSpec>,
 }
 
@@ -347,6 +348,7 @@ impl EdgeBuilder {
             limits: Limits::default(),
             api_keys: None,
             rate_limits: None,
+            usage: None,
             control_plane: None,
         }
     }
@@ -397,6 +399,13 @@ impl EdgeBuilder {
         self
     }
 
+    /// Where each keyed request's usage record goes ([`crate::usage`]: a
+    /// [`crate::usage::SqliteUsage`], or your own [`crate::usage::UsageSink`]).
+    pub fn usage(mut self, sink: Arc<dyn crate::usage::UsageSink>) -> Self {
+        self.usage = Some(sink);
+        self
+    }
+
     /// Per-key rate limits for the [`Self::api_keys`] ([`crate::limits`]; keys by their ids).
     pub fn rate_limits(mut self, limits: crate::limits::LimitsConfig) -> Self {
         self.rate_limits = Some(limits);
@@ -435,6 +444,7 @@ impl EdgeBuilder {
         };
         let api_keys = self.api_keys.clone();
         let rate_limits = self.rate_limits.clone();
+        let usage = self.usage.clone();
         if api_keys.is_some()
             && self
                 .control_plane
@@ -476,6 +486,7 @@ impl EdgeBuilder {
             config.http.limiter = Some(Arc::new(limiter));
         }
         config.http.api_keys = api_keys;
+        config.http.usage = usage;
         Ok(config)
     }
 
@@ -560,6 +571,7 @@ impl EdgeBuilder {
                 reload_sec,
             },
             auth: None,
+            usage: None,
             pool: self.pool,
             limits: self.limits,
             nodes,

@@ -40,6 +40,11 @@
 //! timeout_ms = 250                   # per store call
 //! credit_idle_ms = 2000              # unused credit goes back after this
 //!
+//! [usage]                            # optional (legacy mode): one record per keyed request
+//! sqlite = "/var/lib/iop/usage.db"   # created if missing; see iop_edge::usage
+//! queue = 65536                      # records waiting for the writer (then newest dropped)
+//! retention_days = 30                # raw rows kept; daily rollups stay
+//!
 //! [pool]
 //! queue_wait_sec = 30                # how long a request may wait for a provider (then 503)
 //! max_queue = 256                    # waiting requests (then 429)
@@ -185,6 +190,21 @@ pub struct EdgeConfigFile {
     pub models: Vec<Model>,
     /// `[control_plane]`.
     pub control_plane: Option<ControlPlane>,
+    /// `[usage]`: usage records in a local SQLite file (legacy mode).
+    pub usage: Option<UsageToml>,
+}
+
+/// `[usage]` ([`crate::usage`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageToml {
+    /// `usage.sqlite`: the file (created if missing).
+    pub sqlite: PathBuf,
+    /// `usage.queue`: records waiting for the writer at most (default 65536; then the newest
+    /// is dropped, counted).
+    pub queue: Option<usize>,
+    /// `usage.retention_days`: raw rows kept this long (default 30; daily rollups stay).
+    pub retention_days: Option<u32>,
 }
 
 /// `[listen]`.
@@ -841,6 +861,27 @@ impl EdgeConfigFile {
                 })?,
             )),
         };
+        let usage: Option<Arc<dyn crate::usage::UsageSink>> = match &self.usage {
+            None => None,
+            Some(_) if managed => {
+                return Err(invalid(
+                    "usage",
+                    "legacy mode only for now (managed mode's records will go to the Control Plane)",
+                ));
+            }
+            Some(u) => {
+                let mut c = crate::usage::UsageConfig::default();
+                if let Some(q) = u.queue {
+                    c.queue = q.max(1);
+                }
+                if let Some(d) = u.retention_days {
+                    c.retention_days = d;
+                }
+                let store = crate::usage::SqliteUsage::open(&u.sqlite, c)
+                    .map_err(|e| invalid("usage.sqlite", e))?;
+                Some(store)
+            }
+        };
         let limiter = match (&self.auth, &api_keys) {
             (Some(a), Some(keys)) => {
                 let names: BTreeSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
@@ -981,6 +1022,7 @@ impl EdgeConfigFile {
             http: HttpConfig {
                 api_keys,
                 limiter,
+                usage,
                 body_timeout: Duration::from_secs(self.limits.http_body_timeout_sec),
                 ..HttpConfig::new(
                     models.into_iter().map(|(m, _)| m).collect(),

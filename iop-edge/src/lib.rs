@@ -47,6 +47,11 @@
 //! at most [`TransportConfig::max_stream_buffer`] bytes for at most
 //! [`TransportConfig::slow_consumer_timeout`] before its stream is ended and the run cancelled.
 //!
+//! [`limits`] enforces per-key rate limits (requests, tokens, in flight; in process or shared
+//! by several Edges through Redis) between authentication and admission, and [`usage`] writes
+//! one usage record per keyed request (a local SQLite file); both ride on the response stream
+//! ([`StreamWatch`]) to settle to the provider's reported usage.
+//!
 //! [`config`] reads the Edge's TOML file (the `iop-edge` binary's format) into a
 //! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
 //! hot-reloadable TLS material (`workload_identity::WorkloadTls`).
@@ -106,9 +111,10 @@ pub mod profile;
 mod stream_buf;
 mod tools;
 pub mod transport;
+pub mod usage;
 
 pub use edge::{Edge, StartError};
 pub use transport::{
-    Admission, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream,
+    Admission, DispatchError, Dispatched, EdgeHandle, Lifecycle, PoolRequest, RunStream, StreamEnd,
     StreamWatch, TransportConfig, TunnelEvent, TunnelStream, bind, start_unbound,
 };

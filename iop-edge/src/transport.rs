@@ -73,7 +73,8 @@ use iop_edge_core::{
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
 use iop_wire::runtime::{
     NodeCommandRequest, NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse,
-    ProviderSnapshot, ProviderTunnelRequest, RecipientKey, RunEvent, RunRequest, RuntimeFrame,
+    ProviderSnapshot, ProviderTunnelRequest, RecipientKey, RunEvent, RunEventKind, RunRequest,
+    RuntimeFrame,
 };
 use iop_wire::tunnel_order::Delivery;
 use workload_identity::peer_identity;
@@ -269,6 +270,24 @@ pub trait StreamWatch: Send + Sync + 'static {
     fn status(&mut self, status: u16) {
         let _ = status;
     }
+
+    /// The stream ended with its terminal (a stream dropped before one never calls this).
+    fn end(&mut self, end: StreamEnd) {
+        let _ = end;
+    }
+}
+
+/// How a stream ended, for a [`StreamWatch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StreamEnd {
+    /// The provider's normal end (a run's `Complete`, a tunnel's end frame).
+    Completed,
+    /// A failure: the provider's error, or the Edge's own terminal (stall, fence, slow
+    /// consumer, wait timeout, ordering violation).
+    Failed,
+    /// The Node cancelled the run.
+    Cancelled,
 }
 
 /// The watch a stream carries, if any.
@@ -312,8 +331,16 @@ impl RunStream {
         }
         let ev = self.events.recv().await?;
         self.done = ev.kind.is_terminal();
-        if let (Some(w), Some(u)) = (self.watch.0.as_mut(), ev.usage.as_ref()) {
-            w.usage(u);
+        if let Some(w) = self.watch.0.as_mut() {
+            if let Some(u) = ev.usage.as_ref() {
+                w.usage(u);
+            }
+            match ev.kind {
+                RunEventKind::Complete => w.end(StreamEnd::Completed),
+                RunEventKind::Error => w.end(StreamEnd::Failed),
+                RunEventKind::Cancelled => w.end(StreamEnd::Cancelled),
+                _ => {}
+            }
         }
         Some(ev)
     }
@@ -355,6 +382,8 @@ impl TunnelStream {
         match (self.watch.0.as_mut(), &ev) {
             (Some(w), TunnelEvent::Frame(Delivery::Usage(u))) => w.usage(u),
             (Some(w), TunnelEvent::Frame(Delivery::Start { status, .. })) => w.status(*status),
+            (Some(w), TunnelEvent::Frame(Delivery::End)) => w.end(StreamEnd::Completed),
+            (Some(w), e) if e.is_terminal() => w.end(StreamEnd::Failed),
             _ => {}
         }
         Some(ev)

@@ -55,6 +55,7 @@ fn slow_rate(limit: u64) -> Option<Rate> {
 
 struct Mesh {
     base: String,
+    usage: Option<Arc<dyn iop_edge::usage::UsageSink>>,
     chat: Upstream,
     _anthropic: Upstream,
     dir: std::path::PathBuf,
@@ -209,12 +210,14 @@ concurrent = 1
         .with_local_key("anth", key());
     tokio::spawn(run_node(opts, CancellationToken::new()));
     while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    let usage = built.http.usage.clone();
     let app = http::router(edge, built.http);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(http::serve(listener, app, std::future::pending()));
     Mesh {
         base,
+        usage,
         chat,
         _anthropic: anthropic,
         dir,
@@ -895,4 +898,148 @@ async fn redis_killed_and_restarted_under_load_fails_as_configured_and_recovers(
     })
     .await
     .expect("within the limit");
+}
+
+// === Usage records ===
+
+#[tokio::test]
+async fn every_request_has_exactly_one_usage_record_with_its_outcome_and_tokens() {
+    tokio::time::timeout(LIMIT, async {
+        let db = std::env::temp_dir().join(format!("iop-usage-{}.db", std::process::id()));
+        let _ = std::fs::remove_file(&db);
+        let m = mesh_with(&format!("[usage]\nsqlite = \"{}\"\n", db.display()), None).await;
+        // Completed: JSON, and a stream without include_usage (the Edge asked for it).
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            TOK_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        let v: Value = r.json().await.unwrap();
+        let (input, output) = (
+            v["usage"]["prompt_tokens"].as_u64().unwrap(),
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+        );
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            TOK_KEY,
+            &chat("via-chat", true),
+        )
+        .await;
+        let _ = r.text().await.unwrap();
+        // Failed: the upstream's 404.
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            TOK_KEY,
+            &chat("chat-missing", false),
+        )
+        .await;
+        assert_eq!(r.status(), 404);
+        // Cancelled: the client goes away mid-stream (no usage yet: the estimate, marked).
+        let mut r = post(
+            &m.base,
+            "/v1/chat/completions",
+            TOK_KEY,
+            &chat("slow-chat", true),
+        )
+        .await;
+        let _ = r.chunk().await.unwrap();
+        drop(r);
+        // Refused: the request key's fourth (its limit is 3).
+        for _ in 0..4 {
+            let _ = post(
+                &m.base,
+                "/v1/chat/completions",
+                REQ_KEY,
+                &chat("via-chat", false),
+            )
+            .await
+            .text()
+            .await;
+        }
+        let sink = m.usage.clone().expect("usage configured");
+        let conn = rusqlite_open(&db);
+        let rows = loop {
+            sink.flush();
+            let rows: Vec<(String, String, String, i64, i64, bool)> = query(&conn);
+            if rows.len() >= 8 {
+                break rows;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(rows.len(), 8, "{rows:?}");
+        let count =
+            |key: &str, status: &str| rows.iter().filter(|r| r.0 == key && r.2 == status).count();
+        assert_eq!(count("tok", "completed"), 2, "{rows:?}");
+        assert_eq!(count("tok", "failed"), 1, "{rows:?}");
+        assert_eq!(count("tok", "cancelled"), 1, "{rows:?}");
+        assert_eq!(count("req", "completed"), 3, "{rows:?}");
+        assert_eq!(count("req", "refused"), 1, "{rows:?}");
+        for r in rows.iter().filter(|r| r.0 == "tok" && r.2 == "completed") {
+            assert_eq!(
+                (r.3, r.4, r.5),
+                (input as i64, output as i64, false),
+                "{r:?}"
+            );
+            assert_eq!(r.1, "via-chat");
+        }
+        let failed = rows.iter().find(|r| r.2 == "failed").unwrap();
+        assert_eq!((failed.3, failed.4, failed.5), (0, 0, false));
+        let cancelled = rows.iter().find(|r| r.2 == "cancelled").unwrap();
+        assert!(cancelled.5, "no usage reported: the estimate, marked");
+        assert_eq!(cancelled.4, 40, "the request's max_tokens");
+        // The daily rollup agrees, and /metrics counts tokens per key id and model.
+        let total: i64 = conn
+            .query_row("SELECT sum(requests) FROM usage_daily", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(total, 8);
+        let metrics = client()
+            .get(format!("{}/metrics", m.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("iop_edge_usage_records_total{status=\"refused\"} 1"),
+            "{metrics}"
+        );
+        assert!(metrics.contains(&format!(
+            "iop_edge_usage_tokens_total{{key=\"tok\",model=\"via-chat\",direction=\"output\"}} {}",
+            2 * output
+        )), "{metrics}");
+        assert!(metrics.contains(
+            "iop_edge_usage_tokens_total{key=\"tok\",model=\"slow-chat\",direction=\"output\"} 40"
+        ), "{metrics}");
+        std::fs::remove_file(&db).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+fn rusqlite_open(path: &std::path::Path) -> rusqlite::Connection {
+    rusqlite::Connection::open(path).unwrap()
+}
+
+fn query(conn: &rusqlite::Connection) -> Vec<(String, String, String, i64, i64, bool)> {
+    let mut st = conn
+        .prepare("SELECT key_id, model, status, input_tokens, output_tokens, estimated FROM usage ORDER BY at_ms")
+        .unwrap();
+    st.query_map([], |r| {
+        Ok((
+            r.get(0)?,
+            r.get(1)?,
+            r.get(2)?,
+            r.get(3)?,
+            r.get(4)?,
+            r.get(5)?,
+        ))
+    })
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap()
 }

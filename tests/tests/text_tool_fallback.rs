@@ -138,6 +138,7 @@ async fn surface(ca: &Ca, ollama: std::net::SocketAddr) -> String {
             queue_wait: Duration::from_secs(5),
             api_keys: None,
             limiter: None,
+            usage: None,
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

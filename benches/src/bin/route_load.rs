@@ -319,6 +319,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
             queue_wait: Duration::from_secs(10),
             api_keys: None,
             limiter: None,
+            usage: None,
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

@@ -37,7 +37,8 @@ key: `<key or sha256:hex> <id>`), [auth.limits] and [auth.key_limits.<id>] per-k
 (requests_per_minute, tokens_per_minute, concurrent, and per model under .models.<model>), \
 auth.output_estimate (tokens reserved for a request that names no cap, 1024), [auth.shared] \
 limits shared by several Edges through Redis (redis or redis_env, on_unavailable = local | \
-closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [pool], [[nodes]] with \
+closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [usage] one record \
+per keyed request in a SQLite file (sqlite, queue 65536, retention_days 30), [pool], [[nodes]] with \
 [[nodes.adapters]] and their profile = chat_only | openai | anthropic, [[models]], \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \

@@ -120,6 +120,9 @@ pub struct HttpConfig {
     /// Legacy mode: the per-key rate limits ([`crate::limits`]), keyed by [`ApiKeys`] ids;
     /// `None` limits nothing. Share one `Arc` between routers: it holds the keys' state.
     pub limiter: Option<Arc<crate::limits::Limiter>>,
+    /// Legacy mode: where each keyed request's usage record goes ([`crate::usage`]); `None`
+    /// records nothing.
+    pub usage: Option<Arc<dyn crate::usage::UsageSink>>,
     /// Managed mode: the Control Plane connector whose projection authenticates requests and
     /// resolves routes, and whose session delivers credential leases ([`crate::control`]).
     pub control: Option<crate::control::ControlConnector>,
@@ -136,6 +139,7 @@ impl HttpConfig {
             queue_wait,
             api_keys: None,
             limiter: None,
+            usage: None,
             control: None,
             body_timeout: DEFAULT_BODY_TIMEOUT,
         }
@@ -606,19 +610,50 @@ async fn limit(
     request: &Value,
     chat: impl FnOnce() -> Result<Value, TranslateError>,
 ) -> Result<crate::limits::Hold, Response> {
-    let (Some(limiter), Caller::Open(Some(key))) = (&state.config.limiter, caller) else {
+    let Caller::Open(Some(key)) = caller else {
         return Ok(crate::limits::Hold::default());
     };
-    let config = limiter.config();
-    let estimate = if config.of(key).limits_tokens(group) {
-        let chat = chat().map_err(|e| bad_request(dialect, &e))?;
-        crate::limits::estimate(request, &chat, config.output_estimate)
-    } else {
-        0
+    let (limiter, sink) = (state.config.limiter.as_ref(), state.config.usage.as_ref());
+    if limiter.is_none() && sink.is_none() {
+        return Ok(crate::limits::Hold::default());
+    }
+    let output_default = limiter.map_or(crate::limits::DEFAULT_OUTPUT_ESTIMATE, |l| {
+        l.config().output_estimate
+    });
+    let (input, output) =
+        if sink.is_some() || limiter.is_some_and(|l| l.config().of(key).limits_tokens(group)) {
+            let chat = chat().map_err(|e| bad_request(dialect, &e))?;
+            (
+                iop_dialect::request::estimate_tokens(&chat),
+                crate::limits::output_cap(request, output_default),
+            )
+        } else {
+            (0, 0)
+        };
+    let metered = |hold: crate::limits::Hold| match sink {
+        Some(s) => hold.with_meter(crate::usage::Meter::new(
+            Arc::clone(s),
+            key,
+            group,
+            input,
+            output,
+        )),
+        None => hold,
     };
-    let refused = match limiter.admit(key, group, estimate).await {
-        Ok(hold) => return Ok(hold),
-        Err(crate::limits::LimitError::Refused(r)) => r,
+    let Some(limiter) = limiter else {
+        return Ok(metered(crate::limits::Hold::default()));
+    };
+    let refused = match limiter
+        .admit(key, group, input.saturating_add(output))
+        .await
+    {
+        Ok(hold) => return Ok(metered(hold)),
+        Err(crate::limits::LimitError::Refused(r)) => {
+            if let Some(s) = sink {
+                crate::usage::Meter::refused(s, key, group);
+            }
+            r
+        }
         Err(_) => {
             let mut r = render::overloaded(dialect, "rate limit store unavailable");
             r.headers_mut()
@@ -947,6 +982,7 @@ async fn serve_admitted(
         Err(r) => return r,
     };
     let lease = admission.lease();
+    hold.provider(&lease.key);
     let plan = plan(
         route.operation,
         lease.kind,
@@ -1137,6 +1173,9 @@ async fn metrics(State(state): State<AppState>) -> Response {
     let mut text = state.edge.metrics().render(queue, in_flight);
     if let Some(limiter) = &state.config.limiter {
         limiter.encode_metrics(&mut text);
+    }
+    if let Some(usage) = &state.config.usage {
+        usage.encode_metrics(&mut text);
     }
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }

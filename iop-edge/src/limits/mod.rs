@@ -750,7 +750,11 @@ impl Limiter {
             per_model: model_admitted,
             shared: None,
             usage: None,
+            reported: None,
             sent: false,
+            upstream_error: false,
+            ended: None,
+            meter: None,
             quota: own_quota.tighter(model_quota),
         })
     }
@@ -1037,7 +1041,11 @@ impl Limiter {
                 token_slots,
             }),
             usage: None,
+            reported: None,
             sent: false,
+            upstream_error: false,
+            ended: None,
+            meter: None,
             quota,
         })
     }
@@ -1277,15 +1285,32 @@ pub struct Hold {
     per_model: Option<Admitted>,
     shared: Option<SharedHold>,
     usage: Option<u64>,
+    reported: Option<Usage>,
     sent: bool,
+    upstream_error: bool,
+    ended: Option<crate::transport::StreamEnd>,
     quota: Quota,
+    meter: Option<crate::usage::Meter>,
 }
 
 impl Hold {
-    /// Whether this hold holds nothing (the key has no limits): it need not ride on the
-    /// stream.
+    /// Whether this hold holds nothing (the key has no limits and no usage is recorded): it
+    /// need not ride on the stream.
     pub fn is_empty(&self) -> bool {
-        self.limiter.is_none()
+        self.limiter.is_none() && self.meter.is_none()
+    }
+
+    /// Records this request's usage in `meter`'s sink when it ends.
+    pub fn with_meter(mut self, meter: crate::usage::Meter) -> Self {
+        self.meter = Some(meter);
+        self
+    }
+
+    /// The provider that took the request (`node/provider`), for its usage record.
+    pub fn provider(&mut self, provider: &crate::pool::ProviderKey) {
+        if let Some(m) = self.meter.as_mut() {
+            m.provider = format!("{}/{}", provider.node_id, provider.provider_id);
+        }
     }
 
     /// The quota after this admission, for the response headers (empty for a key without
@@ -1308,6 +1333,7 @@ impl Hold {
             usage.prompt_tokens.saturating_add(usage.completion_tokens)
         };
         self.usage = Some(total);
+        self.reported = Some(*usage);
     }
 }
 
@@ -1315,6 +1341,18 @@ impl Drop for Hold {
     fn drop(&mut self) {
         if let Some(limiter) = self.limiter.take() {
             limiter.finish(self);
+        }
+        if let Some(meter) = self.meter.take() {
+            let outcome = match (self.ended, self.sent) {
+                (Some(crate::transport::StreamEnd::Completed), _) if !self.upstream_error => {
+                    crate::usage::Outcome::Completed
+                }
+                (Some(crate::transport::StreamEnd::Cancelled), _) | (None, true) => {
+                    crate::usage::Outcome::Cancelled
+                }
+                _ => crate::usage::Outcome::Failed,
+            };
+            meter.emit(outcome, self.sent && !self.upstream_error, self.reported);
         }
     }
 }
@@ -1327,10 +1365,26 @@ impl crate::transport::StreamWatch for Hold {
     /// An upstream error status: the provider used (and bills) nothing, unless it reports
     /// usage after all.
     fn status(&mut self, status: u16) {
-        if !(200..300).contains(&status) && self.usage.is_none() {
-            self.usage = Some(0);
+        if !(200..300).contains(&status) {
+            self.upstream_error = true;
+            if self.usage.is_none() {
+                self.usage = Some(0);
+            }
         }
     }
+
+    fn end(&mut self, end: crate::transport::StreamEnd) {
+        self.ended = Some(end);
+    }
+}
+
+/// The output tokens a request may use: its cap (`max_tokens`, `max_completion_tokens` or
+/// `max_output_tokens`), else `default`.
+pub fn output_cap(request: &serde_json::Value, default: u64) -> u64 {
+    ["max_tokens", "max_completion_tokens", "max_output_tokens"]
+        .iter()
+        .find_map(|k| request[*k].as_u64())
+        .unwrap_or(default)
 }
 
 /// The tokens to reserve for `request` (a JSON request body in any route's form; `chat` its

@@ -1,0 +1,655 @@
+//! Usage records (issue #29): exactly one per request that reached admission with a gateway
+//! key, written to a local SQLite file by the Edge alone (legacy mode; the Control Plane path
+//! is not built yet).
+//!
+//! A record names the key by its id (never the key), the model group, the provider and Node
+//! that served it, the input and output tokens (the provider's figures, or the reservation
+//! when the provider reported none: `estimated`), how it ended ([`Outcome`]) and how long it
+//! took. The HTTP surface makes one when a request it admitted ends: its response stream ended
+//! (completed, or failed with the provider's error or the Edge's own terminal), its client went
+//! away (cancelled), it never reached a provider (failed), or its key's limits refused it
+//! (refused).
+//!
+//! # The store ([`SqliteUsage`])
+//!
+//! - **Off the request path.** [`UsageSink::record`] never blocks: records go into a bounded
+//!   queue ([`UsageConfig::queue`]) that one writer thread drains in batches, each batch one
+//!   transaction. **When the queue is full the newest record is dropped**, counted in
+//!   [`SqliteUsage::dropped`] (`iop_edge_usage_dropped_total`) and logged at most every 10 s:
+//!   requests are never slowed down by a slow disk.
+//! - **Idempotent by request id**: a record is inserted once (`INSERT OR IGNORE` on the request
+//!   id, unique per Edge process: a random boot prefix and a counter), so a replay never
+//!   counts twice.
+//! - **Not one fat row per request forever**: each inserted record also adds to a daily
+//!   rollup (`usage_daily`: day, key, model → requests, input, output, by outcome), and raw
+//!   rows older than [`UsageConfig::retention_days`] are deleted (the rollups stay).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+/// How a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The response ended normally (2xx).
+    Completed,
+    /// The provider answered an error, the stream failed (stall, fence, slow consumer), or no
+    /// provider took it.
+    Failed,
+    /// The client went away before the end.
+    Cancelled,
+    /// The key's rate limits refused it.
+    Refused,
+}
+
+impl Outcome {
+    /// A stable name (the store's `status` column, metric labels).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// One request's usage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UsageRecord {
+    /// Unique per Edge process ([`request_id`]).
+    pub request_id: String,
+    /// Admission time, Unix milliseconds.
+    pub at_ms: u64,
+    /// The gateway key's id.
+    pub key: String,
+    /// The model group.
+    pub model: String,
+    /// The provider id (`node/provider`), empty when none took it.
+    pub provider: String,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// The tokens are the reservation, not the provider's figures (it reported none).
+    pub estimated: bool,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Admission to end, microseconds.
+    pub duration_us: u64,
+}
+
+/// Where usage records go.
+pub trait UsageSink: Send + Sync + std::fmt::Debug + 'static {
+    /// Takes one record; never blocks.
+    fn record(&self, record: UsageRecord);
+
+    /// Waits until every record taken so far is stored (tests, a clean stop).
+    fn flush(&self) {}
+
+    /// Appends the sink's metrics to `out`, an OpenMetrics text that may end with `# EOF`.
+    fn encode_metrics(&self, out: &mut String) {
+        let _ = out;
+    }
+}
+
+/// A request id unique to this process: a random prefix drawn once, and a counter.
+pub fn request_id() -> String {
+    static PREFIX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static N: AtomicU64 = AtomicU64::new(1);
+    let prefix = PREFIX.get_or_init(|| {
+        let mut b = [0u8; 8];
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    });
+    format!("req-{prefix}-{}", N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// [`SqliteUsage`] settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UsageConfig {
+    /// Records waiting for the writer at most (then the newest is dropped, counted).
+    pub queue: usize,
+    /// Raw rows older than this many days are deleted (daily rollups stay).
+    pub retention_days: u32,
+}
+
+impl Default for UsageConfig {
+    fn default() -> Self {
+        Self {
+            queue: 65_536,
+            retention_days: 30,
+        }
+    }
+}
+
+/// Why the usage store could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UsageError {
+    /// SQLite refused to open or set up the file.
+    #[error("usage store {path}: {message}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// SQLite's message.
+        message: String,
+    },
+}
+
+/// Usage records in a local SQLite file, written by one thread (module docs).
+pub struct SqliteUsage {
+    tx: Mutex<Option<SyncSender<Msg>>>,
+    dropped: AtomicU64,
+    written: Arc<AtomicU64>,
+    warned: Mutex<Option<Instant>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    metrics: UsageMetrics,
+}
+
+impl std::fmt::Debug for SqliteUsage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteUsage")
+            .field("written", &self.written())
+            .field("dropped", &self.dropped())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StatusLabel {
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TokenLabels {
+    key: String,
+    model: String,
+    direction: &'static str,
+}
+
+struct UsageMetrics {
+    registry: Registry,
+    records: Family<StatusLabel, Counter>,
+    dropped: Counter,
+    tokens: Family<TokenLabels, Counter>,
+}
+
+impl UsageMetrics {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let records = Family::<StatusLabel, Counter>::default();
+        registry.register(
+            "iop_edge_usage_records",
+            "Usage records taken, by how the request ended",
+            records.clone(),
+        );
+        let dropped = Counter::default();
+        registry.register(
+            "iop_edge_usage_dropped",
+            "Usage records dropped because the store's queue was full (the newest is dropped)",
+            dropped.clone(),
+        );
+        let tokens = Family::<TokenLabels, Counter>::default();
+        registry.register(
+            "iop_edge_usage_tokens",
+            "Tokens used, per key id, model and direction (input, output), estimates included",
+            tokens.clone(),
+        );
+        Self {
+            registry,
+            records,
+            dropped,
+            tokens,
+        }
+    }
+}
+
+enum Msg {
+    Record(UsageRecord),
+    Flush(SyncSender<()>),
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS usage (
+    request_id TEXT PRIMARY KEY,
+    at_ms INTEGER NOT NULL,
+    day TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    provider TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    estimated INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    duration_us INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_at ON usage(at_ms);
+CREATE TABLE IF NOT EXISTS usage_daily (
+    day TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    PRIMARY KEY (day, key_id, model, status)
+);
+";
+
+fn day_of(at_ms: u64) -> String {
+    let secs = i64::try_from(at_ms / 1000).unwrap_or(i64::MAX);
+    time::OffsetDateTime::from_unix_timestamp(secs)
+        .map(|t| t.date().to_string())
+        .unwrap_or_default()
+}
+
+impl SqliteUsage {
+    /// Opens (or creates) the file and starts the writer.
+    pub fn open(path: &Path, config: UsageConfig) -> Result<Arc<Self>, UsageError> {
+        let fail = |e: rusqlite::Error| UsageError::Open {
+            path: path.to_owned(),
+            message: e.to_string(),
+        };
+        let conn = rusqlite::Connection::open(path).map_err(fail)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(fail)?;
+        conn.pragma_update(None, "synchronous", "NORMAL")
+            .map_err(fail)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(fail)?;
+        conn.execute_batch(SCHEMA).map_err(fail)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(config.queue.max(1));
+        let written = Arc::new(AtomicU64::new(0));
+        let w = Arc::clone(&written);
+        let retention = config.retention_days;
+        let writer = std::thread::Builder::new()
+            .name("iop-usage-writer".into())
+            .spawn(move || write_loop(conn, rx, retention, &w))
+            .map_err(|e| UsageError::Open {
+                path: path.to_owned(),
+                message: e.to_string(),
+            })?;
+        Ok(Arc::new(Self {
+            tx: Mutex::new(Some(tx)),
+            dropped: AtomicU64::new(0),
+            written,
+            warned: Mutex::new(None),
+            writer: Mutex::new(Some(writer)),
+            metrics: UsageMetrics::new(),
+        }))
+    }
+
+    /// Records dropped because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Records written (inserted; a replayed request id is not counted).
+    pub fn written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
+
+    /// Waits until every record queued before this call is in the file.
+    fn flush_queue(&self) {
+        let (done, wait) = std::sync::mpsc::sync_channel(1);
+        let sent = self
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|tx| tx.send(Msg::Flush(done)).is_ok());
+        if sent {
+            let _ = wait.recv();
+        }
+    }
+
+    /// Writes what is queued and stops the writer (records after this are dropped).
+    pub fn close(&self) {
+        drop(
+            self.tx
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take(),
+        );
+        if let Some(h) = self
+            .writer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+impl UsageSink for SqliteUsage {
+    fn flush(&self) {
+        self.flush_queue();
+    }
+
+    fn encode_metrics(&self, out: &mut String) {
+        if out.ends_with("# EOF\n") {
+            out.truncate(out.len() - "# EOF\n".len());
+        }
+        let _ = prometheus_client::encoding::text::encode(out, &self.metrics.registry);
+    }
+
+    fn record(&self, record: UsageRecord) {
+        self.metrics
+            .records
+            .get_or_create(&StatusLabel {
+                status: record.outcome.as_str(),
+            })
+            .inc();
+        for (direction, n) in [
+            ("input", record.input_tokens),
+            ("output", record.output_tokens),
+        ] {
+            if n > 0 {
+                self.metrics
+                    .tokens
+                    .get_or_create(&TokenLabels {
+                        key: record.key.clone(),
+                        model: record.model.clone(),
+                        direction,
+                    })
+                    .inc_by(n);
+            }
+        }
+        let full = match self
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+        {
+            Some(tx) => matches!(
+                tx.try_send(Msg::Record(record)),
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_))
+            ),
+            None => true,
+        };
+        if full {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            self.metrics.dropped.inc();
+            let mut warned = self
+                .warned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                *warned = Some(Instant::now());
+                tracing::warn!(
+                    dropped = self.dropped(),
+                    "usage store queue full: newest records dropped (iop_edge_usage_dropped_total)"
+                );
+            }
+        }
+    }
+}
+
+fn write_loop(
+    mut conn: rusqlite::Connection,
+    rx: Receiver<Msg>,
+    retention_days: u32,
+    written: &AtomicU64,
+) {
+    let mut last_prune: Option<Instant> = None;
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < 512 {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        let mut flushes = Vec::new();
+        let mut records = Vec::new();
+        for m in batch {
+            match m {
+                Msg::Record(r) => records.push(r),
+                Msg::Flush(done) => flushes.push(done),
+            }
+        }
+        if !records.is_empty() {
+            match insert(&mut conn, &records) {
+                Ok(n) => {
+                    written.fetch_add(n, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, records = records.len(), "usage store write failed");
+                }
+            }
+        }
+        if last_prune.is_none_or(|t| t.elapsed() >= Duration::from_secs(3600)) {
+            last_prune = Some(Instant::now());
+            let now_ms = u64::try_from(
+                SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_millis(),
+            )
+            .unwrap_or(u64::MAX);
+            let cutoff = now_ms.saturating_sub(u64::from(retention_days) * 86_400_000);
+            let _ = conn.execute(
+                "DELETE FROM usage WHERE at_ms < ?1",
+                [i64::try_from(cutoff).unwrap_or(i64::MAX)],
+            );
+        }
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}
+
+fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite::Result<u64> {
+    let tx = conn.transaction()?;
+    let mut n = 0;
+    {
+        let mut row = tx.prepare_cached(
+            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+        )?;
+        let mut daily = tx.prepare_cached(
+            "INSERT INTO usage_daily (day, key_id, model, status, requests, input_tokens, output_tokens) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6)
+             ON CONFLICT (day, key_id, model, status) DO UPDATE SET requests = requests + 1, input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens",
+        )?;
+        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for r in records {
+            let day = day_of(r.at_ms);
+            let inserted = row.execute(rusqlite::params![
+                r.request_id,
+                int(r.at_ms),
+                day,
+                r.key,
+                r.model,
+                r.provider,
+                int(r.input_tokens),
+                int(r.output_tokens),
+                r.estimated,
+                r.outcome.as_str(),
+                int(r.duration_us),
+            ])?;
+            if inserted == 1 {
+                n += 1;
+                daily.execute(rusqlite::params![
+                    day,
+                    r.key,
+                    r.model,
+                    r.outcome.as_str(),
+                    int(r.input_tokens),
+                    int(r.output_tokens),
+                ])?;
+            }
+        }
+    }
+    tx.commit()?;
+    Ok(n)
+}
+
+/// What a request's hold needs to write its record when it ends
+/// ([`crate::limits::Hold::with_meter`]).
+#[derive(Debug)]
+pub struct Meter {
+    sink: Arc<dyn UsageSink>,
+    request_id: String,
+    at_ms: u64,
+    started: Instant,
+    key: String,
+    model: String,
+    pub(crate) provider: String,
+    input_estimate: u64,
+    output_estimate: u64,
+}
+
+fn unix_ms() -> u64 {
+    u64::try_from(
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis(),
+    )
+    .unwrap_or(u64::MAX)
+}
+
+impl Meter {
+    /// A request of `key` to `model` admitted now; the estimates are recorded (marked) when the
+    /// provider reports no usage.
+    pub fn new(
+        sink: Arc<dyn UsageSink>,
+        key: &str,
+        model: &str,
+        input_estimate: u64,
+        output_estimate: u64,
+    ) -> Self {
+        Self {
+            sink,
+            request_id: request_id(),
+            at_ms: unix_ms(),
+            started: Instant::now(),
+            key: key.to_owned(),
+            model: model.to_owned(),
+            provider: String::new(),
+            input_estimate,
+            output_estimate,
+        }
+    }
+
+    /// The record of a request the key's limits refused.
+    pub fn refused(sink: &Arc<dyn UsageSink>, key: &str, model: &str) {
+        sink.record(UsageRecord {
+            request_id: request_id(),
+            at_ms: unix_ms(),
+            key: key.to_owned(),
+            model: model.to_owned(),
+            provider: String::new(),
+            input_tokens: 0,
+            output_tokens: 0,
+            estimated: false,
+            outcome: Outcome::Refused,
+            duration_us: 0,
+        });
+    }
+
+    /// Writes the record: the provider's figures, else (when the provider may have used
+    /// tokens: `charged`) the estimates, marked.
+    pub(crate) fn emit(
+        self,
+        outcome: Outcome,
+        charged: bool,
+        reported: Option<iop_wire::runtime::Usage>,
+    ) {
+        let (input_tokens, output_tokens, estimated) = match reported {
+            Some(u) => (u.prompt_tokens, u.completion_tokens, false),
+            None if charged => (self.input_estimate, self.output_estimate, true),
+            None => (0, 0, false),
+        };
+        self.sink.record(UsageRecord {
+            request_id: self.request_id,
+            at_ms: self.at_ms,
+            key: self.key,
+            model: self.model,
+            provider: self.provider,
+            input_tokens,
+            output_tokens,
+            estimated,
+            outcome,
+            duration_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
+        });
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, outcome: Outcome, tokens: (u64, u64)) -> UsageRecord {
+        UsageRecord {
+            request_id: id.into(),
+            at_ms: unix_ms(),
+            key: "team-a".into(),
+            model: "m".into(),
+            provider: "node-1/p".into(),
+            input_tokens: tokens.0,
+            output_tokens: tokens.1,
+            estimated: false,
+            outcome,
+            duration_us: 10,
+        }
+    }
+
+    #[test]
+    fn a_record_is_written_once_and_rolled_up_by_day() {
+        let dir = std::env::temp_dir().join(format!("iop-usage-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("usage.db");
+        let _ = std::fs::remove_file(&path);
+        let store = SqliteUsage::open(&path, UsageConfig::default()).unwrap();
+        store.record(record("r1", Outcome::Completed, (3, 5)));
+        store.record(record("r1", Outcome::Completed, (3, 5)));
+        store.record(record("r2", Outcome::Completed, (1, 1)));
+        store.record(record("r3", Outcome::Refused, (0, 0)));
+        UsageSink::flush(&*store);
+        assert_eq!(
+            store.written(),
+            3,
+            "a replayed request id is not written twice"
+        );
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let (rows, input, output): (i64, i64, i64) = conn
+            .query_row(
+                "SELECT requests, input_tokens, output_tokens FROM usage_daily WHERE day = ?1 AND status = 'completed'",
+                [day_of(unix_ms())],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!((rows, input, output), (2, 4, 6));
+        let n: i64 = conn
+            .query_row("SELECT count(*) FROM usage", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 3);
+        // Full queue: the newest is dropped, counted.
+        let small = SqliteUsage::open(
+            &dir.join("small.db"),
+            UsageConfig {
+                queue: 1,
+                ..UsageConfig::default()
+            },
+        )
+        .unwrap();
+        for i in 0..1000 {
+            small.record(record(&format!("s{i}"), Outcome::Completed, (1, 1)));
+        }
+        UsageSink::flush(&*small);
+        assert_eq!(small.written() + small.dropped(), 1000);
+        small.close();
+        store.close();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
