@@ -7,7 +7,9 @@
 //! in the same process and register over real mTLS sockets. The application keeps its own
 //! routes, its own fallback and its own authentication middleware, which decides who may call
 //! the model API mounted under `/llm` (OpenAI chat completions, the Responses API and the
-//! Anthropic Messages API, as `/llm/v1/...`). The Edge's connection limits (`Limits`) apply
+//! Anthropic Messages API, as `/llm/v1/...`), and names the user each request is for, so that
+//! the Edge's per-key rate limits apply per user (alice: 3 requests a minute; 429 with
+//! `retry-after` and `x-ratelimit-*` headers past it). The Edge's connection limits (`Limits`) apply
 //! to the listener, and its certificate is rotated in place every `--rotate-secs`.
 //!
 //! ```sh
@@ -39,6 +41,8 @@ use axum::routing::get;
 use iop_edge::Edge;
 use iop_edge::builder::{AdapterSpec, EdgeBuilder, EdgeTls, NodeSpec};
 use iop_edge::config::{ConfigError, EdgeConfig, Limits};
+use iop_edge::limits::{KeyId, KeyLimits, LimitsConfig};
+use iop_edge::ratelimit::{Limits as RateLimits, Rate};
 use iop_node::{AdapterRegistry, Node, NodeOptions};
 use workload_identity::dev_ca::DevCa;
 use workload_identity::role;
@@ -55,6 +59,22 @@ fn edge_config(tls: Arc<workload_identity::WorkloadTls>) -> Result<EdgeConfig, C
             http_max_connections: 256, // enforced by Edge::serve on the application's listener
             http_header_timeout_sec: 10,
             ..Limits::default()
+        })
+        // Per-user rate limits: the ids come from this application's own authentication
+        // (`require_user` puts a `KeyId` on each request); alice may send 3 requests a minute.
+        .rate_limits(LimitsConfig {
+            keys: [(
+                "alice".to_owned(),
+                KeyLimits {
+                    limits: RateLimits {
+                        requests: Rate::per_minute(3),
+                        ..RateLimits::default()
+                    },
+                    ..KeyLimits::default()
+                },
+            )]
+            .into(),
+            ..LimitsConfig::default()
         })
         .node(NodeSpec::new("node-1").adapter(demo()))
         .node(NodeSpec::new("node-2").adapter(demo()))
@@ -73,12 +93,15 @@ fn edge_config(tls: Arc<workload_identity::WorkloadTls>) -> Result<EdgeConfig, C
 /// user; in a real service, your session or SSO check).
 const USERS: [&str; 2] = ["alice", "bob"];
 
-async fn require_user(request: Request, next: Next) -> Response {
+async fn require_user(mut request: Request, next: Next) -> Response {
     let user = request
         .headers()
         .get("x-app-user")
-        .and_then(|v| v.to_str().ok());
-    if user.is_some_and(|u| USERS.contains(&u)) {
+        .and_then(|v| v.to_str().ok())
+        .and_then(|u| USERS.iter().find(|known| **known == u));
+    if let Some(user) = user {
+        // Who the request is for: the Edge limits (and records usage) under this id.
+        request.extensions_mut().insert(KeyId::new(user));
         next.run(request).await
     } else {
         (StatusCode::UNAUTHORIZED, "sign in to my app first\n").into_response()

@@ -168,6 +168,30 @@ async fn edge_in_axum_and_a_custom_adapter_node_serve_real_clients() {
         v["choices"][0]["message"]["content"],
         "echo: hello from alice"
     );
+    // alice's rate limit (3 a minute, set in code for the id her login gives): two more, then
+    // 429 with the real wait; bob is not limited.
+    for left in [1, 0] {
+        let r = post(Some("alice"), chat("demo", "again", false))
+            .await
+            .expect("post");
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["x-ratelimit-remaining-requests"],
+            left.to_string().as_str()
+        );
+    }
+    let r = post(Some("alice"), chat("demo", "once more", false))
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert!((1..=20).contains(&retry), "retry-after {retry}");
+    let v: serde_json::Value = r.json().await.expect("json");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
 
     // (a) rotates its certificate in place; (b) then dials it with the identity (a) exported.
     a.wait_for("edge certificate rotated");

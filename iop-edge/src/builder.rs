@@ -406,7 +406,9 @@ impl EdgeBuilder {
         self
     }
 
-    /// Per-key rate limits for the [`Self::api_keys`] ([`crate::limits`]; keys by their ids).
+    /// Per-key rate limits ([`crate::limits`]): for the [`Self::api_keys`] by their ids, or,
+    /// without gateway keys, for the ids your own authentication puts on each request
+    /// ([`crate::limits::KeyId`]).
     pub fn rate_limits(mut self, limits: crate::limits::LimitsConfig) -> Self {
         self.rate_limits = Some(limits);
         self
@@ -465,18 +467,16 @@ impl EdgeBuilder {
             EdgeTls::Pem { .. } | EdgeTls::Material(_) => file.build_with_tls(material)?,
         };
         if let Some(limits) = rate_limits {
-            let Some(keys) = &api_keys else {
-                return Err(ConfigError::Invalid {
-                    key: "auth.limits",
-                    message: "rate limits apply to API keys: set api_keys too".into(),
-                });
-            };
-            let ids: std::collections::BTreeSet<&str> = keys.ids().collect();
-            if let Some(id) = limits.keys.keys().find(|id| !ids.contains(id.as_str())) {
-                return Err(ConfigError::Invalid {
-                    key: "auth.key_limits",
-                    message: format!("{id}: no key has this id"),
-                });
+            // With gateway keys, every per-key entry must name one of them; without, the ids
+            // come from the application (`limits::KeyId` on the request).
+            if let Some(keys) = &api_keys {
+                let ids: std::collections::BTreeSet<&str> = keys.ids().collect();
+                if let Some(id) = limits.keys.keys().find(|id| !ids.contains(id.as_str())) {
+                    return Err(ConfigError::Invalid {
+                        key: "auth.key_limits",
+                        message: format!("{id}: no key has this id"),
+                    });
+                }
             }
             let limiter =
                 crate::limits::Limiter::new(limits).map_err(|e| ConfigError::Invalid {

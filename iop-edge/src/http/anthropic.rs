@@ -64,12 +64,13 @@ fn client(_request: &Value, meta: Meta, stream: bool) -> ClientSide {
 pub(super) async fn messages(
     State(state): State<AppState>,
     headers: HeaderMap,
+    app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     measured(
         &state,
         Endpoint::Messages,
-        serve_route(&state, &ROUTE, &headers, body),
+        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
     )
     .await
 }
@@ -77,6 +78,7 @@ pub(super) async fn messages(
 pub(super) async fn count_tokens(
     State(state): State<AppState>,
     headers: HeaderMap,
+    app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     measured(&state, Endpoint::CountTokens, async {
@@ -85,7 +87,7 @@ pub(super) async fn count_tokens(
             Ok(p) => p,
             Err(r) => return r,
         };
-        let caller = match authenticate(&state, dialect, &headers) {
+        let caller = match authenticate(&state, dialect, &headers, app_key.as_deref()) {
             Ok(c) => c,
             Err(r) => return r,
         };

@@ -59,12 +59,13 @@ fn client(request: &Value, meta: Meta, stream: bool) -> ClientSide {
 pub(super) async fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
+    app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     measured(
         &state,
         Endpoint::ChatCompletions,
-        serve_route(&state, &ROUTE, &headers, body),
+        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
     )
     .await
 }

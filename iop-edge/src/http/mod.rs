@@ -564,6 +564,7 @@ fn authenticate(
     state: &AppState,
     dialect: Dialect,
     headers: &HeaderMap,
+    app_key: Option<&crate::limits::KeyId>,
 ) -> Result<Caller, Response> {
     let unauthorized = || {
         render::error_with_code(
@@ -589,7 +590,9 @@ fn authenticate(
         });
     }
     match &state.config.api_keys {
-        None => Ok(Caller::Open(None)),
+        // No gateway keys: the application authenticated the request, and may name who it is
+        // for (its limits and usage records).
+        None => Ok(Caller::Open(app_key.map(|k| Arc::clone(&k.0)))),
         Some(keys) => match auth::presented_key(headers).and_then(|k| keys.identify_shared(k)) {
             Some(id) => Ok(Caller::Open(Some(id))),
             None => Err(unauthorized()),
@@ -926,6 +929,7 @@ async fn serve_route(
     state: &AppState,
     route: &Route,
     headers: &HeaderMap,
+    app_key: Option<&crate::limits::KeyId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let dialect = route.dialect;
@@ -933,7 +937,7 @@ async fn serve_route(
         Ok(p) => p,
         Err(r) => return r,
     };
-    let caller = match authenticate(state, dialect, headers) {
+    let caller = match authenticate(state, dialect, headers, app_key) {
         Ok(c) => c,
         Err(r) => return r,
     };
@@ -1128,7 +1132,11 @@ fn measured<'a>(
 
 // === Models, health, metrics ===
 
-async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+async fn models(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    app_key: Option<axum::Extension<crate::limits::KeyId>>,
+) -> Response {
     let anthropic = headers.contains_key("anthropic-version");
     let dialect = if anthropic {
         Dialect::Messages
@@ -1136,7 +1144,7 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
         Dialect::Chat
     };
     measured(&state, Endpoint::Models, async {
-        let names: Vec<String> = match authenticate(&state, dialect, &headers) {
+        let names: Vec<String> = match authenticate(&state, dialect, &headers, app_key.as_deref()) {
             Err(r) => return r,
             // Managed: the models the caller's principal has routes for.
             Ok(Caller::Managed {

@@ -66,12 +66,13 @@ fn client(request: &Value, meta: Meta, stream: bool) -> ClientSide {
 pub(super) async fn responses(
     State(state): State<AppState>,
     headers: HeaderMap,
+    app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     measured(
         &state,
         Endpoint::Responses,
-        serve_route(&state, &ROUTE, &headers, body),
+        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
     )
     .await
 }

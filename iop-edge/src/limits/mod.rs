@@ -104,6 +104,27 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+/// Who a request is for, named by the application that embeds the Edge: with no gateway
+/// keys configured ([`crate::http::HttpConfig::api_keys`] is `None`), a request carrying this
+/// extension (set by your own authentication middleware, `request.extensions_mut().insert(…)`)
+/// is limited and recorded under this id, as a gateway key's id would be. The id goes into
+/// metric labels and usage records as is: use a bounded set of names (a team, a plan, an
+/// account). The limiter forgets idle ids beyond [`MAX_TRACKED_KEYS`] (their metric series
+/// too).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KeyId(pub Arc<str>);
+
+impl KeyId {
+    /// The id `id`.
+    pub fn new(id: &str) -> Self {
+        Self(Arc::from(id))
+    }
+}
+
+/// Keys the limiter holds state for at most; past it, idle ones are forgotten (their state
+/// is at rest: nothing changes), and a request of a new key is refused while none is idle.
+pub const MAX_TRACKED_KEYS: usize = 100_000;
+
 /// One key's limits: its own, and per model (the model group a request is routed to).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeyLimits {
@@ -629,6 +650,38 @@ impl Limiter {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether `key` has (or can be given) an entry: past [`MAX_TRACKED_KEYS`], the idle
+    /// entries are forgotten (state at rest, no credit, nothing in flight), with their metric
+    /// series.
+    fn make_room(&self, keys: &mut HashMap<String, KeyEntry>, key: &str, now: u64) -> bool {
+        if keys.len() < MAX_TRACKED_KEYS || keys.contains_key(key) {
+            return true;
+        }
+        let idle = |s: &LimitState| s.rule.is_idle(now) && s.credit.iter().all(|c| c.units() == 0);
+        let mut forgotten = Vec::new();
+        keys.retain(|_, e| {
+            let keep = !(idle(&e.own) && e.models.values().all(idle));
+            if !keep {
+                forgotten.push(Arc::clone(&e.id));
+            }
+            keep
+        });
+        for id in forgotten {
+            let label = KeyLabel {
+                key: Arc::clone(&id),
+            };
+            self.metrics.admitted.remove(&label);
+            self.metrics.in_flight.remove(&label);
+            for limit in ["requests", "tokens", "concurrent"] {
+                self.metrics.refused.remove(&RefusedLabels {
+                    key: Arc::clone(&id),
+                    limit,
+                });
+            }
+        }
+        keys.len() < MAX_TRACKED_KEYS
+    }
+
     /// The entry of `key` (and its state for `model` when `per_model`), made on first use.
     fn entry<'a>(
         keys: &'a mut HashMap<String, KeyEntry>,
@@ -688,6 +741,9 @@ impl Limiter {
         let model_limits = limits.models.get(model);
         let now = self.now_us();
         let mut keys = self.lock();
+        if !self.make_room(&mut keys, key, now) {
+            return Err(LimitError::Refused(Self::no_room()));
+        }
         let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
         entry.last_used = now;
         let own = entry.own.rule.check(&limits.limits, now, estimate);
@@ -759,6 +815,16 @@ impl Limiter {
         })
     }
 
+    /// The refusal of a new key while [`MAX_TRACKED_KEYS`] are all busy (retry in a second).
+    fn no_room() -> Refused {
+        Refused {
+            exceeded: Exceeded::Concurrent,
+            per_model: false,
+            retry_after: None,
+            quota: Quota::default(),
+        }
+    }
+
     fn count_admission(&self, id: &Arc<str>) {
         let label = KeyLabel {
             key: Arc::clone(id),
@@ -799,6 +865,9 @@ impl Limiter {
         let mut asks = Vec::with_capacity(4);
         let (own, per_model, id, borrowing) = {
             let mut keys = self.lock();
+            if !self.make_room(&mut keys, key, now) {
+                return Err(LimitError::Refused(Self::no_room()));
+            }
             let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
             entry.last_used = now;
             let concurrent_refusal = |per_model| Refused {
@@ -1500,5 +1569,49 @@ mod tests {
             "{m}"
         );
         assert_eq!(m.matches("# EOF").count(), 1, "{m}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_the_tracked_keys_idle_ones_are_forgotten_and_busy_ones_kept() {
+        let config = LimitsConfig {
+            default: KeyLimits {
+                limits: Limits {
+                    requests: Rate::per_minute(10),
+                    tokens: None,
+                    concurrent: Some(1),
+                },
+                models: BTreeMap::new(),
+            },
+            ..LimitsConfig::default()
+        };
+        let l = Arc::new(Limiter::new(config).unwrap());
+        // Every tracked key busy (a request in flight): a new key is refused.
+        let mut holds = Vec::new();
+        for i in 0..MAX_TRACKED_KEYS {
+            holds.push(l.admit(&format!("k{i}"), "m", 0).await.unwrap());
+        }
+        assert!(matches!(
+            l.admit("new", "m", 0).await,
+            Err(LimitError::Refused(Refused {
+                exceeded: Exceeded::Concurrent,
+                ..
+            }))
+        ));
+        // A known key is still served (refused here only by its own in-flight limit).
+        drop(holds.pop());
+        let again = l
+            .admit(&format!("k{}", MAX_TRACKED_KEYS - 1), "m", 0)
+            .await
+            .unwrap();
+        drop(again);
+        drop(holds);
+        // A minute later every key is at rest: a new key makes room, and the forgotten keys'
+        // metric series go with them.
+        tokio::time::advance(Duration::from_secs(61)).await;
+        let _new = l.admit("new", "m", 0).await.unwrap();
+        assert_eq!(l.lock().len(), 1);
+        let mut m = String::new();
+        l.encode_metrics(&mut m);
+        assert!(!m.contains("key=\"k1\""), "forgotten series are removed");
     }
 }
