@@ -486,6 +486,9 @@ impl EdgeBuilder {
             config.http.limiter = Some(Arc::new(limiter));
         }
         config.http.api_keys = api_keys;
+        if let (Some(l), Some(u)) = (&config.http.limiter, &usage) {
+            l.set_usage(Arc::clone(u));
+        }
         config.http.usage = usage;
         Ok(config)
     }
@@ -572,6 +575,7 @@ impl EdgeBuilder {
             },
             auth: None,
             usage: None,
+            prices: BTreeMap::new(),
             pool: self.pool,
             limits: self.limits,
             nodes,

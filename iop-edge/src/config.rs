@@ -25,6 +25,8 @@
 //! requests_per_minute = 60
 //! tokens_per_minute = 100000         # input + output, reserved at admission, settled to usage
 //! concurrent = 8                     # requests in flight (per Edge)
+//! budget_usd_per_day = 5.0          # spend per UTC day / month, at [prices] (see
+//! budget_usd_per_month = 50.0        #   iop_edge::limits::budget); refused for good past it
 //! [auth.limits.models."gpt-4o"]      # and per model, checked as well
 //! tokens_per_minute = 20000
 //!
@@ -39,6 +41,10 @@
 //! share = 4                          #   at most 1/4 of what remains
 //! timeout_ms = 250                   # per store call
 //! credit_idle_ms = 2000              # unused credit goes back after this
+//!
+//! [prices."gpt-4o-mini"]             # USD per million tokens, per model (budgets, records' cost)
+//! input = 0.15
+//! output = 0.60
 //!
 //! [usage]                            # optional (legacy mode): one record per keyed request
 //! sqlite = "/var/lib/iop/usage.db"   # created if missing; see iop_edge::usage
@@ -192,6 +198,9 @@ pub struct EdgeConfigFile {
     pub control_plane: Option<ControlPlane>,
     /// `[usage]`: usage records in a local SQLite file (legacy mode).
     pub usage: Option<UsageToml>,
+    /// `[prices.<model>]`: per-model prices, for budgets and the records' cost.
+    #[serde(default)]
+    pub prices: BTreeMap<String, PriceToml>,
 }
 
 /// `[usage]` ([`crate::usage`]).
@@ -260,6 +269,16 @@ pub struct Auth {
     pub key_limits: BTreeMap<String, KeyLimitsToml>,
     /// `[auth.shared]`: share the limits with other Edges through Redis.
     pub shared: Option<SharedToml>,
+}
+
+/// `[prices.<model>]`: USD per million tokens, as providers publish them.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceToml {
+    /// `input`.
+    pub input: f64,
+    /// `output`.
+    pub output: f64,
 }
 
 /// `[auth.shared]` ([`crate::limits::SharedConfig`]).
@@ -362,6 +381,10 @@ pub struct KeyLimitsToml {
     pub tokens_per_minute: Option<u64>,
     /// `concurrent`: requests in flight at once.
     pub concurrent: Option<u32>,
+    /// `budget_usd_per_day`: spend per UTC day (needs `[prices]` for the models).
+    pub budget_usd_per_day: Option<f64>,
+    /// `budget_usd_per_month`: spend per UTC calendar month.
+    pub budget_usd_per_month: Option<f64>,
     /// `[….models.<model>]`: the key's limits on one model, checked as well.
     #[serde(default)]
     pub models: BTreeMap<String, ModelLimitsToml>,
@@ -435,9 +458,20 @@ impl KeyLimitsToml {
                 )?,
             );
         }
+        let money = |v: Option<f64>| match v {
+            None => Ok(None),
+            Some(usd) => crate::limits::budget::usd(usd)
+                .filter(|p| *p > 0)
+                .map(Some)
+                .ok_or_else(|| invalid(key, "a budget must be a positive amount of USD")),
+        };
         Ok(crate::limits::KeyLimits {
             limits,
             models: per_model,
+            budget: crate::limits::budget::Budget {
+                per_day_pusd: money(self.budget_usd_per_day)?,
+                per_month_pusd: money(self.budget_usd_per_month)?,
+            },
         })
     }
 }
@@ -449,8 +483,12 @@ impl Auth {
         &self,
         keys: &ApiKeys,
         models: &BTreeSet<&str>,
+        prices: &BTreeMap<String, crate::limits::budget::Price>,
     ) -> Result<Option<crate::limits::LimitsConfig>, ConfigError> {
-        let mut config = crate::limits::LimitsConfig::default();
+        let mut config = crate::limits::LimitsConfig {
+            prices: prices.clone(),
+            ..crate::limits::LimitsConfig::default()
+        };
         if let Some(n) = self.output_estimate {
             config.output_estimate = n;
         }
@@ -885,7 +923,24 @@ impl EdgeConfigFile {
         let limiter = match (&self.auth, &api_keys) {
             (Some(a), Some(keys)) => {
                 let names: BTreeSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
-                match a.limits(keys, &names)? {
+                let mut prices = BTreeMap::new();
+                for (model, p) in &self.prices {
+                    if !names.contains(model.as_str()) {
+                        return Err(invalid(
+                            "prices",
+                            format!("{model}: no [[models]] entry has this name"),
+                        ));
+                    }
+                    let price = crate::limits::budget::Price::per_million_usd(p.input, p.output)
+                        .ok_or_else(|| {
+                            invalid(
+                                "prices",
+                                format!("{model}: prices are USD per million tokens, 0 or more"),
+                            )
+                        })?;
+                    prices.insert(model.clone(), price);
+                }
+                match a.limits(keys, &names, &prices)? {
                     Some(c) => Some(Arc::new(
                         crate::limits::Limiter::new(c)
                             .map_err(|e| invalid("auth.shared.redis", e))?,
@@ -1021,7 +1076,12 @@ impl EdgeConfigFile {
             http_listen: self.listen.http,
             http: HttpConfig {
                 api_keys,
-                limiter,
+                limiter: {
+                    if let (Some(l), Some(u)) = (&limiter, &usage) {
+                        l.set_usage(Arc::clone(u));
+                    }
+                    limiter
+                },
                 usage,
                 body_timeout: Duration::from_secs(self.limits.http_body_timeout_sec),
                 ..HttpConfig::new(

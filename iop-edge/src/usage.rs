@@ -81,6 +81,8 @@ pub struct UsageRecord {
     pub output_tokens: u64,
     /// The tokens are the reservation, not the provider's figures (it reported none).
     pub estimated: bool,
+    /// The cost at the model's prices, pico-dollars (0 without a price).
+    pub cost_pusd: u64,
     /// How it ended.
     pub outcome: Outcome,
     /// Admission to end, microseconds.
@@ -98,6 +100,14 @@ pub trait UsageSink: Send + Sync + std::fmt::Debug + 'static {
     /// Appends the sink's metrics to `out`, an OpenMetrics text that may end with `# EOF`.
     fn encode_metrics(&self, out: &mut String) {
         let _ = out;
+    }
+
+    /// What `key` spent on UTC day `day` (`YYYY-MM-DD`) and month `month` (`YYYY-MM`), in
+    /// pico-dollars, from the stored records (budgets read it back after a restart); `None`
+    /// when the sink keeps no such figures.
+    fn spent(&self, key: &str, day: &str, month: &str) -> Option<(u64, u64)> {
+        let _ = (key, day, month);
+        None
     }
 }
 
@@ -147,6 +157,7 @@ pub enum UsageError {
 
 /// Usage records in a local SQLite file, written by one thread (module docs).
 pub struct SqliteUsage {
+    path: PathBuf,
     tx: Mutex<Option<SyncSender<Msg>>>,
     dropped: AtomicU64,
     written: Arc<AtomicU64>,
@@ -229,6 +240,7 @@ CREATE TABLE IF NOT EXISTS usage (
     input_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
     estimated INTEGER NOT NULL,
+    cost_pusd INTEGER NOT NULL,
     status TEXT NOT NULL,
     duration_us INTEGER NOT NULL
 );
@@ -241,6 +253,7 @@ CREATE TABLE IF NOT EXISTS usage_daily (
     requests INTEGER NOT NULL,
     input_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
+    cost_pusd INTEGER NOT NULL,
     PRIMARY KEY (day, key_id, model, status)
 );
 ";
@@ -278,6 +291,7 @@ impl SqliteUsage {
                 message: e.to_string(),
             })?;
         Ok(Arc::new(Self {
+            path: path.to_owned(),
             tx: Mutex::new(Some(tx)),
             dropped: AtomicU64::new(0),
             written,
@@ -333,6 +347,30 @@ impl SqliteUsage {
 impl UsageSink for SqliteUsage {
     fn flush(&self) {
         self.flush_queue();
+    }
+
+    fn spent(&self, key: &str, day: &str, month: &str) -> Option<(u64, u64)> {
+        self.flush_queue();
+        let conn = rusqlite::Connection::open_with_flags(
+            &self.path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .ok()?;
+        let sum = |sql: &str, arg: &str| -> Option<u64> {
+            let v: i64 = conn
+                .query_row(sql, rusqlite::params![key, arg], |r| r.get(0))
+                .ok()?;
+            u64::try_from(v).ok()
+        };
+        let day_spent = sum(
+            "SELECT coalesce(sum(cost_pusd), 0) FROM usage_daily WHERE key_id = ?1 AND day = ?2",
+            day,
+        )?;
+        let month_spent = sum(
+            "SELECT coalesce(sum(cost_pusd), 0) FROM usage_daily WHERE key_id = ?1 AND substr(day, 1, 7) = ?2",
+            month,
+        )?;
+        Some((day_spent, month_spent))
     }
 
     fn encode_metrics(&self, out: &mut String) {
@@ -453,11 +491,11 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
     let mut n = 0;
     {
         let mut row = tx.prepare_cached(
-            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
         )?;
         let mut daily = tx.prepare_cached(
-            "INSERT INTO usage_daily (day, key_id, model, status, requests, input_tokens, output_tokens) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6)
-             ON CONFLICT (day, key_id, model, status) DO UPDATE SET requests = requests + 1, input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens",
+            "INSERT INTO usage_daily (day, key_id, model, status, requests, input_tokens, output_tokens, cost_pusd) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7)
+             ON CONFLICT (day, key_id, model, status) DO UPDATE SET requests = requests + 1, input_tokens = input_tokens + excluded.input_tokens, output_tokens = output_tokens + excluded.output_tokens, cost_pusd = cost_pusd + excluded.cost_pusd",
         )?;
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for r in records {
@@ -474,6 +512,7 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
                 r.estimated,
                 r.outcome.as_str(),
                 int(r.duration_us),
+                int(r.cost_pusd),
             ])?;
             if inserted == 1 {
                 n += 1;
@@ -484,6 +523,7 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
                     r.outcome.as_str(),
                     int(r.input_tokens),
                     int(r.output_tokens),
+                    int(r.cost_pusd),
                 ])?;
             }
         }
@@ -505,6 +545,7 @@ pub struct Meter {
     pub(crate) provider: String,
     input_estimate: u64,
     output_estimate: u64,
+    price: Option<crate::limits::budget::Price>,
 }
 
 fn unix_ms() -> u64 {
@@ -537,7 +578,14 @@ impl Meter {
             provider: String::new(),
             input_estimate,
             output_estimate,
+            price: None,
         }
+    }
+
+    /// Prices the record at `price` (its `cost_pusd`).
+    pub fn with_price(mut self, price: Option<crate::limits::budget::Price>) -> Self {
+        self.price = price;
+        self
     }
 
     /// The record of a request the key's limits refused.
@@ -551,6 +599,7 @@ impl Meter {
             input_tokens: 0,
             output_tokens: 0,
             estimated: false,
+            cost_pusd: 0,
             outcome: Outcome::Refused,
             duration_us: 0,
         });
@@ -578,6 +627,9 @@ impl Meter {
             input_tokens,
             output_tokens,
             estimated,
+            cost_pusd: self
+                .price
+                .map_or(0, |p| p.cost(input_tokens, output_tokens)),
             outcome,
             duration_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
         });
@@ -599,6 +651,7 @@ mod tests {
             input_tokens: tokens.0,
             output_tokens: tokens.1,
             estimated: false,
+            cost_pusd: tokens.0 + tokens.1,
             outcome,
             duration_us: 10,
         }

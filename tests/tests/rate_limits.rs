@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_edge::config::EdgeConfigFile;
+use iop_edge::limits::budget::{self, Budget, Price};
 use iop_edge::limits::{KeyLimits, Limiter, LimitsConfig, OnUnavailable, SharedConfig};
 use iop_edge::ratelimit::{Limits, Rate};
 use iop_edge::{Lifecycle, bind, http};
@@ -41,6 +42,7 @@ const CON_KEY: &str = "gw-limits-concurrent";
 const FREE_KEY: &str = "gw-limits-free";
 const TEAM_KEY: &str = "gw-limits-team";
 const BIG_KEY: &str = "gw-limits-big";
+const BUD_KEY: &str = "gw-limits-budget";
 /// The shared key's limits (per `TICK` × limit seconds: nothing replenishes in a test).
 const TEAM_REQUESTS: u64 = 40;
 const TEAM_TOKENS: u64 = 3000;
@@ -130,7 +132,7 @@ async fn mesh_with(extra: &str, shared: Option<SharedConfig>) -> Mesh {
     std::fs::write(
         &keys,
         format!(
-            "# gateway keys: <key or sha256:hex> [id]\n{REQ_KEY} req\n{} tok\n{CON_KEY} con\n{FREE_KEY}\n{TEAM_KEY} team\n{BIG_KEY} big\n",
+            "# gateway keys: <key or sha256:hex> [id]\n{REQ_KEY} req\n{} tok\n{CON_KEY} con\n{FREE_KEY}\n{TEAM_KEY} team\n{BIG_KEY} big\n{BUD_KEY} bud\n",
             http::ApiKeys::digest_line(TOK_KEY)
         ),
     )
@@ -181,6 +183,7 @@ concurrent = 1
             concurrent,
         },
         models: BTreeMap::new(),
+        budget: Default::default(),
     };
     keys.insert("req".to_owned(), limits(slow_rate(3), None, None));
     keys.insert("tok".to_owned(), limits(None, slow_rate(1000), None));
@@ -190,15 +193,39 @@ concurrent = 1
         limits(slow_rate(TEAM_REQUESTS), slow_rate(TEAM_TOKENS), None),
     );
     keys.insert("big".to_owned(), limits(slow_rate(1_000_000), None, None));
-    built.http.limiter = Some(Arc::new(
-        Limiter::new(LimitsConfig {
-            keys,
-            output_estimate: 64,
-            shared,
-            ..LimitsConfig::default()
-        })
-        .unwrap(),
-    ));
+    keys.insert(
+        "bud".to_owned(),
+        KeyLimits {
+            budget: Budget {
+                per_day_pusd: budget::usd(0.0001),
+                per_month_pusd: None,
+            },
+            ..KeyLimits::default()
+        },
+    );
+    let prices = [
+        (
+            "via-chat".to_owned(),
+            Price::per_million_usd(1.0, 2.0).unwrap(),
+        ),
+        (
+            "via-anth".to_owned(),
+            Price::per_million_usd(1.0, 2.0).unwrap(),
+        ),
+    ]
+    .into();
+    let limiter = Limiter::new(LimitsConfig {
+        keys,
+        output_estimate: 64,
+        shared,
+        prices,
+        ..LimitsConfig::default()
+    })
+    .unwrap();
+    if let Some(u) = &built.http.usage {
+        limiter.set_usage(Arc::clone(u));
+    }
+    built.http.limiter = Some(Arc::new(limiter));
     let (edge, _) = bind(built.transport).await.unwrap();
     let mut life = edge.subscribe();
     let tls = pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
@@ -1042,4 +1069,87 @@ fn query(conn: &rusqlite::Connection) -> Vec<(String, String, String, i64, i64, 
     .unwrap()
     .collect::<Result<_, _>>()
     .unwrap()
+}
+
+// === Budgets ===
+
+/// The official SDKs against an exhausted budget: a Python script (openai, anthropic) that
+/// makes one call per line of output and prints how it ended.
+const SDK_BUDGET: &str = r#"
+import os, openai, anthropic
+base, key = os.environ["BASE"], os.environ["KEY"]
+oc = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=2)
+body = dict(model="via-chat", max_tokens=40, messages=[{"role": "user", "content": "count my tokens please"}])
+r = oc.chat.completions.create(**body)
+print("openai ok", r.usage.total_tokens)
+try:
+    oc.chat.completions.create(**body)
+    print("openai unexpected success")
+except openai.RateLimitError as e:
+    print("openai refused", e.code, e.response.headers.get("x-should-retry"))
+ac = anthropic.Anthropic(base_url=base, api_key=key, max_retries=2)
+try:
+    ac.messages.create(model="via-anth", max_tokens=40, messages=[{"role": "user", "content": "count my tokens please"}])
+    print("anthropic unexpected success")
+except anthropic.RateLimitError as e:
+    print("anthropic refused", e.response.headers.get("x-should-retry"))
+"#;
+
+#[tokio::test]
+async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_a_restart() {
+    tokio::time::timeout(LIMIT, async {
+        let sdk = std::process::Command::new("python3")
+            .args(["-c", "import openai, anthropic"])
+            .status();
+        assert!(
+            sdk.is_ok_and(|s| s.success()),
+            "the official SDKs are required: python3 -m pip install openai anthropic (scripts/test-all.sh does this)"
+        );
+        let db = std::env::temp_dir().join(format!("iop-budget-{}.db", std::process::id()));
+        let _ = std::fs::remove_file(&db);
+        let usage = format!("[usage]\nsqlite = \"{}\"\n", db.display());
+        let m = mesh_with(&usage, None).await;
+        let (chat_before, anth_before) = (m.chat.seen().len(), m._anthropic.seen().len());
+        let out = tokio::process::Command::new("python3")
+            .args(["-c", SDK_BUDGET])
+            .env("BASE", &m.base)
+            .env("KEY", BUD_KEY)
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines[0], "openai ok 18", "{stdout}");
+        assert_eq!(lines[1], "openai refused insufficient_quota false", "{stdout}");
+        assert_eq!(lines[2], "anthropic refused false", "{stdout}");
+        // Not retried: one upstream call in all (the first), and one request each reached
+        // the Edge for the two refusals (the records say so; a retry would add one each).
+        assert_eq!(m.chat.seen().len() - chat_before, 1);
+        assert_eq!(m._anthropic.seen().len() - anth_before, 0);
+        let sink = m.usage.clone().unwrap();
+        sink.flush();
+        let conn = rusqlite_open(&db);
+        let statuses: Vec<(String, String, i64)> = {
+            let mut st = conn.prepare("SELECT key_id, status, cost_pusd FROM usage ORDER BY at_ms").unwrap();
+            st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().collect::<Result<_, _>>().unwrap()
+        };
+        assert_eq!(
+            statuses,
+            [
+                ("bud".into(), "completed".into(), 23_000_000),
+                ("bud".into(), "refused".into(), 0),
+                ("bud".into(), "refused".into(), 0),
+            ],
+            "cost: 13 input tokens at $1/M and 5 output at $2/M"
+        );
+        // A restarted Edge on the same records knows what the key spent today.
+        let again = mesh_with(&usage, None).await;
+        let r = post(&again.base, "/v1/chat/completions", BUD_KEY, &chat("via-chat", false)).await;
+        assert_eq!(r.status(), 429);
+        assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
+        std::fs::remove_file(&db).ok();
+    })
+    .await
+    .expect("within the limit");
 }

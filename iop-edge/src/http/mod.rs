@@ -623,34 +623,49 @@ async fn limit(
     let output_default = limiter.map_or(crate::limits::DEFAULT_OUTPUT_ESTIMATE, |l| {
         l.config().output_estimate
     });
-    let (input, output) =
-        if sink.is_some() || limiter.is_some_and(|l| l.config().of(key).limits_tokens(group)) {
-            let chat = chat().map_err(|e| bad_request(dialect, &e))?;
-            (
-                iop_dialect::request::estimate_tokens(&chat),
-                crate::limits::output_cap(request, output_default),
-            )
-        } else {
-            (0, 0)
-        };
+    let budget = limiter
+        .map(|l| l.config().of(key).budget)
+        .unwrap_or_default();
+    let price = limiter.and_then(|l| l.budgets().price(group));
+    let (input, output) = if sink.is_some()
+        || !budget.is_none()
+        || limiter.is_some_and(|l| l.config().of(key).limits_tokens(group))
+    {
+        let chat = chat().map_err(|e| bad_request(dialect, &e))?;
+        (
+            iop_dialect::request::estimate_tokens(&chat),
+            crate::limits::output_cap(request, output_default),
+        )
+    } else {
+        (0, 0)
+    };
     let metered = |hold: crate::limits::Hold| match sink {
-        Some(s) => hold.with_meter(crate::usage::Meter::new(
-            Arc::clone(s),
-            key,
-            group,
-            input,
-            output,
-        )),
+        Some(s) => hold.with_meter(
+            crate::usage::Meter::new(Arc::clone(s), key, group, input, output).with_price(price),
+        ),
         None => hold,
     };
     let Some(limiter) = limiter else {
         return Ok(metered(crate::limits::Hold::default()));
     };
+    // The spend budget first: a request it refuses takes nothing from the rate limits.
+    let budget_hold = match limiter
+        .budgets()
+        .reserve(key, &budget, group, input, output)
+    {
+        Ok(h) => h,
+        Err(refusal) => {
+            if let Some(s) = sink {
+                crate::usage::Meter::refused(s, key, group);
+            }
+            return Err(budget_refused(dialect, refusal));
+        }
+    };
     let refused = match limiter
         .admit(key, group, input.saturating_add(output))
         .await
     {
-        Ok(hold) => return Ok(metered(hold)),
+        Ok(hold) => return Ok(metered(hold.with_budget(budget_hold))),
         Err(crate::limits::LimitError::Refused(r)) => {
             if let Some(s) = sink {
                 crate::usage::Meter::refused(s, key, group);
@@ -680,6 +695,41 @@ async fn limit(
         h.insert("retry-after-ms", header::HeaderValue::from(ms));
     }
     Err(r)
+}
+
+/// A request its key's spend budget refused: for good (`x-should-retry: false`, which both
+/// official SDKs honour; OpenAI's `insufficient_quota`), or until reservations in flight
+/// settle (`retry-after: 1`).
+fn budget_refused(dialect: Dialect, refusal: crate::limits::budget::BudgetRefusal) -> Response {
+    use crate::limits::budget::BudgetRefusal;
+    match refusal {
+        BudgetRefusal::Exhausted { period } => {
+            let message = format!(
+                "this key's spend budget for the {period} is used up (or too small for this request's estimate)"
+            );
+            let body = match dialect {
+                Dialect::Messages => iop_dialect::error::body(dialect, 429, &message, None),
+                _ => {
+                    json!({ "error": { "message": message, "type": "insufficient_quota", "param": null, "code": "insufficient_quota" } })
+                }
+            };
+            let mut r = render::json_response(StatusCode::TOO_MANY_REQUESTS, &body);
+            r.headers_mut()
+                .insert("x-should-retry", header::HeaderValue::from_static("false"));
+            r
+        }
+        BudgetRefusal::Held => {
+            let mut r = render::error_with_code(
+                dialect,
+                StatusCode::TOO_MANY_REQUESTS,
+                "this key's spend budget is held by requests in flight",
+                Some("rate_limit_exceeded"),
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(1));
+            r
+        }
+    }
 }
 
 /// `response` with the quota headers of `hold` (none for an unlimited key).

@@ -7,6 +7,10 @@
 //! for one decision, on tokio's clock (so tests in paused time drive it), or shares the limits
 //! with other Edges through Redis (below).
 //!
+//! Spend budgets per key (per UTC day and month, at per-model prices) are [`budget`]'s:
+//! reserved at admission with the tokens, settled to the reported usage, refused for good
+//! (`x-should-retry: false`) once used up.
+//!
 //! `/v1/messages/count_tokens` and `/v1/models` are not limited (they cost the provider
 //! nothing, and Anthropic limits them apart).
 //!
@@ -87,6 +91,7 @@
 //! - A request the Edge could not send (no provider within the wait, a refused lease) keeps
 //!   its request unit but gives its tokens back.
 
+pub mod budget;
 pub mod shared;
 
 use std::collections::{BTreeMap, HashMap};
@@ -132,6 +137,8 @@ pub struct KeyLimits {
     pub limits: Limits,
     /// Limits of the key on one model, checked as well as the key's own.
     pub models: BTreeMap<String, Limits>,
+    /// The key's spend budgets ([`budget`]).
+    pub budget: budget::Budget,
 }
 
 impl KeyLimits {
@@ -142,7 +149,9 @@ impl KeyLimits {
 
     /// Whether nothing is limited.
     pub fn is_unlimited(&self) -> bool {
-        self.limits == Limits::default() && self.models.values().all(|l| *l == Limits::default())
+        self.limits == Limits::default()
+            && self.models.values().all(|l| *l == Limits::default())
+            && self.budget.is_none()
     }
 }
 
@@ -159,6 +168,8 @@ pub struct LimitsConfig {
     /// Share the keys' request and token limits with other Edges through Redis; `None`: this
     /// Edge enforces them alone.
     pub shared: Option<SharedConfig>,
+    /// Prices per model group, for budgets and usage records' cost ([`budget`]).
+    pub prices: BTreeMap<String, budget::Price>,
 }
 
 /// What an Edge does when the shared store cannot decide (down, slow, unreachable).
@@ -221,6 +232,7 @@ impl Default for LimitsConfig {
             keys: BTreeMap::new(),
             output_estimate: DEFAULT_OUTPUT_ESTIMATE,
             shared: None,
+            prices: BTreeMap::new(),
         }
     }
 }
@@ -605,6 +617,7 @@ pub struct Limiter {
     store: Option<shared::RateStore>,
     warned: Mutex<Option<tokio::time::Instant>>,
     returner: std::sync::OnceLock<()>,
+    budgets: Arc<budget::Budgets>,
 }
 
 /// A quantity one admission asks of the store.
@@ -625,19 +638,30 @@ impl Limiter {
             None => None,
         };
         Ok(Self {
-            config,
             epoch: tokio::time::Instant::now(),
             keys: Mutex::new(HashMap::new()),
             metrics: LimiterMetrics::new(),
             store,
             warned: Mutex::new(None),
             returner: std::sync::OnceLock::new(),
+            budgets: Arc::new(budget::Budgets::new(config.prices.clone())),
+            config,
         })
     }
 
     /// What it enforces.
     pub fn config(&self) -> &LimitsConfig {
         &self.config
+    }
+
+    /// The keys' spend budgets.
+    pub fn budgets(&self) -> &Arc<budget::Budgets> {
+        &self.budgets
+    }
+
+    /// Where usage records go: budgets read a key's spend back from it after a restart.
+    pub fn set_usage(&self, usage: Arc<dyn crate::usage::UsageSink>) {
+        self.budgets.set_usage(usage);
     }
 
     fn now_us(&self) -> u64 {
@@ -811,6 +835,7 @@ impl Limiter {
             upstream_error: false,
             ended: None,
             meter: None,
+            budget: None,
             quota: own_quota.tighter(model_quota),
         })
     }
@@ -1115,6 +1140,7 @@ impl Limiter {
             upstream_error: false,
             ended: None,
             meter: None,
+            budget: None,
             quota,
         })
     }
@@ -1360,6 +1386,7 @@ pub struct Hold {
     ended: Option<crate::transport::StreamEnd>,
     quota: Quota,
     meter: Option<crate::usage::Meter>,
+    budget: Option<budget::BudgetHold>,
 }
 
 impl Hold {
@@ -1367,6 +1394,13 @@ impl Hold {
     /// need not ride on the stream.
     pub fn is_empty(&self) -> bool {
         self.limiter.is_none() && self.meter.is_none()
+    }
+
+    /// Settles `budget` (the request's reservation against its key's spend budget) when the
+    /// request ends.
+    pub fn with_budget(mut self, budget: Option<budget::BudgetHold>) -> Self {
+        self.budget = budget;
+        self
     }
 
     /// Records this request's usage in `meter`'s sink when it ends.
@@ -1410,6 +1444,14 @@ impl Drop for Hold {
     fn drop(&mut self) {
         if let Some(limiter) = self.limiter.take() {
             limiter.finish(self);
+        }
+        if let Some(b) = self.budget.take() {
+            let used = match (self.reported, self.sent && !self.upstream_error) {
+                (Some(u), _) => Some((u.prompt_tokens, u.completion_tokens)),
+                (None, true) => None,
+                (None, false) => Some((0, 0)),
+            };
+            b.settle(used);
         }
         if let Some(meter) = self.meter.take() {
             let outcome = match (self.ended, self.sent) {
@@ -1501,7 +1543,7 @@ mod tests {
         let config = LimitsConfig {
             default: KeyLimits {
                 limits: per_minute(100, 1000),
-                models: BTreeMap::new(),
+                ..KeyLimits::default()
             },
             ..LimitsConfig::default()
         };
@@ -1535,6 +1577,7 @@ mod tests {
             default: KeyLimits {
                 limits: per_minute(10, 1_000_000),
                 models,
+                ..KeyLimits::default()
             },
             ..LimitsConfig::default()
         };
@@ -1581,6 +1624,7 @@ mod tests {
                     concurrent: Some(1),
                 },
                 models: BTreeMap::new(),
+                budget: Default::default(),
             },
             ..LimitsConfig::default()
         };
