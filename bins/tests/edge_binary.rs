@@ -1,6 +1,6 @@
 //! The standalone `iop-edge` binary: configuration errors exit 2 naming the key; a Node (in
 //! process) connects over mTLS and a chat completion goes through the binary's HTTP surface;
-//! SIGTERM stops it cleanly.
+//! SIGTERM stops it cleanly; `iop-edge usage` reports a usage file as a table and JSON.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::io::BufRead as _;
@@ -161,4 +161,78 @@ async fn serves_a_node_and_stops_on_sigterm() {
     assert_eq!(child.wait().unwrap().code(), Some(0));
     stop.cancel();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_usage_subcommand_reports_the_daily_rollup() {
+    use iop_edge::usage::{Outcome, SqliteUsage, UsageConfig, UsageRecord, UsageSink as _};
+    let dir = std::env::temp_dir().join(format!("iop-edge-usage-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = dir.join("usage.db");
+    let _ = std::fs::remove_file(&db);
+    let store = SqliteUsage::open(&db, UsageConfig::default()).unwrap();
+    let at_ms = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap();
+    for (i, outcome) in [Outcome::Completed, Outcome::Completed, Outcome::Refused]
+        .into_iter()
+        .enumerate()
+    {
+        store.record(UsageRecord {
+            request_id: format!("r{i}"),
+            at_ms,
+            key: "team-a".into(),
+            model: "gpt-4o-mini".into(),
+            provider: "node-1/p".into(),
+            input_tokens: 100,
+            output_tokens: 50,
+            estimated: false,
+            cost_pusd: 1_500_000_000,
+            outcome,
+            duration_us: 1000,
+        });
+    }
+    store.flush();
+    store.close();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_iop-edge"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let db_arg = db.to_str().unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&run(&["usage", "--db", db_arg, "--json"])).unwrap();
+    let rows = json.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{json}");
+    let completed = rows.iter().find(|r| r["status"] == "completed").unwrap();
+    assert_eq!(completed["key"], "team-a");
+    assert_eq!(completed["requests"], 2);
+    assert_eq!(completed["input_tokens"], 200);
+    assert_eq!(completed["cost_pusd"], 3_000_000_000u64);
+    let table = run(&["usage", "--db", db_arg]);
+    assert!(table.starts_with("day "), "{table}");
+    assert!(
+        table.contains("team-a") && table.contains("0.003000"),
+        "{table}"
+    );
+    assert!(run(&["usage", "--db", db_arg, "--since", "9999-01-01", "--json"]).trim() == "[]");
+    // A file that is not there: exit 2, named.
+    let out = Command::new(env!("CARGO_BIN_EXE_iop-edge"))
+        .args(["usage", "--db", dir.join("none.db").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("none.db"));
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -532,6 +532,63 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
     Ok(n)
 }
 
+/// One row of the daily rollup: a day, a key id, a model and an outcome.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DailyUsage {
+    /// `YYYY-MM-DD`, UTC.
+    pub day: String,
+    /// The key id.
+    pub key: String,
+    /// The model group.
+    pub model: String,
+    /// `completed`, `failed`, `cancelled` or `refused`.
+    pub status: String,
+    /// Requests.
+    pub requests: u64,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Cost at the prices of the time, pico-dollars.
+    pub cost_pusd: u64,
+}
+
+/// The daily rollup of the usage file at `path` (opened read-only, while an Edge writes it),
+/// from day `since` (`YYYY-MM-DD`) on, ordered by day, key, model and outcome.
+pub fn daily(path: &Path, since: Option<&str>) -> Result<Vec<DailyUsage>, UsageError> {
+    let fail = |e: rusqlite::Error| UsageError::Open {
+        path: path.to_owned(),
+        message: e.to_string(),
+    };
+    let conn =
+        rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .map_err(fail)?;
+    let mut st = conn
+        .prepare(
+            "SELECT day, key_id, model, status, requests, input_tokens, output_tokens, cost_pusd
+             FROM usage_daily WHERE day >= ?1 ORDER BY day, key_id, model, status",
+        )
+        .map_err(fail)?;
+    let n = |v: i64| u64::try_from(v).unwrap_or(0);
+    let rows = st
+        .query_map([since.unwrap_or("")], |r| {
+            Ok(DailyUsage {
+                day: r.get(0)?,
+                key: r.get(1)?,
+                model: r.get(2)?,
+                status: r.get(3)?,
+                requests: n(r.get(4)?),
+                input_tokens: n(r.get(5)?),
+                output_tokens: n(r.get(6)?),
+                cost_pusd: n(r.get(7)?),
+            })
+        })
+        .map_err(fail)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(fail)?;
+    Ok(rows)
+}
+
 /// What a request's hold needs to write its record when it ends
 /// ([`crate::limits::Hold::with_meter`]).
 #[derive(Debug)]
@@ -687,6 +744,13 @@ mod tests {
             .query_row("SELECT count(*) FROM usage", [], |r| r.get(0))
             .unwrap();
         assert_eq!(n, 3);
+        let rows = daily(&path, None).unwrap();
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert_eq!(
+            (rows[0].status.as_str(), rows[0].requests, rows[0].cost_pusd),
+            ("completed", 2, 10)
+        );
+        assert!(daily(&path, Some("9999-01-01")).unwrap().is_empty());
         // Full queue: the newest is dropped, counted.
         let small = SqliteUsage::open(
             &dir.join("small.db"),

@@ -5,7 +5,12 @@
 //! ```text
 //! iop-edge --config edge.toml
 //! iop-edge --check-config --config edge.toml
+//! iop-edge usage --db usage.db [--since 2026-12-01] [--json]
 //! ```
+//!
+//! `usage` prints the daily usage rollup of the `[usage] sqlite` file (per day, key id, model
+//! and outcome: requests, tokens, cost), as a table or JSON; it reads the file while the Edge
+//! writes it.
 //!
 //! The file format is `iop_edge::config` (every key, with an example). The TLS files are
 //! re-read every `tls.reload_sec` seconds: a rotated certificate is used by new connections
@@ -48,24 +53,78 @@ the keep-alive idle limit), http_body_timeout_sec (60)).\n\n\
 Environment: RUST_LOG (log filter, default info); TOKIO_WORKER_THREADS (runtime worker threads, \
 default one per core)."
 )]
+#[command(subcommand_negates_reqs = true)]
 struct Cli {
     /// Configuration file (TOML; keys in the iop_edge::config docs).
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, required = true)]
+    config: Option<PathBuf>,
     /// Validate the configuration (and read the files it names) and exit.
     #[arg(long)]
     check_config: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Usage per day, key id, model and outcome from the `[usage] sqlite` file: requests,
+    /// input and output tokens, cost at [prices].
+    Usage {
+        /// The usage file (`[usage] sqlite` in the Edge's config).
+        #[arg(long)]
+        db: PathBuf,
+        /// From this UTC day on (`YYYY-MM-DD`).
+        #[arg(long)]
+        since: Option<String>,
+        /// One JSON array of rows instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `iop-edge usage`: the daily rollup as a table or JSON; exit 2 when the file cannot be read.
+fn usage_report(db: &std::path::Path, since: Option<&str>, json: bool) {
+    let rows = iop_edge::usage::daily(db, since).unwrap_or_else(|e| {
+        eprintln!("iop-edge: {e}");
+        std::process::exit(2);
+    });
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).unwrap_or_default()
+        );
+        return;
+    }
+    println!(
+        "{:<10}  {:<20}  {:<24}  {:<9}  {:>9}  {:>12}  {:>12}  {:>12}",
+        "day", "key", "model", "status", "requests", "input", "output", "cost_usd"
+    );
+    for r in rows {
+        #[allow(clippy::cast_precision_loss, reason = "a cost shown to six decimals")]
+        let usd = r.cost_pusd as f64 / 1e12;
+        println!(
+            "{:<10}  {:<20}  {:<24}  {:<9}  {:>9}  {:>12}  {:>12}  {:>12.6}",
+            r.day, r.key, r.model, r.status, r.requests, r.input_tokens, r.output_tokens, usd
+        );
+    }
 }
 
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
+    if let Some(Command::Usage { db, since, json }) = &cli.command {
+        return usage_report(db, since.as_deref(), *json);
+    }
+    let Some(config) = cli.config.clone() else {
+        eprintln!("iop-edge: --config is required");
+        std::process::exit(2);
+    };
     iop_bins::init_process("info");
     let _ = rustls::crypto::ring::default_provider().install_default();
     let shutdown = iop_bins::shutdown_signal();
-    let built = EdgeConfigFile::load(&cli.config).and_then(EdgeConfigFile::build);
+    let built = EdgeConfigFile::load(&config).and_then(EdgeConfigFile::build);
     let built = built.unwrap_or_else(|e| {
-        eprintln!("iop-edge: {}: {e}", cli.config.display());
+        eprintln!("iop-edge: {}: {e}", config.display());
         std::process::exit(2);
     });
     if cli.check_config {
