@@ -81,6 +81,13 @@
 //! answers 503 with `retry-after: 1`. The connection is re-made at most once a second; nothing
 //! needs a restart.
 //!
+//! # Layout
+//!
+//! This file: the configuration, the in-process limiter and the request's [`Hold`];
+//! `fleet.rs`: the Edge's side of shared limits (borrowing, credit, refusals remembered, idle
+//! credit returned, store failures); [`shared`]: the Redis store and its script; [`budget`]:
+//! spend budgets; `headers.rs`: what clients are told; `metrics.rs`: the Prometheus series.
+//!
 //! # Choices where the issue was silent
 //!
 //! - A key with its own entry ([`LimitsConfig::keys`]) has exactly those limits: the default
@@ -92,22 +99,20 @@
 //!   its request unit but gives its tokens back.
 
 pub mod budget;
+mod fleet;
+mod headers;
+mod metrics;
 pub mod shared;
 
+pub use headers::{Quota, Shown, go_duration};
+use metrics::{KeyLabel, LimiterMetrics, OpLabel, RefusedLabels};
+
 use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue};
-use iop_dialect::Dialect;
-use iop_edge_core::ratelimit::{Admitted, Credit, Decision, Exceeded, KeyState, Limits, Rate};
+use iop_edge_core::ratelimit::{Admitted, Credit, Exceeded, KeyState, Limits};
 use iop_wire::runtime::Usage;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 /// Who a request is for, named by the application that embeds the Edge: with no gateway
 /// keys configured ([`crate::http::HttpConfig::api_keys`] is `None`), a request carrying this
@@ -249,136 +254,6 @@ impl LimitsConfig {
     }
 }
 
-/// One quantity's state as a client is told it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shown {
-    /// Units per minute (or per the rate's period).
-    pub limit: u64,
-    /// Units that could be admitted now.
-    pub remaining: u64,
-    /// Time until the quantity is fully replenished.
-    pub reset_after: Duration,
-}
-
-impl Shown {
-    fn of(rate: &Rate, d: &Decision) -> Self {
-        Self {
-            limit: rate.limit(),
-            remaining: d.remaining,
-            reset_after: d.reset_after,
-        }
-    }
-
-    /// Of two, the one with less remaining.
-    fn tighter(a: Option<Self>, b: Option<Self>) -> Option<Self> {
-        match (a, b) {
-            (Some(a), Some(b)) => Some(if b.remaining < a.remaining { b } else { a }),
-            (a, b) => a.or(b),
-        }
-    }
-}
-
-/// A key's quota after a decision, for the response headers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Quota {
-    /// Requests per period, when limited.
-    pub requests: Option<Shown>,
-    /// Tokens per period, when limited.
-    pub tokens: Option<Shown>,
-}
-
-impl Quota {
-    fn of(limits: &Limits, requests: Option<&Decision>, tokens: Option<&Decision>) -> Self {
-        Self {
-            requests: limits.requests.zip(requests).map(|(r, d)| Shown::of(&r, d)),
-            tokens: limits.tokens.zip(tokens).map(|(r, d)| Shown::of(&r, d)),
-        }
-    }
-
-    fn tighter(self, other: Self) -> Self {
-        Self {
-            requests: Shown::tighter(self.requests, other.requests),
-            tokens: Shown::tighter(self.tokens, other.tokens),
-        }
-    }
-
-    /// Adds this quota's headers for a response in `dialect`: `x-ratelimit-*` (OpenAI) or
-    /// `anthropic-ratelimit-*` (Messages). `now` is the wall clock, for Anthropic's reset
-    /// times.
-    pub fn write_headers(&self, dialect: Dialect, now: std::time::SystemTime, h: &mut HeaderMap) {
-        for (name, shown) in [("requests", self.requests), ("tokens", self.tokens)] {
-            let Some(s) = shown else { continue };
-            match dialect {
-                Dialect::Messages => {
-                    let reset = rfc3339(now + s.reset_after);
-                    for (field, value) in [
-                        ("limit", s.limit.to_string()),
-                        ("remaining", s.remaining.to_string()),
-                        ("reset", reset),
-                    ] {
-                        insert(h, &format!("anthropic-ratelimit-{name}-{field}"), &value);
-                    }
-                }
-                Dialect::Chat | Dialect::Responses => {
-                    for (field, value) in [
-                        ("limit", s.limit.to_string()),
-                        ("remaining", s.remaining.to_string()),
-                        ("reset", go_duration(s.reset_after)),
-                    ] {
-                        insert(h, &format!("x-ratelimit-{field}-{name}"), &value);
-                    }
-                }
-            }
-        }
-    }
-}
-
-fn insert(h: &mut HeaderMap, name: &str, value: &str) {
-    if let (Ok(name), Ok(value)) = (
-        axum::http::HeaderName::from_bytes(name.as_bytes()),
-        HeaderValue::from_str(value),
-    ) {
-        h.insert(name, value);
-    }
-}
-
-/// A duration as OpenAI writes its resets (Go's form): `250ms`, `1.5s`, `6m0s`, `1h2m3s`.
-pub fn go_duration(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms < 1000 {
-        return format!("{ms}ms");
-    }
-    let mut out = String::new();
-    let (h, rest) = (ms / 3_600_000, ms % 3_600_000);
-    let (m, rest) = (rest / 60_000, rest % 60_000);
-    if h > 0 {
-        let _ = write!(out, "{h}h");
-    }
-    if h > 0 || m > 0 {
-        let _ = write!(out, "{m}m");
-    }
-    let (s, frac) = (rest / 1000, rest % 1000);
-    if frac == 0 {
-        let _ = write!(out, "{s}s");
-    } else {
-        let f = format!("{frac:03}");
-        let _ = write!(out, "{s}.{}s", f.trim_end_matches('0'));
-    }
-    out
-}
-
-/// A wall-clock time in RFC 3339 (UTC, whole seconds), as Anthropic writes its resets.
-fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = iop_wire::time::unix_secs(t);
-    time::OffsetDateTime::from_unix_timestamp(secs)
-        .ok()
-        .and_then(|t| {
-            t.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_default()
-}
-
 /// A request refused by its key's limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Refused {
@@ -515,85 +390,6 @@ impl KeyEntry {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct KeyLabel {
-    key: Arc<str>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct RefusedLabels {
-    key: Arc<str>,
-    limit: &'static str,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct OpLabel {
-    op: &'static str,
-}
-
-/// The limiter's Prometheus metrics (labelled by key id: configured ids only).
-#[derive(Debug)]
-struct LimiterMetrics {
-    registry: Registry,
-    admitted: Family<KeyLabel, Counter>,
-    refused: Family<RefusedLabels, Counter>,
-    in_flight: Family<KeyLabel, Gauge>,
-    store_calls: Family<OpLabel, Counter>,
-    store_errors: Counter,
-    unavailable: Family<KeyLabel, Counter>,
-}
-
-impl LimiterMetrics {
-    fn new() -> Self {
-        let mut registry = Registry::default();
-        let admitted = Family::<KeyLabel, Counter>::default();
-        registry.register(
-            "iop_edge_ratelimit_admitted",
-            "Requests admitted by their key's rate limits",
-            admitted.clone(),
-        );
-        let refused = Family::<RefusedLabels, Counter>::default();
-        registry.register(
-            "iop_edge_ratelimit_refused",
-            "Requests refused by their key's rate limits, by the limit that refused",
-            refused.clone(),
-        );
-        let in_flight = Family::<KeyLabel, Gauge>::default();
-        registry.register(
-            "iop_edge_ratelimit_in_flight",
-            "Requests of a rate-limited key in flight",
-            in_flight.clone(),
-        );
-        let store_calls = Family::<OpLabel, Counter>::default();
-        registry.register(
-            "iop_edge_ratelimit_store_calls",
-            "Calls to the shared limits' Redis store, by operation (borrow, charge, refund)",
-            store_calls.clone(),
-        );
-        let store_errors = Counter::default();
-        registry.register(
-            "iop_edge_ratelimit_store_errors",
-            "Shared limits' store calls that failed (down, slow, unreachable)",
-            store_errors.clone(),
-        );
-        let unavailable = Family::<KeyLabel, Counter>::default();
-        registry.register(
-            "iop_edge_ratelimit_store_unavailable",
-            "Requests decided without the shared store: by this Edge alone (on_unavailable = local) or refused (closed)",
-            unavailable.clone(),
-        );
-        Self {
-            registry,
-            admitted,
-            refused,
-            in_flight,
-            store_calls,
-            store_errors,
-            unavailable,
-        }
-    }
-}
-
 /// Why [`Limiter::admit`] did not admit a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -603,9 +399,6 @@ pub enum LimitError {
     /// Shared limits with [`OnUnavailable::Closed`], and the store cannot decide (503).
     Unavailable,
 }
-
-/// How often a store outage is logged (it is counted every time).
-const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// The limiter: in process, or shared through Redis ([`LimitsConfig::shared`]).
 #[derive(Debug)]
@@ -618,15 +411,6 @@ pub struct Limiter {
     warned: Mutex<Option<tokio::time::Instant>>,
     returner: std::sync::OnceLock<()>,
     budgets: Arc<budget::Budgets>,
-}
-
-/// A quantity one admission asks of the store.
-struct Ask {
-    slot: Slot,
-    rate: Rate,
-    cost: u64,
-    /// Taken from this Edge's credit already.
-    taken: u64,
 }
 
 impl Limiter {
@@ -866,400 +650,6 @@ impl Limiter {
                 limit: r.exceeded.as_str(),
             })
             .inc();
-    }
-
-    /// Shared through the store: concurrency in this Edge, requests and tokens from this
-    /// Edge's credit, the rest borrowed in one store call.
-    async fn admit_shared(
-        self: &Arc<Self>,
-        store: &shared::RateStore,
-        shared: &SharedConfig,
-        key: &str,
-        model: &str,
-        estimate: u64,
-    ) -> Result<Hold, LimitError> {
-        self.start_returner();
-        let limits = self.config.of(key);
-        let model_limits = limits.models.get(model);
-        let concurrency = |l: &Limits| Limits {
-            requests: None,
-            tokens: None,
-            concurrent: l.concurrent,
-        };
-        let now = self.now_us();
-        let mut asks = Vec::with_capacity(4);
-        let (own, per_model, id, borrowing) = {
-            let mut keys = self.lock();
-            if !self.make_room(&mut keys, key, now) {
-                return Err(LimitError::Refused(Self::no_room()));
-            }
-            let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
-            entry.last_used = now;
-            let concurrent_refusal = |per_model| Refused {
-                exceeded: Exceeded::Concurrent,
-                per_model,
-                retry_after: None,
-                quota: Quota::default(),
-            };
-            let Ok(own) = entry.own.rule.admit(&concurrency(&limits.limits), now, 0) else {
-                let r = concurrent_refusal(false);
-                self.count_refusal(&entry.id, &r);
-                return Err(LimitError::Refused(r));
-            };
-            let per_model = match (model_limits, entry.models.get_mut(model)) {
-                (Some(l), Some(s)) => match s.rule.admit(&concurrency(l), now, 0) {
-                    Ok(a) => Some(a),
-                    Err(_) => {
-                        entry.own.rule.finish(&limits.limits, now, own, 0);
-                        let r = concurrent_refusal(true);
-                        self.count_refusal(&entry.id, &r);
-                        return Err(LimitError::Refused(r));
-                    }
-                },
-                _ => None,
-            };
-            let wanted = [
-                (
-                    Slot::Requests { per_model: false },
-                    limits.limits.requests,
-                    1,
-                ),
-                (
-                    Slot::Tokens { per_model: false },
-                    limits.limits.tokens,
-                    estimate,
-                ),
-                (
-                    Slot::Requests { per_model: true },
-                    model_limits.and_then(|l| l.requests),
-                    1,
-                ),
-                (
-                    Slot::Tokens { per_model: true },
-                    model_limits.and_then(|l| l.tokens),
-                    estimate,
-                ),
-            ];
-            for (slot, rate, cost) in wanted {
-                if let (Some(rate), Some(_)) = (rate, entry.state(slot, model)) {
-                    asks.push(Ask {
-                        slot,
-                        rate,
-                        cost,
-                        taken: 0,
-                    });
-                }
-            }
-            (
-                own,
-                per_model,
-                Arc::clone(&entry.id),
-                Arc::clone(&entry.borrowing),
-            )
-        };
-        let token_slots: Vec<Slot> = asks
-            .iter()
-            .map(|a| a.slot)
-            .filter(|s| matches!(s, Slot::Tokens { .. }))
-            .collect();
-        // Spends the credit if it covers every quantity; else takes what it has (the rest is
-        // borrowed) and says no.
-        let from_credit = |asks: &mut [Ask]| -> Result<bool, (Slot, u64)> {
-            let mut keys = self.lock();
-            let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
-            for a in asks.iter_mut() {
-                if let Some(s) = entry.state(a.slot, model) {
-                    a.taken += s.credit[a.slot.index()].take(a.cost - a.taken);
-                }
-            }
-            if asks.iter().all(|a| a.taken == a.cost) {
-                return Ok(true);
-            }
-            let now = self.now_us();
-            for a in asks.iter() {
-                let need = a.cost - a.taken;
-                if let Some(b) = entry
-                    .state(a.slot, model)
-                    .and_then(|s| s.blocked[a.slot.index()])
-                    && need >= b.need
-                    && now < b.until_us
-                {
-                    return Err((a.slot, b.until_us - now));
-                }
-            }
-            Ok(false)
-        };
-        // One borrow per key at a time on this Edge: requests that arrive while one is out
-        // wait for it and are then usually covered by what it took ahead (without this, a
-        // burst sends a borrow per request, and the shares taken ahead sit idle while the
-        // requests that asked are refused).
-        let mut _borrowing = None;
-        let mut covered = from_credit(&mut asks);
-        if covered == Ok(false) {
-            _borrowing = Some(borrowing.lock_owned().await);
-            covered = from_credit(&mut asks);
-        }
-        let answer = match covered {
-            Ok(true) => None,
-            Err((slot, wait_us)) => Some(Ok(shared::Borrowed {
-                allowed: false,
-                now_us: 0,
-                quantities: asks
-                    .iter()
-                    .map(|a| {
-                        let refusing = a.slot == slot;
-                        (
-                            0,
-                            Decision {
-                                allowed: !refusing,
-                                remaining: 0,
-                                reset_after: Duration::ZERO,
-                                retry_after: refusing.then(|| Duration::from_micros(wait_us)),
-                            },
-                        )
-                    })
-                    .collect(),
-            })),
-            Ok(false) => {
-                let q: Vec<shared::Quantity> = asks
-                    .iter()
-                    .map(|a| shared::Quantity {
-                        key: store.key(&id, a.slot.per_model().then_some(model), a.slot.kind()),
-                        rate: a.rate,
-                        units: a.cost - a.taken,
-                        ahead: a.rate.limit() / shared.borrow_divisor.max(1),
-                        share: shared.share,
-                    })
-                    .collect();
-                self.metrics
-                    .store_calls
-                    .get_or_create(&OpLabel { op: "borrow" })
-                    .inc();
-                Some(store.borrow(&q, None).await)
-            }
-        };
-        let mut keys = self.lock();
-        let entry = Self::entry(&mut keys, key, model, model_limits.is_some());
-        let give_back = |entry: &mut KeyEntry, asks: &[Ask]| {
-            for a in asks {
-                if let Some(s) = entry.state(a.slot, model) {
-                    s.credit[a.slot.index()].add(a.taken);
-                }
-            }
-        };
-        let end_concurrency = |entry: &mut KeyEntry, own, per_model: Option<Admitted>| {
-            entry.own.rule.finish(&limits.limits, now, own, 0);
-            if let (Some(a), Some(l), Some(s)) =
-                (per_model, model_limits, entry.models.get_mut(model))
-            {
-                s.rule.finish(l, now, a, 0);
-            }
-        };
-        match answer {
-            None => {}
-            Some(Ok(b)) if b.allowed => {
-                for (a, (granted, d)) in asks.iter().zip(&b.quantities) {
-                    if let Some(s) = entry.state(a.slot, model) {
-                        let need = a.cost - a.taken;
-                        s.credit[a.slot.index()].add(granted.saturating_sub(need));
-                        s.shown[a.slot.index()] = Some(Shown::of(&a.rate, d));
-                        s.blocked[a.slot.index()] = None;
-                    }
-                }
-            }
-            Some(Ok(b)) => {
-                give_back(entry, &asks);
-                end_concurrency(entry, own, per_model);
-                // Of the quantities that refused, the longest wait (one that never fits first).
-                let mut refusing: Option<(Slot, Option<Duration>)> = None;
-                let from_store = b.now_us != 0;
-                let now = self.now_us();
-                for (a, (_, d)) in asks.iter().zip(&b.quantities) {
-                    if let (Some(s), true) = (entry.state(a.slot, model), from_store) {
-                        s.shown[a.slot.index()] = Some(Shown::of(&a.rate, d));
-                        s.blocked[a.slot.index()] = match (d.allowed, d.retry_after) {
-                            (false, Some(w)) => Some(Blocked {
-                                until_us: now.saturating_add(
-                                    u64::try_from(w.as_micros()).unwrap_or(u64::MAX),
-                                ),
-                                need: a.cost - a.taken,
-                            }),
-                            _ => None,
-                        };
-                    }
-                    if d.allowed {
-                        continue;
-                    }
-                    let longer = match refusing {
-                        None => true,
-                        Some((_, None)) => false,
-                        Some((_, Some(w))) => d.retry_after.is_none_or(|x| x > w),
-                    };
-                    if longer {
-                        refusing = Some((a.slot, d.retry_after));
-                    }
-                }
-                let (slot, retry_after) =
-                    refusing.unwrap_or((Slot::Requests { per_model: false }, None));
-                let refused = Refused {
-                    exceeded: slot.exceeded(),
-                    per_model: slot.per_model(),
-                    retry_after,
-                    quota: Self::shared_quota(entry, model),
-                };
-                self.count_refusal(&entry.id, &refused);
-                return Err(LimitError::Refused(refused));
-            }
-            Some(Err(e)) => {
-                give_back(entry, &asks);
-                end_concurrency(entry, own, per_model);
-                drop(keys);
-                self.store_failed(&e, &id);
-                return match shared.on_unavailable {
-                    OnUnavailable::Local => self.admit_local(key, model, estimate),
-                    OnUnavailable::Closed => Err(LimitError::Unavailable),
-                };
-            }
-        }
-        let quota = Self::shared_quota(entry, model);
-        drop(keys);
-        self.count_admission(&id);
-        Ok(Hold {
-            limiter: Some(Arc::clone(self)),
-            key: Some(id),
-            model: model_limits.map(|_| model.to_owned()),
-            own: Some(own),
-            per_model,
-            shared: Some(SharedHold {
-                reserved: estimate,
-                token_slots,
-            }),
-            usage: None,
-            reported: None,
-            sent: false,
-            upstream_error: false,
-            ended: None,
-            meter: None,
-            budget: None,
-            quota,
-        })
-    }
-
-    fn shared_quota(entry: &KeyEntry, model: &str) -> Quota {
-        let own = Quota {
-            requests: entry.own.shown(Slot::Requests { per_model: false }),
-            tokens: entry.own.shown(Slot::Tokens { per_model: false }),
-        };
-        let per_model = entry
-            .models
-            .get(model)
-            .map_or_else(Quota::default, |s| Quota {
-                requests: s.shown(Slot::Requests { per_model: true }),
-                tokens: s.shown(Slot::Tokens { per_model: true }),
-            });
-        own.tighter(per_model)
-    }
-
-    fn store_failed(&self, e: &shared::StoreError, id: &Arc<str>) {
-        self.metrics.store_errors.inc();
-        self.metrics
-            .unavailable
-            .get_or_create(&KeyLabel {
-                key: Arc::clone(id),
-            })
-            .inc();
-        let mut warned = self
-            .warned
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if warned.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
-            *warned = Some(tokio::time::Instant::now());
-            let mode = match self.config.shared.as_ref().map(|s| s.on_unavailable) {
-                Some(OnUnavailable::Closed) => {
-                    "refusing limited requests (on_unavailable = closed)"
-                }
-                _ => "each Edge enforcing limits alone (on_unavailable = local)",
-            };
-            tracing::warn!(error = %e, "shared rate limit store unavailable: {mode}; logged at most every {} s, counted in iop_edge_ratelimit_store_errors_total", WARN_EVERY.as_secs());
-        }
-    }
-
-    /// Starts the task that gives idle credit back to the store (once, on the first shared
-    /// admission: the limiter may be made outside a runtime).
-    fn start_returner(self: &Arc<Self>) {
-        let Some(idle) = self.config.shared.as_ref().map(|s| s.credit_idle) else {
-            return;
-        };
-        self.returner.get_or_init(|| {
-            let weak = Arc::downgrade(self);
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(idle.max(Duration::from_millis(10)));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    let Some(limiter) = weak.upgrade() else {
-                        return;
-                    };
-                    limiter.return_idle_credit(idle).await;
-                }
-            });
-        });
-    }
-
-    /// Gives back the credit of every key unused for `idle` (one store call per key: its
-    /// quantities share a slot).
-    async fn return_idle_credit(&self, idle: Duration) {
-        let Some(store) = &self.store else { return };
-        let now = self.now_us();
-        let idle_us = u64::try_from(idle.as_micros()).unwrap_or(u64::MAX);
-        let mut returns: Vec<Vec<shared::Quantity>> = Vec::new();
-        {
-            let mut keys = self.lock();
-            for entry in keys.values_mut() {
-                if now.saturating_sub(entry.last_used) < idle_us {
-                    continue;
-                }
-                let limits = self.config.of(&entry.id);
-                let mut q = Vec::new();
-                let mut take =
-                    |state: &mut LimitState, l: &Limits, model: Option<&str>, per_model| {
-                        for (slot, rate) in [
-                            (Slot::Requests { per_model }, l.requests),
-                            (Slot::Tokens { per_model }, l.tokens),
-                        ] {
-                            let units = state.credit[slot.index()].take_all();
-                            if let (Some(rate), true) = (rate, units > 0) {
-                                q.push(shared::Quantity {
-                                    key: store.key(&entry.id, model, slot.kind()),
-                                    rate,
-                                    units,
-                                    ahead: 0,
-                                    share: 1,
-                                });
-                            }
-                        }
-                    };
-                take(&mut entry.own, &limits.limits, None, false);
-                for (m, state) in &mut entry.models {
-                    if let Some(l) = limits.models.get(m) {
-                        take(state, l, Some(m), true);
-                    }
-                }
-                if !q.is_empty() {
-                    returns.push(q);
-                }
-            }
-        }
-        for q in returns {
-            self.metrics
-                .store_calls
-                .get_or_create(&OpLabel { op: "refund" })
-                .inc();
-            // A failed return leaves the units charged: the limit is only stricter for a while.
-            if store.refund(&q, None).await.is_err() {
-                self.metrics.store_errors.inc();
-            }
-        }
     }
 
     fn finish(self: &Arc<Self>, hold: &mut Hold) {
@@ -1516,6 +906,8 @@ pub fn estimate(
 #[allow(clippy::unwrap_used, reason = "tests")]
 mod tests {
     use super::*;
+    use headers::rfc3339;
+    use iop_edge_core::ratelimit::Rate;
 
     #[test]
     fn resets_read_like_openai_writes_them() {
