@@ -441,6 +441,7 @@ async fn managed_credentials_end_to_end() {
                 api_keys: None,
                 limiter: None,
                 usage: None,
+                no_stream_usage: Default::default(),
                 control: Some(control.clone()),
                 body_timeout: http::DEFAULT_BODY_TIMEOUT,
             },

@@ -147,6 +147,7 @@ pub struct AdapterSpec {
     profile: Option<String>,
     operations: Option<BTreeMap<String, String>>,
     options: BTreeMap<String, String>,
+    stream_usage: Option<bool>,
     capacity: u32,
     long_context_capacity: Option<u32>,
     request_timeout: Duration,
@@ -162,6 +163,7 @@ impl AdapterSpec {
             profile: None,
             operations: None,
             options: BTreeMap::new(),
+            stream_usage: None,
             capacity: 1,
             long_context_capacity: None,
             request_timeout: Duration::ZERO,
@@ -210,6 +212,14 @@ impl AdapterSpec {
     #[must_use]
     pub fn operations(mut self, operations: BTreeMap<String, String>) -> Self {
         self.operations = Some(operations);
+        self
+    }
+
+    /// Whether to ask this upstream for usage on chat streams (default true; the file's
+    /// `stream_usage`): `false` for an upstream that refuses `stream_options`.
+    #[must_use]
+    pub fn stream_usage(mut self, ask: bool) -> Self {
+        self.stream_usage = Some(ask);
         self
     }
 
@@ -542,6 +552,7 @@ impl EdgeBuilder {
                     profile: a.profile,
                     operations: a.operations,
                     options: a.options,
+                    stream_usage: a.stream_usage,
                 });
             }
             nodes.push(config::Node {

@@ -77,6 +77,8 @@
 //! # operations = { chat_completions = "/chat/completions", models = "/models" }
 //! capacity = 8
 //! targets = ["gpt-4o-mini"]
+//! # stream_usage = false             # do not ask this upstream for usage on chat streams
+//!                                    #   (stream_options.include_usage) if it refuses the field
 //!
 //! [[models]]
 //! name = "gpt-4o-mini"               # what clients ask for
@@ -685,6 +687,11 @@ pub struct Adapter {
     /// `nodes.adapters.options` (native adapters).
     #[serde(default)]
     pub options: BTreeMap<String, String>,
+    /// `nodes.adapters.stream_usage` (default true): ask this upstream for usage on chat
+    /// streams (`stream_options.include_usage`), so they are charged exactly; `false` for an
+    /// upstream that refuses the field (its streams then keep their reservation).
+    #[serde(default)]
+    pub stream_usage: Option<bool>,
 }
 
 fn one() -> u32 {
@@ -953,9 +960,13 @@ impl EdgeConfigFile {
 
         let mut node_configs = Vec::new();
         let mut kinds = HashMap::new();
+        let mut no_stream_usage = std::collections::HashSet::new();
         for n in &self.nodes {
             let mut adapters = Vec::new();
             for a in &n.adapters {
+                if a.stream_usage == Some(false) {
+                    no_stream_usage.insert((n.node_id.clone(), a.name.clone()));
+                }
                 let (settings, kind) = adapter_settings(a)?;
                 kinds.insert((n.node_id.clone(), a.name.clone()), kind);
                 adapters.push(AdapterConfig {
@@ -1075,6 +1086,7 @@ impl EdgeConfigFile {
             transport,
             http_listen: self.listen.http,
             http: HttpConfig {
+                no_stream_usage,
                 api_keys,
                 limiter: {
                     if let (Some(l), Some(u)) = (&limiter, &usage) {

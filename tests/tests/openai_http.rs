@@ -254,6 +254,7 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             api_keys: None,
             limiter: None,
             usage: None,
+            no_stream_usage: Default::default(),
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

@@ -97,13 +97,20 @@ type = "openai_compat"
 base_url = "{anth}"
 profile = "anthropic"
 capacity = 16
-{p1}{p2}{p3}{p4}"#,
+[[nodes.adapters]]
+name = "plain"
+type = "openai_compat"
+base_url = "{chat}"
+capacity = 16
+stream_usage = false
+{p1}{p2}{p3}{p4}{p5}"#,
         td = pki::TRUST_DOMAIN,
         d = dir.display(),
         p1 = provider("via-chat", "chat", "fake-model"),
         p2 = provider("via-anth", "anth", "fake-model"),
         p3 = provider("slow-chat", "chat", "slow"),
         p4 = provider("chat-missing", "chat", "missing-model"),
+        p5 = provider("plain-chat", "plain", "fake-model"),
     )
 }
 
@@ -234,7 +241,8 @@ concurrent = 1
         .unwrap()
         .with_adapters(AdapterRegistry::with_builtins())
         .with_local_key("chat", key())
-        .with_local_key("anth", key());
+        .with_local_key("anth", key())
+        .with_local_key("plain", key());
     tokio::spawn(run_node(opts, CancellationToken::new()));
     while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
     let usage = built.http.usage.clone();
@@ -1149,6 +1157,34 @@ async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_
         assert_eq!(r.status(), 429);
         assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
         std::fs::remove_file(&db).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[tokio::test]
+async fn an_upstream_marked_stream_usage_false_is_not_asked_and_keeps_the_reservation() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let estimate = 40 + input_estimate("count my tokens please");
+        let r = post(
+            &m.base,
+            "/v1/chat/completions",
+            TOK_KEY,
+            &chat("plain-chat", true),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(number(&r, "x-ratelimit-remaining-tokens"), 1000 - estimate);
+        let sse = r.text().await.unwrap();
+        assert!(sse.ends_with("data: [DONE]\n\n"), "{sse}");
+        let sent = m.chat.seen().into_iter().last().unwrap();
+        let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+        assert!(sent.get("stream_options").is_none(), "{sent}");
+        // No usage reported: the stream keeps its whole reservation.
+        let (remaining, _, _) =
+            tokens_after(&m.base, "/v1/chat/completions", &chat("plain-chat", false)).await;
+        assert_eq!(remaining, 1000 - 2 * estimate);
     })
     .await
     .expect("within the limit");

@@ -193,6 +193,7 @@ async fn mesh(ca: &Ca, provider: SocketAddr) -> String {
             api_keys: None,
             limiter: None,
             usage: None,
+            no_stream_usage: Default::default(),
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
         },

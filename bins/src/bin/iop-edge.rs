@@ -45,7 +45,8 @@ auth.output_estimate (tokens reserved for a request that names no cap, 1024), [a
 limits shared by several Edges through Redis (redis or redis_env, on_unavailable = local | \
 closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [usage] one record \
 per keyed request in a SQLite file (sqlite, queue 65536, retention_days 30), [pool], [[nodes]] with \
-[[nodes.adapters]] and their profile = chat_only | openai | anthropic, [[models]], \
+[[nodes.adapters]] and their profile = chat_only | openai | anthropic and stream_usage (true: ask \
+for usage on chat streams), [[models]], \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
 slow_consumer_timeout_sec (30), http_max_connections (4096), http_header_timeout_sec (30, also \

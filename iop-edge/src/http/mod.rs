@@ -120,6 +120,9 @@ pub struct HttpConfig {
     /// Legacy mode: the per-key rate limits ([`crate::limits`]), keyed by [`ApiKeys`] ids;
     /// `None` limits nothing. Share one `Arc` between routers: it holds the keys' state.
     pub limiter: Option<Arc<crate::limits::Limiter>>,
+    /// Adapter instances (`(node_id, adapter)`) not asked for usage on chat streams
+    /// (`stream_usage = false`): their upstreams refuse `stream_options`.
+    pub no_stream_usage: std::collections::HashSet<(String, String)>,
     /// Legacy mode: where each keyed request's usage record goes ([`crate::usage`]); `None`
     /// records nothing.
     pub usage: Option<Arc<dyn crate::usage::UsageSink>>,
@@ -140,6 +143,7 @@ impl HttpConfig {
             api_keys: None,
             limiter: None,
             usage: None,
+            no_stream_usage: std::collections::HashSet::new(),
             control: None,
             body_timeout: DEFAULT_BODY_TIMEOUT,
         }
@@ -1046,12 +1050,16 @@ async fn serve_admitted(
     let n = next_request();
     let run_id = format!("{}-{n}", route.run_prefix);
     let mut strip_usage = false;
+    let asks_usage = !state
+        .config
+        .no_stream_usage
+        .contains(&(lease.key.node_id.clone(), lease.adapter.clone()));
     let request = match plan {
         Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
         Plan::Passthrough(op) => {
             // The body is not needed again on a passthrough: move it rather than copy it.
             let mut body = with_model(std::mem::take(&mut parsed.json), &target);
-            if op == Operation::ChatCompletions && parsed.stream {
+            if op == Operation::ChatCompletions && parsed.stream && asks_usage {
                 strip_usage = ask_for_usage(&mut body);
             }
             let mut request = tunnel(run_id, op, &body, parsed.stream);
@@ -1068,7 +1076,7 @@ async fn serve_admitted(
             match plan {
                 Plan::ViaChat => {
                     let mut body = with_model(chat, &target);
-                    if parsed.stream {
+                    if parsed.stream && asks_usage {
                         // The translator reads the usage chunk; the client never sees it.
                         ask_for_usage(&mut body);
                     }
