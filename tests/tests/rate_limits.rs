@@ -384,14 +384,7 @@ async fn a_request_limit_admits_its_limit_then_429_with_the_real_wait() {
         assert_eq!(r.status(), 200);
         assert!(header(&r, "x-ratelimit-limit-requests").is_none());
         // Counted per key id; no key anywhere in the exposition.
-        let metrics = client()
-            .get(format!("{}/metrics", m.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = metrics_text(&m.base).await;
         assert!(
             metrics.contains("iop_edge_ratelimit_refused_total{key=\"req\",limit=\"requests\"} 2"),
             "{metrics}"
@@ -773,15 +766,20 @@ impl Drop for Redis {
     }
 }
 
-async fn metric(base: &str, line_start: &str) -> u64 {
-    let text = client()
+/// The Edge's `/metrics` text.
+async fn metrics_text(base: &str) -> String {
+    client()
         .get(format!("{base}/metrics"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn metric(base: &str, line_start: &str) -> u64 {
+    let text = metrics_text(base).await;
     text.lines()
         .find_map(|l| l.strip_prefix(line_start))
         .map_or(0, |v| v.trim().parse::<f64>().unwrap() as u64)
@@ -1031,14 +1029,7 @@ async fn every_request_has_exactly_one_usage_record_with_its_outcome_and_tokens(
             .query_row("SELECT sum(requests) FROM usage_daily", [], |r| r.get(0))
             .unwrap();
         assert_eq!(total, 8);
-        let metrics = client()
-            .get(format!("{}/metrics", m.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = metrics_text(&m.base).await;
         assert!(
             metrics.contains("iop_edge_usage_records_total{status=\"refused\"} 1"),
             "{metrics}"
