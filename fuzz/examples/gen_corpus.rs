@@ -22,7 +22,7 @@ use iop_fuzz::{frame_decoder, registry_ops, tunnel_sequencer};
 use iop_wire::codec::{FrameCodec, WireFrame};
 use iop_wire::control::{
     ControlFrame, ControlMessage, EdgeHelloRequest, EdgeNodeSnapshot, EdgeStatusResponse,
-    PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken,
+    ModelLimits, PrincipalLimits, PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken,
 };
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, CancelRequest, ExecutionFailure, FailureEvidence, Fence,
@@ -531,6 +531,19 @@ fn frame_seeds(dir: &Path) {
             principal_id: "team-a".into(),
             display_name: "Team A".into(),
             enabled: true,
+            limits: Some(PrincipalLimits {
+                requests_per_minute: 60,
+                tokens_per_minute: 100_000,
+                concurrent: 4,
+                budget_per_day_micro_usd: 5_000_000,
+                budget_per_month_micro_usd: 20_000_000,
+                models: vec![ModelLimits {
+                    model: "gpt-4o-mini".into(),
+                    requests_per_minute: 30,
+                    tokens_per_minute: 0,
+                    concurrent: 0,
+                }],
+            }),
         }],
         tokens: vec![ProjectedToken {
             token_id: "tok_0011223344556677".into(),

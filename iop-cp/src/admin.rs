@@ -154,6 +154,21 @@ impl Admin {
         .await
     }
 
+    /// Sets the rate limits and spend budgets of principal `id` (a document with nothing set
+    /// clears them); every Edge enforces them from the next projection.
+    pub async fn set_principal_limits(
+        &self,
+        id: &str,
+        limits: &crate::store::LimitsDoc,
+    ) -> Result<u64, AdminError> {
+        let limits = limits.to_limits()?;
+        self.apply(Mutation::SetPrincipalLimits {
+            id: id.to_owned(),
+            limits: (limits != crate::store::PrincipalLimits::default()).then_some(limits),
+        })
+        .await
+    }
+
     /// Creates a token for `principal_id`; the raw token is in the answer only.
     pub async fn create_token(&self, principal_id: &str) -> Result<NewToken, AdminError> {
         let id_bytes = random::<8>()?;

@@ -5,6 +5,8 @@
 //! |---|---|---|
 //! | `POST /admin/v1/principals` | `{"id", "display_name"}` | `{"generation"}` |
 //! | `POST /admin/v1/principals/{id}/enabled` | `{"enabled": bool}` | `{"generation"}` |
+//! | `PUT /admin/v1/principals/{id}/limits` | `{"requests_per_minute", "tokens_per_minute", "concurrent", "budget_usd_per_day", "budget_usd_per_month", "models": {"<model>": {"requests_per_minute", "tokens_per_minute", "concurrent"}}}`, each optional (`{}` clears) | `{"generation"}` |
+//! | `GET /admin/v1/principals/{id}/limits` | — | the same document (`{}`: not limited) |
 //! | `POST /admin/v1/tokens` | `{"principal_id"}` | `{"token_id", "token", "generation"}` — the token is shown this once |
 //! | `POST /admin/v1/tokens/{id}/revoke` | — | `{"generation"}` |
 //! | `PUT /admin/v1/slots/{id}` | `{"profile", "header_name", "header_prefix", "credential"}` | `{"generation"}` (never echoes the credential) |
@@ -50,6 +52,10 @@ pub fn router(admin: Admin, cp: Option<ControlPlane>, admin_token: Option<String
     Router::new()
         .route("/admin/v1/principals", post(create_principal))
         .route("/admin/v1/principals/{id}/enabled", post(principal_enabled))
+        .route(
+            "/admin/v1/principals/{id}/limits",
+            put(put_principal_limits).get(get_principal_limits),
+        )
         .route("/admin/v1/tokens", post(create_token))
         .route("/admin/v1/tokens/{id}/revoke", post(revoke_token))
         .route("/admin/v1/slots/{id}", put(put_slot))
@@ -153,6 +159,41 @@ async fn principal_enabled(
             })
             .await,
     )
+}
+
+async fn put_principal_limits(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    axum::Json(b): axum::Json<crate::store::LimitsDoc>,
+) -> Response {
+    if let Err(r) = check(&s, &headers) {
+        return r;
+    }
+    generation(s.admin.set_principal_limits(&id, &b).await)
+}
+
+async fn get_principal_limits(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(r) = check(&s, &headers) {
+        return r;
+    }
+    match s.admin.store().snapshot().await {
+        Ok(snap) => match snap.principals.into_iter().find(|p| p.id == id) {
+            Some(p) => axum::Json(
+                p.limits
+                    .as_ref()
+                    .map(crate::store::LimitsDoc::of)
+                    .unwrap_or_default(),
+            )
+            .into_response(),
+            None => admin_error(&AdminError::Store(StoreError::NotFound("principal"))),
+        },
+        Err(e) => admin_error(&AdminError::Store(e)),
+    }
 }
 
 #[derive(Deserialize)]

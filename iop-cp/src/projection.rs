@@ -1,6 +1,6 @@
 //! The secret-free `PrincipalProjection` (seed `001`), built from one store snapshot.
 //!
-//! It carries principals (with their enabled flag), the SHA-256 digests of active tokens, and
+//! It carries principals (with their enabled flag and their rate limits and budgets), the SHA-256 digests of active tokens, and
 //! active routes with their slot's profile and credential revision. Never raw tokens, sealed or
 //! plain credentials, keys or headers. What is left out:
 //! - revoked tokens, and tokens of disabled principals;
@@ -35,6 +35,7 @@ pub fn build(snapshot: &Snapshot) -> PrincipalProjection {
                 principal_id: p.id.clone(),
                 display_name: p.display_name.clone(),
                 enabled: p.enabled,
+                limits: p.limits.clone(),
             })
             .collect(),
         tokens: snapshot

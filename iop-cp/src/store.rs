@@ -42,6 +42,140 @@ pub struct Principal {
     pub display_name: String,
     /// Disabled principals authenticate nothing and get no lease.
     pub enabled: bool,
+    /// Rate limits and spend budgets the Edges enforce ([`Mutation::SetPrincipalLimits`]);
+    /// `None`: not limited.
+    pub limits: Option<PrincipalLimits>,
+}
+
+pub use iop_wire::control::{MAX_MODEL_LIMITS, ModelLimits, PrincipalLimits};
+
+/// Largest requests or tokens per minute a principal may be given: what an Edge sharing
+/// limits through Redis computes exactly (`iop_edge::limits::shared::exact_in_lua`).
+pub const MAX_RATE_PER_MINUTE: u64 = 150_000_000;
+
+/// Largest spend budget, millionths of a US dollar (ten million dollars).
+pub const MAX_BUDGET_MICRO_USD: u64 = 10_000_000 * 1_000_000;
+
+/// Stored form of [`PrincipalLimits`] (a JSON text column) and the admin API's body: the
+/// names of the Edge's `[auth.key_limits.<id>]`, budgets in US dollars.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsDoc {
+    /// Requests per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    /// Tokens (input + output) per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests in flight, per Edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrent: Option<u32>,
+    /// Spend per UTC day, US dollars.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_usd_per_day: Option<f64>,
+    /// Spend per UTC calendar month, US dollars.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_usd_per_month: Option<f64>,
+    /// Per external model.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub models: std::collections::BTreeMap<String, ModelLimitsDoc>,
+}
+
+/// One model's entry in a [`LimitsDoc`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelLimitsDoc {
+    /// Requests per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    /// Tokens per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests in flight, per Edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrent: Option<u32>,
+}
+
+fn micro_usd(v: Option<f64>) -> Result<u64, StoreError> {
+    match v {
+        None => Ok(0),
+        Some(usd) if usd.is_finite() && usd > 0.0 && usd * 1e6 <= MAX_BUDGET_MICRO_USD as f64 => {
+            Ok((usd * 1e6).round() as u64)
+        }
+        Some(_) => Err(StoreError::Invalid("budget (US dollars, more than 0)")),
+    }
+}
+
+fn usd(v: u64) -> Option<f64> {
+    (v > 0).then(|| v as f64 / 1e6)
+}
+
+impl LimitsDoc {
+    /// The limits it names (checked by [`Mutation::validate`] when set).
+    pub fn to_limits(&self) -> Result<PrincipalLimits, StoreError> {
+        Ok(PrincipalLimits {
+            requests_per_minute: self.requests_per_minute.unwrap_or(0),
+            tokens_per_minute: self.tokens_per_minute.unwrap_or(0),
+            concurrent: self.concurrent.unwrap_or(0),
+            budget_per_day_micro_usd: micro_usd(self.budget_usd_per_day)?,
+            budget_per_month_micro_usd: micro_usd(self.budget_usd_per_month)?,
+            models: self
+                .models
+                .iter()
+                .map(|(model, m)| ModelLimits {
+                    model: model.clone(),
+                    requests_per_minute: m.requests_per_minute.unwrap_or(0),
+                    tokens_per_minute: m.tokens_per_minute.unwrap_or(0),
+                    concurrent: m.concurrent.unwrap_or(0),
+                })
+                .collect(),
+        })
+    }
+
+    /// The document naming `limits`.
+    pub fn of(limits: &PrincipalLimits) -> Self {
+        let nz = |v: u64| (v > 0).then_some(v);
+        let nz32 = |v: u32| (v > 0).then_some(v);
+        Self {
+            requests_per_minute: nz(limits.requests_per_minute),
+            tokens_per_minute: nz(limits.tokens_per_minute),
+            concurrent: nz32(limits.concurrent),
+            budget_usd_per_day: usd(limits.budget_per_day_micro_usd),
+            budget_usd_per_month: usd(limits.budget_per_month_micro_usd),
+            models: limits
+                .models
+                .iter()
+                .map(|m| {
+                    (
+                        m.model.clone(),
+                        ModelLimitsDoc {
+                            requests_per_minute: nz(m.requests_per_minute),
+                            tokens_per_minute: nz(m.tokens_per_minute),
+                            concurrent: nz32(m.concurrent),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The stored text of `limits` (`None` stays NULL).
+pub(crate) fn limits_text(limits: Option<&PrincipalLimits>) -> Option<String> {
+    limits.map(|l| serde_json::to_string(&LimitsDoc::of(l)).unwrap_or_default())
+}
+
+/// `limits` read back from its stored text; text that does not parse (written by hand) is
+/// logged and read as no limits rather than failing every read of the store.
+pub(crate) fn limits_from_text(text: Option<String>) -> Option<PrincipalLimits> {
+    let text = text?;
+    match serde_json::from_str::<LimitsDoc>(&text).map(|d| d.to_limits()) {
+        Ok(Ok(l)) => Some(l),
+        _ => {
+            tracing::warn!("a principal's stored limits do not parse; read as none");
+            None
+        }
+    }
 }
 
 /// An IOP API token, as its verifier digest only.
@@ -156,6 +290,13 @@ pub enum Mutation {
         /// New state.
         enabled: bool,
     },
+    /// Sets a principal's rate limits and spend budgets (`None` clears them).
+    SetPrincipalLimits {
+        /// Id.
+        id: String,
+        /// The limits; every value zero means "not limited".
+        limits: Option<PrincipalLimits>,
+    },
     /// Adds a token digest for a principal.
     CreateToken {
         /// Token id.
@@ -246,6 +387,7 @@ impl Mutation {
         match self {
             Self::CreatePrincipal { id, .. } => ("create_principal", id),
             Self::SetPrincipalEnabled { id, .. } => ("set_principal_enabled", id),
+            Self::SetPrincipalLimits { id, .. } => ("set_principal_limits", id),
             Self::CreateToken { id, .. } => ("create_token", id),
             Self::RevokeToken { id } => ("revoke_token", id),
             Self::PutSlot { id, .. } => ("put_slot", id),
@@ -296,6 +438,33 @@ impl Mutation {
                 text(display_name, "display name")
             }
             Self::SetPrincipalEnabled { id: i, .. } => id(i, "principal id"),
+            Self::SetPrincipalLimits { id: i, limits } => {
+                id(i, "principal id")?;
+                let Some(l) = limits else { return Ok(()) };
+                let rates = std::iter::once((l.requests_per_minute, l.tokens_per_minute))
+                    .chain(l.models.iter().map(|m| (m.requests_per_minute, m.tokens_per_minute)));
+                for (r, t) in rates {
+                    if r > MAX_RATE_PER_MINUTE || t > MAX_RATE_PER_MINUTE {
+                        return Err(StoreError::Invalid("limit (at most 150000000 per minute)"));
+                    }
+                }
+                if l.budget_per_day_micro_usd > MAX_BUDGET_MICRO_USD
+                    || l.budget_per_month_micro_usd > MAX_BUDGET_MICRO_USD
+                {
+                    return Err(StoreError::Invalid("budget (at most 10000000 US dollars)"));
+                }
+                if l.models.len() > MAX_MODEL_LIMITS {
+                    return Err(StoreError::Invalid("limits (too many models)"));
+                }
+                let mut seen = std::collections::BTreeSet::new();
+                for m in &l.models {
+                    target(&m.model, "model", true)?;
+                    if !seen.insert(m.model.as_str()) {
+                        return Err(StoreError::Invalid("limits (a model named twice)"));
+                    }
+                }
+                Ok(())
+            }
             Self::CreateToken {
                 id: i,
                 principal_id,

@@ -10,7 +10,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use iop_cp::store::{Mutation, PgStore, SqliteStore, Store, StoreError};
+use iop_cp::store::{
+    ModelLimits, Mutation, PgStore, PrincipalLimits, SqliteStore, Store, StoreError,
+};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -442,6 +444,74 @@ async fn issuer_keys_install_stage_and_activate<B: Backend>() {
     );
 }
 
+async fn principal_limits_are_set_read_and_cleared<B: Backend>() {
+    let (a, b) = B::pair().await;
+    a.apply(principal("team-a")).await.unwrap();
+    let limits = PrincipalLimits {
+        requests_per_minute: 60,
+        tokens_per_minute: 100_000,
+        concurrent: 4,
+        budget_per_day_micro_usd: 0,
+        budget_per_month_micro_usd: 20_000_000,
+        models: vec![ModelLimits {
+            model: "gpt-4o".into(),
+            requests_per_minute: 10,
+            tokens_per_minute: 0,
+            concurrent: 1,
+        }],
+    };
+    let set = |id: &str, l: Option<PrincipalLimits>| Mutation::SetPrincipalLimits {
+        id: id.into(),
+        limits: l,
+    };
+    let g = a.apply(set("team-a", Some(limits.clone()))).await.unwrap();
+    // The other handle (replica) reads what was set, at the generation it was set in.
+    let snap = b.snapshot().await.unwrap();
+    assert_eq!(snap.generation, g);
+    assert_eq!(snap.principals[0].limits.as_ref(), Some(&limits));
+    let projection = iop_cp::projection::build(&snap);
+    assert_eq!(projection.principals[0].limits.as_ref(), Some(&limits));
+    let revs = b.revisions(g - 1, 10).await.unwrap();
+    assert_eq!(revs[0].kind, "set_principal_limits");
+
+    // Refusals change nothing: an unknown principal, a rate the shared store cannot compute
+    // exactly, a model named twice, a model that is not a wire target.
+    assert_eq!(
+        a.apply(set("nobody", Some(limits.clone()))).await,
+        Err(StoreError::NotFound("principal"))
+    );
+    let mut too_fast = limits.clone();
+    too_fast.tokens_per_minute = iop_cp::store::MAX_RATE_PER_MINUTE + 1;
+    assert!(matches!(
+        a.apply(set("team-a", Some(too_fast))).await,
+        Err(StoreError::Invalid(_))
+    ));
+    let mut twice = limits.clone();
+    twice.models.push(twice.models[0].clone());
+    assert!(matches!(
+        a.apply(set("team-a", Some(twice))).await,
+        Err(StoreError::Invalid(_))
+    ));
+    let mut spaced = limits.clone();
+    spaced.models[0].model = "gpt 4o".into();
+    assert!(matches!(
+        a.apply(set("team-a", Some(spaced))).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert_eq!(a.generation().await.unwrap(), g);
+    assert_eq!(
+        b.snapshot().await.unwrap().principals[0].limits.as_ref(),
+        Some(&limits)
+    );
+
+    // Cleared: the projection carries none.
+    let g2 = b.apply(set("team-a", None)).await.unwrap();
+    assert_eq!(g2, g + 1);
+    let snap = a.snapshot().await.unwrap();
+    assert_eq!(snap.principals[0].limits, None);
+    assert_eq!(iop_cp::projection::build(&snap).principals[0].limits, None);
+}
+
 macro_rules! contract {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -464,4 +534,52 @@ contract!(
     concurrent_writers_get_distinct_generations,
     a_change_elsewhere_ends_the_wait,
     issuer_keys_install_stage_and_activate,
+    principal_limits_are_set_read_and_cleared,
 );
+
+/// A store file made before principal limits existed opens, gains the column, and keeps its
+/// rows (read with no limits).
+#[tokio::test]
+async fn sqlite_store_of_an_older_release_is_migrated() {
+    let dir = std::env::temp_dir().join(format!("iop-cp-migrate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("store.sqlite3");
+    {
+        // The principals table as the first release created it.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+             INSERT INTO meta (k, v) VALUES ('generation', 2);
+             CREATE TABLE principals (
+               id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled INTEGER NOT NULL);
+             INSERT INTO principals VALUES ('team-a', 'Team A', 1);",
+        )
+        .unwrap();
+    }
+    for _ in 0..2 {
+        // Opening twice: the migration is a no-op the second time.
+        let store = SqliteStore::open(&path).unwrap();
+        let snap = store.snapshot().await.unwrap();
+        assert_eq!(snap.principals.len(), 1);
+        assert_eq!(snap.principals[0].display_name, "Team A");
+    }
+    let store = SqliteStore::open(&path).unwrap();
+    assert_eq!(store.snapshot().await.unwrap().principals[0].limits, None);
+    let limits = PrincipalLimits {
+        concurrent: 2,
+        ..PrincipalLimits::default()
+    };
+    store
+        .apply(Mutation::SetPrincipalLimits {
+            id: "team-a".into(),
+            limits: Some(limits.clone()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        store.snapshot().await.unwrap().principals[0].limits,
+        Some(limits)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -602,6 +602,102 @@ pub struct ProjectedPrincipal {
     pub display_name: String,
     /// Enabled.
     pub enabled: bool,
+    /// Rate limits and spend budgets; `None`: not limited (and from older Control Planes).
+    pub limits: Option<PrincipalLimits>,
+}
+
+/// Most per-model entries in one principal's limits.
+pub const MAX_MODEL_LIMITS: usize = 1024;
+
+/// A principal's rate limits and spend budgets (issue #29). Zero means "not limited" for each
+/// value. The Edge enforces them with the same rule as a gateway key's (`iop_edge::limits`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrincipalLimits {
+    /// Requests per minute.
+    pub requests_per_minute: u64,
+    /// Tokens (input + output) per minute.
+    pub tokens_per_minute: u64,
+    /// Requests in flight at once, per Edge.
+    pub concurrent: u32,
+    /// Spend budget per UTC day, millionths of a US dollar.
+    pub budget_per_day_micro_usd: u64,
+    /// Spend budget per UTC calendar month, millionths of a US dollar.
+    pub budget_per_month_micro_usd: u64,
+    /// Limits on one external model each (unique models, at most [`MAX_MODEL_LIMITS`]).
+    pub models: Vec<ModelLimits>,
+}
+
+/// A principal's limits on one external model.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelLimits {
+    /// External model name (the wire's target rule).
+    pub model: String,
+    /// Requests per minute (0: not limited).
+    pub requests_per_minute: u64,
+    /// Tokens per minute (0: not limited).
+    pub tokens_per_minute: u64,
+    /// Requests in flight at once, per Edge (0: not limited).
+    pub concurrent: u32,
+}
+
+impl PrincipalLimits {
+    fn to_proto(&self) -> pb::PrincipalLimits {
+        pb::PrincipalLimits {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            concurrent: self.concurrent,
+            budget_per_day_micro_usd: self.budget_per_day_micro_usd,
+            budget_per_month_micro_usd: self.budget_per_month_micro_usd,
+            models: self
+                .models
+                .iter()
+                .map(|m| pb::ModelLimits {
+                    model: m.model.clone(),
+                    requests_per_minute: m.requests_per_minute,
+                    tokens_per_minute: m.tokens_per_minute,
+                    concurrent: m.concurrent,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl TryFrom<pb::PrincipalLimits> for PrincipalLimits {
+    type Error = InvalidMessage;
+
+    fn try_from(m: pb::PrincipalLimits) -> Result<Self, Self::Error> {
+        if m.models.len() > MAX_MODEL_LIMITS {
+            return Err(InvalidMessage::TooLong("projection.principals.limits.models"));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        let models = m
+            .models
+            .into_iter()
+            .map(|l| {
+                validate::target("projection.principals.limits.models.model", &l.model)?;
+                if !seen.insert(l.model.clone()) {
+                    return Err(InvalidMessage::InvalidValue {
+                        field: "projection.principals.limits.models.model",
+                        rule: "unique per principal",
+                    });
+                }
+                Ok(ModelLimits {
+                    model: l.model,
+                    requests_per_minute: l.requests_per_minute,
+                    tokens_per_minute: l.tokens_per_minute,
+                    concurrent: l.concurrent,
+                })
+            })
+            .collect::<Result<_, InvalidMessage>>()?;
+        Ok(Self {
+            requests_per_minute: m.requests_per_minute,
+            tokens_per_minute: m.tokens_per_minute,
+            concurrent: m.concurrent,
+            budget_per_day_micro_usd: m.budget_per_day_micro_usd,
+            budget_per_month_micro_usd: m.budget_per_month_micro_usd,
+            models,
+        })
+    }
 }
 
 /// A projected token verifier.
@@ -649,6 +745,7 @@ impl PrincipalProjection {
                     principal_id: p.principal_id.clone(),
                     display_name: p.display_name.clone(),
                     enabled: p.enabled,
+                    limits: p.limits.as_ref().map(PrincipalLimits::to_proto),
                 })
                 .collect(),
             tokens: self
@@ -708,6 +805,7 @@ impl TryFrom<pb::PrincipalProjection> for PrincipalProjection {
                     principal_id: p.principal_id,
                     display_name: p.display_name,
                     enabled: p.enabled,
+                    limits: p.limits.map(PrincipalLimits::try_from).transpose()?,
                 })
             })
             .collect::<Result<_, InvalidMessage>>()?;

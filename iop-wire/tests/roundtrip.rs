@@ -377,11 +377,32 @@ fn every_control_message_round_trips() {
         issuer_key_id: "p256:0011223344556677".into(),
         staged_issuer_key_id: "p256:8899aabbccddeeff".into(),
         staged_issuer_activates_at_unix_ms: 1_780_000_000_000,
-        principals: vec![ProjectedPrincipal {
-            principal_id: "p-1".into(),
-            display_name: "Team A".into(),
-            enabled: true,
-        }],
+        principals: vec![
+            ProjectedPrincipal {
+                principal_id: "p-1".into(),
+                display_name: "Team A".into(),
+                enabled: true,
+                limits: None,
+            },
+            ProjectedPrincipal {
+                principal_id: "p-2".into(),
+                display_name: "Team B".into(),
+                enabled: true,
+                limits: Some(PrincipalLimits {
+                    requests_per_minute: 60,
+                    tokens_per_minute: 100_000,
+                    concurrent: 4,
+                    budget_per_day_micro_usd: 0,
+                    budget_per_month_micro_usd: 20_000_000,
+                    models: vec![ModelLimits {
+                        model: "gpt-4o".into(),
+                        requests_per_minute: 10,
+                        tokens_per_minute: 0,
+                        concurrent: 1,
+                    }],
+                }),
+            },
+        ],
         tokens: vec![ProjectedToken {
             token_id: "t-1".into(),
             principal_id: "p-1".into(),
@@ -649,4 +670,58 @@ fn rejected_stall_evidence_keeps_the_terminal_and_reencodes_verbatim() {
         ev.execution_failure,
         Some(FailureEvidence::Rejected(_))
     ));
+}
+
+#[test]
+fn principal_limits_name_each_model_once() {
+    let limits = |models: &[&str]| PrincipalLimits {
+        requests_per_minute: 60,
+        models: models
+            .iter()
+            .map(|m| ModelLimits {
+                model: (*m).into(),
+                requests_per_minute: 1,
+                ..ModelLimits::default()
+            })
+            .collect(),
+        ..PrincipalLimits::default()
+    };
+    let frame = |l: PrincipalLimits| {
+        ControlFrame::new(ControlMessage::PrincipalProjectionApplyRequest(
+            PrincipalProjection {
+                generation: 2,
+                principals: vec![ProjectedPrincipal {
+                    principal_id: "p-1".into(),
+                    display_name: String::new(),
+                    enabled: true,
+                    limits: Some(l),
+                }],
+                ..PrincipalProjection::default()
+            },
+        ))
+    };
+    let codec = FrameCodec::new();
+    let decode = |f: &ControlFrame| {
+        let bytes = codec.encode_to_bytes(f).unwrap();
+        codec.decode_slice::<ControlFrame>(&bytes)
+    };
+    let ok = frame(limits(&["a", "b"]));
+    assert!(matches!(decode(&ok), Ok(Decoded::Frame { frame, .. }) if frame == ok));
+    match decode(&frame(limits(&["a", "a"]))) {
+        Err(FrameError::Invalid(e)) => assert_eq!(
+            e,
+            InvalidMessage::InvalidValue {
+                field: "projection.principals.limits.models.model",
+                rule: "unique per principal",
+            }
+        ),
+        other => panic!("a repeated model must be refused, got {other:?}"),
+    }
+    match decode(&frame(limits(&["bad model"]))) {
+        Err(FrameError::Invalid(e)) => assert!(
+            matches!(e, InvalidMessage::InvalidCharacters(_)),
+            "{e:?}"
+        ),
+        other => panic!("a model with a space must be refused, got {other:?}"),
+    }
 }

@@ -22,7 +22,9 @@ const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BIGINT NOT NULL);
 INSERT INTO meta (k, v) VALUES ('generation', 1) ON CONFLICT (k) DO NOTHING;
 CREATE TABLE IF NOT EXISTS principals (
-  id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled BOOLEAN NOT NULL);
+  id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled BOOLEAN NOT NULL, limits TEXT);
+-- Migrations of stores made by older releases (each a no-op when already applied).
+ALTER TABLE principals ADD COLUMN IF NOT EXISTS limits TEXT;
 CREATE TABLE IF NOT EXISTS tokens (
   id TEXT PRIMARY KEY, principal_id TEXT NOT NULL REFERENCES principals(id),
   digest BYTEA NOT NULL UNIQUE, revoked BOOLEAN NOT NULL);
@@ -208,6 +210,17 @@ async fn apply_one(tx: &Transaction<'_>, m: &Mutation) -> Result<(), StoreError>
                 .execute(
                     "UPDATE principals SET enabled = $1 WHERE id = $2",
                     &[enabled, id],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            changed(n, "principal")?;
+        }
+        Mutation::SetPrincipalLimits { id, limits } => {
+            let text = super::limits_text(limits.as_ref());
+            let n = tx
+                .execute(
+                    "UPDATE principals SET limits = $1 WHERE id = $2",
+                    &[&text, id],
                 )
                 .await
                 .map_err(|e| backend(&e))?;
@@ -447,6 +460,7 @@ fn principal(r: &Row) -> Principal {
         id: r.get(0),
         display_name: r.get(1),
         enabled: r.get(2),
+        limits: super::limits_from_text(r.get(3)),
     }
 }
 
@@ -543,7 +557,7 @@ impl Store for PgStore {
             let tx = &tx;
             async move { tx.query(&sql, &[]).await.map_err(|e| backend(&e)) }
         };
-        let principals = q("SELECT id, display_name, enabled FROM principals ORDER BY id".into())
+        let principals = q("SELECT id, display_name, enabled, limits FROM principals ORDER BY id".into())
             .await?
             .iter()
             .map(principal)
@@ -618,7 +632,7 @@ impl Store for PgStore {
         let principal = match &route {
             Some(r) => tx
                 .query_opt(
-                    "SELECT id, display_name, enabled FROM principals WHERE id = $1",
+                    "SELECT id, display_name, enabled, limits FROM principals WHERE id = $1",
                     &[&r.principal_id],
                 )
                 .await

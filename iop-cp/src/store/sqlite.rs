@@ -18,7 +18,7 @@ const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (k, v) VALUES ('generation', 1);
 CREATE TABLE IF NOT EXISTS principals (
-  id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled INTEGER NOT NULL);
+  id TEXT PRIMARY KEY, display_name TEXT NOT NULL, enabled INTEGER NOT NULL, limits TEXT);
 CREATE TABLE IF NOT EXISTS tokens (
   id TEXT PRIMARY KEY, principal_id TEXT NOT NULL REFERENCES principals(id),
   digest BLOB NOT NULL UNIQUE, revoked INTEGER NOT NULL);
@@ -100,6 +100,7 @@ impl SqliteStore {
         conn.busy_timeout(std::time::Duration::from_secs(5))
             .map_err(|e| backend(&e))?;
         conn.execute_batch(SCHEMA).map_err(|e| backend(&e))?;
+        migrate(&conn)?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             seen_version: Arc::new(AtomicI64::new(i64::MIN)),
@@ -123,6 +124,24 @@ impl SqliteStore {
         .await
         .map_err(|_| StoreError::Unavailable)?
     }
+}
+
+/// Brings a store made by an older release up to [`SCHEMA`]: each step checks whether it is
+/// needed, so running it again (or on a new store) changes nothing.
+fn migrate(conn: &Connection) -> Result<(), StoreError> {
+    // Principal limits (issue #29).
+    let has_limits: bool = conn
+        .query_row(
+            "SELECT COUNT(*) > 0 FROM pragma_table_info('principals') WHERE name = 'limits'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| backend(&e))?;
+    if !has_limits {
+        conn.execute_batch("ALTER TABLE principals ADD COLUMN limits TEXT")
+            .map_err(|e| backend(&e))?;
+    }
+    Ok(())
 }
 
 fn exists(tx: &rusqlite::Transaction<'_>, sql: &str, id: &str) -> Result<bool, StoreError> {
@@ -154,6 +173,15 @@ fn apply_one(tx: &rusqlite::Transaction<'_>, m: &Mutation) -> Result<(), StoreEr
                 .execute(
                     "UPDATE principals SET enabled = ?1 WHERE id = ?2",
                     params![enabled, id],
+                )
+                .map_err(|e| backend(&e))?;
+            changed(n, "principal")?;
+        }
+        Mutation::SetPrincipalLimits { id, limits } => {
+            let n = tx
+                .execute(
+                    "UPDATE principals SET limits = ?1 WHERE id = ?2",
+                    params![super::limits_text(limits.as_ref()), id],
                 )
                 .map_err(|e| backend(&e))?;
             changed(n, "principal")?;
@@ -375,6 +403,7 @@ fn principal(r: &rusqlite::Row<'_>) -> rusqlite::Result<Principal> {
         id: r.get(0)?,
         display_name: r.get(1)?,
         enabled: r.get(2)?,
+        limits: super::limits_from_text(r.get(3)?),
     })
 }
 
@@ -487,7 +516,7 @@ impl Store for SqliteStore {
                 rows.collect::<Result<Vec<_>, _>>().map_err(|e| backend(&e))
             };
             let principals =
-                collect("SELECT id, display_name, enabled FROM principals ORDER BY id")?;
+                collect("SELECT id, display_name, enabled, limits FROM principals ORDER BY id")?;
             let mut st = tx
                 .prepare("SELECT id, principal_id, digest, revoked FROM tokens ORDER BY id")
                 .map_err(|e| backend(&e))?;
@@ -574,7 +603,7 @@ impl Store for SqliteStore {
             let principal = match &route {
                 Some(r) => tx
                     .query_row(
-                        "SELECT id, display_name, enabled FROM principals WHERE id = ?1",
+                        "SELECT id, display_name, enabled, limits FROM principals WHERE id = ?1",
                         params![r.principal_id],
                         principal,
                     )

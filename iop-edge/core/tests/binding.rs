@@ -72,6 +72,7 @@ impl Store {
                 principal_id: PRINCIPAL.into(),
                 display_name: "Team A".into(),
                 enabled: true,
+                limits: None,
             }],
             tokens: if self.token_enabled {
                 vec![ProjectedToken {

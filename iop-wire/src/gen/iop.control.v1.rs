@@ -227,7 +227,7 @@ pub struct PrincipalProjection {
     pub staged_issuer_activates_at_unix_ms: i64,
 }
 /// A principal, safe metadata only.
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ProjectedPrincipal {
     #[prost(string, tag = "1")]
     pub principal_id: ::prost::alloc::string::String,
@@ -235,6 +235,44 @@ pub struct ProjectedPrincipal {
     pub display_name: ::prost::alloc::string::String,
     #[prost(bool, tag = "3")]
     pub enabled: bool,
+    /// The principal's rate limits and spend budgets, enforced by every Edge (absent: none).
+    /// Added after the first release; older Edges ignore it.
+    #[prost(message, optional, tag = "4")]
+    pub limits: ::core::option::Option<PrincipalLimits>,
+}
+/// A principal's rate limits and spend budgets. Zero means "not limited" for each value.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct PrincipalLimits {
+    /// Requests per minute (a GCRA rate: not a fixed window).
+    #[prost(uint64, tag = "1")]
+    pub requests_per_minute: u64,
+    /// Tokens (input + output) per minute.
+    #[prost(uint64, tag = "2")]
+    pub tokens_per_minute: u64,
+    /// Requests in flight at once, per Edge.
+    #[prost(uint32, tag = "3")]
+    pub concurrent: u32,
+    /// Spend budget per UTC day and per UTC calendar month, in millionths of a US dollar, at
+    /// the Edge's per-model prices.
+    #[prost(uint64, tag = "4")]
+    pub budget_per_day_micro_usd: u64,
+    #[prost(uint64, tag = "5")]
+    pub budget_per_month_micro_usd: u64,
+    /// Limits of the principal on one model, checked as well as its own. Unique models.
+    #[prost(message, repeated, tag = "6")]
+    pub models: ::prost::alloc::vec::Vec<ModelLimits>,
+}
+/// A principal's limits on one external model.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelLimits {
+    #[prost(string, tag = "1")]
+    pub model: ::prost::alloc::string::String,
+    #[prost(uint64, tag = "2")]
+    pub requests_per_minute: u64,
+    #[prost(uint64, tag = "3")]
+    pub tokens_per_minute: u64,
+    #[prost(uint32, tag = "4")]
+    pub concurrent: u32,
 }
 /// An active IOP API token, as its SHA-256 verifier digest only.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
