@@ -441,8 +441,11 @@ impl Mutation {
             Self::SetPrincipalLimits { id: i, limits } => {
                 id(i, "principal id")?;
                 let Some(l) = limits else { return Ok(()) };
-                let rates = std::iter::once((l.requests_per_minute, l.tokens_per_minute))
-                    .chain(l.models.iter().map(|m| (m.requests_per_minute, m.tokens_per_minute)));
+                let rates = std::iter::once((l.requests_per_minute, l.tokens_per_minute)).chain(
+                    l.models
+                        .iter()
+                        .map(|m| (m.requests_per_minute, m.tokens_per_minute)),
+                );
                 for (r, t) in rates {
                     if r > MAX_RATE_PER_MINUTE || t > MAX_RATE_PER_MINUTE {
                         return Err(StoreError::Invalid("limit (at most 150000000 per minute)"));

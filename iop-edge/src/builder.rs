@@ -418,7 +418,9 @@ impl EdgeBuilder {
 
     /// Per-key rate limits ([`crate::limits`]): for the [`Self::api_keys`] by their ids, or,
     /// without gateway keys, for the ids your own authentication puts on each request
-    /// ([`crate::limits::KeyId`]).
+    /// ([`crate::limits::KeyId`]). In managed mode each principal's limits come with the
+    /// Control Plane's projection (a managed Edge always has a limiter); what is set here is
+    /// how this Edge enforces them (shared store, output estimate, prices).
     pub fn rate_limits(mut self, limits: crate::limits::LimitsConfig) -> Self {
         self.rate_limits = Some(limits);
         self

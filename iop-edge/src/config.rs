@@ -104,7 +104,9 @@
 //!   headers. `operations` replaces the preset's operation list with explicit paths and keeps
 //!   its name, auth header and fixed headers.
 //! - `[auth]` applies in legacy mode; managed mode (`credential_plane = true`) authenticates
-//!   against the Control Plane's projection and refuses an `[auth]` section.
+//!   against the Control Plane's projection, takes each principal's limits and budgets from it
+//!   (`iop-cp principal limits`), and accepts only `auth.output_estimate` and `[auth.shared]`
+//!   (how this Edge enforces them).
 //! - Rate limits (`[auth.limits]`, `[auth.key_limits.<id>]`, `[auth.shared]`) are
 //!   [`crate::limits`]'s: the rule, the headers clients see, and what sharing through Redis
 //!   guarantees.
@@ -887,11 +889,22 @@ impl EdgeConfigFile {
             .is_some_and(|c| c.credential_plane);
         let api_keys = match &self.auth {
             None => None,
-            Some(_) if managed => {
-                return Err(invalid(
-                    "auth",
-                    "not used in managed mode (control_plane.credential_plane = true): the Control Plane's tokens authenticate requests",
-                ));
+            Some(a) if managed => {
+                // Managed: the Control Plane's tokens authenticate, and its principals carry
+                // their limits; only how this Edge enforces them is configured here.
+                let legacy = [
+                    ("auth.keys_file", a.keys_file.is_some()),
+                    ("auth.keys_env", a.keys_env.is_some()),
+                    ("auth.limits", a.limits.is_some()),
+                    ("auth.key_limits", !a.key_limits.is_empty()),
+                ];
+                if let Some((key, _)) = legacy.iter().find(|(_, set)| *set) {
+                    return Err(invalid(
+                        key,
+                        "not used in managed mode (control_plane.credential_plane = true): the Control Plane's tokens authenticate requests, and `iop-cp principal limits` sets each principal's limits; only auth.output_estimate and [auth.shared] apply",
+                    ));
+                }
+                None
             }
             Some(a) => Some(Arc::new(
                 ApiKeys::load(a.keys_file.as_deref(), a.keys_env.as_deref()).map_err(|e| {
@@ -908,12 +921,6 @@ impl EdgeConfigFile {
         };
         let usage: Option<Arc<dyn crate::usage::UsageSink>> = match &self.usage {
             None => None,
-            Some(_) if managed => {
-                return Err(invalid(
-                    "usage",
-                    "legacy mode only for now (managed mode's records will go to the Control Plane)",
-                ));
-            }
             Some(u) => {
                 let mut c = crate::usage::UsageConfig::default();
                 if let Some(q) = u.queue {
@@ -928,7 +935,7 @@ impl EdgeConfigFile {
             }
         };
         let limiter = match (&self.auth, &api_keys) {
-            (Some(a), Some(keys)) => {
+            (auth, keys) if managed || keys.is_some() => {
                 let names: BTreeSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
                 let mut prices = BTreeMap::new();
                 for (model, p) in &self.prices {
@@ -947,7 +954,24 @@ impl EdgeConfigFile {
                         })?;
                     prices.insert(model.clone(), price);
                 }
-                match a.limits(keys, &names, &prices)? {
+                let config = match (auth, keys) {
+                    (Some(a), Some(keys)) => a.limits(keys, &names, &prices)?,
+                    // Managed: always a limiter, for the limits principals get later.
+                    (auth, _) => Some(crate::limits::LimitsConfig {
+                        prices,
+                        output_estimate: auth
+                            .as_ref()
+                            .and_then(|a| a.output_estimate)
+                            .unwrap_or(crate::limits::DEFAULT_OUTPUT_ESTIMATE),
+                        shared: match auth.as_ref().and_then(|a| a.shared.as_ref()) {
+                            Some(s) => Some(s.build()?),
+                            None => None,
+                        },
+                        ..crate::limits::LimitsConfig::default()
+                    })
+                    .filter(|_| managed),
+                };
+                match config {
                     Some(c) => Some(Arc::new(
                         crate::limits::Limiter::new(c)
                             .map_err(|e| invalid("auth.shared.redis", e))?,

@@ -667,7 +667,9 @@ impl TryFrom<pb::PrincipalLimits> for PrincipalLimits {
 
     fn try_from(m: pb::PrincipalLimits) -> Result<Self, Self::Error> {
         if m.models.len() > MAX_MODEL_LIMITS {
-            return Err(InvalidMessage::TooLong("projection.principals.limits.models"));
+            return Err(InvalidMessage::TooLong(
+                "projection.principals.limits.models",
+            ));
         }
         let mut seen = std::collections::BTreeSet::new();
         let models = m

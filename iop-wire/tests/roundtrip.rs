@@ -718,10 +718,9 @@ fn principal_limits_name_each_model_once() {
         other => panic!("a repeated model must be refused, got {other:?}"),
     }
     match decode(&frame(limits(&["bad model"]))) {
-        Err(FrameError::Invalid(e)) => assert!(
-            matches!(e, InvalidMessage::InvalidCharacters(_)),
-            "{e:?}"
-        ),
+        Err(FrameError::Invalid(e)) => {
+            assert!(matches!(e, InvalidMessage::InvalidCharacters(_)), "{e:?}")
+        }
         other => panic!("a model with a space must be refused, got {other:?}"),
     }
 }

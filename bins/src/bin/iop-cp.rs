@@ -6,6 +6,8 @@
 //!        --trust-domain iop.local --credential-plane
 //! iop-cp --data-dir DIR principal create team-a --name "Team A"
 //! iop-cp --data-dir DIR token create --principal team-a          # prints the token once
+//! iop-cp --data-dir DIR principal limits team-a --requests-per-minute 60 \
+//!        --tokens-per-minute 100000 --budget-usd-per-month 20 --model gpt-4o:concurrent=2
 //! IOP_CREDENTIAL=sk-... iop-cp --data-dir DIR slot put openai-prod --profile openai \
 //!        --credential-env IOP_CREDENTIAL
 //! iop-cp --data-dir DIR route put r1 --principal team-a --model gpt-4o-mini \
@@ -229,6 +231,87 @@ enum PrincipalCmd {
         /// Principal id.
         id: String,
     },
+    /// Set a principal's rate limits and spend budgets, enforced by every Edge from the next
+    /// projection (the rule, headers and refusals are `iop_edge::limits`'s). Each option left
+    /// out is not limited; with no option (or `--clear`) the principal is not limited at all.
+    /// Prints the limits now in force as JSON.
+    Limits(LimitsArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct LimitsArgs {
+    /// Principal id.
+    id: String,
+    /// Requests per minute (a GCRA rate: a steady 1/60 of it per second, bursts up to it).
+    #[arg(long)]
+    requests_per_minute: Option<u64>,
+    /// Tokens (input + output) per minute; a request reserves its output cap plus its input
+    /// estimate, settled to the provider's reported usage at the end.
+    #[arg(long)]
+    tokens_per_minute: Option<u64>,
+    /// Requests in flight at once, per Edge.
+    #[arg(long)]
+    concurrent: Option<u32>,
+    /// Spend budget per UTC day, US dollars, at each Edge's `[prices.<model>]`.
+    #[arg(long)]
+    budget_usd_per_day: Option<f64>,
+    /// Spend budget per UTC calendar month, US dollars.
+    #[arg(long)]
+    budget_usd_per_month: Option<f64>,
+    /// A limit on one model, checked as well as the principal's own:
+    /// `MODEL:requests_per_minute=N,tokens_per_minute=N,concurrent=N` (each part optional;
+    /// repeat for several models).
+    #[arg(long = "model", value_name = "MODEL:LIMITS")]
+    models: Vec<String>,
+    /// Remove every limit (the same as giving none).
+    #[arg(long, conflicts_with_all = ["requests_per_minute", "tokens_per_minute", "concurrent", "budget_usd_per_day", "budget_usd_per_month", "models"])]
+    clear: bool,
+    /// Print the limits in force and change nothing.
+    #[arg(long, conflicts_with_all = ["requests_per_minute", "tokens_per_minute", "concurrent", "budget_usd_per_day", "budget_usd_per_month", "models", "clear"])]
+    show: bool,
+}
+
+impl LimitsArgs {
+    fn doc(&self) -> Result<iop_cp::store::LimitsDoc, String> {
+        let mut doc = iop_cp::store::LimitsDoc {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            concurrent: self.concurrent,
+            budget_usd_per_day: self.budget_usd_per_day,
+            budget_usd_per_month: self.budget_usd_per_month,
+            models: std::collections::BTreeMap::new(),
+        };
+        for spec in &self.models {
+            let (model, parts) = spec.split_once(':').unwrap_or((spec, ""));
+            let mut m = iop_cp::store::ModelLimitsDoc::default();
+            for part in parts.split(',').filter(|p| !p.is_empty()) {
+                let (k, v) = part
+                    .split_once('=')
+                    .ok_or_else(|| format!("--model {spec}: expected NAME=VALUE, got `{part}`"))?;
+                let n: u64 = v
+                    .parse()
+                    .map_err(|_| format!("--model {spec}: `{v}` is not a whole number"))?;
+                match k {
+                    "requests_per_minute" => m.requests_per_minute = Some(n),
+                    "tokens_per_minute" => m.tokens_per_minute = Some(n),
+                    "concurrent" => {
+                        m.concurrent = Some(u32::try_from(n).map_err(|_| {
+                            format!("--model {spec}: concurrent is at most {}", u32::MAX)
+                        })?);
+                    }
+                    other => {
+                        return Err(format!(
+                            "--model {spec}: `{other}` is not requests_per_minute, tokens_per_minute or concurrent"
+                        ));
+                    }
+                }
+            }
+            if doc.models.insert(model.to_owned(), m).is_some() {
+                return Err(format!("--model {model} is given twice"));
+            }
+        }
+        Ok(doc)
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -461,6 +544,35 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 .await
                 .map_err(fail)?;
             println!("principal {id} enabled={enabled} (generation {g})");
+            Ok(())
+        }
+        Command::Principal(PrincipalCmd::Limits(args)) => {
+            let show = |limits: Option<&iop_cp::store::PrincipalLimits>| {
+                let doc = limits.map(iop_cp::store::LimitsDoc::of).unwrap_or_default();
+                serde_json::to_string(&doc).unwrap_or_default()
+            };
+            if args.show {
+                let snap = admin
+                    .store()
+                    .snapshot()
+                    .await
+                    .map_err(|e| runtime(e.to_string()))?;
+                let p = snap
+                    .principals
+                    .iter()
+                    .find(|p| p.id == args.id)
+                    .ok_or_else(|| runtime(format!("principal {} not found", args.id)))?;
+                println!("{}", show(p.limits.as_ref()));
+                return Ok(());
+            }
+            let doc = args.doc().map_err(usage)?;
+            let g = admin
+                .set_principal_limits(&args.id, &doc)
+                .await
+                .map_err(fail)?;
+            let limits = doc.to_limits().ok().filter(|l| *l != Default::default());
+            println!("{}", show(limits.as_ref()));
+            eprintln!("principal {} limits set (generation {g})", args.id);
             Ok(())
         }
         Command::Token(TokenCmd::Create { principal }) => {

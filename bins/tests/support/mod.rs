@@ -394,6 +394,11 @@ pub fn http_post(url: &str, headers: &[(&str, &str)], body: &str) -> (u16, Strin
     request("POST", url, headers, body)
 }
 
+/// `method url` with a JSON body; `(status, body)`.
+pub fn http_request_json(method: &str, url: &str, body: &str) -> (u16, String) {
+    request(method, url, &[], body)
+}
+
 fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
     use std::io::{Read as _, Write as _};
     let rest = url.strip_prefix("http://").expect("http url");

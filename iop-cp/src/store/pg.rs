@@ -557,11 +557,12 @@ impl Store for PgStore {
             let tx = &tx;
             async move { tx.query(&sql, &[]).await.map_err(|e| backend(&e)) }
         };
-        let principals = q("SELECT id, display_name, enabled, limits FROM principals ORDER BY id".into())
-            .await?
-            .iter()
-            .map(principal)
-            .collect();
+        let principals =
+            q("SELECT id, display_name, enabled, limits FROM principals ORDER BY id".into())
+                .await?
+                .iter()
+                .map(principal)
+                .collect();
         let tokens = q("SELECT id, principal_id, digest, revoked FROM tokens ORDER BY id".into())
             .await?
             .iter()

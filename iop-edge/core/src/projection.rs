@@ -47,6 +47,11 @@ impl ProjectionIndex {
         }
     }
 
+    /// The projection it indexes.
+    pub fn projection(&self) -> &PrincipalProjection {
+        &self.projection
+    }
+
     /// The projection generation.
     pub fn generation(&self) -> u64 {
         self.projection.generation

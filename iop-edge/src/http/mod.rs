@@ -617,23 +617,33 @@ async fn limit(
     request: &Value,
     chat: impl FnOnce() -> Result<Value, TranslateError>,
 ) -> Result<crate::limits::Hold, Response> {
-    let Caller::Open(Some(key)) = caller else {
-        return Ok(crate::limits::Hold::default());
-    };
     let (limiter, sink) = (state.config.limiter.as_ref(), state.config.usage.as_ref());
     if limiter.is_none() && sink.is_none() {
         return Ok(crate::limits::Hold::default());
     }
+    let key = match caller {
+        Caller::Open(Some(key)) => &**key,
+        // Managed: the principal is the key; its limits come with the projection it
+        // authenticated under.
+        Caller::Managed {
+            index, principal, ..
+        } => {
+            if let Some(l) = limiter {
+                l.follow(index.projection());
+            }
+            principal.as_str()
+        }
+        Caller::Open(None) => return Ok(crate::limits::Hold::default()),
+    };
     let output_default = limiter.map_or(crate::limits::DEFAULT_OUTPUT_ESTIMATE, |l| {
         l.config().output_estimate
     });
-    let budget = limiter
-        .map(|l| l.config().of(key).budget)
-        .unwrap_or_default();
+    let limits = limiter.map(|l| l.limits_of(key));
+    let budget = limits.as_ref().map(|l| l.budget).unwrap_or_default();
     let price = limiter.and_then(|l| l.budgets().price(group));
     let (input, output) = if sink.is_some()
         || !budget.is_none()
-        || limiter.is_some_and(|l| l.config().of(key).limits_tokens(group))
+        || limits.as_ref().is_some_and(|l| l.limits_tokens(group))
     {
         let chat = chat().map_err(|e| bad_request(dialect, &e))?;
         (

@@ -8,8 +8,8 @@ use std::time::Duration;
 use iop_edge_core::ratelimit::{Admitted, Decision, Exceeded, Limits, Rate};
 
 use super::{
-    Blocked, Hold, KeyEntry, KeyLabel, LimitError, LimitState, Limiter, OnUnavailable, OpLabel,
-    Quota, Refused, SharedConfig, SharedHold, Shown, Slot, shared,
+    Blocked, Hold, KeyEntry, KeyLabel, KeyLimits, LimitError, LimitState, Limiter, OnUnavailable,
+    OpLabel, Quota, Refused, SharedConfig, SharedHold, Shown, Slot, shared,
 };
 
 /// How often a store outage is logged (it is counted every time).
@@ -31,12 +31,12 @@ impl Limiter {
         self: &Arc<Self>,
         store: &shared::RateStore,
         shared: &SharedConfig,
+        limits: Arc<KeyLimits>,
         key: &str,
         model: &str,
         estimate: u64,
     ) -> Result<Hold, LimitError> {
         self.start_returner();
-        let limits = self.config.of(key);
         let model_limits = limits.models.get(model);
         let concurrency = |l: &Limits| Limits {
             requests: None,
@@ -273,7 +273,7 @@ impl Limiter {
                 drop(keys);
                 self.store_failed(&e, &id);
                 return match shared.on_unavailable {
-                    OnUnavailable::Local => self.admit_local(key, model, estimate),
+                    OnUnavailable::Local => self.admit_local(limits, key, model, estimate),
                     OnUnavailable::Closed => Err(LimitError::Unavailable),
                 };
             }
@@ -281,10 +281,12 @@ impl Limiter {
         let quota = Self::shared_quota(entry, model);
         drop(keys);
         self.count_admission(&id);
+        let model = model_limits.map(|_| model.to_owned());
         Ok(Hold {
             limiter: Some(Arc::clone(self)),
+            limits: Some(limits),
             key: Some(id),
-            model: model_limits.map(|_| model.to_owned()),
+            model,
             own: Some(own),
             per_model,
             shared: Some(SharedHold {
@@ -376,7 +378,7 @@ impl Limiter {
                 if now.saturating_sub(entry.last_used) < idle_us {
                     continue;
                 }
-                let limits = self.config.of(&entry.id);
+                let limits = self.limits_of(&entry.id);
                 let mut q = Vec::new();
                 let mut take =
                     |state: &mut LimitState, l: &Limits, model: Option<&str>, per_model| {

@@ -81,6 +81,19 @@
 //! answers 503 with `retry-after: 1`. The connection is re-made at most once a second; nothing
 //! needs a restart.
 //!
+//! # Managed mode: principals' limits from the Control Plane
+//!
+//! With a Control Plane (`credential_plane = true`), the key is the principal a token
+//! authenticates as, and its limits and budgets travel in the projection
+//! (`ProjectedPrincipal::limits`, set with `iop-cp principal limits` or
+//! `PUT /admin/v1/principals/{id}/limits`). The limiter [follows](Limiter::follow) the
+//! projection each request authenticated under: a newer generation replaces every principal's
+//! limits at once (an older one is ignored), a principal without limits is not limited, and a
+//! request keeps the limits it was admitted under until it ends. The per-principal state (its
+//! rate so far, requests in flight, spend) carries over a change of limits. How this Edge
+//! enforces them (`[auth.shared]`, `auth.output_estimate`, `[prices]`) stays in its own
+//! configuration; a rate above [`shared::MAX_EXACT_RATE`] is clamped to it.
+//!
 //! # Layout
 //!
 //! This file: the configuration, the in-process limiter and the request's [`Hold`];
@@ -111,7 +124,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use iop_edge_core::ratelimit::{Admitted, Credit, Exceeded, KeyState, Limits};
+use iop_edge_core::ratelimit::{Admitted, Credit, Exceeded, KeyState, Limits, Rate};
 use iop_wire::runtime::Usage;
 
 /// Who a request is for, named by the application that embeds the Edge: with no gateway
@@ -157,6 +170,41 @@ impl KeyLimits {
         self.limits == Limits::default()
             && self.models.values().all(|l| *l == Limits::default())
             && self.budget.is_none()
+    }
+
+    /// The limits a Control Plane set for a principal (managed mode; `iop-cp principal
+    /// limits`). Zero is "not limited"; a rate above [`shared::MAX_EXACT_RATE`] is clamped to
+    /// it (the most the shared store computes exactly; `iop-cp` refuses more).
+    pub fn from_principal(p: &iop_wire::control::PrincipalLimits) -> Self {
+        let rate = |n: u64| Rate::per_minute(n.min(shared::MAX_EXACT_RATE));
+        let concurrent = |n: u32| (n > 0).then_some(n);
+        let pusd = |micro: u64| (micro > 0).then(|| micro.saturating_mul(1_000_000));
+        Self {
+            limits: Limits {
+                requests: rate(p.requests_per_minute),
+                tokens: rate(p.tokens_per_minute),
+                concurrent: concurrent(p.concurrent),
+            },
+            models: p
+                .models
+                .iter()
+                .map(|m| {
+                    (
+                        m.model.clone(),
+                        Limits {
+                            requests: rate(m.requests_per_minute),
+                            tokens: rate(m.tokens_per_minute),
+                            concurrent: concurrent(m.concurrent),
+                        },
+                    )
+                })
+                .filter(|(_, l)| *l != Limits::default())
+                .collect(),
+            budget: budget::Budget {
+                per_day_pusd: pusd(p.budget_per_day_micro_usd),
+                per_month_pusd: pusd(p.budget_per_month_micro_usd),
+            },
+        }
     }
 }
 
@@ -404,6 +452,11 @@ pub enum LimitError {
 #[derive(Debug)]
 pub struct Limiter {
     config: LimitsConfig,
+    /// [`LimitsConfig::keys`] and [`LimitsConfig::default`], shared with the holds.
+    configured: HashMap<String, Arc<KeyLimits>>,
+    default: Arc<KeyLimits>,
+    /// Managed mode: the principals' limits of the projection last followed.
+    principals: std::sync::RwLock<Arc<Principals>>,
     epoch: tokio::time::Instant,
     keys: Mutex<HashMap<String, KeyEntry>>,
     metrics: LimiterMetrics,
@@ -411,6 +464,13 @@ pub struct Limiter {
     warned: Mutex<Option<tokio::time::Instant>>,
     returner: std::sync::OnceLock<()>,
     budgets: Arc<budget::Budgets>,
+}
+
+/// The principals' limits of one projection generation ([`Limiter::follow`]).
+#[derive(Debug, Default)]
+struct Principals {
+    generation: u64,
+    limits: HashMap<String, Arc<KeyLimits>>,
 }
 
 impl Limiter {
@@ -429,8 +489,63 @@ impl Limiter {
             warned: Mutex::new(None),
             returner: std::sync::OnceLock::new(),
             budgets: Arc::new(budget::Budgets::new(config.prices.clone())),
+            configured: config
+                .keys
+                .iter()
+                .map(|(k, l)| (k.clone(), Arc::new(l.clone())))
+                .collect(),
+            default: Arc::new(config.default.clone()),
+            principals: std::sync::RwLock::new(Arc::default()),
             config,
         })
+    }
+
+    /// The limits of key (or principal) `key` now: a principal's from the projection last
+    /// [followed](Limiter::follow), else the configured key's, else the default.
+    pub fn limits_of(&self, key: &str) -> Arc<KeyLimits> {
+        let principals = self
+            .principals
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        principals
+            .limits
+            .get(key)
+            .or_else(|| self.configured.get(key))
+            .unwrap_or(&self.default)
+            .clone()
+    }
+
+    /// Managed mode: takes the principals' limits from `projection` when it is newer than the
+    /// one followed last (a no-op otherwise: one atomic read on the request path). A request
+    /// admitted before keeps the limits it was admitted under until it ends; the per-key state
+    /// (its rate so far, in flight) carries over to the new limits.
+    pub fn follow(&self, projection: &iop_wire::control::PrincipalProjection) {
+        let held = self
+            .principals
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .generation;
+        if projection.generation <= held {
+            return;
+        }
+        let limits = projection
+            .principals
+            .iter()
+            .filter_map(|p| {
+                let l = KeyLimits::from_principal(p.limits.as_ref()?);
+                (!l.is_unlimited()).then(|| (p.principal_id.clone(), Arc::new(l)))
+            })
+            .collect();
+        let mut principals = self
+            .principals
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if projection.generation > principals.generation {
+            *principals = Arc::new(Principals {
+                generation: projection.generation,
+                limits,
+            });
+        }
     }
 
     /// What it enforces.
@@ -525,27 +640,27 @@ impl Limiter {
         model: &str,
         estimate: u64,
     ) -> Result<Hold, LimitError> {
-        let limits = self.config.of(key);
-        let model_limits = limits.models.get(model);
-        if limits.limits == Limits::default() && model_limits.is_none() {
+        let limits = self.limits_of(key);
+        if limits.limits == Limits::default() && !limits.models.contains_key(model) {
             return Ok(Hold::default());
         }
         match (&self.store, &self.config.shared) {
             (Some(store), Some(shared)) => {
-                self.admit_shared(store, shared, key, model, estimate).await
+                self.admit_shared(store, shared, limits, key, model, estimate)
+                    .await
             }
-            _ => self.admit_local(key, model, estimate),
+            _ => self.admit_local(limits, key, model, estimate),
         }
     }
 
     /// The in-process rule: this Edge alone.
     fn admit_local(
         self: &Arc<Self>,
+        limits: Arc<KeyLimits>,
         key: &str,
         model: &str,
         estimate: u64,
     ) -> Result<Hold, LimitError> {
-        let limits = self.config.of(key);
         let model_limits = limits.models.get(model);
         let now = self.now_us();
         let mut keys = self.lock();
@@ -606,8 +721,11 @@ impl Limiter {
         };
         let id = Arc::clone(&entry.id);
         self.count_admission(&id);
+        let quota = own_quota.tighter(model_quota);
+        drop(keys);
         Ok(Hold {
             limiter: Some(Arc::clone(self)),
+            limits: Some(limits),
             key: Some(id),
             model: model_admitted.as_ref().map(|_| model.to_owned()),
             own: own_admitted,
@@ -620,7 +738,7 @@ impl Limiter {
             ended: None,
             meter: None,
             budget: None,
-            quota: own_quota.tighter(model_quota),
+            quota,
         })
     }
 
@@ -654,6 +772,9 @@ impl Limiter {
 
     fn finish(self: &Arc<Self>, hold: &mut Hold) {
         let Some(key) = hold.key.take() else { return };
+        // The limits the request was admitted under (a newer projection may have changed the
+        // key's since).
+        let limits = hold.limits.take().unwrap_or_else(|| self.limits_of(&key));
         let now = self.now_us();
         let mut charges = Vec::new();
         {
@@ -661,7 +782,6 @@ impl Limiter {
             let Some(entry) = keys.get_mut(&*key) else {
                 return;
             };
-            let limits = self.config.of(&key);
             let actual = |reserved: u64| match (hold.sent, hold.usage) {
                 (false, _) => 0,
                 (true, Some(u)) => u,
@@ -764,6 +884,7 @@ struct SharedHold {
 #[must_use = "a hold is finished when dropped; drop it when the request ends"]
 pub struct Hold {
     limiter: Option<Arc<Limiter>>,
+    limits: Option<Arc<KeyLimits>>,
     key: Option<Arc<str>>,
     model: Option<String>,
     own: Option<Admitted>,
@@ -1049,5 +1170,89 @@ mod tests {
         let mut m = String::new();
         l.encode_metrics(&mut m);
         assert!(!m.contains("key=\"k1\""), "forgotten series are removed");
+    }
+
+    fn projection(
+        generation: u64,
+        rpm: u64,
+        concurrent: u32,
+    ) -> iop_wire::control::PrincipalProjection {
+        use iop_wire::control::{ModelLimits, PrincipalLimits, ProjectedPrincipal};
+        iop_wire::control::PrincipalProjection {
+            generation,
+            principals: vec![
+                ProjectedPrincipal {
+                    principal_id: "team-a".into(),
+                    enabled: true,
+                    limits: Some(PrincipalLimits {
+                        requests_per_minute: rpm,
+                        tokens_per_minute: u64::MAX,
+                        concurrent,
+                        budget_per_day_micro_usd: 2_000_000,
+                        models: vec![ModelLimits {
+                            model: "big".into(),
+                            requests_per_minute: 1,
+                            ..ModelLimits::default()
+                        }],
+                        ..PrincipalLimits::default()
+                    }),
+                    ..ProjectedPrincipal::default()
+                },
+                ProjectedPrincipal {
+                    principal_id: "team-b".into(),
+                    enabled: true,
+                    limits: Some(PrincipalLimits::default()),
+                    ..ProjectedPrincipal::default()
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn principals_take_their_limits_from_the_newest_projection() {
+        let l = Arc::new(Limiter::new(LimitsConfig::default()).unwrap());
+        assert!(l.admit("team-a", "m", 1).await.unwrap().is_empty());
+        l.follow(&projection(5, 10, 1));
+        let a = l.limits_of("team-a");
+        assert_eq!(a.limits.requests, Rate::per_minute(10));
+        assert_eq!(
+            a.limits.tokens,
+            Rate::per_minute(shared::MAX_EXACT_RATE),
+            "clamped to what the shared store computes exactly"
+        );
+        assert_eq!(
+            a.budget.per_day_pusd,
+            Some(2_000_000_000_000),
+            "two dollars"
+        );
+        assert_eq!(a.models["big"].requests, Rate::per_minute(1));
+        assert!(
+            l.limits_of("team-b").is_unlimited(),
+            "all zero: not limited"
+        );
+        // Concurrency 1: a second request waits for the first.
+        let held = l.admit("team-a", "m", 1).await.unwrap();
+        assert!(matches!(
+            l.admit("team-a", "m", 1).await,
+            Err(LimitError::Refused(Refused {
+                exceeded: Exceeded::Concurrent,
+                ..
+            }))
+        ));
+        // An older or equal generation changes nothing.
+        l.follow(&projection(4, 10, 5));
+        l.follow(&projection(5, 10, 5));
+        assert_eq!(l.limits_of("team-a").limits.concurrent, Some(1));
+        // A newer one does; the request admitted before ends under its own limits, and its
+        // end is counted (in flight back to zero: two fit under the new limit of 2).
+        l.follow(&projection(6, 10, 2));
+        drop(held);
+        let _x = l.admit("team-a", "m", 1).await.unwrap();
+        let _y = l.admit("team-a", "m", 1).await.unwrap();
+        // The per-model limit applies on its model only.
+        drop((_x, _y));
+        let _big = l.admit("team-a", "big", 1).await.unwrap();
+        assert!(l.admit("team-a", "big", 1).await.is_err());
     }
 }

@@ -27,6 +27,10 @@ use redis::aio::ConnectionManager;
 /// The script.
 pub const SCRIPT: &str = include_str!("rate.lua");
 
+/// The largest per-minute limit the script computes exactly (see [`exact_in_lua`]), rounded
+/// down: what a principal's limits from a Control Plane are clamped to.
+pub const MAX_EXACT_RATE: u64 = 150_000_000;
+
 /// Whether the script computes `rate` exactly (`limit × period_us < 2^53`).
 pub fn exact_in_lua(rate: &Rate) -> bool {
     let period_us = rate.period().as_micros();
