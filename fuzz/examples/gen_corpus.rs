@@ -22,7 +22,8 @@ use iop_fuzz::{frame_decoder, registry_ops, tunnel_sequencer};
 use iop_wire::codec::{FrameCodec, WireFrame};
 use iop_wire::control::{
     ControlFrame, ControlMessage, EdgeHelloRequest, EdgeNodeSnapshot, EdgeStatusResponse,
-    ModelLimits, PrincipalLimits, PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken,
+    EdgeUsageAck, EdgeUsageReport, ModelLimits, PrincipalLimits, PrincipalProjection,
+    ProjectedPrincipal, ProjectedRoute, ProjectedToken, UsageRecord,
 };
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, CancelRequest, ExecutionFailure, FailureEvidence, Fence,
@@ -523,6 +524,40 @@ fn frame_seeds(dir: &Path) {
     frame(
         "control_ping",
         &ControlFrame::correlated(3, ControlMessage::Ping),
+    );
+    // Usage records (Edge → Control Plane) and their acknowledgement.
+    frame(
+        "control_usage_report",
+        &ControlFrame::correlated(
+            4,
+            ControlMessage::EdgeUsageReport(EdgeUsageReport {
+                records: vec![UsageRecord {
+                    request_id: "req-0011223344556677-1".into(),
+                    at_unix_ms: 1_780_000_000_000,
+                    principal_id: "team-a".into(),
+                    model: "gpt-4o-mini".into(),
+                    provider: "node-1/openai".into(),
+                    input_tokens: 120,
+                    output_tokens: 40,
+                    cached_input_tokens: 100,
+                    estimated: false,
+                    cost_pico_usd: 58_000_000,
+                    outcome: "completed".into(),
+                    duration_us: 812_000,
+                    first_byte_us: 95_000,
+                }],
+            }),
+        ),
+    );
+    frame(
+        "control_usage_ack",
+        &ControlFrame::correlated(
+            4,
+            ControlMessage::EdgeUsageAck(EdgeUsageAck {
+                stored: 1,
+                duplicates: 0,
+            }),
+        ),
     );
     // A projection during an issuer key rotation (the staged key and its activation time).
     let projection = PrincipalProjection {

@@ -53,6 +53,10 @@ pub enum ControlMessage {
     Ping,
     /// Answer to ping.
     Pong,
+    /// Edge → CP: usage records (only to a Control Plane that accepts them).
+    EdgeUsageReport(EdgeUsageReport),
+    /// CP → Edge: the report's records are stored.
+    EdgeUsageAck(EdgeUsageAck),
 }
 
 impl ControlFrame {
@@ -146,6 +150,13 @@ impl ControlFrame {
             }),
             ControlMessage::Ping => M::Ping(crate::proto::runtime::Ping {}),
             ControlMessage::Pong => M::Pong(crate::proto::runtime::Pong {}),
+            ControlMessage::EdgeUsageReport(m) => M::EdgeUsageReport(pb::EdgeUsageReport {
+                records: m.records.iter().map(UsageRecord::to_proto).collect(),
+            }),
+            ControlMessage::EdgeUsageAck(m) => M::EdgeUsageAck(pb::EdgeUsageAck {
+                stored: m.stored,
+                duplicates: m.duplicates,
+            }),
         };
         pb::ControlEnvelope {
             correlation_id: self.correlation_id,
@@ -272,6 +283,22 @@ impl TryFrom<pb::ControlEnvelope> for ControlFrame {
             }
             M::Ping(_) => ControlMessage::Ping,
             M::Pong(_) => ControlMessage::Pong,
+            M::EdgeUsageReport(m) => {
+                if m.records.len() > MAX_USAGE_RECORDS {
+                    return Err(InvalidMessage::TooLong("usage.records"));
+                }
+                ControlMessage::EdgeUsageReport(EdgeUsageReport {
+                    records: m
+                        .records
+                        .into_iter()
+                        .map(UsageRecord::try_from)
+                        .collect::<Result<_, _>>()?,
+                })
+            }
+            M::EdgeUsageAck(m) => ControlMessage::EdgeUsageAck(EdgeUsageAck {
+                stored: m.stored,
+                duplicates: m.duplicates,
+            }),
         };
         Ok(Self {
             correlation_id: env.correlation_id,
@@ -315,6 +342,9 @@ pub enum EdgeHelloResponse {
         projection: Option<PrincipalProjection>,
         /// Heartbeat interval; `None` = receiver default.
         heartbeat_interval_ms: Option<u32>,
+        /// The Control Plane stores usage records sent on this session ([`EdgeUsageReport`]);
+        /// `false` from older Control Planes.
+        accepts_usage: bool,
     },
     /// Refused.
     Rejected {
@@ -329,11 +359,13 @@ impl EdgeHelloResponse {
             Self::Accepted {
                 projection,
                 heartbeat_interval_ms,
+                accepts_usage,
             } => pb::EdgeHelloResponse {
                 accepted: true,
                 reason: String::new(),
                 projection: projection.as_ref().map(PrincipalProjection::to_proto),
                 heartbeat_interval_ms: heartbeat_interval_ms.unwrap_or(0),
+                accepts_usage: *accepts_usage,
             },
             Self::Rejected { reason } => pb::EdgeHelloResponse {
                 accepted: false,
@@ -359,6 +391,7 @@ impl TryFrom<pb::EdgeHelloResponse> for EdgeHelloResponse {
                 .transpose()?,
             heartbeat_interval_ms: (m.heartbeat_interval_ms != 0)
                 .then_some(m.heartbeat_interval_ms),
+            accepts_usage: m.accepts_usage,
         })
     }
 }
@@ -912,4 +945,132 @@ pub enum AcquireLeaseResponse {
         /// Stable reason.
         reason: String,
     },
+}
+
+// === Usage records ===
+
+/// Most records in one [`EdgeUsageReport`].
+pub const MAX_USAGE_RECORDS: usize = 512;
+
+/// Edge → Control Plane: usage records, each sent until a report holding it is acknowledged
+/// (so at least once: the Control Plane stores them idempotently by request id).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EdgeUsageReport {
+    /// At most [`MAX_USAGE_RECORDS`].
+    pub records: Vec<UsageRecord>,
+}
+
+/// Control Plane → Edge: every record of the report is durably stored (or already was).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EdgeUsageAck {
+    /// Records stored by this report.
+    pub stored: u32,
+    /// Records already stored (a replay).
+    pub duplicates: u32,
+}
+
+/// One request's usage, by principal (never a token or key).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UsageRecord {
+    /// Unique across Edges and restarts.
+    pub request_id: String,
+    /// Admission time, Unix ms.
+    pub at_unix_ms: i64,
+    /// The principal.
+    pub principal_id: String,
+    /// The external model asked for.
+    pub model: String,
+    /// The provider that served it (`node/provider`); empty when none took it.
+    pub provider: String,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Input tokens read from the provider's prompt cache (included in `input_tokens`).
+    pub cached_input_tokens: u64,
+    /// The tokens are the Edge's reservation (the provider reported none).
+    pub estimated: bool,
+    /// Cost at the Edge's prices, pico-dollars.
+    pub cost_pico_usd: u64,
+    /// `completed`, `failed`, `cancelled`, `refused` (an id-like word; newer values pass).
+    pub outcome: String,
+    /// Admission to end, microseconds.
+    pub duration_us: u64,
+    /// Admission to the answer's first byte, microseconds (0: not measured).
+    pub first_byte_us: u64,
+}
+
+impl UsageRecord {
+    fn to_proto(&self) -> pb::UsageRecord {
+        pb::UsageRecord {
+            request_id: self.request_id.clone(),
+            at_unix_ms: self.at_unix_ms,
+            principal_id: self.principal_id.clone(),
+            model: self.model.clone(),
+            provider: self.provider.clone(),
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            cached_input_tokens: self.cached_input_tokens,
+            estimated: self.estimated,
+            cost_pico_usd: self.cost_pico_usd,
+            outcome: self.outcome.clone(),
+            duration_us: self.duration_us,
+            first_byte_us: self.first_byte_us,
+        }
+    }
+}
+
+impl TryFrom<pb::UsageRecord> for UsageRecord {
+    type Error = InvalidMessage;
+
+    fn try_from(m: pb::UsageRecord) -> Result<Self, Self::Error> {
+        validate::id("usage.request_id", &m.request_id)?;
+        validate::id("usage.principal_id", &m.principal_id)?;
+        validate::target("usage.model", &m.model)?;
+        validate::optional_target("usage.provider", &m.provider)?;
+        validate::id("usage.outcome", &m.outcome)?;
+        if m.outcome.len() > 32 {
+            return Err(InvalidMessage::TooLong("usage.outcome"));
+        }
+        if m.at_unix_ms < 0 {
+            return Err(InvalidMessage::InvalidValue {
+                field: "usage.at_unix_ms",
+                rule: "not negative",
+            });
+        }
+        // Stored as signed 64-bit integers: larger values cannot be true counts.
+        let fits = |v: u64| i64::try_from(v).is_ok();
+        if ![
+            m.input_tokens,
+            m.output_tokens,
+            m.cached_input_tokens,
+            m.cost_pico_usd,
+            m.duration_us,
+            m.first_byte_us,
+        ]
+        .into_iter()
+        .all(fits)
+            || m.cached_input_tokens > m.input_tokens
+        {
+            return Err(InvalidMessage::InvalidValue {
+                field: "usage",
+                rule: "counts below 2^63, cached input within input",
+            });
+        }
+        Ok(Self {
+            request_id: m.request_id,
+            at_unix_ms: m.at_unix_ms,
+            principal_id: m.principal_id,
+            model: m.model,
+            provider: m.provider,
+            input_tokens: m.input_tokens,
+            output_tokens: m.output_tokens,
+            cached_input_tokens: m.cached_input_tokens,
+            estimated: m.estimated,
+            cost_pico_usd: m.cost_pico_usd,
+            outcome: m.outcome,
+            duration_us: m.duration_us,
+            first_byte_us: m.first_byte_us,
+        })
+    }
 }

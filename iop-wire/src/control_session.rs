@@ -30,6 +30,12 @@
 //!   generation lower than or equal to one it already sent on the session.
 //! - **Leases against the projection**: the Edge sends lease requests only while connected; a
 //!   lease answer is delivered only to the request it answers.
+//! - **Usage records only where accepted** (added after the first release): the Control Plane
+//!   opts in ([`ControlPlaneSession::accept_usage`]) and says so in its hello answer; the Edge
+//!   sends [`EdgeUsageReport`]s only then ([`ControlSessionError::UsageNotAccepted`]
+//!   otherwise), so an older Control Plane never sees one. An acknowledgement means stored;
+//!   a report unanswered when the session closes fails with the others (send it again: the
+//!   Control Plane stores records idempotently by request id).
 //! - Anything out of place (a second hello, an Edge-bound message sent to the Control Plane,
 //!   a request before the hello completed) closes the session as a protocol violation.
 
@@ -38,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use crate::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandEvent,
+    EdgeUsageAck, EdgeUsageReport,
     EdgeCommandRequest, EdgeCommandResponse, EdgeHelloRequest, EdgeHelloResponse, EdgeNodeEvent,
     EdgeStatusResponse, PrincipalProjection, PrincipalProjectionApplyResponse,
 };
@@ -91,6 +98,9 @@ pub enum ControlSessionError {
     /// The session closed before the answer.
     #[error("control session closed")]
     Closed,
+    /// The Control Plane did not say it accepts usage records on this session.
+    #[error("the control plane does not accept usage records")]
+    UsageNotAccepted,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,6 +208,14 @@ pub enum EdgeControlEvent {
         /// The ticket `ping` returned.
         ticket: u64,
     },
+    /// The answer to [`EdgeControlSession::report_usage`]: `Ok` only once the Control Plane
+    /// stored every record of the report.
+    UsageAcked {
+        /// The ticket `report_usage` returned.
+        ticket: u64,
+        /// The acknowledgement, or the session's end (then send the records again).
+        result: Result<EdgeUsageAck, ControlSessionError>,
+    },
     /// The session is over; close the socket. Emitted exactly once.
     Closed(ControlCloseReason),
 }
@@ -215,6 +233,9 @@ pub struct EdgeControlSession {
     link: Link,
     leases: BTreeSet<u64>,
     pings: BTreeSet<u64>,
+    usage: BTreeSet<u64>,
+    /// The hello answer said the Control Plane stores usage records.
+    accepts_usage: bool,
     events: VecDeque<EdgeControlEvent>,
 }
 
@@ -236,6 +257,8 @@ impl EdgeControlSession {
             link: Link::new(&config, now, 2),
             leases: BTreeSet::new(),
             pings: BTreeSet::new(),
+            usage: BTreeSet::new(),
+            accepts_usage: false,
             events: VecDeque::new(),
         };
         s.link.transmit(
@@ -253,6 +276,11 @@ impl EdgeControlSession {
     /// The generation of the projection installed (0: none).
     pub fn projection_generation(&self) -> u64 {
         self.held_generation
+    }
+
+    /// Whether the Control Plane said it stores usage records ([`Self::report_usage`]).
+    pub fn accepts_usage(&self) -> bool {
+        self.phase == Phase::Connected && self.accepts_usage
     }
 
     /// Handles one frame from the Control Plane.
@@ -301,6 +329,14 @@ impl EdgeControlSession {
                     });
                 }
             }
+            (Phase::Connected, ControlMessage::EdgeUsageAck(ack)) => {
+                if self.usage.remove(&id) {
+                    self.events.push_back(EdgeControlEvent::UsageAcked {
+                        ticket: id,
+                        result: Ok(ack),
+                    });
+                }
+            }
             _ => self.close(ControlCloseReason::ProtocolViolation(
                 "unexpected message from the control plane",
             )),
@@ -334,6 +370,26 @@ impl EdgeControlSession {
         self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::AcquireLeaseRequest(request)),
+        );
+        Ok(id)
+    }
+
+    /// Sends usage records to a Control Plane that accepts them; the answer comes as
+    /// [`EdgeControlEvent::UsageAcked`]. Until it is `Ok`, the records are not stored.
+    pub fn report_usage(
+        &mut self,
+        now: Instant,
+        report: EdgeUsageReport,
+    ) -> Result<u64, ControlSessionError> {
+        self.connected()?;
+        if !self.accepts_usage {
+            return Err(ControlSessionError::UsageNotAccepted);
+        }
+        let id = self.link.correlation_id();
+        self.usage.insert(id);
+        self.link.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeUsageReport(report)),
         );
         Ok(id)
     }
@@ -442,7 +498,9 @@ impl EdgeControlSession {
             EdgeHelloResponse::Accepted {
                 projection,
                 heartbeat_interval_ms,
+                accepts_usage,
             } => {
+                self.accepts_usage = accepts_usage;
                 if self.managed && projection.is_none() {
                     return self.close(ControlCloseReason::MissingProjection);
                 }
@@ -513,6 +571,12 @@ impl EdgeControlSession {
             });
         }
         self.pings.clear();
+        for ticket in std::mem::take(&mut self.usage) {
+            self.events.push_back(EdgeControlEvent::UsageAcked {
+                ticket,
+                result: Err(ControlSessionError::Closed),
+            });
+        }
         self.events.push_back(EdgeControlEvent::Closed(reason));
     }
 }
@@ -541,6 +605,14 @@ pub enum ControlPlaneEvent {
         id: u64,
         /// The request.
         request: AcquireLeaseRequest,
+    },
+    /// Usage records (only on a session [accepting them](ControlPlaneSession::accept_usage)):
+    /// store them idempotently, then answer with [`ControlPlaneSession::respond_usage`].
+    UsageReported {
+        /// The report to answer.
+        id: u64,
+        /// The records.
+        report: EdgeUsageReport,
     },
     /// The answer to [`ControlPlaneSession::status`].
     StatusAnswered {
@@ -586,6 +658,8 @@ pub struct ControlPlaneSession {
     /// The highest projection generation sent on this session (hello included).
     pushed_generation: u64,
     waiting: BTreeMap<u64, Waiting>,
+    /// Usage records are taken on this session ([`Self::accept_usage`]).
+    accepts_usage: bool,
     events: VecDeque<ControlPlaneEvent>,
 }
 
@@ -601,6 +675,7 @@ impl ControlPlaneSession {
             link: Link::new(&config, now, 1),
             pushed_generation: 0,
             waiting: BTreeMap::new(),
+            accepts_usage: false,
             events: VecDeque::new(),
         }
     }
@@ -651,6 +726,10 @@ impl ControlPlaneSession {
                 self.events
                     .push_back(ControlPlaneEvent::LeaseRequested { id, request });
             }
+            (Phase::Connected, ControlMessage::EdgeUsageReport(report)) if self.accepts_usage => {
+                self.events
+                    .push_back(ControlPlaneEvent::UsageReported { id, report });
+            }
             (Phase::Connected, ControlMessage::EdgeStatusResponse(r)) => {
                 if self.take(id, Waiting::Status) {
                     self.events.push_back(ControlPlaneEvent::StatusAnswered {
@@ -691,6 +770,7 @@ impl ControlPlaneSession {
         let answer = EdgeHelloResponse::Accepted {
             projection,
             heartbeat_interval_ms: u32::try_from(self.heartbeat.as_millis()).ok(),
+            accepts_usage: self.accepts_usage,
         };
         self.link.transmit(
             now,
@@ -770,6 +850,28 @@ impl ControlPlaneSession {
             ControlFrame::correlated(id, ControlMessage::EdgeCommandRequest(request)),
         );
         Ok(id)
+    }
+
+    /// Takes usage records on this session: the hello answer says so, and
+    /// [`ControlPlaneEvent::UsageReported`] comes for each report (without it, a report is a
+    /// protocol violation). Call before [`Self::accept`].
+    pub fn accept_usage(&mut self) {
+        self.accepts_usage = true;
+    }
+
+    /// Answers [`ControlPlaneEvent::UsageReported`], once its records are stored.
+    pub fn respond_usage(
+        &mut self,
+        now: Instant,
+        id: u64,
+        ack: EdgeUsageAck,
+    ) -> Result<(), ControlSessionError> {
+        self.connected()?;
+        self.link.transmit(
+            now,
+            ControlFrame::correlated(id, ControlMessage::EdgeUsageAck(ack)),
+        );
+        Ok(())
     }
 
     /// Answers [`ControlPlaneEvent::LeaseRequested`].

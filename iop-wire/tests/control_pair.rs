@@ -13,7 +13,8 @@ use bytes::BytesMut;
 use iop_wire::codec::FrameCodec;
 use iop_wire::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandRequest,
-    EdgeCommandResponse, EdgeHelloRequest, EdgeStatusResponse, PrincipalProjection,
+    EdgeCommandResponse, EdgeHelloRequest, EdgeStatusResponse, EdgeUsageAck, EdgeUsageReport,
+    PrincipalProjection, UsageRecord,
 };
 use iop_wire::control_session::{
     ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionError,
@@ -428,4 +429,91 @@ fn out_of_place_messages_close_the_session() {
             ControlCloseReason::ProtocolViolation(_)
         ))
     ));
+}
+
+fn usage_report(n: usize) -> EdgeUsageReport {
+    EdgeUsageReport {
+        records: (0..n)
+            .map(|i| UsageRecord {
+                request_id: format!("req-a-{i}"),
+                principal_id: "p-1".into(),
+                model: "m".into(),
+                outcome: "completed".into(),
+                ..UsageRecord::default()
+            })
+            .collect(),
+    }
+}
+
+/// Usage records go only to a Control Plane that said it takes them; its acknowledgement
+/// reaches the report it answers, and a report pending at the close fails with the others.
+#[test]
+fn usage_reports_only_where_accepted_and_acked_or_failed() {
+    // A Control Plane that did not opt in (as an older one): the Edge does not send.
+    let mut p = Pair::new("edge-1", "edge-1", false, 0);
+    p.accept(None);
+    assert!(!p.edge.accepts_usage());
+    assert_eq!(
+        p.edge.report_usage(p.now, usage_report(1)),
+        Err(ControlSessionError::UsageNotAccepted)
+    );
+    // An Edge that sends one anyway breaks the protocol.
+    let mut rogue = Pair::new("edge-1", "edge-1", false, 0);
+    rogue.accept(None);
+    rogue.cp.handle_frame(
+        rogue.now,
+        ControlFrame::correlated(9, ControlMessage::EdgeUsageReport(usage_report(1))),
+    );
+    rogue.settle();
+    assert!(rogue.cp_events.iter().any(|e| matches!(
+        e,
+        ControlPlaneEvent::Closed(ControlCloseReason::ProtocolViolation(_))
+    )));
+
+    let mut p = Pair::new("edge-1", "edge-1", false, 0);
+    p.cp.accept_usage();
+    p.accept(None);
+    assert!(p.edge.accepts_usage());
+    p.edge_events.clear();
+    let a = p.edge.report_usage(p.now, usage_report(2)).unwrap();
+    let b = p.edge.report_usage(p.now, usage_report(1)).unwrap();
+    p.settle();
+    let reports: Vec<(u64, usize)> = p
+        .cp_events
+        .drain(..)
+        .filter_map(|e| match e {
+            ControlPlaneEvent::UsageReported { id, report } => Some((id, report.records.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reports, vec![(a, 2), (b, 1)]);
+    let ack = EdgeUsageAck {
+        stored: 2,
+        duplicates: 0,
+    };
+    p.cp.respond_usage(p.now, a, ack).unwrap();
+    // An acknowledgement of nothing is dropped.
+    p.cp.respond_usage(p.now, 4242, ack).unwrap();
+    p.settle();
+    assert_eq!(
+        p.edge_events,
+        vec![EdgeControlEvent::UsageAcked {
+            ticket: a,
+            result: Ok(ack),
+        }]
+    );
+    p.edge_events.clear();
+    p.edge.handle_transport_closed();
+    p.settle();
+    assert_eq!(
+        p.edge_events,
+        vec![
+            EdgeControlEvent::UsageAcked {
+                ticket: b,
+                result: Err(ControlSessionError::Closed),
+            },
+            EdgeControlEvent::Closed(ControlCloseReason::TransportClosed),
+        ]
+    );
+    assert!(!p.edge.accepts_usage());
 }

@@ -442,6 +442,7 @@ fn every_control_message_round_trips() {
             EdgeHelloResponse::Accepted {
                 projection: Some(projection.clone()),
                 heartbeat_interval_ms: Some(10_000),
+                accepts_usage: true,
             },
         )),
         ControlFrame::new(ControlMessage::EdgeHelloResponse(
@@ -534,6 +535,43 @@ fn every_control_message_round_trips() {
         ),
         ControlFrame::correlated(6, ControlMessage::Ping),
         ControlFrame::correlated(6, ControlMessage::Pong),
+        ControlFrame::correlated(
+            7,
+            ControlMessage::EdgeUsageReport(EdgeUsageReport {
+                records: vec![
+                    UsageRecord {
+                        request_id: "req-0011223344556677-1".into(),
+                        at_unix_ms: 1_780_000_000_000,
+                        principal_id: "p-1".into(),
+                        model: "gpt-4o-mini".into(),
+                        provider: "node-1/openai".into(),
+                        input_tokens: 120,
+                        output_tokens: 40,
+                        cached_input_tokens: 100,
+                        estimated: false,
+                        cost_pico_usd: 58_000_000,
+                        outcome: "completed".into(),
+                        duration_us: 812_000,
+                        first_byte_us: 95_000,
+                    },
+                    UsageRecord {
+                        request_id: "req-0011223344556677-2".into(),
+                        at_unix_ms: 1_780_000_000_500,
+                        principal_id: "p-1".into(),
+                        model: "gpt-4o-mini".into(),
+                        outcome: "refused".into(),
+                        ..UsageRecord::default()
+                    },
+                ],
+            }),
+        ),
+        ControlFrame::correlated(
+            7,
+            ControlMessage::EdgeUsageAck(EdgeUsageAck {
+                stored: 1,
+                duplicates: 1,
+            }),
+        ),
     ];
     for f in &frames {
         roundtrip(f);
@@ -723,4 +761,64 @@ fn principal_limits_name_each_model_once() {
         }
         other => panic!("a model with a space must be refused, got {other:?}"),
     }
+}
+
+#[test]
+fn usage_records_are_validated_without_echoing_them() {
+    let codec = FrameCodec::new();
+    let record = UsageRecord {
+        request_id: "req-1".into(),
+        principal_id: "p-1".into(),
+        model: "m".into(),
+        outcome: "completed".into(),
+        ..UsageRecord::default()
+    };
+    let decode = |r: UsageRecord| {
+        let f = ControlFrame::correlated(
+            3,
+            ControlMessage::EdgeUsageReport(EdgeUsageReport { records: vec![r] }),
+        );
+        let bytes = codec.encode_to_bytes(&f).unwrap();
+        match codec.decode_slice::<ControlFrame>(&bytes) {
+            Err(FrameError::Invalid(e)) => Some(e),
+            Ok(_) => None,
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    assert_eq!(decode(record.clone()), None);
+    let secret = "sk-live-SECRET";
+    let e = decode(UsageRecord {
+        principal_id: format!("{secret} x"),
+        ..record.clone()
+    })
+    .unwrap();
+    assert_eq!(e, InvalidMessage::InvalidCharacters("usage.principal_id"));
+    assert!(!e.to_string().contains("SECRET"));
+    assert!(matches!(
+        decode(UsageRecord {
+            cached_input_tokens: 5,
+            input_tokens: 4,
+            ..record.clone()
+        }),
+        Some(InvalidMessage::InvalidValue { field: "usage", .. })
+    ));
+    assert!(matches!(
+        decode(UsageRecord {
+            output_tokens: u64::MAX,
+            ..record.clone()
+        }),
+        Some(InvalidMessage::InvalidValue { field: "usage", .. })
+    ));
+    // More records than one report may hold.
+    let f = ControlFrame::correlated(
+        3,
+        ControlMessage::EdgeUsageReport(EdgeUsageReport {
+            records: vec![record; MAX_USAGE_RECORDS + 1],
+        }),
+    );
+    let bytes = codec.encode_to_bytes(&f).unwrap();
+    assert!(matches!(
+        codec.decode_slice::<ControlFrame>(&bytes),
+        Err(FrameError::Invalid(InvalidMessage::TooLong("usage.records")))
+    ));
 }

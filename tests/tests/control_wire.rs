@@ -285,6 +285,8 @@ where
         let accepted = EdgeHelloResponse::Accepted {
             projection,
             heartbeat_interval_ms: Some(60_000),
+            // As a Control Plane from before usage records.
+            accepts_usage: false,
         };
         io.send(ControlFrame::correlated(
             hello.correlation_id,

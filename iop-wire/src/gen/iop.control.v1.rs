@@ -7,7 +7,7 @@ pub struct ControlEnvelope {
     pub correlation_id: u64,
     #[prost(
         oneof = "control_envelope::Message",
-        tags = "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23"
+        tags = "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25"
     )]
     pub message: ::core::option::Option<control_envelope::Message>,
 }
@@ -43,6 +43,12 @@ pub mod control_envelope {
         Ping(super::super::super::runtime::v1::Ping),
         #[prost(message, tag = "23")]
         Pong(super::super::super::runtime::v1::Pong),
+        /// Added after the first release: sent only to a Control Plane whose hello answer set
+        /// accepts_usage (an older one never sees them).
+        #[prost(message, tag = "24")]
+        EdgeUsageReport(super::EdgeUsageReport),
+        #[prost(message, tag = "25")]
+        EdgeUsageAck(super::EdgeUsageAck),
     }
 }
 /// First frame the Edge sends after connecting.
@@ -80,6 +86,10 @@ pub struct EdgeHelloResponse {
     /// Heartbeat interval the Control Plane expects; zero means the receiver's default.
     #[prost(uint32, tag = "4")]
     pub heartbeat_interval_ms: u32,
+    /// The Control Plane stores usage records sent on this session (EdgeUsageReport). False from
+    /// older Control Planes: the Edge then keeps its records.
+    #[prost(bool, tag = "5")]
+    pub accepts_usage: bool,
 }
 /// Control Plane -> Edge: report the Edge-owned Node snapshot view.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -349,4 +359,63 @@ pub struct AcquireLeaseResponse {
     pub reason: ::prost::alloc::string::String,
     #[prost(message, optional, tag = "3")]
     pub lease: ::core::option::Option<super::super::runtime::v1::CredentialLease>,
+}
+/// Edge -> Control Plane: usage records of requests that ended (at most 512), each at least
+/// once: the Edge sends a record again until a report holding it is acknowledged, so the
+/// Control Plane stores them idempotently by request_id.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct EdgeUsageReport {
+    #[prost(message, repeated, tag = "1")]
+    pub records: ::prost::alloc::vec::Vec<UsageRecord>,
+}
+/// Control Plane -> Edge, with the report's correlation id: every record of the report is
+/// durably stored (or was already). The Edge may forget them.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EdgeUsageAck {
+    /// Records stored by this report.
+    #[prost(uint32, tag = "1")]
+    pub stored: u32,
+    /// Records already stored (a replay).
+    #[prost(uint32, tag = "2")]
+    pub duplicates: u32,
+}
+/// One request's usage, by principal (never a token or key).
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct UsageRecord {
+    /// Unique across Edges and restarts (a random prefix per Edge process and a counter).
+    #[prost(string, tag = "1")]
+    pub request_id: ::prost::alloc::string::String,
+    /// Admission time (Unix ms).
+    #[prost(int64, tag = "2")]
+    pub at_unix_ms: i64,
+    #[prost(string, tag = "3")]
+    pub principal_id: ::prost::alloc::string::String,
+    /// The external model asked for.
+    #[prost(string, tag = "4")]
+    pub model: ::prost::alloc::string::String,
+    /// The provider that served it (`node/provider`); empty when none took it.
+    #[prost(string, tag = "5")]
+    pub provider: ::prost::alloc::string::String,
+    #[prost(uint64, tag = "6")]
+    pub input_tokens: u64,
+    #[prost(uint64, tag = "7")]
+    pub output_tokens: u64,
+    /// Input tokens read from the provider's prompt cache (included in input_tokens).
+    #[prost(uint64, tag = "8")]
+    pub cached_input_tokens: u64,
+    /// The tokens are the Edge's reservation: the provider reported none.
+    #[prost(bool, tag = "9")]
+    pub estimated: bool,
+    /// Cost at the Edge's prices, millionths of a millionth of a US dollar.
+    #[prost(uint64, tag = "10")]
+    pub cost_pico_usd: u64,
+    /// "completed", "failed", "cancelled" or "refused" (newer values are stored as sent).
+    #[prost(string, tag = "11")]
+    pub outcome: ::prost::alloc::string::String,
+    /// Admission to end (microseconds).
+    #[prost(uint64, tag = "12")]
+    pub duration_us: u64,
+    /// Admission to the first byte of the answer (microseconds; 0: not measured).
+    #[prost(uint64, tag = "13")]
+    pub first_byte_us: u64,
 }
