@@ -14,6 +14,7 @@
 //! | `GET /admin/v1/edges` | — | connected Edges |
 //! | `GET /admin/v1/edges/{id}/status` | — | that Edge's Node view (asked over the Edge wire) |
 //! | `GET /admin/v1/revisions?after=N` | — | the mutation log after generation N (at most 1000) |
+//! | `GET /admin/v1/usage?since=YYYY-MM-DD` | — | `{"usage": [{"day", "principal_id", "model", "outcome", "requests", "input_tokens", "output_tokens", "cached_input_tokens", "cost_pico_usd"}]}`, the daily rollup ([`crate::usage`]; at most 10000 rows) |
 //! | `GET /healthz` | — | `ok` |
 //!
 //! Errors: `{"error": "<stable text>"}` with 400 (invalid), 401 (admin token), 404, 409
@@ -63,6 +64,7 @@ pub fn router(admin: Admin, cp: Option<ControlPlane>, admin_token: Option<String
         .route("/admin/v1/edges", get(edges))
         .route("/admin/v1/edges/{id}/status", get(edge_status))
         .route("/admin/v1/revisions", get(revisions))
+        .route("/admin/v1/usage", get(usage))
         .route("/healthz", get(|| async { "ok" }))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
         .with_state(state)
@@ -384,6 +386,27 @@ async fn revisions(
                 .collect();
             axum::Json(json!({ "revisions": rows })).into_response()
         }
+        Err(e) => admin_error(&AdminError::Store(e)),
+    }
+}
+
+/// Most rollup rows one `GET /admin/v1/usage` answers.
+pub const MAX_USAGE_ROWS: u32 = 10_000;
+
+async fn usage(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = check(&s, &headers) {
+        return r;
+    }
+    let since = q.get("since").map(String::as_str);
+    if since.is_some_and(|d| !crate::store::is_day(d)) {
+        return fail(StatusCode::BAD_REQUEST, "since must be YYYY-MM-DD");
+    }
+    match s.admin.store().usage_daily(since, MAX_USAGE_ROWS).await {
+        Ok(rows) => axum::Json(json!({ "usage": rows })).into_response(),
         Err(e) => admin_error(&AdminError::Store(e)),
     }
 }

@@ -10,6 +10,7 @@
 //! | [`projection`] | the secret-free `PrincipalProjection` built from one store snapshot |
 //! | [`lease`] | the lease service: re-read durable state, check the binding exactly, decrypt, issue a signed lease sealed to the Node's X25519 key |
 //! | [`server`] | the Edge wire server: TLS (mTLS in managed mode), hello checks, the live Edge view, projection pushes after every mutation, lease requests, status/command correlation, Node events |
+//! | [`usage`] | usage records from managed Edges (stored once by request id, rolled up by day, raw rows pruned), read by `iop-cp usage` and the admin API; principals' rate limits and budgets travel in the projection ([`store::LimitsDoc`]) |
 //!
 //! The Control Plane never connects to a Node and never schedules one: Edges connect out to it
 //! (seed `001`), and `ScheduleRequest`/`ScheduleResponse` stay dead names in the proto.
@@ -84,3 +85,4 @@ pub mod projection;
 pub mod seal;
 pub mod server;
 pub mod store;
+pub mod usage;

@@ -71,6 +71,8 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const OUTBOUND_FRAMES: usize = 1024;
 /// Lease requests of one Edge served at once; more wait (its socket is not read meanwhile).
 const CONCURRENT_LEASES: usize = 64;
+/// Usage reports of one Edge being stored at once; more wait unread (the Edge keeps them).
+const CONCURRENT_USAGE_WRITES: usize = 2;
 /// Connections in their TLS handshake and hello at once; more are closed at once.
 const MAX_HANDSHAKES: usize = 256;
 
@@ -188,6 +190,8 @@ enum Request {
     Command(EdgeCommandRequest, CommandReply),
     /// The answer to the lease request `id`, computed by a spawned task.
     Lease(u64, AcquireLeaseResponse),
+    /// The usage report `id` is stored.
+    Usage(u64, iop_wire::control::EdgeUsageAck),
     /// A newer connection of the same Edge took over: close this one.
     Replaced,
 }
@@ -573,6 +577,7 @@ async fn connection<S>(
     let mut s = ControlPlaneSession::new(session, peer, now());
     let (req_tx, mut req_rx) = mpsc::channel::<Request>(OUTBOUND_FRAMES);
     let lease_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LEASES));
+    let usage_slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_USAGE_WRITES));
     let acked = Arc::new(AtomicU64::new(0));
     let mut generations = admin.subscribe();
     let mut handshake_slot = Some(handshake_slot);
@@ -670,6 +675,34 @@ async fn connection<S>(
                             drop(permit);
                         });
                     }
+                    ControlPlaneEvent::UsageReported { id, report } => {
+                        // Stored, then acknowledged; a failure is not answered, so the Edge
+                        // sends the records again (they are stored once by request id).
+                        let permit = usage_slots.clone().acquire_owned().await.ok();
+                        let out = req_tx.clone();
+                        let store = admin.store().clone();
+                        let edge_id = registered
+                            .as_ref()
+                            .map_or(String::new(), |(id, _)| id.clone());
+                        tokio::spawn(async move {
+                            match store.record_usage(&edge_id, &report.records).await {
+                                Ok(done) => {
+                                    tracing::debug!(target: "iop_cp", event = "cp_usage_stored", edge_id = %edge_id, stored = done.stored, duplicates = done.duplicates, "usage records stored");
+                                    let _ = out.try_send(Request::Usage(
+                                        id,
+                                        iop_wire::control::EdgeUsageAck {
+                                            stored: done.stored,
+                                            duplicates: done.duplicates,
+                                        },
+                                    ));
+                                }
+                                Err(e) => {
+                                    tracing::warn!(target: "iop_cp", event = "cp_usage_store_failed", edge_id = %edge_id, records = report.records.len(), error = %e, "usage records not stored; the edge will send them again");
+                                }
+                            }
+                            drop(permit);
+                        });
+                    }
                     ControlPlaneEvent::Closed(reason) => break 'session reason,
                     _ => {}
                 }
@@ -731,6 +764,9 @@ async fn connection<S>(
                     }
                     Request::Lease(id, answer) => {
                         let _ = s.respond_lease(at, id, answer);
+                    }
+                    Request::Usage(id, ack) => {
+                        let _ = s.respond_usage(at, id, ack);
                     }
                     Request::Replaced => s.close_local(),
                 }
@@ -862,6 +898,10 @@ async fn hello_accepted(
     } else {
         None
     };
+    // Managed Edges send their principals' usage records (issue #29).
+    if config.managed {
+        s.accept_usage();
+    }
     s.accept(now(), projection);
     Some(hello.edge_id.clone())
 }

@@ -1,5 +1,6 @@
 //! The durable store: principals, IOP API token digests, credential slots (sealed at rest),
-//! routes, the mutation log and the projection generation.
+//! routes, the mutation log and the projection generation; and the usage records Edges send
+//! (append-only, idempotent by request id, rolled up by day).
 //!
 //! One [`Store`] trait, two backends that pass one contract suite (`tests/store_contract.rs`):
 //! [`SqliteStore`] (a file in the data directory; the default, nothing to start) and
@@ -615,6 +616,64 @@ pub enum StoreError {
     Unavailable,
 }
 
+pub use iop_wire::control::UsageRecord;
+
+/// What [`Store::record_usage`] did with a report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UsageStored {
+    /// Records stored now.
+    pub stored: u32,
+    /// Records already stored (a replay): nothing was added for them.
+    pub duplicates: u32,
+}
+
+/// One row of the daily usage rollup: a UTC day, a principal, a model and an outcome.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DailyUsage {
+    /// `YYYY-MM-DD` (UTC).
+    pub day: String,
+    /// The principal.
+    pub principal_id: String,
+    /// The external model.
+    pub model: String,
+    /// `completed`, `failed`, `cancelled`, `refused`.
+    pub outcome: String,
+    /// Requests.
+    pub requests: u64,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Input tokens read from the provider's cache.
+    pub cached_input_tokens: u64,
+    /// Cost at the Edges' prices, pico-dollars.
+    pub cost_pico_usd: u64,
+}
+
+/// The UTC day (`YYYY-MM-DD`) of a Unix time in milliseconds.
+pub fn day_of(unix_ms: i64) -> String {
+    // Howard Hinnant's civil_from_days.
+    let z = unix_ms.div_euclid(86_400_000) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// Whether `day` reads `YYYY-MM-DD` (digits and dashes; a filter, not a calendar check).
+pub fn is_day(day: &str) -> bool {
+    day.len() == 10
+        && day
+            .bytes()
+            .enumerate()
+            .all(|(i, b)| if i == 4 || i == 7 { b == b'-' } else { b.is_ascii_digit() })
+}
+
 /// The durable store. Both backends pass `tests/store_contract.rs` unchanged.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
@@ -636,6 +695,24 @@ pub trait Store: Send + Sync + 'static {
         after_generation: u64,
         limit: u32,
     ) -> Result<Vec<Revision>, StoreError>;
+    /// Stores usage records sent by Edge `edge_id`, in one transaction: each record once
+    /// (by request id; a replay counts as a duplicate and changes nothing), added to the
+    /// daily rollup ([`Store::usage_daily`]) when stored. Not a mutation: the projection
+    /// generation does not move.
+    async fn record_usage(
+        &self,
+        edge_id: &str,
+        records: &[UsageRecord],
+    ) -> Result<UsageStored, StoreError>;
+    /// The daily rollup from UTC day `since` (`YYYY-MM-DD`; `None`: all), by day, principal,
+    /// model and outcome, at most `limit` rows.
+    async fn usage_daily(
+        &self,
+        since: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<DailyUsage>, StoreError>;
+    /// Deletes the raw usage records older than `before_unix_ms` (the rollup stays); how many.
+    async fn prune_usage(&self, before_unix_ms: i64) -> Result<u64, StoreError>;
     /// Returns when the store may have been changed by another process or replica (the CLI,
     /// a second `iop-cp serve`), or after `limit` at the latest; the server then reads the
     /// generation. Spurious returns are harmless. The default just waits `limit` (a plain

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use iop_cp::store::{
-    ModelLimits, Mutation, PgStore, PrincipalLimits, SqliteStore, Store, StoreError,
+    DailyUsage, ModelLimits, Mutation, PgStore, PrincipalLimits, SqliteStore, Store, StoreError,
+    UsageRecord, UsageStored,
 };
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -512,6 +513,77 @@ async fn principal_limits_are_set_read_and_cleared<B: Backend>() {
     assert_eq!(iop_cp::projection::build(&snap).principals[0].limits, None);
 }
 
+fn usage(id: &str, principal: &str, at_unix_ms: i64, output: u64) -> UsageRecord {
+    UsageRecord {
+        request_id: id.into(),
+        at_unix_ms,
+        principal_id: principal.into(),
+        model: "gpt-4o-mini".into(),
+        provider: "node-1/openai".into(),
+        input_tokens: 10,
+        output_tokens: output,
+        cached_input_tokens: 4,
+        estimated: false,
+        cost_pico_usd: 1_000,
+        outcome: "completed".into(),
+        duration_us: 5_000,
+        first_byte_us: 1_000,
+    }
+}
+
+async fn usage_is_stored_once_rolled_up_by_day_and_pruned<B: Backend>() {
+    let (a, b) = B::pair().await;
+    let g = a.generation().await.unwrap();
+    // 2026-12-01T23:59:59.999Z and 2026-12-02T00:00:00Z: two UTC days.
+    let (late, early) = (1_796_169_599_999, 1_796_169_600_000);
+    assert_eq!(iop_cp::store::day_of(late), "2026-12-01");
+    assert_eq!(iop_cp::store::day_of(early), "2026-12-02");
+    let first = [
+        usage("req-x-1", "team-a", late, 20),
+        usage("req-x-2", "team-a", early, 30),
+        usage("req-x-3", "team-b", early, 5),
+    ];
+    assert_eq!(
+        a.record_usage("edge-1", &first).await.unwrap(),
+        UsageStored {
+            stored: 3,
+            duplicates: 0
+        }
+    );
+    // A replay through another replica (the Edge failed over before its ack): nothing twice.
+    let replay = [first[1].clone(), usage("req-x-4", "team-a", early, 50)];
+    assert_eq!(
+        b.record_usage("edge-1", &replay).await.unwrap(),
+        UsageStored {
+            stored: 1,
+            duplicates: 1
+        }
+    );
+    assert_eq!(
+        a.generation().await.unwrap(),
+        g,
+        "usage is not a mutation of the projection"
+    );
+    let rows = b.usage_daily(None, 100).await.unwrap();
+    let key = |r: &DailyUsage| (r.day.clone(), r.principal_id.clone(), r.requests, r.output_tokens);
+    assert_eq!(
+        rows.iter().map(key).collect::<Vec<_>>(),
+        vec![
+            ("2026-12-01".into(), "team-a".into(), 1, 20),
+            ("2026-12-02".into(), "team-a".into(), 2, 80),
+            ("2026-12-02".into(), "team-b".into(), 1, 5),
+        ]
+    );
+    assert_eq!(rows[1].cached_input_tokens, 8);
+    assert_eq!(rows[1].cost_pico_usd, 2_000);
+    assert_eq!(b.usage_daily(Some("2026-12-02"), 100).await.unwrap().len(), 2);
+    assert_eq!(b.usage_daily(None, 1).await.unwrap().len(), 1);
+    // Raw rows older than the cut go; the rollup stays, and a late replay of a pruned record
+    // is stored again (retention is the replay window: keep it longer than any spool).
+    assert_eq!(a.prune_usage(early).await.unwrap(), 1);
+    assert_eq!(b.usage_daily(None, 100).await.unwrap(), rows);
+}
+
 macro_rules! contract {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -535,6 +607,7 @@ contract!(
     a_change_elsewhere_ends_the_wait,
     issuer_keys_install_stage_and_activate,
     principal_limits_are_set_read_and_cleared,
+    usage_is_stored_once_rolled_up_by_day_and_pruned,
 );
 
 /// A store file made before principal limits existed opens, gains the column, and keeps its

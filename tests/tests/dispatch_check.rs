@@ -119,6 +119,23 @@ impl Store for Gate {
     ) -> Result<Vec<Revision>, StoreError> {
         self.inner.revisions(after_generation, limit).await
     }
+    async fn record_usage(
+        &self,
+        edge_id: &str,
+        records: &[iop_cp::store::UsageRecord],
+    ) -> Result<iop_cp::store::UsageStored, StoreError> {
+        self.inner.record_usage(edge_id, records).await
+    }
+    async fn usage_daily(
+        &self,
+        since: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<iop_cp::store::DailyUsage>, StoreError> {
+        self.inner.usage_daily(since, limit).await
+    }
+    async fn prune_usage(&self, before_unix_ms: i64) -> Result<u64, StoreError> {
+        self.inner.prune_usage(before_unix_ms).await
+    }
     async fn wait_change(&self, limit: Duration) {
         self.inner.wait_change(limit).await;
     }

@@ -128,6 +128,16 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         after: u64,
     },
+    /// Print the usage managed Edges reported: requests, tokens and cost per UTC day,
+    /// principal, model and outcome (the daily rollup; see `iop_cp::usage`).
+    Usage {
+        /// Only from this UTC day on (`YYYY-MM-DD`).
+        #[arg(long)]
+        since: Option<String>,
+        /// JSON (one object with a `usage` array, as the admin API answers) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -162,6 +172,11 @@ enum IssuerKeyCmd {
 
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
+    /// Days the raw usage records of managed Edges are kept; the daily rollup stays for good.
+    /// Keep it longer than any Edge may stay cut off (a record replayed after its raw row is
+    /// gone would count again).
+    #[arg(long, default_value_t = iop_cp::usage::DEFAULT_RETENTION_DAYS)]
+    usage_retention_days: u32,
     /// Edge wire listen address.
     #[arg(long, default_value = "127.0.0.1:7600")]
     listen: SocketAddr,
@@ -642,6 +657,22 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::IssuerKey(args) => issuer_key_cmd(&admin, &dir, args).await,
+        Command::Usage { since, json } => {
+            if since.as_deref().is_some_and(|d| !iop_cp::store::is_day(d)) {
+                return Err(usage("--since must be YYYY-MM-DD"));
+            }
+            let rows = admin
+                .store()
+                .usage_daily(since.as_deref(), u32::MAX)
+                .await
+                .map_err(|e| runtime(e.to_string()))?;
+            if *json {
+                println!("{}", serde_json::json!({ "usage": rows }));
+            } else {
+                print!("{}", iop_cp::usage::table(&rows));
+            }
+            Ok(())
+        }
         Command::Revisions { after } => {
             let rows = admin
                 .store()
@@ -885,6 +916,12 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
             "iop-cp: lease issuer key id {issuer_id} (`iop-cp issuer-key` prints its public key)"
         );
     }
+    let prune_stop = CancellationToken::new();
+    tokio::spawn(iop_cp::usage::prune_loop(
+        admin.store().clone(),
+        args.usage_retention_days,
+        prune_stop.clone(),
+    ));
     let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());
     let shutdown = iop_bins::shutdown_signal();
     // The hardened server: connection cap, header deadline, rate-limited refusal logs.
@@ -897,6 +934,7 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
     )
     .await
     .map_err(|e| runtime(format!("admin API: {e}")))?;
+    prune_stop.cancel();
     cp.shutdown();
     let _ = task.await;
     println!("iop-cp: stopped");

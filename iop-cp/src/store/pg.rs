@@ -14,8 +14,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, IsolationLevel, NoTls, Row, Transaction};
 
 use super::{
-    IssuerKey, LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError,
-    Token, digest_array, to_i64, to_u64, unix_ms,
+    DailyUsage, IssuerKey, LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store,
+    StoreError, Token, UsageRecord, UsageStored, digest_array, to_i64, to_u64, unix_ms,
 };
 
 const SCHEMA: &str = "
@@ -43,6 +43,19 @@ CREATE TABLE IF NOT EXISTS issuer_keys (
 CREATE TABLE IF NOT EXISTS revisions (
   generation BIGINT PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
   at_unix_ms BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS usage_records (
+  request_id TEXT PRIMARY KEY, at_unix_ms BIGINT NOT NULL, day TEXT NOT NULL,
+  edge_id TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL,
+  provider TEXT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  cached_input_tokens BIGINT NOT NULL, estimated BOOLEAN NOT NULL,
+  cost_pico_usd BIGINT NOT NULL, outcome TEXT NOT NULL, duration_us BIGINT NOT NULL,
+  first_byte_us BIGINT NOT NULL);
+CREATE INDEX IF NOT EXISTS usage_records_at ON usage_records(at_unix_ms);
+CREATE TABLE IF NOT EXISTS usage_daily (
+  day TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL, outcome TEXT NOT NULL,
+  requests BIGINT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  cached_input_tokens BIGINT NOT NULL, cost_pico_usd BIGINT NOT NULL,
+  PRIMARY KEY (day, principal_id, model, outcome));
 ";
 
 /// Advisory lock key serializing schema creation across replicas.
@@ -665,6 +678,136 @@ impl Store for PgStore {
         let keys = issuer_keys(&tx, true).await?;
         tx.commit().await.map_err(|e| backend(&e))?;
         Ok(keys)
+    }
+
+    async fn record_usage(
+        &self,
+        edge_id: &str,
+        records: &[UsageRecord],
+    ) -> Result<UsageStored, StoreError> {
+        let mut client = self.client.lock().await;
+        let tx = client.transaction().await.map_err(|e| backend(&e))?;
+        let row = tx
+            .prepare(
+                "INSERT INTO usage_records (request_id, at_unix_ms, day, edge_id, principal_id, \
+                 model, provider, input_tokens, output_tokens, cached_input_tokens, estimated, \
+                 cost_pico_usd, outcome, duration_us, first_byte_us) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
+                 ON CONFLICT (request_id) DO NOTHING",
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        let daily = tx
+            .prepare(
+                "INSERT INTO usage_daily (day, principal_id, model, outcome, requests, \
+                 input_tokens, output_tokens, cached_input_tokens, cost_pico_usd) \
+                 VALUES ($1, $2, $3, $4, 1, $5, $6, $7, $8) \
+                 ON CONFLICT (day, principal_id, model, outcome) DO UPDATE SET \
+                 requests = usage_daily.requests + 1, \
+                 input_tokens = usage_daily.input_tokens + excluded.input_tokens, \
+                 output_tokens = usage_daily.output_tokens + excluded.output_tokens, \
+                 cached_input_tokens = usage_daily.cached_input_tokens + excluded.cached_input_tokens, \
+                 cost_pico_usd = usage_daily.cost_pico_usd + excluded.cost_pico_usd",
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        let mut done = UsageStored::default();
+        for r in records {
+            let day = super::day_of(r.at_unix_ms);
+            let (input, output, cached, cost) = (
+                to_i64(r.input_tokens),
+                to_i64(r.output_tokens),
+                to_i64(r.cached_input_tokens),
+                to_i64(r.cost_pico_usd),
+            );
+            let n = tx
+                .execute(
+                    &row,
+                    &[
+                        &r.request_id,
+                        &r.at_unix_ms,
+                        &day,
+                        &edge_id,
+                        &r.principal_id,
+                        &r.model,
+                        &r.provider,
+                        &input,
+                        &output,
+                        &cached,
+                        &r.estimated,
+                        &cost,
+                        &r.outcome,
+                        &to_i64(r.duration_us),
+                        &to_i64(r.first_byte_us),
+                    ],
+                )
+                .await
+                .map_err(|e| backend(&e))?;
+            if n == 0 {
+                done.duplicates += 1;
+                continue;
+            }
+            done.stored += 1;
+            tx.execute(
+                &daily,
+                &[
+                    &day,
+                    &r.principal_id,
+                    &r.model,
+                    &r.outcome,
+                    &input,
+                    &output,
+                    &cached,
+                    &cost,
+                ],
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        }
+        tx.commit().await.map_err(|e| backend(&e))?;
+        Ok(done)
+    }
+
+    async fn usage_daily(
+        &self,
+        since: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<DailyUsage>, StoreError> {
+        let client = self.client.lock().await;
+        let rows = client
+            .query(
+                "SELECT day, principal_id, model, outcome, requests, input_tokens, \
+                 output_tokens, cached_input_tokens, cost_pico_usd FROM usage_daily \
+                 WHERE day >= $1 ORDER BY day, principal_id, model, outcome LIMIT $2",
+                &[&since.unwrap_or(""), &i64::from(limit)],
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        Ok(rows
+            .iter()
+            .map(|r| DailyUsage {
+                day: r.get(0),
+                principal_id: r.get(1),
+                model: r.get(2),
+                outcome: r.get(3),
+                requests: to_u64(r.get(4)),
+                input_tokens: to_u64(r.get(5)),
+                output_tokens: to_u64(r.get(6)),
+                cached_input_tokens: to_u64(r.get(7)),
+                cost_pico_usd: to_u64(r.get(8)),
+            })
+            .collect())
+    }
+
+    async fn prune_usage(&self, before_unix_ms: i64) -> Result<u64, StoreError> {
+        let client = self.client.lock().await;
+        client
+            .execute(
+                "DELETE FROM usage_records WHERE at_unix_ms < $1",
+                &[&before_unix_ms],
+            )
+            .await
+            .map_err(|e| backend(&e))
     }
 
     async fn revisions(

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use rusqlite::{Connection, ErrorCode, OptionalExtension as _, TransactionBehavior, params};
 
 use super::{
-    IssuerKey, LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store, StoreError,
-    Token, digest_array, to_i64, to_u64, unix_ms,
+    DailyUsage, IssuerKey, LeaseView, Mutation, Principal, Revision, Route, Slot, Snapshot, Store,
+    StoreError, Token, UsageRecord, UsageStored, digest_array, to_i64, to_u64, unix_ms,
 };
 
 const SCHEMA: &str = "
@@ -37,6 +37,19 @@ CREATE TABLE IF NOT EXISTS issuer_keys (
 CREATE TABLE IF NOT EXISTS revisions (
   generation INTEGER PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
   at_unix_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS usage_records (
+  request_id TEXT PRIMARY KEY, at_unix_ms INTEGER NOT NULL, day TEXT NOT NULL,
+  edge_id TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL,
+  provider TEXT NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,
+  cached_input_tokens INTEGER NOT NULL, estimated INTEGER NOT NULL,
+  cost_pico_usd INTEGER NOT NULL, outcome TEXT NOT NULL, duration_us INTEGER NOT NULL,
+  first_byte_us INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS usage_records_at ON usage_records(at_unix_ms);
+CREATE TABLE IF NOT EXISTS usage_daily (
+  day TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL, outcome TEXT NOT NULL,
+  requests INTEGER NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,
+  cached_input_tokens INTEGER NOT NULL, cost_pico_usd INTEGER NOT NULL,
+  PRIMARY KEY (day, principal_id, model, outcome));
 ";
 
 /// How often [`Store::wait_change`] reads `PRAGMA data_version`: a mutation made by the CLI
@@ -626,6 +639,132 @@ impl Store for SqliteStore {
 
     async fn issuer_keys(&self) -> Result<Vec<IssuerKey>, StoreError> {
         self.with(|conn| issuer_keys(conn, true)).await
+    }
+
+    async fn record_usage(
+        &self,
+        edge_id: &str,
+        records: &[UsageRecord],
+    ) -> Result<UsageStored, StoreError> {
+        let (edge_id, records) = (edge_id.to_owned(), records.to_vec());
+        self.with(move |conn| {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(|e| backend(&e))?;
+            let mut done = UsageStored::default();
+            {
+                let mut row = tx
+                    .prepare_cached(
+                        "INSERT OR IGNORE INTO usage_records (request_id, at_unix_ms, day, \
+                         edge_id, principal_id, model, provider, input_tokens, output_tokens, \
+                         cached_input_tokens, estimated, cost_pico_usd, outcome, duration_us, \
+                         first_byte_us) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+                    )
+                    .map_err(|e| backend(&e))?;
+                let mut daily = tx
+                    .prepare_cached(
+                        "INSERT INTO usage_daily (day, principal_id, model, outcome, requests, \
+                         input_tokens, output_tokens, cached_input_tokens, cost_pico_usd) \
+                         VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8) \
+                         ON CONFLICT (day, principal_id, model, outcome) DO UPDATE SET \
+                         requests = requests + 1, \
+                         input_tokens = input_tokens + excluded.input_tokens, \
+                         output_tokens = output_tokens + excluded.output_tokens, \
+                         cached_input_tokens = cached_input_tokens + excluded.cached_input_tokens, \
+                         cost_pico_usd = cost_pico_usd + excluded.cost_pico_usd",
+                    )
+                    .map_err(|e| backend(&e))?;
+                for r in &records {
+                    let day = super::day_of(r.at_unix_ms);
+                    let n = row
+                        .execute(params![
+                            r.request_id,
+                            r.at_unix_ms,
+                            day,
+                            edge_id,
+                            r.principal_id,
+                            r.model,
+                            r.provider,
+                            to_i64(r.input_tokens),
+                            to_i64(r.output_tokens),
+                            to_i64(r.cached_input_tokens),
+                            r.estimated,
+                            to_i64(r.cost_pico_usd),
+                            r.outcome,
+                            to_i64(r.duration_us),
+                            to_i64(r.first_byte_us),
+                        ])
+                        .map_err(|e| backend(&e))?;
+                    if n == 0 {
+                        done.duplicates += 1;
+                        continue;
+                    }
+                    done.stored += 1;
+                    daily
+                        .execute(params![
+                            day,
+                            r.principal_id,
+                            r.model,
+                            r.outcome,
+                            to_i64(r.input_tokens),
+                            to_i64(r.output_tokens),
+                            to_i64(r.cached_input_tokens),
+                            to_i64(r.cost_pico_usd),
+                        ])
+                        .map_err(|e| backend(&e))?;
+                }
+            }
+            tx.commit().map_err(|e| backend(&e))?;
+            Ok(done)
+        })
+        .await
+    }
+
+    async fn usage_daily(
+        &self,
+        since: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<DailyUsage>, StoreError> {
+        let since = since.unwrap_or("").to_owned();
+        self.with(move |conn| {
+            let mut st = conn
+                .prepare(
+                    "SELECT day, principal_id, model, outcome, requests, input_tokens, \
+                     output_tokens, cached_input_tokens, cost_pico_usd FROM usage_daily \
+                     WHERE day >= ?1 ORDER BY day, principal_id, model, outcome LIMIT ?2",
+                )
+                .map_err(|e| backend(&e))?;
+            st.query_map(params![since, limit], |r| {
+                Ok(DailyUsage {
+                    day: r.get(0)?,
+                    principal_id: r.get(1)?,
+                    model: r.get(2)?,
+                    outcome: r.get(3)?,
+                    requests: to_u64(r.get(4)?),
+                    input_tokens: to_u64(r.get(5)?),
+                    output_tokens: to_u64(r.get(6)?),
+                    cached_input_tokens: to_u64(r.get(7)?),
+                    cost_pico_usd: to_u64(r.get(8)?),
+                })
+            })
+            .map_err(|e| backend(&e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| backend(&e))
+        })
+        .await
+    }
+
+    async fn prune_usage(&self, before_unix_ms: i64) -> Result<u64, StoreError> {
+        self.with(move |conn| {
+            conn.execute(
+                "DELETE FROM usage_records WHERE at_unix_ms < ?1",
+                params![before_unix_ms],
+            )
+            .map(|n| n as u64)
+            .map_err(|e| backend(&e))
+        })
+        .await
     }
 
     async fn revisions(
