@@ -200,7 +200,8 @@ pub struct EdgeConfigFile {
     pub models: Vec<Model>,
     /// `[control_plane]`.
     pub control_plane: Option<ControlPlane>,
-    /// `[usage]`: usage records in a local SQLite file (legacy mode).
+    /// `[usage]`: usage records in a local SQLite file (managed mode: also the spool of
+    /// records sent to the Control Plane).
     pub usage: Option<UsageToml>,
     /// `[prices.<model>]`: per-model prices, for budgets and the records' cost.
     #[serde(default)]
@@ -218,6 +219,9 @@ pub struct UsageToml {
     pub queue: Option<usize>,
     /// `usage.retention_days`: raw rows kept this long (default 30; daily rollups stay).
     pub retention_days: Option<u32>,
+    /// `usage.spool_max`: managed mode, records waiting for the Control Plane at most
+    /// (default 1000000; then the newest is dropped, counted).
+    pub spool_max: Option<u64>,
 }
 
 /// `[listen]`.
@@ -928,6 +932,11 @@ impl EdgeConfigFile {
                 }
                 if let Some(d) = u.retention_days {
                     c.retention_days = d;
+                }
+                // Managed: the file is also the spool of records for the Control Plane.
+                c.ship = managed;
+                if let Some(m) = u.spool_max {
+                    c.spool_max = m.max(1);
                 }
                 let store = crate::usage::SqliteUsage::open(&u.sqlite, c)
                     .map_err(|e| invalid("usage.sqlite", e))?;

@@ -180,11 +180,17 @@ const CONCURRENT_REQUESTS: usize = 16;
 /// The current session's request queue (the session loop owns the machine).
 struct Link {
     requests: mpsc::Sender<Request>,
+    /// The Control Plane takes usage records on this session.
+    accepts_usage: bool,
 }
 
 /// What callers and spawned work hand to the session loop.
 enum Request {
     Lease(AcquireLeaseRequest, oneshot::Sender<AcquireLeaseResponse>),
+    Usage(
+        iop_wire::control::EdgeUsageReport,
+        oneshot::Sender<iop_wire::control::EdgeUsageAck>,
+    ),
     Ping(oneshot::Sender<()>),
     Status(u64, EdgeStatusResponse),
     CommandEvent(u64, EdgeCommandEvent),
@@ -369,6 +375,50 @@ impl ControlConnector {
     }
 }
 
+/// Why [`ControlConnector::report_usage`] did not get its records stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UsageReportError {
+    /// No session, or one whose Control Plane does not take usage records.
+    #[error("no control plane session that takes usage records")]
+    NotAccepted,
+    /// The session ended, or no acknowledgement within [`USAGE_TIMEOUT`]: the records may or
+    /// may not be stored; send them again (they are stored once by request id).
+    #[error("no acknowledgement from the control plane")]
+    NoAnswer,
+}
+
+/// How long [`ControlConnector::report_usage`] waits for the acknowledgement.
+pub const USAGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl ControlConnector {
+    /// Whether the current session's Control Plane takes usage records (its hello answer said
+    /// so; older Control Planes do not).
+    pub fn accepts_usage(&self) -> bool {
+        lock(&self.shared.link)
+            .as_ref()
+            .is_some_and(|l| l.accepts_usage)
+    }
+
+    /// Sends usage records on the current session and waits until the Control Plane has
+    /// stored them ([`crate::usage::ship`] drives this from the Edge's spool).
+    pub async fn report_usage(
+        &self,
+        report: iop_wire::control::EdgeUsageReport,
+    ) -> Result<iop_wire::control::EdgeUsageAck, UsageReportError> {
+        if !self.accepts_usage() {
+            return Err(UsageReportError::NotAccepted);
+        }
+        let (tx, rx) = oneshot::channel();
+        self.send(Request::Usage(report, tx))
+            .ok_or(UsageReportError::NotAccepted)?;
+        match tokio::time::timeout(USAGE_TIMEOUT, rx).await {
+            Ok(Ok(ack)) => Ok(ack),
+            _ => Err(UsageReportError::NoAnswer),
+        }
+    }
+}
+
 impl ControlConnector {
     /// One ping/pong round trip on the current session (the baseline of the lease round trip
     /// in `benches/`). `None` without a session or answer within [`LEASE_TIMEOUT`].
@@ -541,6 +591,8 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
     let requests = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_REQUESTS));
     let mut leases: HashMap<u64, oneshot::Sender<AcquireLeaseResponse>> = HashMap::new();
     let mut pongs: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
+    let mut usage_acks: HashMap<u64, oneshot::Sender<iop_wire::control::EdgeUsageAck>> =
+        HashMap::new();
     let mut connected = false;
     let mut silence = DEFAULT_HEARTBEAT * 3;
     loop {
@@ -562,6 +614,7 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                     silence = heartbeat * 3;
                     *lock(&shared.link) = Some(Link {
                         requests: req_tx.clone(),
+                        accepts_usage: s.accepts_usage(),
                     });
                     shared.state.send_replace(SessionState::Connected);
                     tracing::info!(target: "iop_edge", event = "edge_control_connected", managed = shared.config.managed, "control plane session accepted");
@@ -593,6 +646,12 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                 EdgeControlEvent::Pong { ticket } => {
                     if let Some(tx) = pongs.remove(&ticket) {
                         let _ = tx.send(());
+                    }
+                }
+                EdgeControlEvent::UsageAcked { ticket, result } => {
+                    // A failure drops the sender: the caller sends the records again.
+                    if let (Some(tx), Ok(ack)) = (usage_acks.remove(&ticket), result) {
+                        let _ = tx.send(ack);
                     }
                 }
                 EdgeControlEvent::Closed(reason) => {
@@ -634,6 +693,11 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                     Request::Ping(tx) => {
                         if let Ok(ticket) = s.ping(at) {
                             pongs.insert(ticket, tx);
+                        }
+                    }
+                    Request::Usage(report, tx) => {
+                        if let Ok(ticket) = s.report_usage(at, report) {
+                            usage_acks.insert(ticket, tx);
                         }
                     }
                     Request::Status(id, st) => {

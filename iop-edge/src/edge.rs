@@ -117,6 +117,14 @@ impl Edge {
                     }
                 };
                 http.control = Some(connector.clone());
+                // Managed: the usage spool goes to the Control Plane.
+                if let Some(sink) = http.usage.as_ref().filter(|_| connector.managed()) {
+                    tokio::spawn(crate::usage::ship(
+                        std::sync::Arc::clone(sink),
+                        connector.clone(),
+                        stop.clone(),
+                    ));
+                }
                 Some(connector)
             }
             None => None,

@@ -1001,6 +1001,12 @@ pub struct UsageRecord {
 }
 
 impl UsageRecord {
+    /// The checks a receiver applies ([`TryFrom`] on the wire form): a sender skips a record
+    /// that fails them rather than have its whole report refused.
+    pub fn check(&self) -> Result<(), InvalidMessage> {
+        Self::try_from(self.to_proto()).map(|_| ())
+    }
+
     fn to_proto(&self) -> pb::UsageRecord {
         pb::UsageRecord {
             request_id: self.request_id.clone(),

@@ -1,6 +1,8 @@
 //! Usage records (issue #29): exactly one per request that reached admission with a gateway
-//! key, written to a local SQLite file by the Edge alone (legacy mode; the Control Plane path
-//! is not built yet).
+//! key (legacy mode), an id your own authentication named ([`crate::limits::KeyId`]), or a
+//! principal (managed mode), written to a local SQLite file; in managed mode that file is
+//! also the spool of records sent to the Control Plane ([`ship`]: nothing lost while it is
+//! away, nothing counted twice).
 //!
 //! A record names the key by its id (never the key), the model group, the provider and Node
 //! that served it, the input and output tokens (the provider's figures, or the reservation
@@ -22,13 +24,20 @@
 //!   counts twice.
 //! - **Not one fat row per request forever**: each inserted record also adds to a daily
 //!   rollup (`usage_daily`: day, key, model → requests, input, output, by outcome), and raw
-//!   rows older than [`UsageConfig::retention_days`] are deleted (the rollups stay).
+//!   rows older than [`UsageConfig::retention_days`] are deleted (the rollups stay), once
+//!   shipped when they are for a Control Plane.
+//! - **The spool** ([`UsageConfig::ship`], managed mode): each record is marked unshipped until
+//!   the Control Plane acknowledged a report holding it ([`ship`], whose docs have the rules);
+//!   at most [`UsageConfig::spool_max`] wait, then the newest are dropped, counted.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+
+mod ship;
+pub use ship::{ship, wire_record};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -51,6 +60,16 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The outcome named `s` ([`Outcome::as_str`]); an unknown name reads as failed.
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "completed" => Self::Completed,
+            "cancelled" => Self::Cancelled,
+            "refused" => Self::Refused,
+            _ => Self::Failed,
+        }
+    }
+
     /// A stable name (the store's `status` column, metric labels).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -109,6 +128,34 @@ pub trait UsageSink: Send + Sync + std::fmt::Debug + 'static {
         let _ = (key, day, month);
         None
     }
+
+    /// A spool for the Control Plane ([`ship`]): up to `limit` of the oldest records it has
+    /// not stored yet (blocking; call off the runtime). `None`: this sink keeps no spool.
+    fn unshipped(&self, limit: usize) -> Option<Vec<UsageRecord>> {
+        let _ = limit;
+        None
+    }
+
+    /// The Control Plane stored these records (or they cannot be sent): forget them from the
+    /// spool (blocking).
+    fn shipped(&self, request_ids: &[String]) {
+        let _ = request_ids;
+    }
+
+    /// Woken when records enter the spool; `None` without a spool.
+    fn spool_notify(&self) -> Option<Arc<tokio::sync::Notify>> {
+        None
+    }
+
+    /// `n` records were acknowledged by the Control Plane (metrics).
+    fn acknowledged(&self, n: u64) {
+        let _ = n;
+    }
+
+    /// `n` records could not be sent (metrics).
+    fn unshippable(&self, n: u64) {
+        let _ = n;
+    }
 }
 
 /// A request id unique to this process: a random prefix drawn once, and a counter.
@@ -123,13 +170,23 @@ pub fn request_id() -> String {
     format!("req-{prefix}-{}", N.fetch_add(1, Ordering::Relaxed))
 }
 
+/// Default [`UsageConfig::spool_max`]: about 250 MB of file at most, hours of a busy Edge.
+pub const DEFAULT_SPOOL_MAX: u64 = 1_000_000;
+
 /// [`SqliteUsage`] settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UsageConfig {
     /// Records waiting for the writer at most (then the newest is dropped, counted).
     pub queue: usize,
-    /// Raw rows older than this many days are deleted (daily rollups stay).
+    /// Raw rows older than this many days are deleted (daily rollups stay; records not yet
+    /// shipped are kept until shipped).
     pub retention_days: u32,
+    /// Keep every record in the spool until the Control Plane stored it ([`ship`]): managed
+    /// mode. Off: the file is the only place the records go.
+    pub ship: bool,
+    /// Records waiting in the spool at most; past it a new record is dropped (the newest),
+    /// counted in `iop_edge_usage_spool_dropped_total` and logged at most every 10 s.
+    pub spool_max: u64,
 }
 
 impl Default for UsageConfig {
@@ -137,6 +194,8 @@ impl Default for UsageConfig {
         Self {
             queue: 65_536,
             retention_days: 30,
+            ship: false,
+            spool_max: DEFAULT_SPOOL_MAX,
         }
     }
 }
@@ -158,6 +217,9 @@ pub enum UsageError {
 /// Usage records in a local SQLite file, written by one thread (module docs).
 pub struct SqliteUsage {
     path: PathBuf,
+    spool: Arc<SpoolState>,
+    /// The shipper's connection (reads the spool, marks records shipped).
+    reader: Mutex<Option<rusqlite::Connection>>,
     tx: Mutex<Option<SyncSender<Msg>>>,
     dropped: AtomicU64,
     written: Arc<AtomicU64>,
@@ -194,6 +256,29 @@ struct UsageMetrics {
     tokens: Family<TokenLabels, Counter>,
 }
 
+/// The spool's state, shared by the writer thread and the shipper.
+struct SpoolState {
+    ship: bool,
+    max: u64,
+    /// Records in the file not yet stored by the Control Plane.
+    unshipped: AtomicU64,
+    /// Woken when records enter the spool.
+    notify: Arc<tokio::sync::Notify>,
+    dropped: Counter,
+    shipped: Counter,
+    unshippable: Counter,
+    spooled: prometheus_client::metrics::gauge::Gauge,
+    warned: Mutex<Option<Instant>>,
+}
+
+impl SpoolState {
+    fn set_spooled(&self) {
+        self.spooled.set(
+            i64::try_from(self.unshipped.load(Ordering::Relaxed)).unwrap_or(i64::MAX),
+        );
+    }
+}
+
 impl UsageMetrics {
     fn new() -> Self {
         let mut registry = Registry::default();
@@ -221,6 +306,44 @@ impl UsageMetrics {
             dropped,
             tokens,
         }
+    }
+
+    fn spool(&mut self, config: &UsageConfig, unshipped: u64) -> SpoolState {
+        let state = SpoolState {
+            ship: config.ship,
+            max: config.spool_max,
+            unshipped: AtomicU64::new(unshipped),
+            notify: Arc::new(tokio::sync::Notify::new()),
+            dropped: Counter::default(),
+            shipped: Counter::default(),
+            unshippable: Counter::default(),
+            spooled: prometheus_client::metrics::gauge::Gauge::default(),
+            warned: Mutex::new(None),
+        };
+        if config.ship {
+            self.registry.register(
+                "iop_edge_usage_spooled",
+                "Usage records in the spool, not yet stored by the Control Plane",
+                state.spooled.clone(),
+            );
+            self.registry.register(
+                "iop_edge_usage_shipped",
+                "Usage records the Control Plane stored (acknowledged)",
+                state.shipped.clone(),
+            );
+            self.registry.register(
+                "iop_edge_usage_spool_dropped",
+                "Usage records dropped because the spool was full (the newest is dropped)",
+                state.dropped.clone(),
+            );
+            self.registry.register(
+                "iop_edge_usage_unshippable",
+                "Usage records the wire cannot carry (an id or model outside its rules), kept in the file only",
+                state.unshippable.clone(),
+            );
+        }
+        state.set_spooled();
+        state
     }
 }
 
@@ -266,6 +389,52 @@ fn day_of(at_ms: u64) -> String {
 }
 
 impl SqliteUsage {
+    /// Runs `f` on the shipper's connection (opened on first use); `None` on an error
+    /// (logged: the shipper tries again later).
+    fn with_reader<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Connection) -> rusqlite::Result<T>,
+    ) -> Option<T> {
+        self.with_reader_mut(|c| f(c))
+    }
+
+    fn with_reader_mut<T>(
+        &self,
+        f: impl FnOnce(&mut rusqlite::Connection) -> rusqlite::Result<T>,
+    ) -> Option<T> {
+        let mut guard = self
+            .reader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if guard.is_none() {
+            let conn = rusqlite::Connection::open(&self.path).and_then(|c| {
+                c.busy_timeout(Duration::from_secs(5))?;
+                Ok(c)
+            });
+            match conn {
+                Ok(c) => *guard = Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "usage spool: cannot open the file");
+                    return None;
+                }
+            }
+        }
+        let conn = guard.as_mut()?;
+        match f(conn) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                tracing::warn!(error = %e, "usage spool: read or update failed");
+                *guard = None;
+                None
+            }
+        }
+    }
+
+    /// Records in the spool (not yet stored by the Control Plane).
+    pub fn spooled(&self) -> u64 {
+        self.spool.unshipped.load(Ordering::Relaxed)
+    }
+
     /// Opens (or creates) the file and starts the writer.
     pub fn open(path: &Path, config: UsageConfig) -> Result<Arc<Self>, UsageError> {
         let fail = |e: rusqlite::Error| UsageError::Open {
@@ -279,25 +448,36 @@ impl SqliteUsage {
             .map_err(fail)?;
         conn.busy_timeout(Duration::from_secs(5)).map_err(fail)?;
         conn.execute_batch(SCHEMA).map_err(fail)?;
+        migrate(&conn).map_err(fail)?;
+        let unshipped: i64 = conn
+            .query_row("SELECT count(*) FROM usage WHERE shipped = 0", [], |r| {
+                r.get(0)
+            })
+            .map_err(fail)?;
+        let mut metrics = UsageMetrics::new();
+        let spool = Arc::new(metrics.spool(&config, u64::try_from(unshipped).unwrap_or(0)));
         let (tx, rx) = std::sync::mpsc::sync_channel(config.queue.max(1));
         let written = Arc::new(AtomicU64::new(0));
         let w = Arc::clone(&written);
         let retention = config.retention_days;
+        let sp = Arc::clone(&spool);
         let writer = std::thread::Builder::new()
             .name("iop-usage-writer".into())
-            .spawn(move || write_loop(conn, rx, retention, &w))
+            .spawn(move || write_loop(conn, rx, retention, &w, &sp))
             .map_err(|e| UsageError::Open {
                 path: path.to_owned(),
                 message: e.to_string(),
             })?;
         Ok(Arc::new(Self {
             path: path.to_owned(),
+            spool,
+            reader: Mutex::new(None),
             tx: Mutex::new(Some(tx)),
             dropped: AtomicU64::new(0),
             written,
             warned: Mutex::new(None),
             writer: Mutex::new(Some(writer)),
-            metrics: UsageMetrics::new(),
+            metrics,
         }))
     }
 
@@ -380,6 +560,76 @@ impl UsageSink for SqliteUsage {
         let _ = prometheus_client::encoding::text::encode(out, &self.metrics.registry);
     }
 
+    fn unshipped(&self, limit: usize) -> Option<Vec<UsageRecord>> {
+        if !self.spool.ship {
+            return None;
+        }
+        let read = |conn: &rusqlite::Connection| -> rusqlite::Result<Vec<UsageRecord>> {
+            let mut st = conn.prepare_cached(
+                "SELECT request_id, at_ms, key_id, model, provider, input_tokens, output_tokens, estimated, cost_pusd, status, duration_us FROM usage WHERE shipped = 0 ORDER BY at_ms, request_id LIMIT ?1",
+            )?;
+            let rows = st.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], |r| {
+                let u = |i: usize| -> rusqlite::Result<u64> {
+                    Ok(u64::try_from(r.get::<_, i64>(i)?).unwrap_or(0))
+                };
+                Ok(UsageRecord {
+                    request_id: r.get(0)?,
+                    at_ms: u(1)?,
+                    key: r.get(2)?,
+                    model: r.get(3)?,
+                    provider: r.get(4)?,
+                    input_tokens: u(5)?,
+                    output_tokens: u(6)?,
+                    estimated: r.get(7)?,
+                    cost_pusd: u(8)?,
+                    outcome: Outcome::parse(&r.get::<_, String>(9)?),
+                    duration_us: u(10)?,
+                })
+            })?;
+            rows.collect()
+        };
+        self.with_reader(|conn| read(conn)).or(Some(Vec::new()))
+    }
+
+    fn shipped(&self, request_ids: &[String]) {
+        let mark = |conn: &mut rusqlite::Connection| -> rusqlite::Result<u64> {
+            let tx = conn.transaction()?;
+            let mut n = 0;
+            {
+                let mut st = tx.prepare_cached(
+                    "UPDATE usage SET shipped = 1 WHERE request_id = ?1 AND shipped = 0",
+                )?;
+                for id in request_ids {
+                    n += st.execute([id])? as u64;
+                }
+            }
+            tx.commit()?;
+            Ok(n)
+        };
+        if let Some(n) = self.with_reader_mut(mark) {
+            let left = self
+                .spool
+                .unshipped
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(n))
+                });
+            let _ = left;
+            self.spool.set_spooled();
+        }
+    }
+
+    fn spool_notify(&self) -> Option<Arc<tokio::sync::Notify>> {
+        self.spool.ship.then(|| Arc::clone(&self.spool.notify))
+    }
+
+    fn acknowledged(&self, n: u64) {
+        self.spool.shipped.inc_by(n);
+    }
+
+    fn unshippable(&self, n: u64) {
+        self.spool.unshippable.inc_by(n);
+    }
+
     fn record(&self, record: UsageRecord) {
         self.metrics
             .records
@@ -437,6 +687,7 @@ fn write_loop(
     rx: Receiver<Msg>,
     retention_days: u32,
     written: &AtomicU64,
+    spool: &SpoolState,
 ) {
     let mut last_prune: Option<Instant> = None;
     while let Ok(first) = rx.recv() {
@@ -456,9 +707,13 @@ fn write_loop(
             }
         }
         if !records.is_empty() {
-            match insert(&mut conn, &records) {
+            match insert(&mut conn, &records, spool) {
                 Ok(n) => {
                     written.fetch_add(n, Ordering::Relaxed);
+                    if spool.ship && n > 0 {
+                        spool.set_spooled();
+                        spool.notify.notify_one();
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, records = records.len(), "usage store write failed");
@@ -475,8 +730,9 @@ fn write_loop(
             )
             .unwrap_or(u64::MAX);
             let cutoff = now_ms.saturating_sub(u64::from(retention_days) * 86_400_000);
+            // Records the Control Plane has not stored yet stay (the spool bounds them).
             let _ = conn.execute(
-                "DELETE FROM usage WHERE at_ms < ?1",
+                "DELETE FROM usage WHERE at_ms < ?1 AND shipped = 1",
                 [i64::try_from(cutoff).unwrap_or(i64::MAX)],
             );
         }
@@ -486,12 +742,18 @@ fn write_loop(
     }
 }
 
-fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite::Result<u64> {
+fn insert(
+    conn: &mut rusqlite::Connection,
+    records: &[UsageRecord],
+    spool: &SpoolState,
+) -> rusqlite::Result<u64> {
     let tx = conn.transaction()?;
     let mut n = 0;
+    let mut spooled = 0;
+    let mut dropped = 0;
     {
         let mut row = tx.prepare_cached(
-            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd, shipped) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
         )?;
         let mut daily = tx.prepare_cached(
             "INSERT INTO usage_daily (day, key_id, model, status, requests, input_tokens, output_tokens, cost_pusd) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7)
@@ -499,6 +761,12 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
         )?;
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for r in records {
+            if spool.ship
+                && spool.unshipped.load(Ordering::Relaxed) + spooled >= spool.max
+            {
+                dropped += 1;
+                continue;
+            }
             let day = day_of(r.at_ms);
             let inserted = row.execute(rusqlite::params![
                 r.request_id,
@@ -513,9 +781,13 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
                 r.outcome.as_str(),
                 int(r.duration_us),
                 int(r.cost_pusd),
+                !spool.ship,
             ])?;
             if inserted == 1 {
                 n += 1;
+                if spool.ship {
+                    spooled += 1;
+                }
                 daily.execute(rusqlite::params![
                     day,
                     r.key,
@@ -529,7 +801,39 @@ fn insert(conn: &mut rusqlite::Connection, records: &[UsageRecord]) -> rusqlite:
         }
     }
     tx.commit()?;
+    spool.unshipped.fetch_add(spooled, Ordering::Relaxed);
+    if dropped > 0 {
+        spool.dropped.inc_by(dropped);
+        let mut warned = spool
+            .warned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            *warned = Some(Instant::now());
+            tracing::warn!(
+                dropped,
+                max = spool.max,
+                "usage spool full (the Control Plane has been unreachable a long time): newest records dropped (iop_edge_usage_spool_dropped_total)"
+            );
+        }
+    }
     Ok(n)
+}
+
+/// Brings a file made by an older release up to [`SCHEMA`] (each step checks first).
+fn migrate(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    let has_shipped: bool = conn.query_row(
+        "SELECT count(*) > 0 FROM pragma_table_info('usage') WHERE name = 'shipped'",
+        [],
+        |r| r.get(0),
+    )?;
+    if !has_shipped {
+        // Rows of an older release were never meant for a Control Plane.
+        conn.execute_batch("ALTER TABLE usage ADD COLUMN shipped INTEGER NOT NULL DEFAULT 1")?;
+    }
+    conn.execute_batch(
+        "CREATE INDEX IF NOT EXISTS usage_unshipped ON usage(at_ms) WHERE shipped = 0",
+    )
 }
 
 /// One row of the daily rollup: a day, a key id, a model and an outcome.
@@ -768,5 +1072,59 @@ mod tests {
         small.close();
         store.close();
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn the_spool_keeps_records_until_shipped_across_a_restart_and_is_bounded() {
+        let dir = std::env::temp_dir().join(format!("iop-usage-spool-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("usage.db");
+        let config = UsageConfig {
+            ship: true,
+            spool_max: 3,
+            retention_days: 0,
+            ..UsageConfig::default()
+        };
+        let store = SqliteUsage::open(&path, config.clone()).unwrap();
+        for i in 0..5 {
+            let mut r = record(&format!("r{i}"), Outcome::Completed, (1, 1));
+            r.at_ms = 1_000 + i;
+            store.record(r);
+        }
+        UsageSink::flush(&*store);
+        assert_eq!(store.spooled(), 3, "bounded: the newest two are dropped");
+        let mut m = String::new();
+        UsageSink::encode_metrics(&*store, &mut m);
+        assert!(m.contains("iop_edge_usage_spool_dropped_total 2"), "{m}");
+        let oldest: Vec<String> = store
+            .unshipped(2)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect();
+        assert_eq!(oldest, ["r0", "r1"], "oldest first");
+        store.shipped(&oldest);
+        store.shipped(&oldest); // twice: counted once
+        assert_eq!(store.spooled(), 1);
+        store.close();
+        // A restart finds what is left; pruning (retention 0 here) keeps it until shipped.
+        let store = SqliteUsage::open(&path, config).unwrap();
+        assert_eq!(store.spooled(), 1);
+        store.record(record("r9", Outcome::Completed, (1, 1)));
+        UsageSink::flush(&*store);
+        let left: Vec<String> = store
+            .unshipped(10)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect();
+        assert_eq!(left, ["r2", "r9"]);
+        // Without shipping, no spool at all.
+        let plain = SqliteUsage::open(&dir.join("plain.db"), UsageConfig::default()).unwrap();
+        plain.record(record("x", Outcome::Completed, (1, 1)));
+        UsageSink::flush(&*plain);
+        assert!(plain.unshipped(10).is_none());
+        assert!(plain.spool_notify().is_none());
     }
 }
