@@ -668,10 +668,13 @@ pub fn day_of(unix_ms: i64) -> String {
 /// Whether `day` reads `YYYY-MM-DD` (digits and dashes; a filter, not a calendar check).
 pub fn is_day(day: &str) -> bool {
     day.len() == 10
-        && day
-            .bytes()
-            .enumerate()
-            .all(|(i, b)| if i == 4 || i == 7 { b == b'-' } else { b.is_ascii_digit() })
+        && day.bytes().enumerate().all(|(i, b)| {
+            if i == 4 || i == 7 {
+                b == b'-'
+            } else {
+                b.is_ascii_digit()
+            }
+        })
 }
 
 /// The durable store. Both backends pass `tests/store_contract.rs` unchanged.

@@ -34,7 +34,9 @@ pub async fn prune_loop(
         let cut = crate::store::unix_ms().saturating_sub(i64::from(retention_days) * 86_400_000);
         match store.prune_usage(cut).await {
             Ok(0) => {}
-            Ok(n) => tracing::info!(target: "iop_cp", event = "cp_usage_pruned", records = n, retention_days, "raw usage records pruned (daily rollup kept)"),
+            Ok(n) => {
+                tracing::info!(target: "iop_cp", event = "cp_usage_pruned", records = n, retention_days, "raw usage records pruned (daily rollup kept)")
+            }
             Err(e) => tracing::warn!(target: "iop_cp", error = %e, "usage pruning failed"),
         }
         tokio::select! {

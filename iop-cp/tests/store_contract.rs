@@ -565,7 +565,14 @@ async fn usage_is_stored_once_rolled_up_by_day_and_pruned<B: Backend>() {
         "usage is not a mutation of the projection"
     );
     let rows = b.usage_daily(None, 100).await.unwrap();
-    let key = |r: &DailyUsage| (r.day.clone(), r.principal_id.clone(), r.requests, r.output_tokens);
+    let key = |r: &DailyUsage| {
+        (
+            r.day.clone(),
+            r.principal_id.clone(),
+            r.requests,
+            r.output_tokens,
+        )
+    };
     assert_eq!(
         rows.iter().map(key).collect::<Vec<_>>(),
         vec![
@@ -576,7 +583,10 @@ async fn usage_is_stored_once_rolled_up_by_day_and_pruned<B: Backend>() {
     );
     assert_eq!(rows[1].cached_input_tokens, 8);
     assert_eq!(rows[1].cost_pico_usd, 2_000);
-    assert_eq!(b.usage_daily(Some("2026-12-02"), 100).await.unwrap().len(), 2);
+    assert_eq!(
+        b.usage_daily(Some("2026-12-02"), 100).await.unwrap().len(),
+        2
+    );
     assert_eq!(b.usage_daily(None, 1).await.unwrap().len(), 1);
     // Raw rows older than the cut go; the rollup stays, and a late replay of a pruned record
     // is stored again (retention is the replay window: keep it longer than any spool).

@@ -44,9 +44,9 @@ use std::time::{Duration, Instant};
 
 use crate::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandEvent,
-    EdgeUsageAck, EdgeUsageReport,
     EdgeCommandRequest, EdgeCommandResponse, EdgeHelloRequest, EdgeHelloResponse, EdgeNodeEvent,
-    EdgeStatusResponse, PrincipalProjection, PrincipalProjectionApplyResponse,
+    EdgeStatusResponse, EdgeUsageAck, EdgeUsageReport, PrincipalProjection,
+    PrincipalProjectionApplyResponse,
 };
 use crate::liveness::{HeartbeatConfig, Liveness};
 

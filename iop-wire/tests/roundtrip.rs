@@ -819,6 +819,8 @@ fn usage_records_are_validated_without_echoing_them() {
     let bytes = codec.encode_to_bytes(&f).unwrap();
     assert!(matches!(
         codec.decode_slice::<ControlFrame>(&bytes),
-        Err(FrameError::Invalid(InvalidMessage::TooLong("usage.records")))
+        Err(FrameError::Invalid(InvalidMessage::TooLong(
+            "usage.records"
+        )))
     ));
 }

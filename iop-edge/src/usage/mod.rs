@@ -273,9 +273,8 @@ struct SpoolState {
 
 impl SpoolState {
     fn set_spooled(&self) {
-        self.spooled.set(
-            i64::try_from(self.unshipped.load(Ordering::Relaxed)).unwrap_or(i64::MAX),
-        );
+        self.spooled
+            .set(i64::try_from(self.unshipped.load(Ordering::Relaxed)).unwrap_or(i64::MAX));
     }
 }
 
@@ -607,12 +606,12 @@ impl UsageSink for SqliteUsage {
             Ok(n)
         };
         if let Some(n) = self.with_reader_mut(mark) {
-            let left = self
-                .spool
-                .unshipped
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                    Some(v.saturating_sub(n))
-                });
+            let left =
+                self.spool
+                    .unshipped
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                        Some(v.saturating_sub(n))
+                    });
             let _ = left;
             self.spool.set_spooled();
         }
@@ -761,9 +760,7 @@ fn insert(
         )?;
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for r in records {
-            if spool.ship
-                && spool.unshipped.load(Ordering::Relaxed) + spooled >= spool.max
-            {
+            if spool.ship && spool.unshipped.load(Ordering::Relaxed) + spooled >= spool.max {
                 dropped += 1;
                 continue;
             }
