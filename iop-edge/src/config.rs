@@ -46,10 +46,12 @@
 //! input = 0.15
 //! output = 0.60
 //!
-//! [usage]                            # optional (legacy mode): one record per keyed request
+//! [usage]                            # optional: one record per keyed request (or principal)
 //! sqlite = "/var/lib/iop/usage.db"   # created if missing; see iop_edge::usage
 //! queue = 65536                      # records waiting for the writer (then newest dropped)
 //! retention_days = 30                # raw rows kept; daily rollups stay
+//! spool_max = 1000000                # managed: records waiting for the Control Plane (then
+//!                                    #   newest dropped, counted)
 //!
 //! [pool]
 //! queue_wait_sec = 30                # how long a request may wait for a provider (then 503)

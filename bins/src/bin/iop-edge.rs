@@ -44,7 +44,10 @@ and per model under .models.<model>), [prices.<model>] input and output USD per 
 auth.output_estimate (tokens reserved for a request that names no cap, 1024), [auth.shared] \
 limits shared by several Edges through Redis (redis or redis_env, on_unavailable = local | \
 closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [usage] one record \
-per keyed request in a SQLite file (sqlite, queue 65536, retention_days 30), [pool], [[nodes]] with \
+per keyed request or principal in a SQLite file (sqlite, queue 65536, retention_days 30; managed \
+mode: also the spool of records sent to the Control Plane, spool_max 1000000), in managed mode \
+auth.output_estimate and [auth.shared] only (principals' limits come from the Control Plane), \
+[pool], [[nodes]] with \
 [[nodes.adapters]] and their profile = chat_only | openai | anthropic and stream_usage (true: ask \
 for usage on chat streams), [[models]], \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
