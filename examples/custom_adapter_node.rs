@@ -102,6 +102,7 @@ impl Adapter for ReverseAdapter {
                 prompt_tokens: prompt,
                 completion_tokens: sent,
                 total_tokens: prompt + sent,
+                cached_prompt_tokens: 0,
             }),
         })
     }

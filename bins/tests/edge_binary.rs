@@ -190,10 +190,12 @@ fn the_usage_subcommand_reports_the_daily_rollup() {
             provider: "node-1/p".into(),
             input_tokens: 100,
             output_tokens: 50,
+            cached_input_tokens: 0,
             estimated: false,
             cost_pusd: 1_500_000_000,
             outcome,
             duration_us: 1000,
+            first_byte_us: 400,
         });
     }
     store.flush();

@@ -450,6 +450,7 @@ fn frame_seeds(dir: &Path) {
         prompt_tokens: 10,
         completion_tokens: 2,
         total_tokens: 12,
+        cached_prompt_tokens: 0,
     });
     error.execution_failure = Some(FailureEvidence::Valid(stall.clone()));
     frame(
@@ -478,6 +479,7 @@ fn frame_seeds(dir: &Path) {
         prompt_tokens: 5,
         completion_tokens: 1,
         total_tokens: 6,
+        cached_prompt_tokens: 0,
     });
     let error = TunnelPayload::Error {
         error: "upstream reset".into(),

@@ -45,6 +45,7 @@
 //! [prices."gpt-4o-mini"]             # USD per million tokens, per model (budgets, records' cost)
 //! input = 0.15
 //! output = 0.60
+//! cached_input = 0.075               # optional: prompt-cache reads (default: input)
 //!
 //! [usage]                            # optional: one record per keyed request (or principal)
 //! sqlite = "/var/lib/iop/usage.db"   # created if missing; see iop_edge::usage
@@ -289,6 +290,8 @@ pub struct PriceToml {
     pub input: f64,
     /// `output`.
     pub output: f64,
+    /// `cached_input`: input read from the provider's prompt cache (default: `input`).
+    pub cached_input: Option<f64>,
 }
 
 /// `[auth.shared]` ([`crate::limits::SharedConfig`]).
@@ -957,6 +960,10 @@ impl EdgeConfigFile {
                         ));
                     }
                     let price = crate::limits::budget::Price::per_million_usd(p.input, p.output)
+                        .and_then(|price| match p.cached_input {
+                            Some(c) => price.with_cached_input_usd(c),
+                            None => Some(price),
+                        })
                         .ok_or_else(|| {
                             invalid(
                                 "prices",

@@ -275,6 +275,10 @@ pub trait StreamWatch: Send + Sync + 'static {
     fn end(&mut self, end: StreamEnd) {
         let _ = end;
     }
+
+    /// The first piece of the answer's content arrived (a tunnel's first body bytes, a run's
+    /// first delta): time to first byte. Called once.
+    fn first_data(&mut self) {}
 }
 
 /// How a stream ended, for a [`StreamWatch`].
@@ -290,8 +294,8 @@ pub enum StreamEnd {
     Cancelled,
 }
 
-/// The watch a stream carries, if any.
-struct Watch(Option<Box<dyn StreamWatch>>);
+/// The watch a stream carries, if any, and whether it saw content yet.
+struct Watch(Option<Box<dyn StreamWatch>>, bool);
 
 impl std::fmt::Debug for Watch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -332,6 +336,10 @@ impl RunStream {
         let ev = self.events.recv().await?;
         self.done = ev.kind.is_terminal();
         if let Some(w) = self.watch.0.as_mut() {
+            if ev.kind == RunEventKind::Delta && !self.watch.1 {
+                self.watch.1 = true;
+                w.first_data();
+            }
             if let Some(u) = ev.usage.as_ref() {
                 w.usage(u);
             }
@@ -347,7 +355,7 @@ impl RunStream {
 
     /// Attaches `watch`: it sees the run's usage and is dropped with the stream.
     pub fn watch(&mut self, watch: Box<dyn StreamWatch>) {
-        self.watch = Watch(Some(watch));
+        self.watch = Watch(Some(watch), false);
     }
 }
 
@@ -380,6 +388,10 @@ impl TunnelStream {
         let ev = self.events.recv().await?;
         self.done = ev.is_terminal();
         match (self.watch.0.as_mut(), &ev) {
+            (Some(w), TunnelEvent::Frame(Delivery::Body(b))) if !self.watch.1 && !b.is_empty() => {
+                self.watch.1 = true;
+                w.first_data();
+            }
             (Some(w), TunnelEvent::Frame(Delivery::Usage(u))) => w.usage(u),
             (Some(w), TunnelEvent::Frame(Delivery::Start { status, .. })) => w.status(*status),
             (Some(w), TunnelEvent::Frame(Delivery::End)) => w.end(StreamEnd::Completed),
@@ -391,7 +403,7 @@ impl TunnelStream {
 
     /// Attaches `watch`: it sees the tunnel's usage frames and is dropped with the stream.
     pub fn watch(&mut self, watch: Box<dyn StreamWatch>) {
-        self.watch = Watch(Some(watch));
+        self.watch = Watch(Some(watch), false);
     }
 }
 
@@ -714,7 +726,7 @@ impl EdgeHandle {
             events,
             done: false,
             on_drop: self.drop_notice(opened.stream_id),
-            watch: Watch(None),
+            watch: Watch(None, false),
         })
     }
 
@@ -753,7 +765,7 @@ impl EdgeHandle {
             events,
             done: false,
             on_drop: self.drop_notice(opened.stream_id),
-            watch: Watch(None),
+            watch: Watch(None, false),
         })
     }
 
@@ -828,7 +840,7 @@ impl EdgeHandle {
                     events,
                     done: false,
                     on_drop: self.drop_notice(opened.stream_id),
-                    watch: Watch(None),
+                    watch: Watch(None, false),
                 }))
             }
             PoolRequest::Tunnel(request) => {
@@ -849,7 +861,7 @@ impl EdgeHandle {
                     events,
                     done: false,
                     on_drop: self.drop_notice(opened.stream_id),
-                    watch: Watch(None),
+                    watch: Watch(None, false),
                 }))
             }
         }

@@ -99,6 +99,7 @@ impl Adapter for DemoAdapter {
                 prompt_tokens,
                 completion_tokens,
                 total_tokens: prompt_tokens + completion_tokens,
+                cached_prompt_tokens: 0,
             }),
         })
     }

@@ -262,6 +262,7 @@ impl Adapter for OllamaAdapter {
                         prompt_tokens: prompt,
                         completion_tokens: completion,
                         total_tokens: prompt + completion,
+                        cached_prompt_tokens: 0,
                     });
                 }
             }

@@ -254,6 +254,12 @@ impl Adapter for OpenAiCompatAdapter {
 ///   stream the input count comes under `message` in `message_start` and the (cumulative)
 ///   output count in each `message_delta`'s top-level `usage`.
 ///
+/// Cached input (prompt caching) is read too, as tokens *included* in the input count:
+/// OpenAI's `prompt_tokens_details.cached_tokens` (chat) and `input_tokens_details.cached_tokens`
+/// (Responses); Anthropic counts cache reads and writes apart from `input_tokens`, so there the
+/// input is `input_tokens + cache_read_input_tokens + cache_creation_input_tokens` and the
+/// cached part `cache_read_input_tokens`.
+///
 /// A later report of a count replaces an earlier one, so a stream's last figures win.
 #[derive(Debug)]
 pub(crate) struct UsageScanner {
@@ -262,6 +268,7 @@ pub(crate) struct UsageScanner {
     overflow: bool,
     input: Option<u64>,
     output: Option<u64>,
+    cached: Option<u64>,
 }
 
 impl UsageScanner {
@@ -272,6 +279,7 @@ impl UsageScanner {
             overflow: false,
             input: None,
             output: None,
+            cached: None,
         }
     }
 
@@ -321,9 +329,10 @@ impl UsageScanner {
     }
 
     fn json(&mut self, json: &[u8]) {
-        if let Some((input, output)) = usage_of(json) {
-            self.input = input.or(self.input);
-            self.output = output.or(self.output);
+        if let Some(u) = usage_of(json) {
+            self.input = u.input.or(self.input);
+            self.output = u.output.or(self.output);
+            self.cached = u.cached.or(self.cached);
         }
     }
 
@@ -342,10 +351,12 @@ impl UsageScanner {
         }
         let prompt = self.input.unwrap_or(0);
         let completion = self.output.unwrap_or(0);
+        let cached = self.cached.unwrap_or(0).min(prompt);
         Some(Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
             total_tokens: prompt.saturating_add(completion),
+            cached_prompt_tokens: cached,
         })
     }
 }
@@ -369,8 +380,15 @@ struct Nested {
     usage: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// The input and output counts one JSON document reports, each if present.
-fn usage_of(json: &[u8]) -> Option<(Option<u64>, Option<u64>)> {
+/// What one JSON document reports, each count if present.
+struct Counts {
+    input: Option<u64>,
+    output: Option<u64>,
+    cached: Option<u64>,
+}
+
+/// The counts one JSON document reports (see [`UsageScanner`] for the dialects).
+fn usage_of(json: &[u8]) -> Option<Counts> {
     // Most stream chunks carry no usage at all: no parse for them.
     memchr::memmem::find(json, b"\"usage\"")?;
     let doc = serde_json::from_slice::<WithUsage>(json).ok()?;
@@ -379,15 +397,80 @@ fn usage_of(json: &[u8]) -> Option<(Option<u64>, Option<u64>)> {
         .or_else(|| doc.response.and_then(|r| r.usage))
         .or_else(|| doc.message.and_then(|m| m.usage))?;
     let n = |k: &str| u.get(k).and_then(serde_json::Value::as_u64);
+    let detail = |k: &str| {
+        u.get(k)
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(serde_json::Value::as_u64)
+    };
     // OpenAI chat names, then Responses and Anthropic names.
-    let input = n("prompt_tokens").or_else(|| n("input_tokens"));
+    let mut input = n("prompt_tokens").or_else(|| n("input_tokens"));
     let output = n("completion_tokens").or_else(|| n("output_tokens"));
-    (input.is_some() || output.is_some()).then_some((input, output))
+    let mut cached = detail("prompt_tokens_details").or_else(|| detail("input_tokens_details"));
+    // Anthropic: cache reads and writes are counted apart from `input_tokens`.
+    let (read, written) = (
+        n("cache_read_input_tokens"),
+        n("cache_creation_input_tokens"),
+    );
+    if read.is_some() || written.is_some() {
+        input = Some(
+            input
+                .unwrap_or(0)
+                .saturating_add(read.unwrap_or(0))
+                .saturating_add(written.unwrap_or(0)),
+        );
+        cached = read.or(cached);
+    }
+    (input.is_some() || output.is_some()).then_some(Counts {
+        input,
+        output,
+        cached,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cached_input_is_read_in_every_dialect() {
+        let read = |json: &str| {
+            let mut s = UsageScanner::new(false);
+            s.feed(json.as_bytes());
+            s.finish().unwrap()
+        };
+        let chat = read(
+            r#"{"usage":{"prompt_tokens":100,"completion_tokens":5,"total_tokens":105,"prompt_tokens_details":{"cached_tokens":80}}}"#,
+        );
+        assert_eq!((chat.prompt_tokens, chat.cached_prompt_tokens), (100, 80));
+        let responses = read(
+            r#"{"usage":{"input_tokens":50,"output_tokens":5,"input_tokens_details":{"cached_tokens":40}}}"#,
+        );
+        assert_eq!(
+            (responses.prompt_tokens, responses.cached_prompt_tokens),
+            (50, 40)
+        );
+        // Anthropic: reads and writes apart from input_tokens.
+        let messages = read(
+            r#"{"usage":{"input_tokens":10,"cache_read_input_tokens":70,"cache_creation_input_tokens":20,"output_tokens":5}}"#,
+        );
+        assert_eq!(
+            (messages.prompt_tokens, messages.cached_prompt_tokens),
+            (100, 70)
+        );
+        // A cached count larger than the prompt is capped at it.
+        let odd = read(
+            r#"{"usage":{"prompt_tokens":3,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":9}}}"#,
+        );
+        assert_eq!(odd.cached_prompt_tokens, 3);
+        // A stream: message_start has input and cache reads, message_delta the output.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":4,\"cache_read_input_tokens\":6,\"output_tokens\":1}}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n");
+        let u = s.finish().unwrap();
+        assert_eq!(
+            (u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens),
+            (10, 6, 9)
+        );
+    }
 
     #[test]
     fn usage_from_sse_split_anywhere() {
@@ -401,7 +484,8 @@ mod tests {
                 Some(Usage {
                     prompt_tokens: 3,
                     completion_tokens: 5,
-                    total_tokens: 8
+                    total_tokens: 8,
+                    cached_prompt_tokens: 0
                 })
             );
         }
@@ -456,7 +540,8 @@ mod tests {
                     Some(Usage {
                         prompt_tokens: input,
                         completion_tokens: output,
-                        total_tokens: input + output
+                        total_tokens: input + output,
+                        cached_prompt_tokens: 0
                     })
                 );
             }
@@ -472,7 +557,8 @@ mod tests {
             Some(Usage {
                 prompt_tokens: 2,
                 completion_tokens: 4,
-                total_tokens: 6
+                total_tokens: 6,
+                cached_prompt_tokens: 0
             })
         );
         let mut s = UsageScanner::new(false);

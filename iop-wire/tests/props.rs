@@ -40,6 +40,7 @@ fn payload(kind: u8) -> TunnelPayload {
             prompt_tokens: 1,
             completion_tokens: 2,
             total_tokens: 3,
+            cached_prompt_tokens: 0,
         }),
         3 => TunnelPayload::End,
         _ => TunnelPayload::Error {

@@ -180,6 +180,7 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
         prompt_tokens: 1,
         completion_tokens: 2,
         total_tokens: 3,
+        cached_prompt_tokens: 1,
     });
     let frame = |sequence, payload| TunnelFrame {
         sequence,

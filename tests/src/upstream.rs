@@ -463,7 +463,8 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
             7,
         ),
     };
-    let usage = json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion });
+    // Half the prompt "from the provider's cache", as OpenAI reports prompt caching.
+    let usage = json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": { "cached_tokens": prompt / 2 } });
     if !stream {
         return json_response(
             StatusCode::OK,

@@ -157,6 +157,7 @@ impl Adapter for SimTunnel {
                 prompt_tokens: 1,
                 completion_tokens: 3,
                 total_tokens: 4,
+                cached_prompt_tokens: 0,
             })
             .await;
         Ok(())

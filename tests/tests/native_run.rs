@@ -89,7 +89,7 @@ async fn ollama_stream_becomes_normalized_run_events() {
         let text: String = events.iter().map(|e| e.delta.as_str()).collect();
         assert_eq!(text, "Hello");
         let done = events.last().unwrap();
-        assert_eq!(done.usage, Some(Usage { prompt_tokens: 11, completion_tokens: 4, total_tokens: 15 }));
+        assert_eq!(done.usage, Some(Usage { prompt_tokens: 11, completion_tokens: 4, total_tokens: 15 , cached_prompt_tokens: 0}));
         let calls: serde_json::Value = serde_json::from_str(&done.metadata["openai_tool_calls"]).unwrap();
         assert_eq!(calls[0]["function"]["name"], "get_weather");
         assert_eq!(calls[0]["function"]["arguments"], "{\"city\":\"Seoul\"}");

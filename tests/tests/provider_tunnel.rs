@@ -350,7 +350,8 @@ async fn sse_bytes_arrive_identical_and_in_order_with_usage_on_the_side() {
             [Usage {
                 prompt_tokens: 7,
                 completion_tokens: 2,
-                total_tokens: 9
+                total_tokens: 9,
+                cached_prompt_tokens: 0
             }]
         );
         assert_eq!(terminals, 1);

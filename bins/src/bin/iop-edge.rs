@@ -40,7 +40,7 @@ The configuration file is TOML; its keys are documented in the iop_edge::config 
 (edge_id, [listen], [tls] with reload_sec, [auth] gateway keys (a key file line may name its \
 key: `<key or sha256:hex> <id>`), [auth.limits] and [auth.key_limits.<id>] per-key rate limits \
 (requests_per_minute, tokens_per_minute, concurrent, budget_usd_per_day, budget_usd_per_month, \
-and per model under .models.<model>), [prices.<model>] input and output USD per million tokens, \
+and per model under .models.<model>), [prices.<model>] input, output and cached_input USD per million tokens, \
 auth.output_estimate (tokens reserved for a request that names no cap, 1024), [auth.shared] \
 limits shared by several Edges through Redis (redis or redis_env, on_unavailable = local | \
 closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [usage] one record \

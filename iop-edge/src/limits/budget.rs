@@ -36,6 +36,8 @@ pub struct Price {
     pub input_pusd: u64,
     /// Per output token.
     pub output_pusd: u64,
+    /// Per input token read from the provider's prompt cache (the input price unless set).
+    pub cached_input_pusd: u64,
 }
 
 impl Price {
@@ -46,17 +48,35 @@ impl Price {
                 .contains(&usd)
                 .then(|| (usd * 1e6).round() as u64)
         };
+        let input_pusd = p(input)?;
         Some(Self {
-            input_pusd: p(input)?,
+            input_pusd,
             output_pusd: p(output)?,
+            cached_input_pusd: input_pusd,
         })
     }
 
-    /// The cost of `input` and `output` tokens, pico-dollars.
+    /// The same prices with cached input at `usd` per million tokens.
+    pub fn with_cached_input_usd(self, usd: f64) -> Option<Self> {
+        (0.0..1e6).contains(&usd).then(|| Self {
+            cached_input_pusd: (usd * 1e6).round() as u64,
+            ..self
+        })
+    }
+
+    /// The cost of `input` and `output` tokens, pico-dollars, all input at the full price (what
+    /// a reservation is priced at: the cache hit is not known ahead).
     pub fn cost(&self, input: u64, output: u64) -> u64 {
-        input
+        self.cost_of(&iop_wire::runtime::Usage::new(input, output))
+    }
+
+    /// The cost of `usage`: its cached input at the cached price, the rest at full prices.
+    pub fn cost_of(&self, usage: &iop_wire::runtime::Usage) -> u64 {
+        let cached = usage.cached_prompt_tokens.min(usage.prompt_tokens);
+        (usage.prompt_tokens - cached)
             .saturating_mul(self.input_pusd)
-            .saturating_add(output.saturating_mul(self.output_pusd))
+            .saturating_add(cached.saturating_mul(self.cached_input_pusd))
+            .saturating_add(usage.completion_tokens.saturating_mul(self.output_pusd))
     }
 }
 
@@ -266,8 +286,8 @@ pub struct BudgetHold {
 impl BudgetHold {
     /// Settles to the tokens used: the provider's figures, or `None` for "unknown" (the
     /// reservation is kept whole).
-    pub fn settle(mut self, used: Option<(u64, u64)>) {
-        let cost = used.map_or(self.reserved, |(i, o)| self.price.cost(i, o));
+    pub fn settle(mut self, used: Option<iop_wire::runtime::Usage>) {
+        let cost = used.map_or(self.reserved, |u| self.price.cost_of(&u));
         self.budgets.settle(&self.key, self.reserved, cost);
         self.settled = true;
     }
@@ -307,7 +327,7 @@ mod tests {
             b.reserve("k", &budget, "m", 10, 40).unwrap_err(),
             BudgetRefusal::Held
         );
-        first.settle(Some((13, 5)));
+        first.settle(Some(iop_wire::runtime::Usage::new(13, 5)));
         assert_eq!(b.spent("k").0, 23_000_000);
         // Now spent + estimate > budget with nothing in flight: exhausted.
         assert_eq!(
@@ -329,5 +349,33 @@ mod tests {
                 .cost(1_000_000, 0),
             usd(0.15).unwrap()
         );
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod price_tests {
+    use super::*;
+
+    #[test]
+    fn cached_input_is_charged_at_its_own_price() {
+        let p = Price::per_million_usd(2.5, 10.0)
+            .unwrap()
+            .with_cached_input_usd(1.25)
+            .unwrap();
+        let mut u = iop_wire::runtime::Usage::new(1_000_000, 100_000);
+        assert_eq!(p.cost_of(&u), 3_500_000_000_000, "$2.50 + $1.00");
+        u.cached_prompt_tokens = 800_000;
+        assert_eq!(
+            p.cost_of(&u),
+            2_500_000_000_000,
+            "$0.50 + $1.00 cached + $1.00"
+        );
+        assert_eq!(
+            Price::per_million_usd(2.5, 10.0).unwrap().cost_of(&u),
+            3_500_000_000_000,
+            "no cached price: the input price"
+        );
+        assert!(p.with_cached_input_usd(-1.0).is_none());
     }
 }

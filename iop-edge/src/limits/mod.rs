@@ -958,9 +958,9 @@ impl Drop for Hold {
         }
         if let Some(b) = self.budget.take() {
             let used = match (self.reported, self.sent && !self.upstream_error) {
-                (Some(u), _) => Some((u.prompt_tokens, u.completion_tokens)),
+                (Some(u), _) => Some(u),
                 (None, true) => None,
-                (None, false) => Some((0, 0)),
+                (None, false) => Some(Usage::default()),
             };
             b.settle(used);
         }
@@ -997,6 +997,12 @@ impl crate::transport::StreamWatch for Hold {
 
     fn end(&mut self, end: crate::transport::StreamEnd) {
         self.ended = Some(end);
+    }
+
+    fn first_data(&mut self) {
+        if let Some(m) = self.meter.as_mut() {
+            m.first_data();
+        }
     }
 }
 
@@ -1069,6 +1075,7 @@ mod tests {
             prompt_tokens: 60,
             completion_tokens: 40,
             total_tokens: 100,
+            cached_prompt_tokens: 0,
         });
         drop(h);
         // Never sent: nothing charged.

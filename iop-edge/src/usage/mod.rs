@@ -98,6 +98,8 @@ pub struct UsageRecord {
     pub input_tokens: u64,
     /// Output tokens.
     pub output_tokens: u64,
+    /// Of the input tokens, those read from the provider's prompt cache.
+    pub cached_input_tokens: u64,
     /// The tokens are the reservation, not the provider's figures (it reported none).
     pub estimated: bool,
     /// The cost at the model's prices, pico-dollars (0 without a price).
@@ -106,6 +108,9 @@ pub struct UsageRecord {
     pub outcome: Outcome,
     /// Admission to end, microseconds.
     pub duration_us: u64,
+    /// Admission to the answer's first content (time to first byte), microseconds; 0 when
+    /// none arrived.
+    pub first_byte_us: u64,
 }
 
 /// Where usage records go.
@@ -565,7 +570,7 @@ impl UsageSink for SqliteUsage {
         }
         let read = |conn: &rusqlite::Connection| -> rusqlite::Result<Vec<UsageRecord>> {
             let mut st = conn.prepare_cached(
-                "SELECT request_id, at_ms, key_id, model, provider, input_tokens, output_tokens, estimated, cost_pusd, status, duration_us FROM usage WHERE shipped = 0 ORDER BY at_ms, request_id LIMIT ?1",
+                "SELECT request_id, at_ms, key_id, model, provider, input_tokens, output_tokens, estimated, cost_pusd, status, duration_us, cached_input_tokens, first_byte_us FROM usage WHERE shipped = 0 ORDER BY at_ms, request_id LIMIT ?1",
             )?;
             let rows = st.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], |r| {
                 let u = |i: usize| -> rusqlite::Result<u64> {
@@ -583,6 +588,8 @@ impl UsageSink for SqliteUsage {
                     cost_pusd: u(8)?,
                     outcome: Outcome::parse(&r.get::<_, String>(9)?),
                     duration_us: u(10)?,
+                    cached_input_tokens: u(11)?,
+                    first_byte_us: u(12)?,
                 })
             })?;
             rows.collect()
@@ -752,7 +759,7 @@ fn insert(
     let mut dropped = 0;
     {
         let mut row = tx.prepare_cached(
-            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd, shipped) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd, shipped, cached_input_tokens, first_byte_us) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
         )?;
         let mut daily = tx.prepare_cached(
             "INSERT INTO usage_daily (day, key_id, model, status, requests, input_tokens, output_tokens, cost_pusd) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7)
@@ -779,6 +786,8 @@ fn insert(
                 int(r.duration_us),
                 int(r.cost_pusd),
                 !spool.ship,
+                int(r.cached_input_tokens),
+                int(r.first_byte_us),
             ])?;
             if inserted == 1 {
                 n += 1;
@@ -827,6 +836,18 @@ fn migrate(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     if !has_shipped {
         // Rows of an older release were never meant for a Control Plane.
         conn.execute_batch("ALTER TABLE usage ADD COLUMN shipped INTEGER NOT NULL DEFAULT 1")?;
+    }
+    for column in ["cached_input_tokens", "first_byte_us"] {
+        let has: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM pragma_table_info('usage') WHERE name = ?1",
+            [column],
+            |r| r.get(0),
+        )?;
+        if !has {
+            conn.execute_batch(&format!(
+                "ALTER TABLE usage ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
+            ))?;
+        }
     }
     conn.execute_batch(
         "CREATE INDEX IF NOT EXISTS usage_unshipped ON usage(at_ms) WHERE shipped = 0",
@@ -904,6 +925,7 @@ pub struct Meter {
     input_estimate: u64,
     output_estimate: u64,
     price: Option<crate::limits::budget::Price>,
+    first_byte_us: u64,
 }
 
 fn unix_ms() -> u64 {
@@ -937,6 +959,16 @@ impl Meter {
             input_estimate,
             output_estimate,
             price: None,
+            first_byte_us: 0,
+        }
+    }
+
+    /// The answer's first content arrived now (kept once).
+    pub fn first_data(&mut self) {
+        if self.first_byte_us == 0 {
+            self.first_byte_us = u64::try_from(self.started.elapsed().as_micros())
+                .unwrap_or(u64::MAX)
+                .max(1);
         }
     }
 
@@ -956,10 +988,12 @@ impl Meter {
             provider: String::new(),
             input_tokens: 0,
             output_tokens: 0,
+            cached_input_tokens: 0,
             estimated: false,
             cost_pusd: 0,
             outcome: Outcome::Refused,
             duration_us: 0,
+            first_byte_us: 0,
         });
     }
 
@@ -971,10 +1005,13 @@ impl Meter {
         charged: bool,
         reported: Option<iop_wire::runtime::Usage>,
     ) {
-        let (input_tokens, output_tokens, estimated) = match reported {
-            Some(u) => (u.prompt_tokens, u.completion_tokens, false),
-            None if charged => (self.input_estimate, self.output_estimate, true),
-            None => (0, 0, false),
+        let (usage, estimated) = match reported {
+            Some(u) => (u, false),
+            None if charged => (
+                iop_wire::runtime::Usage::new(self.input_estimate, self.output_estimate),
+                true,
+            ),
+            None => (iop_wire::runtime::Usage::default(), false),
         };
         self.sink.record(UsageRecord {
             request_id: self.request_id,
@@ -982,14 +1019,14 @@ impl Meter {
             key: self.key,
             model: self.model,
             provider: self.provider,
-            input_tokens,
-            output_tokens,
+            input_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+            cached_input_tokens: usage.cached_prompt_tokens.min(usage.prompt_tokens),
             estimated,
-            cost_pusd: self
-                .price
-                .map_or(0, |p| p.cost(input_tokens, output_tokens)),
+            cost_pusd: self.price.map_or(0, |p| p.cost_of(&usage)),
             outcome,
             duration_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            first_byte_us: self.first_byte_us,
         });
     }
 }
@@ -1008,10 +1045,12 @@ mod tests {
             provider: "node-1/p".into(),
             input_tokens: tokens.0,
             output_tokens: tokens.1,
+            cached_input_tokens: 0,
             estimated: false,
             cost_pusd: tokens.0 + tokens.1,
             outcome,
             duration_us: 10,
+            first_byte_us: 5,
         }
     }
 

@@ -37,12 +37,12 @@ pub fn wire_record(r: &UsageRecord) -> WireRecord {
         provider: r.provider.clone(),
         input_tokens: r.input_tokens,
         output_tokens: r.output_tokens,
-        cached_input_tokens: 0,
+        cached_input_tokens: r.cached_input_tokens.min(r.input_tokens),
         estimated: r.estimated,
         cost_pico_usd: r.cost_pusd,
         outcome: r.outcome.as_str().to_owned(),
         duration_us: r.duration_us,
-        first_byte_us: 0,
+        first_byte_us: r.first_byte_us,
     }
 }
 

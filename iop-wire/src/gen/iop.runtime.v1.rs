@@ -394,6 +394,10 @@ pub struct Usage {
     pub completion_tokens: u64,
     #[prost(uint64, tag = "3")]
     pub total_tokens: u64,
+    /// Of prompt_tokens, those read from the provider's prompt cache (billed at its cached-input
+    /// price). Added after the first release; older peers ignore it (and read 0).
+    #[prost(uint64, tag = "4")]
+    pub cached_prompt_tokens: u64,
 }
 /// Typed terminal evidence for a response stall. Every field is allowlisted; there is no
 /// caller-controlled identity, raw payload, credential, or recovery_eligible.

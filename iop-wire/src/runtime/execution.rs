@@ -255,14 +255,28 @@ pub struct Usage {
     pub completion_tokens: u64,
     /// Total tokens.
     pub total_tokens: u64,
+    /// Of `prompt_tokens`, those read from the provider's prompt cache (0 when it reported
+    /// none, and from older Nodes).
+    pub cached_prompt_tokens: u64,
 }
 
 impl Usage {
+    /// Prompt and completion tokens, their total, nothing cached.
+    pub fn new(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            cached_prompt_tokens: 0,
+        }
+    }
+
     pub(super) fn to_proto(self) -> pb::Usage {
         pb::Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
             total_tokens: self.total_tokens,
+            cached_prompt_tokens: self.cached_prompt_tokens,
         }
     }
 
@@ -271,6 +285,8 @@ impl Usage {
             prompt_tokens: m.prompt_tokens,
             completion_tokens: m.completion_tokens,
             total_tokens: m.total_tokens,
+            // Never more than the prompt it is part of.
+            cached_prompt_tokens: m.cached_prompt_tokens.min(m.prompt_tokens),
         }
     }
 }
