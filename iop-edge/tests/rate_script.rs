@@ -7,7 +7,9 @@
 //! any length in no time.
 //!
 //! Checked against deliberate breaks of the script (made, run, reverted): the extra share not
-//! divided by `share`, and a refund that rounds up; each fails here.
+//! divided by `share`, and a refund that rounds up; each fails here. The budget script
+//! (`budget.lua`) is checked the same way against a pure model of its rule (break: its extra
+//! not divided by `share` fails it).
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::time::Duration;
@@ -155,4 +157,173 @@ fn every_rate_the_edge_accepts_is_exact_in_lua() {
     use iop_edge::limits::shared::exact_in_lua;
     assert!(exact_in_lua(&Rate::per_minute(150_000_000).unwrap()));
     assert!(!exact_in_lua(&Rate::per_minute(151_000_000).unwrap()));
+}
+
+// === Shared budgets (`budget.lua`) ===
+
+#[derive(Clone, Debug)]
+enum BudgetOp {
+    Take {
+        need: u64,
+        covered: u64,
+        ahead: u64,
+        share: u64,
+    },
+    Settle {
+        give: u64,
+        spend: u64,
+        force: u64,
+    },
+}
+
+fn budget_op(scale: u64) -> impl Strategy<Value = BudgetOp> {
+    prop_oneof![
+        (0..scale / 4, 0..scale / 8, 0..scale / 8, 1u64..8).prop_map(
+            |(need, covered, ahead, share)| BudgetOp::Take {
+                need,
+                covered,
+                ahead,
+                share,
+            }
+        ),
+        (0..scale / 4, 0..scale / 4, 0..scale / 20)
+            .prop_map(|(give, spend, force)| BudgetOp::Settle { give, spend, force }),
+    ]
+}
+
+/// The budget store's rule, in Rust: per period (0 budget: none), `charged` and `spent`
+/// (indexed by period, as the script is).
+#[derive(Clone, Copy, Debug, Default)]
+struct PureBudget {
+    charged: [u64; 2],
+    spent: [u64; 2],
+}
+
+#[allow(clippy::needless_range_loop, reason = "periods by index, as in the script")]
+impl PureBudget {
+    fn take(
+        &mut self,
+        budgets: [u64; 2],
+        need: u64,
+        whole: u64,
+        ahead: u64,
+        share: u64,
+    ) -> BudgetTake {
+        let mut extra = ahead;
+        for i in 0..2 {
+            let b = budgets[i];
+            if b == 0 {
+                continue;
+            }
+            if self.spent[i] + whole > b {
+                return BudgetTake::Exhausted(if i == 0 { "day" } else { "month" });
+            }
+            if self.charged[i] + need > b {
+                return BudgetTake::Held;
+            }
+            extra = extra.min((b - self.charged[i] - need) / share);
+        }
+        for i in 0..2 {
+            if budgets[i] > 0 {
+                self.charged[i] += need + extra;
+            }
+        }
+        BudgetTake::Granted(need + extra)
+    }
+
+    fn settle(&mut self, budgets: [u64; 2], give: u64, spend: u64, force: u64) {
+        for i in 0..2 {
+            if budgets[i] > 0 {
+                self.charged[i] = (self.charged[i] + force).saturating_sub(give);
+                self.spent[i] += spend;
+            }
+        }
+    }
+}
+
+use iop_edge::limits::shared::BudgetTake;
+
+fn run_budget(budgets: [u64; 2], ops: Vec<BudgetOp>) {
+    static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let (rt, s) = store();
+    let id = format!(
+        "budget-{}",
+        CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let mut pure = PureBudget::default();
+    rt.block_on(async {
+        for op in ops {
+            match op {
+                BudgetOp::Take {
+                    need,
+                    covered,
+                    ahead,
+                    share,
+                } => {
+                    let whole = need + covered;
+                    let got = s
+                        .budget_take(
+                            &id,
+                            "2026-12-02",
+                            "2026-12",
+                            need,
+                            whole,
+                            ahead,
+                            share,
+                            budgets,
+                        )
+                        .await
+                        .unwrap();
+                    assert_eq!(got, pure.take(budgets, need, whole, ahead, share), "{op:?}");
+                }
+                BudgetOp::Settle { give, spend, force } => {
+                    s.budget_settle(&id, "2026-12-02", "2026-12", give, spend, force, budgets)
+                        .await
+                        .unwrap();
+                    pure.settle(budgets, give, spend, force);
+                }
+            }
+        }
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Budgets from cents to millions of dollars (nano-dollars up to 2×10^15, near the 2^53
+    /// a Lua number holds exactly).
+    #[test]
+    fn the_budget_script_decides_as_the_pure_rule(
+        scale in prop_oneof![Just(10_000_000u64), Just(2_000_000_000_000_000u64)],
+        day_on in any::<bool>(),
+        month_on in any::<bool>(),
+        ops in prop::collection::vec(budget_op(2_000_000_000_000_000), 1..40),
+    ) {
+        let budgets = [
+            if day_on { scale / 2 } else { 0 },
+            if month_on { scale } else { 0 },
+        ];
+        let ops = ops
+            .into_iter()
+            .map(|op| match op {
+                BudgetOp::Take {
+                    need,
+                    covered,
+                    ahead,
+                    share,
+                } => BudgetOp::Take {
+                    need: need % (scale / 4).max(1),
+                    covered: covered % (scale / 8).max(1),
+                    ahead: ahead % (scale / 8).max(1),
+                    share,
+                },
+                BudgetOp::Settle { give, spend, force } => BudgetOp::Settle {
+                    give: give % (scale / 4).max(1),
+                    spend: spend % (scale / 4).max(1),
+                    force: force % (scale / 20).max(1),
+                },
+            })
+            .collect();
+        run_budget(budgets, ops);
+    }
 }

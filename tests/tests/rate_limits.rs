@@ -870,6 +870,82 @@ async fn two_edges_share_one_keys_requests_and_tokens_through_redis() {
     .expect("within the limit");
 }
 
+/// Two Edges share one key's spend budget through Redis: what one spent is what the other
+/// sees, so the second cannot spend the budget again (each would, counting alone).
+#[tokio::test]
+async fn two_edges_share_one_keys_budget_through_redis() {
+    tokio::time::timeout(LIMIT, async {
+        let redis = Redis::start();
+        let shared = SharedConfig::new(redis.url());
+        let a = mesh_with("", Some(shared.clone())).await;
+        let b = mesh_with("", Some(shared)).await;
+        // $0.0001 a day; a request reserves $0.00009 and spends $0.000023: one fits.
+        let r = post(
+            &a.base,
+            "/v1/chat/completions",
+            BUD_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        // Edge B never served the key: it is refused all the same, at once "held" (Edge A holds
+        // the rest as credit; its spend is reported within a second), then for good.
+        let r = post(
+            &b.base,
+            "/v1/chat/completions",
+            BUD_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 429, "{:?}", r.text().await);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = post(
+                &b.base,
+                "/v1/chat/completions",
+                BUD_KEY,
+                &chat("via-chat", false),
+            )
+            .await;
+            assert_eq!(r.status(), 429);
+            if header(&r, "x-should-retry").as_deref() == Some("false") {
+                assert!(r.text().await.unwrap().contains("insufficient_quota"));
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never refused for good"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Edge A too, once its own credit does not cover a request.
+        let r = post(
+            &a.base,
+            "/v1/chat/completions",
+            BUD_KEY,
+            &chat("via-chat", false),
+        )
+        .await;
+        assert_eq!(r.status(), 429);
+        assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
+        // The day's hash, under the key's hash tag; no month budget, no month hash.
+        assert_eq!(redis.keys("iop:rl:{bud}:b:*"), 1);
+        let takes = metric(
+            &a.base,
+            "iop_edge_ratelimit_store_calls_total{op=\"budget_take\"} ",
+        )
+        .await
+            + metric(
+                &b.base,
+                "iop_edge_ratelimit_store_calls_total{op=\"budget_take\"} ",
+            )
+            .await;
+        assert!(takes >= 2, "{takes}");
+    })
+    .await
+    .expect("within the limit");
+}
+
 #[tokio::test]
 async fn redis_killed_and_restarted_under_load_fails_as_configured_and_recovers() {
     tokio::time::timeout(LIMIT, async {

@@ -666,6 +666,7 @@ async fn limit(
     let budget_hold = match limiter
         .budgets()
         .reserve(key, &budget, group, input, output)
+        .await
     {
         Ok(h) => h,
         Err(refusal) => {
@@ -739,6 +740,12 @@ fn budget_refused(dialect: Dialect, refusal: crate::limits::budget::BudgetRefusa
                 "this key's spend budget is held by requests in flight",
                 Some("rate_limit_exceeded"),
             );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(1));
+            r
+        }
+        BudgetRefusal::Unavailable => {
+            let mut r = render::overloaded(dialect, "budget store unavailable");
             r.headers_mut()
                 .insert(header::RETRY_AFTER, header::HeaderValue::from(1));
             r

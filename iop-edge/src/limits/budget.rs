@@ -21,8 +21,24 @@
 //! **Across restarts.** With usage records in SQLite ([`crate::usage::SqliteUsage`]), a key's
 //! spend for the current day and month is read back from the daily rollup the first time the
 //! key is seen, so a restart does not reset a budget. Without a usage store, spend lives in
-//! memory (a restart resets it). Budgets are enforced per Edge: with `[auth.shared]`, each Edge
-//! holds the whole budget for itself (sharing spend through Redis is not built yet).
+//! memory (a restart resets it).
+//!
+//! **Shared by several Edges** (with `[auth.shared]`): a key's budgets hold for all Edges
+//! together, kept in Redis next to its rate limits (`budget.lua`: one call per decision, the
+//! key id as hash tag; a hash per key and UTC day, one per month, in nano-dollars: `charged`
+//! and `spent`). As for rate limits, an Edge **borrows ahead**: when its credit for a key does
+//! not cover a reservation it takes what is missing plus up to `budget / borrow_divisor` more
+//! (at most `1/share` of what is left), and reserves from that credit with no round trip. At
+//! the end a reservation's unspent part goes back into the credit; an underestimate the
+//! credit does not cover is charged later. Once a second, in the background, each Edge reports
+//! what it spent, charges what it owes and gives back credit unused for `credit_idle`. So
+//! every dollar an Edge spends was charged in Redis before it was spent: the Edges together
+//! exceed a budget by no more than their requests' underestimates, as one Edge alone; and a
+//! restarted Edge finds the day's and month's spend in Redis. A refusal is final
+//! (`Exhausted`) when the reported spend alone leaves no room (it lags by up to a second),
+//! otherwise `Held` (credit held by other Edges or reservations in flight: retry shortly).
+//! When Redis cannot decide: `on_unavailable = "local"` falls back to this Edge's own count
+//! (what it spends then is not reported to Redis), `"closed"` refuses with 503.
 //!
 //! Choice: a model without a price costs nothing (its requests pass any budget).
 
@@ -113,6 +129,8 @@ pub enum BudgetRefusal {
     },
     /// It fits only once reservations in flight settle: retry shortly.
     Held,
+    /// Shared budgets whose store cannot decide, with `on_unavailable = "closed"` (503).
+    Unavailable,
 }
 
 /// The UTC day and month a time falls in: indexes, and the rollup's day and month strings.
@@ -165,6 +183,68 @@ pub struct Budgets {
     prices: BTreeMap<String, Price>,
     spend: Mutex<HashMap<String, Spend>>,
     usage: OnceLock<Arc<dyn crate::usage::UsageSink>>,
+    fleet: Option<Fleet>,
+}
+
+/// Shared budgets: the store and this Edge's credit per key (module docs).
+struct Fleet {
+    store: Arc<super::shared::RateStore>,
+    on_unavailable: super::OnUnavailable,
+    borrow_divisor: u64,
+    share: u64,
+    credit_idle: std::time::Duration,
+    keys: Mutex<HashMap<String, FleetKey>>,
+    flusher: OnceLock<()>,
+    /// The limiter's store-call and store-error metrics.
+    calls: prometheus_client::metrics::family::Family<
+        super::metrics::OpLabel,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    errors: prometheus_client::metrics::counter::Counter,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet").finish_non_exhaustive()
+    }
+}
+
+/// One key's shared-budget state on this Edge, for one UTC day and month.
+#[derive(Debug, Default)]
+struct FleetKey {
+    day: String,
+    month: String,
+    /// The budgets last reserved under (nano-dollars; 0: none), for the background calls.
+    budgets: [u64; 2],
+    /// Borrowed and not reserved (pico-dollars).
+    credit: u64,
+    /// Spent and not yet reported (pico-dollars).
+    spend: u64,
+    /// Owed beyond the credit and not yet charged (pico-dollars).
+    force: u64,
+    last_used: Option<std::time::Instant>,
+    borrowing: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl FleetKey {
+    fn roll(&mut self, p: &Period) {
+        if self.day != p.day_text || self.month != p.month_text {
+            // A new period: the old one's credit and debts stay with it (its hashes expire).
+            *self = Self {
+                day: p.day_text.clone(),
+                month: p.month_text.clone(),
+                borrowing: Arc::clone(&self.borrowing),
+                ..Self::default()
+            };
+        }
+    }
+}
+
+/// Pico-dollars per nano-dollar (the store counts nano-dollars: exact in Lua up to $9M).
+const PICO_PER_NANO: u64 = 1000;
+
+fn nano_budget(pusd: Option<u64>) -> u64 {
+    pusd.map_or(0, |v| (v / PICO_PER_NANO).max(1))
 }
 
 impl Budgets {
@@ -172,6 +252,31 @@ impl Budgets {
     pub fn new(prices: BTreeMap<String, Price>) -> Self {
         Self {
             prices,
+            ..Self::default()
+        }
+    }
+
+    /// Budgets shared with other Edges through `store` (`shared`'s borrowing and store-failure
+    /// settings apply).
+    pub(super) fn shared(
+        prices: BTreeMap<String, Price>,
+        store: Arc<super::shared::RateStore>,
+        shared: &super::SharedConfig,
+        metrics: &super::metrics::LimiterMetrics,
+    ) -> Self {
+        Self {
+            prices,
+            fleet: Some(Fleet {
+                store,
+                on_unavailable: shared.on_unavailable,
+                borrow_divisor: shared.borrow_divisor.max(1),
+                share: shared.share.max(1),
+                credit_idle: shared.credit_idle,
+                keys: Mutex::new(HashMap::new()),
+                flusher: OnceLock::new(),
+                calls: metrics.store_calls.clone(),
+                errors: metrics.store_errors.clone(),
+            }),
             ..Self::default()
         }
     }
@@ -186,9 +291,10 @@ impl Budgets {
         self.prices.get(model).copied()
     }
 
-    /// Reserves the estimated cost of a request of `key` to `model` against `budget`.
+    /// Reserves the estimated cost of a request of `key` to `model` against `budget` (shared
+    /// mode: from this Edge's credit, borrowing from the store when it does not cover it).
     /// `Ok(None)`: nothing to hold (no budget, or the model has no price).
-    pub fn reserve(
+    pub async fn reserve(
         self: &Arc<Self>,
         key: &str,
         budget: &Budget,
@@ -203,6 +309,196 @@ impl Budgets {
             return Ok(None);
         };
         let estimate = price.cost(input, output);
+        if let Some(fleet) = &self.fleet {
+            match self.reserve_shared(fleet, key, budget, estimate).await {
+                Ok(day) => {
+                    return Ok(Some(BudgetHold {
+                        budgets: Arc::clone(self),
+                        key: key.to_owned(),
+                        reserved: estimate,
+                        price,
+                        settled: false,
+                        shared_day: Some(day),
+                    }));
+                }
+                Err(Some(refusal)) => return Err(refusal),
+                Err(None) if fleet.on_unavailable == super::OnUnavailable::Closed => {
+                    return Err(BudgetRefusal::Unavailable);
+                }
+                // The store is away: this Edge's own count until it is back.
+                Err(None) => {}
+            }
+        }
+        self.reserve_local(key, budget, price, estimate)
+    }
+
+    /// Shared mode: `estimate` from the key's credit, borrowing what is missing. The day the
+    /// reservation was made for; `Err(None)` when the store cannot decide.
+    async fn reserve_shared(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        key: &str,
+        budget: &Budget,
+        estimate: u64,
+    ) -> Result<String, Option<BudgetRefusal>> {
+        let p = period_now();
+        let budgets = [
+            nano_budget(budget.per_day_pusd),
+            nano_budget(budget.per_month_pusd),
+        ];
+        let from_credit = |e: &mut FleetKey| {
+            e.roll(&p);
+            e.budgets = budgets;
+            e.last_used = Some(std::time::Instant::now());
+            (e.credit >= estimate).then(|| e.credit -= estimate)
+        };
+        let borrowing = {
+            let mut keys = lock(&fleet.keys);
+            let e = keys.entry(key.to_owned()).or_default();
+            if from_credit(e).is_some() {
+                return Ok(p.day_text);
+            }
+            Arc::clone(&e.borrowing)
+        };
+        // One borrow per key at a time: a burst waits for it, then spends what it took ahead.
+        let _borrowing = borrowing.lock().await;
+        let need = {
+            let mut keys = lock(&fleet.keys);
+            let e = keys.entry(key.to_owned()).or_default();
+            if from_credit(e).is_some() {
+                return Ok(p.day_text);
+            }
+            estimate - e.credit
+        };
+        self.start_flusher();
+        let ahead = budgets
+            .iter()
+            .filter(|b| **b > 0)
+            .map(|b| b / fleet.borrow_divisor)
+            .min()
+            .unwrap_or(0);
+        fleet
+            .calls
+            .get_or_create(&super::metrics::OpLabel { op: "budget_take" })
+            .inc();
+        let answer = fleet
+            .store
+            .budget_take(
+                key,
+                &p.day_text,
+                &p.month_text,
+                need.div_ceil(PICO_PER_NANO),
+                estimate.div_ceil(PICO_PER_NANO),
+                ahead,
+                fleet.share,
+                budgets,
+            )
+            .await;
+        match answer {
+            Ok(super::shared::BudgetTake::Granted(nano)) => {
+                let mut keys = lock(&fleet.keys);
+                let e = keys.entry(key.to_owned()).or_default();
+                e.roll(&p);
+                let credit = e.credit.saturating_add(nano.saturating_mul(PICO_PER_NANO));
+                // Credit others took meanwhile leaves a shortfall: owed, charged later.
+                e.force = e.force.saturating_add(estimate.saturating_sub(credit));
+                e.credit = credit.saturating_sub(estimate);
+                Ok(p.day_text)
+            }
+            Ok(super::shared::BudgetTake::Exhausted(period)) => {
+                Err(Some(BudgetRefusal::Exhausted { period }))
+            }
+            Ok(super::shared::BudgetTake::Held) => Err(Some(BudgetRefusal::Held)),
+            Err(e) => {
+                fleet.errors.inc();
+                tracing::debug!(error = %e, "shared budget store unavailable");
+                Err(None)
+            }
+        }
+    }
+
+    /// Starts the background round: once a second, each key's spend is reported, its debts
+    /// charged and its idle credit given back.
+    fn start_flusher(self: &Arc<Self>) {
+        let Some(fleet) = &self.fleet else { return };
+        fleet.flusher.get_or_init(|| {
+            let weak = Arc::downgrade(self);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    let Some(budgets) = weak.upgrade() else {
+                        return;
+                    };
+                    budgets.flush_shared().await;
+                }
+            });
+        });
+    }
+
+    /// One background round (see [`Budgets::start_flusher`]).
+    pub async fn flush_shared(&self) {
+        let Some(fleet) = &self.fleet else { return };
+        let p = period_now();
+        let mut calls = Vec::new();
+        {
+            let mut keys = lock(&fleet.keys);
+            keys.retain(|_, e| e.day == p.day_text || e.credit + e.spend + e.force > 0);
+            for (key, e) in keys.iter_mut() {
+                let idle = e.last_used.is_none_or(|t| t.elapsed() >= fleet.credit_idle);
+                let give = if idle { e.credit / PICO_PER_NANO } else { 0 };
+                let spend = e.spend / PICO_PER_NANO;
+                let force = e.force.div_ceil(PICO_PER_NANO);
+                if give + spend + force == 0 {
+                    continue;
+                }
+                e.credit -= give * PICO_PER_NANO;
+                e.spend -= spend * PICO_PER_NANO;
+                e.force = 0;
+                calls.push((
+                    key.clone(),
+                    e.day.clone(),
+                    e.month.clone(),
+                    e.budgets,
+                    give,
+                    spend,
+                    force,
+                ));
+            }
+        }
+        for (key, day, month, budgets, give, spend, force) in calls {
+            fleet
+                .calls
+                .get_or_create(&super::metrics::OpLabel {
+                    op: "budget_settle",
+                })
+                .inc();
+            let r = fleet
+                .store
+                .budget_settle(&key, &day, &month, give, spend, force, budgets)
+                .await;
+            if r.is_err() {
+                fleet.errors.inc();
+                // Kept for the next round (given-back credit stays usable meanwhile).
+                let mut keys = lock(&fleet.keys);
+                if let Some(e) = keys.get_mut(&key).filter(|e| e.day == day) {
+                    e.credit += give * PICO_PER_NANO;
+                    e.spend += spend * PICO_PER_NANO;
+                    e.force += force * PICO_PER_NANO;
+                }
+            }
+        }
+    }
+
+    /// This Edge alone: the in-process count.
+    fn reserve_local(
+        self: &Arc<Self>,
+        key: &str,
+        budget: &Budget,
+        price: Price,
+        estimate: u64,
+    ) -> Result<Option<BudgetHold>, BudgetRefusal> {
         let p = period_now();
         let mut all = self
             .spend
@@ -244,7 +540,26 @@ impl Budgets {
             reserved: estimate,
             price,
             settled: false,
+            shared_day: None,
         }))
+    }
+
+    /// Shared mode: a reservation made for `day` ends having cost `cost`.
+    fn settle_shared(&self, key: &str, day: &str, reserved: u64, cost: u64) {
+        let Some(fleet) = &self.fleet else { return };
+        let mut keys = lock(&fleet.keys);
+        let Some(e) = keys.get_mut(key).filter(|e| e.day == day) else {
+            return;
+        };
+        if cost <= reserved {
+            e.credit += reserved - cost;
+        } else {
+            let owed = cost - reserved;
+            let from_credit = owed.min(e.credit);
+            e.credit -= from_credit;
+            e.force += owed - from_credit;
+        }
+        e.spend += cost;
     }
 
     fn settle(&self, key: &str, reserved: u64, cost: u64) {
@@ -281,6 +596,8 @@ pub struct BudgetHold {
     reserved: u64,
     price: Price,
     settled: bool,
+    /// Shared mode: the UTC day the reservation was taken from the key's credit for.
+    shared_day: Option<String>,
 }
 
 impl BudgetHold {
@@ -288,7 +605,16 @@ impl BudgetHold {
     /// reservation is kept whole).
     pub fn settle(mut self, used: Option<iop_wire::runtime::Usage>) {
         let cost = used.map_or(self.reserved, |u| self.price.cost_of(&u));
-        self.budgets.settle(&self.key, self.reserved, cost);
+        self.end(cost);
+    }
+
+    fn end(&mut self, cost: u64) {
+        match &self.shared_day {
+            Some(day) => self
+                .budgets
+                .settle_shared(&self.key, day, self.reserved, cost),
+            None => self.budgets.settle(&self.key, self.reserved, cost),
+        }
         self.settled = true;
     }
 
@@ -301,9 +627,13 @@ impl BudgetHold {
 impl Drop for BudgetHold {
     fn drop(&mut self) {
         if !self.settled {
-            self.budgets.settle(&self.key, self.reserved, 0);
+            self.end(0);
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]
@@ -311,8 +641,8 @@ impl Drop for BudgetHold {
 mod tests {
     use super::*;
 
-    #[test]
-    fn concurrent_reservations_cannot_overshoot_and_exhaustion_is_final() {
+    #[tokio::test]
+    async fn concurrent_reservations_cannot_overshoot_and_exhaustion_is_final() {
         let mut prices = BTreeMap::new();
         prices.insert("m".to_owned(), Price::per_million_usd(1.0, 2.0).unwrap());
         let b = Arc::new(Budgets::new(prices));
@@ -321,25 +651,26 @@ mod tests {
             per_day_pusd: usd(0.0001),
             per_month_pusd: None,
         };
-        let first = b.reserve("k", &budget, "m", 10, 40).unwrap().unwrap();
+        let first = b.reserve("k", &budget, "m", 10, 40).await.unwrap().unwrap();
         // In flight, the second does not fit: held (retry), not exhausted.
         assert_eq!(
-            b.reserve("k", &budget, "m", 10, 40).unwrap_err(),
+            b.reserve("k", &budget, "m", 10, 40).await.unwrap_err(),
             BudgetRefusal::Held
         );
         first.settle(Some(iop_wire::runtime::Usage::new(13, 5)));
         assert_eq!(b.spent("k").0, 23_000_000);
         // Now spent + estimate > budget with nothing in flight: exhausted.
         assert_eq!(
-            b.reserve("k", &budget, "m", 10, 40).unwrap_err(),
+            b.reserve("k", &budget, "m", 10, 40).await.unwrap_err(),
             BudgetRefusal::Exhausted { period: "day" }
         );
         // A smaller request still fits; dropped unsettled, it costs nothing.
-        drop(b.reserve("k", &budget, "m", 10, 10).unwrap().unwrap());
+        drop(b.reserve("k", &budget, "m", 10, 10).await.unwrap().unwrap());
         assert_eq!(b.spent("k").0, 23_000_000);
         // No price: no budget applies.
         assert!(
             b.reserve("k", &budget, "free", 10, 1_000_000)
+                .await
                 .unwrap()
                 .is_none()
         );

@@ -9,7 +9,8 @@
 //!
 //! Spend budgets per key (per UTC day and month, at per-model prices) are [`budget`]'s:
 //! reserved at admission with the tokens, settled to the reported usage, refused for good
-//! (`x-should-retry: false`) once used up.
+//! (`x-should-retry: false`) once used up; with [`LimitsConfig::shared`], shared by the Edges
+//! through the same Redis (borrowed ahead like the rate limits).
 //!
 //! `/v1/messages/count_tokens` and `/v1/models` are not limited (they cost the provider
 //! nothing, and Anthropic limits them apart).
@@ -460,7 +461,7 @@ pub struct Limiter {
     epoch: tokio::time::Instant,
     keys: Mutex<HashMap<String, KeyEntry>>,
     metrics: LimiterMetrics,
-    store: Option<shared::RateStore>,
+    store: Option<Arc<shared::RateStore>>,
     warned: Mutex<Option<tokio::time::Instant>>,
     returner: std::sync::OnceLock<()>,
     budgets: Arc<budget::Budgets>,
@@ -478,17 +479,27 @@ impl Limiter {
     /// nothing connects until the first request; a URL that does not parse is an error here.
     pub fn new(config: LimitsConfig) -> Result<Self, shared::StoreError> {
         let store = match &config.shared {
-            Some(s) => Some(shared::RateStore::new(&s.url, &s.prefix, s.timeout)?),
+            Some(s) => Some(Arc::new(shared::RateStore::new(
+                &s.url, &s.prefix, s.timeout,
+            )?)),
             None => None,
+        };
+        let metrics = LimiterMetrics::new();
+        // Shared limits share the keys' budgets too, through the same store.
+        let budgets = match (&store, &config.shared) {
+            (Some(store), Some(s)) => {
+                budget::Budgets::shared(config.prices.clone(), Arc::clone(store), s, &metrics)
+            }
+            _ => budget::Budgets::new(config.prices.clone()),
         };
         Ok(Self {
             epoch: tokio::time::Instant::now(),
             keys: Mutex::new(HashMap::new()),
-            metrics: LimiterMetrics::new(),
+            metrics,
             store,
             warned: Mutex::new(None),
             returner: std::sync::OnceLock::new(),
-            budgets: Arc::new(budget::Budgets::new(config.prices.clone())),
+            budgets: Arc::new(budgets),
             configured: config
                 .keys
                 .iter()
@@ -901,10 +912,10 @@ pub struct Hold {
 }
 
 impl Hold {
-    /// Whether this hold holds nothing (the key has no limits and no usage is recorded): it
-    /// need not ride on the stream.
+    /// Whether this hold holds nothing (the key has no limits, no budget reservation and no
+    /// usage is recorded): it need not ride on the stream.
     pub fn is_empty(&self) -> bool {
-        self.limiter.is_none() && self.meter.is_none()
+        self.limiter.is_none() && self.meter.is_none() && self.budget.is_none()
     }
 
     /// Settles `budget` (the request's reservation against its key's spend budget) when the

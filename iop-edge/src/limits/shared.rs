@@ -27,6 +27,31 @@ use redis::aio::ConnectionManager;
 /// The script.
 pub const SCRIPT: &str = include_str!("rate.lua");
 
+/// The shared budgets' script (`budget.lua`): take credit, settle spend ([`RateStore::budget_take`]).
+pub const BUDGET_SCRIPT: &str = include_str!("budget.lua");
+
+/// A shared budget take's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BudgetTake {
+    /// This many nano-dollars were charged to the key (at least what was needed).
+    Granted(u64),
+    /// The period (`day`, `month`) has spent too much for the need to ever fit.
+    Exhausted(&'static str),
+    /// It fits only once other Edges give credit back or settle lower.
+    Held,
+}
+
+/// The Redis keys of key `id`'s budget for UTC `day` (`YYYY-MM-DD`) and `month` (`YYYY-MM`).
+fn budget_keys(prefix: &str, id: &str, day: &str, month: &str) -> [String; 2] {
+    [
+        format!("{prefix}:{{{id}}}:b:d:{day}"),
+        format!("{prefix}:{{{id}}}:b:m:{month}"),
+    ]
+}
+
+/// How long a period's hash outlives its period (a day key 3 days, a month key 40).
+const BUDGET_TTL_S: [u64; 2] = [3 * 86_400, 40 * 86_400];
+
 /// The largest per-minute limit the script computes exactly (see [`exact_in_lua`]), rounded
 /// down: what a principal's limits from a Control Plane are clamped to.
 pub const MAX_EXACT_RATE: u64 = 150_000_000;
@@ -89,6 +114,7 @@ pub struct RateStore {
     linger_ms: u64,
     timeout: Duration,
     script: redis::Script,
+    budget_script: redis::Script,
     conn: tokio::sync::Mutex<Connection>,
 }
 
@@ -120,6 +146,7 @@ impl RateStore {
             linger_ms: 1000,
             timeout,
             script: redis::Script::new(SCRIPT),
+            budget_script: redis::Script::new(BUDGET_SCRIPT),
             conn: tokio::sync::Mutex::new(Connection::default()),
         })
     }
@@ -203,6 +230,92 @@ impl RateStore {
                 Err(_) => return Err(StoreError::Unavailable("timeout".into())),
             }
         }
+    }
+
+    /// Runs the budget script once (`op`, then its arguments after the budgets and TTLs).
+    async fn budget_call(
+        &self,
+        op: &str,
+        keys: &[String; 2],
+        args: [u64; 3],
+        budgets: [u64; 2],
+        whole: u64,
+    ) -> Result<Vec<i64>, StoreError> {
+        let mut conn = self.connection().await?;
+        let mut inv = self.budget_script.prepare_invoke();
+        inv.key(&keys[0]).key(&keys[1]).arg(op);
+        for a in args {
+            inv.arg(a);
+        }
+        inv.arg(budgets[0])
+            .arg(budgets[1])
+            .arg(BUDGET_TTL_S[0])
+            .arg(BUDGET_TTL_S[1])
+            .arg(whole);
+        let mut attempts = 0;
+        loop {
+            let call = tokio::time::timeout(self.timeout, inv.invoke_async::<Vec<i64>>(&mut conn));
+            match call.await {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e))
+                    if attempts < 2
+                        && e.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    attempts += 1;
+                }
+                Ok(Err(e)) => return Err(unavailable(&e)),
+                Err(_) => return Err(StoreError::Unavailable("timeout".into())),
+            }
+        }
+    }
+
+    /// Takes `need` nano-dollars of key `id`'s budgets for `day` and `month` (and up to
+    /// `ahead` more, at most `1/share` of what is left), or nothing; `whole` is the request's
+    /// whole reservation (the caller's credit covers the rest), refused for good when the
+    /// period's spend leaves no room for it. A budget of 0 is none.
+    #[expect(clippy::too_many_arguments, reason = "one script call's arguments")]
+    pub async fn budget_take(
+        &self,
+        id: &str,
+        day: &str,
+        month: &str,
+        need: u64,
+        whole: u64,
+        ahead: u64,
+        share: u64,
+        budgets: [u64; 2],
+    ) -> Result<BudgetTake, StoreError> {
+        let keys = budget_keys(&self.prefix, id, day, month);
+        let v = self
+            .budget_call("take", &keys, [need, ahead, share.max(1)], budgets, whole)
+            .await?;
+        match v.as_slice() {
+            [1, g] => Ok(BudgetTake::Granted(u64::try_from(*g).unwrap_or(0))),
+            [0, 1] => Ok(BudgetTake::Exhausted("day")),
+            [0, 2] => Ok(BudgetTake::Exhausted("month")),
+            [0, 3] => Ok(BudgetTake::Held),
+            _ => Err(StoreError::BadReply),
+        }
+    }
+
+    /// Gives back `give` nano-dollars of credit, reports `spend` spent and charges `force` more
+    /// (an underestimate the credit did not cover), for key `id`'s `day` and `month`.
+    #[expect(clippy::too_many_arguments, reason = "one script call's arguments")]
+    pub async fn budget_settle(
+        &self,
+        id: &str,
+        day: &str,
+        month: &str,
+        give: u64,
+        spend: u64,
+        force: u64,
+        budgets: [u64; 2],
+    ) -> Result<(), StoreError> {
+        let keys = budget_keys(&self.prefix, id, day, month);
+        self.budget_call("settle", &keys, [give, spend, force], budgets, 0)
+            .await
+            .map(|_| ())
     }
 
     /// Takes `units` from every quantity (and up to `ahead` more each), or nothing. `now_us`:
