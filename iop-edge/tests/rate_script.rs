@@ -199,7 +199,10 @@ struct PureBudget {
     spent: [u64; 2],
 }
 
-#[allow(clippy::needless_range_loop, reason = "periods by index, as in the script")]
+#[allow(
+    clippy::needless_range_loop,
+    reason = "periods by index, as in the script"
+)]
 impl PureBudget {
     fn take(
         &mut self,

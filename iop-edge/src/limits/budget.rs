@@ -437,7 +437,8 @@ impl Budgets {
         });
     }
 
-    /// One background round (see [`Budgets::start_flusher`]).
+    /// One background round: each key's spend reported, its debts charged, credit unused for
+    /// `credit_idle` given back (the Edge runs it once a second; tests may call it).
     pub async fn flush_shared(&self) {
         let Some(fleet) = &self.fleet else { return };
         let p = period_now();
