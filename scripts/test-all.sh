@@ -79,14 +79,17 @@ step "services"
 . scripts/postgres.sh
 # shellcheck source=scripts/redis.sh
 . scripts/redis.sh
+# shellcheck source=scripts/redis-cluster.sh
+. scripts/redis-cluster.sh
 # shellcheck source=scripts/bind9.sh
 . scripts/bind9.sh
 # shellcheck source=scripts/pebble.sh
 . scripts/pebble.sh
 test_log="$(mktemp)"
-trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup; pebble_cleanup; bind9_cleanup' EXIT
+trap 'rm -f "$test_log"; pg_cleanup; redis_cleanup; redis_cluster_cleanup; pebble_cleanup; bind9_cleanup' EXIT
 pg_setup
 redis_setup
+redis_cluster_setup
 bind9_setup
 pebble_setup
 

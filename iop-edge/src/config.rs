@@ -33,9 +33,10 @@
 //! [auth.key_limits.team-a]           # key id team-a: exactly these instead of [auth.limits]
 //! requests_per_minute = 600
 //!
-//! [auth.shared]                      # optional: share the limits with other Edges via Redis
+//! [auth.shared]                      # optional: share limits and budgets with other Edges
 //! redis = "redis://127.0.0.1:6379/"  # or redis_env = "IOP_LIMITS_REDIS_URL" (keeps a password
 //!                                    #   out of the file)
+//! cluster = false                    # true: Redis Cluster, redis = seed URLs, comma-separated
 //! on_unavailable = "local"           # store down: "local" (each Edge alone) or "closed" (503)
 //! borrow_divisor = 16                # borrow up to limit/16 ahead of need
 //! share = 4                          #   at most 1/4 of what remains
@@ -302,6 +303,8 @@ pub struct SharedToml {
     pub redis: Option<String>,
     /// `redis_env`: or the variable holding it (a URL with a password stays out of the file).
     pub redis_env: Option<String>,
+    /// `cluster`: the URL names Redis Cluster seed nodes (comma-separated).
+    pub cluster: Option<bool>,
     /// `prefix` (default `iop:rl`).
     pub prefix: Option<String>,
     /// `on_unavailable`: `local` (default) or `closed`.
@@ -337,6 +340,7 @@ impl SharedToml {
             }
         };
         let mut c = crate::limits::SharedConfig::new(url);
+        c.cluster = self.cluster.unwrap_or(false);
         if let Some(p) = &self.prefix {
             if p.is_empty() || p.contains(['{', '}']) {
                 return Err(invalid(

@@ -6,6 +6,9 @@
 //! the same. Time is the test's own (the script takes `now`), so the sequences cover waits of
 //! any length in no time.
 //!
+//! The same properties run against a real Redis Cluster (`IOP_TEST_REDIS_CLUSTER_URL`, started
+//! by `scripts/redis-cluster.sh`): the cluster client routes each call by its keys' hash tag.
+//!
 //! Checked against deliberate breaks of the script (made, run, reverted): the extra share not
 //! divided by `share`, and a refund that rounds up; each fails here. The budget script
 //! (`budget.lua`) is checked the same way against a pure model of its rule (break: its extra
@@ -46,6 +49,29 @@ fn rate() -> impl Strategy<Value = Rate> {
         .prop_map(|(limit, secs)| Rate::new(limit, Duration::from_secs(secs)).unwrap())
 }
 
+/// The same store on the Redis Cluster `scripts/redis-cluster.sh` starts (three masters,
+/// three replicas), named in `IOP_TEST_REDIS_CLUSTER_URL`.
+fn cluster_store() -> &'static (tokio::runtime::Runtime, RateStore) {
+    static STORE: std::sync::OnceLock<(tokio::runtime::Runtime, RateStore)> =
+        std::sync::OnceLock::new();
+    STORE.get_or_init(|| {
+        let urls = std::env::var("IOP_TEST_REDIS_CLUSTER_URL").expect(
+            "IOP_TEST_REDIS_CLUSTER_URL is not set: run scripts/test-all.sh (it starts a Redis \
+             Cluster on free loopback ports: scripts/redis-cluster.sh)",
+        );
+        let seeds: Vec<String> = urls.split(',').map(str::to_owned).collect();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let prefix = format!("iop-rate-script-{}", std::process::id());
+        let s = RateStore::cluster(&seeds, &prefix, Duration::from_secs(5))
+            .unwrap()
+            .with_linger(Duration::from_secs(3600));
+        (rt, s)
+    })
+}
+
 fn store() -> &'static (tokio::runtime::Runtime, RateStore) {
     static STORE: std::sync::OnceLock<(tokio::runtime::Runtime, RateStore)> =
         std::sync::OnceLock::new();
@@ -66,9 +92,9 @@ fn store() -> &'static (tokio::runtime::Runtime, RateStore) {
     })
 }
 
-fn run(rates: [Rate; 2], ops: Vec<Op>) {
+fn run(cluster: bool, rates: [Rate; 2], ops: Vec<Op>) {
     static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let (rt, s) = store();
+    let (rt, s) = if cluster { cluster_store() } else { store() };
     let id = format!(
         "case-{}",
         CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -148,7 +174,17 @@ proptest! {
         r1 in rate(),
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        run([r0, r1], ops);
+        run(false, [r0, r1], ops);
+    }
+
+    /// The same on a Redis Cluster: each call's keys share the key id's slot.
+    #[test]
+    fn the_script_decides_as_the_pure_rule_on_a_cluster(
+        r0 in rate(),
+        r1 in rate(),
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        run(true, [r0, r1], ops);
     }
 }
 
@@ -246,9 +282,9 @@ impl PureBudget {
 
 use iop_edge::limits::shared::BudgetTake;
 
-fn run_budget(budgets: [u64; 2], ops: Vec<BudgetOp>) {
+fn run_budget(cluster: bool, budgets: [u64; 2], ops: Vec<BudgetOp>) {
     static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let (rt, s) = store();
+    let (rt, s) = if cluster { cluster_store() } else { store() };
     let id = format!(
         "budget-{}",
         CASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -297,6 +333,7 @@ proptest! {
     /// a Lua number holds exactly).
     #[test]
     fn the_budget_script_decides_as_the_pure_rule(
+        cluster in any::<bool>(),
         scale in prop_oneof![Just(10_000_000u64), Just(2_000_000_000_000_000u64)],
         day_on in any::<bool>(),
         month_on in any::<bool>(),
@@ -327,6 +364,6 @@ proptest! {
                 },
             })
             .collect();
-        run_budget(budgets, ops);
+        run_budget(cluster, budgets, ops);
     }
 }

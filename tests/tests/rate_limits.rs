@@ -624,6 +624,23 @@ fn limit_settings_errors_name_their_key() {
     };
     build("").unwrap();
     build("[auth.limits]\nrequests_per_minute = 10\n[auth.key_limits.team-a]\ntokens_per_minute = 5\n").unwrap();
+    // A Redis Cluster's seeds (nothing connects before the first request).
+    let text = config_text(
+        &dir,
+        "http://127.0.0.1:9",
+        "http://127.0.0.1:9",
+        &format!(
+            "[auth]\nkeys_file = \"{}\"\n[auth.limits]\nrequests_per_minute = 10\n[auth.shared]\nredis = \"redis://127.0.0.1:7000/,redis://127.0.0.1:7001/\"\ncluster = true\n",
+            keys.display()
+        ),
+    );
+    let built = EdgeConfigFile::parse(&text).unwrap().build().unwrap();
+    let shared = built.http.limiter.unwrap().config().shared.clone().unwrap();
+    assert!(shared.cluster);
+    assert_eq!(
+        shared.url,
+        "redis://127.0.0.1:7000/,redis://127.0.0.1:7001/"
+    );
     for (auth, expected) in [
         (
             "[auth.limits]\nrequests_per_minute = 0\n",

@@ -42,7 +42,8 @@ key: `<key or sha256:hex> <id>`), [auth.limits] and [auth.key_limits.<id>] per-k
 (requests_per_minute, tokens_per_minute, concurrent, budget_usd_per_day, budget_usd_per_month, \
 and per model under .models.<model>), [prices.<model>] input, output and cached_input USD per million tokens, \
 auth.output_estimate (tokens reserved for a request that names no cap, 1024), [auth.shared] \
-limits shared by several Edges through Redis (redis or redis_env, on_unavailable = local | \
+limits and budgets shared by several Edges through Redis (redis or redis_env; cluster = true: \
+Redis Cluster seed URLs, comma-separated; on_unavailable = local | \
 closed, borrow_divisor 16, share 4, timeout_ms 250, credit_idle_ms 2000), [usage] one record \
 per keyed request or principal in a SQLite file (sqlite, queue 65536, retention_days 30; managed \
 mode: also the spool of records sent to the Control Plane, spool_max 1000000), in managed mode \

@@ -109,7 +109,7 @@ pub struct Borrowed {
 /// The Redis side of shared limits: a connection (made on first use and re-made after a
 /// failure, at most once per [`RateStore::RECONNECT`]) and the script.
 pub struct RateStore {
-    client: redis::Client,
+    client: Client,
     prefix: String,
     linger_ms: u64,
     timeout: Duration,
@@ -118,9 +118,55 @@ pub struct RateStore {
     conn: tokio::sync::Mutex<Connection>,
 }
 
+/// One Redis server, or a Redis Cluster (the client routes each script call by its keys' hash
+/// tag: every key of one call shares the key id's slot).
+#[derive(Clone)]
+enum Client {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// A connection to either.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Connection {
-    manager: Option<ConnectionManager>,
+    manager: Option<Conn>,
     last_attempt: Option<tokio::time::Instant>,
 }
 
@@ -139,8 +185,23 @@ impl RateStore {
     /// A store at `url` (`redis://host:port/db`; `rediss://` for TLS) with keys under
     /// `prefix`, each call bounded by `timeout`. Nothing connects until the first call.
     pub fn new(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| unavailable(&e))?;
-        Ok(Self {
+        let client = Client::Single(redis::Client::open(url).map_err(|e| unavailable(&e))?);
+        Ok(Self::with_client(client, prefix, timeout))
+    }
+
+    /// A store on a Redis Cluster reached through any of `seeds` (the client learns the rest
+    /// and follows slot moves and failovers). Nothing connects until the first call.
+    pub fn cluster(seeds: &[String], prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let client = redis::cluster::ClusterClient::builder(seeds.iter().map(String::as_str))
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .build()
+            .map_err(|e| unavailable(&e))?;
+        Ok(Self::with_client(Client::Cluster(client), prefix, timeout))
+    }
+
+    fn with_client(client: Client, prefix: &str, timeout: Duration) -> Self {
+        Self {
             client,
             prefix: prefix.to_owned(),
             linger_ms: 1000,
@@ -148,7 +209,7 @@ impl RateStore {
             script: redis::Script::new(SCRIPT),
             budget_script: redis::Script::new(BUDGET_SCRIPT),
             conn: tokio::sync::Mutex::new(Connection::default()),
-        })
+        }
     }
 
     /// Keys live this long past their TAT (default 1 s); tests deciding on their own clock set
@@ -167,7 +228,7 @@ impl RateStore {
         }
     }
 
-    async fn connection(&self) -> Result<ConnectionManager, StoreError> {
+    async fn connection(&self) -> Result<Conn, StoreError> {
         let mut c = self.conn.lock().await;
         if let Some(m) = &c.manager {
             return Ok(m.clone());
@@ -178,18 +239,30 @@ impl RateStore {
             return Err(StoreError::Unavailable("reconnecting".into()));
         }
         c.last_attempt = Some(tokio::time::Instant::now());
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(200))
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout));
-        let m = tokio::time::timeout(
-            self.timeout,
-            ConnectionManager::new_with_config(self.client.clone(), config),
-        )
-        .await
-        .map_err(|_| StoreError::Unavailable("connect timeout".into()))?
-        .map_err(|e| unavailable(&e))?;
+        let m = match &self.client {
+            Client::Single(client) => {
+                let config = redis::aio::ConnectionManagerConfig::new()
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(200))
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout));
+                Conn::Single(
+                    tokio::time::timeout(
+                        self.timeout,
+                        ConnectionManager::new_with_config(client.clone(), config),
+                    )
+                    .await
+                    .map_err(|_| StoreError::Unavailable("connect timeout".into()))?
+                    .map_err(|e| unavailable(&e))?,
+                )
+            }
+            Client::Cluster(client) => Conn::Cluster(
+                tokio::time::timeout(self.timeout, client.get_async_connection())
+                    .await
+                    .map_err(|_| StoreError::Unavailable("connect timeout".into()))?
+                    .map_err(|e| unavailable(&e))?,
+            ),
+        };
         c.manager = Some(m.clone());
         Ok(m)
     }
