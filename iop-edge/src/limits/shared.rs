@@ -123,7 +123,7 @@ pub struct RateStore {
 #[derive(Clone)]
 enum Client {
     Single(redis::Client),
-    Cluster(redis::cluster::ClusterClient),
+    Cluster(Box<redis::cluster::ClusterClient>),
 }
 
 /// A connection to either.
@@ -197,7 +197,11 @@ impl RateStore {
             .response_timeout(timeout)
             .build()
             .map_err(|e| unavailable(&e))?;
-        Ok(Self::with_client(Client::Cluster(client), prefix, timeout))
+        Ok(Self::with_client(
+            Client::Cluster(Box::new(client)),
+            prefix,
+            timeout,
+        ))
     }
 
     fn with_client(client: Client, prefix: &str, timeout: Duration) -> Self {
