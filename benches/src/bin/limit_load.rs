@@ -13,8 +13,9 @@
 //! `redis-server`, and three meshes of `iop-edge` + `iop-node`, identical but for `[auth]`:
 //!
 //! - **off**: a gateway key, no limits (the baseline);
-//! - **local**: the key limited (requests, tokens, in flight) by the Edge alone;
-//! - **shared**: the same limits shared through Redis (`[auth.shared]`, defaults).
+//! - **local**: the key limited (requests, tokens, in flight) and given a monthly spend budget
+//!   (at `[prices]`), by the Edge alone;
+//! - **shared**: the same limits and budget shared through Redis (`[auth.shared]`, defaults).
 //!
 //! The limits are far above the load (a key under its limit, the case the target is about):
 //! every request is admitted, reserves its estimate and is settled to the reported usage.
@@ -243,7 +244,10 @@ fn main() {
     );
     wait_port(up);
     let ca = Ca::new("limit_load CA");
-    let limits = "[auth.limits]\nrequests_per_minute = 6000000\ntokens_per_minute = 100000000\nconcurrent = 4096\n";
+    let limits = format!(
+        "[auth.limits]\nrequests_per_minute = 6000000\ntokens_per_minute = 100000000\nconcurrent = 4096\nbudget_usd_per_month = 1000000.0\n[prices.{MODEL}]\ninput = 1.0\noutput = 2.0\n"
+    );
+    let limits = limits.as_str();
     let off = mesh(&dir, &ca, "off", up, "");
     let local = mesh(&dir, &ca, "local", up, limits);
     let shared = mesh(
@@ -290,9 +294,15 @@ fn main() {
         for round in 1..=runs {
             for (i, (m, p)) in [(&local, &pools[1]), (&shared, &pools[2])].into_iter().enumerate() {
                 let calls = |port| async move {
-                    sample(port, "iop_edge_ratelimit_store_calls_total{op=\"borrow\"} ").await
-                        + sample(port, "iop_edge_ratelimit_store_calls_total{op=\"charge\"} ").await
-                        + sample(port, "iop_edge_ratelimit_store_calls_total{op=\"refund\"} ").await
+                    let mut n = 0.0;
+                    for op in ["borrow", "charge", "refund", "budget_take", "budget_settle"] {
+                        n += sample(
+                            port,
+                            &format!("iop_edge_ratelimit_store_calls_total{{op=\"{op}\"}} "),
+                        )
+                        .await;
+                    }
+                    n
                 };
                 let (edge0, redis0) = (calls(m.http).await, redis_calls(redis_port));
                 let (o, n) = paired(&pools[0], p, rate, seconds).await;

@@ -142,17 +142,31 @@ struct Period {
     month_text: String,
 }
 
-fn period_now() -> Period {
-    let now = time::OffsetDateTime::now_utc();
+/// The current UTC period, computed (with its texts) once per day and shared: a request
+/// reads the clock and compares a day number.
+fn period_now() -> Arc<Period> {
+    static CACHE: Mutex<Option<Arc<Period>>> = Mutex::new(None);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let day = secs.div_euclid(86_400);
+    let mut cache = lock(&CACHE);
+    if let Some(p) = cache.as_ref().filter(|p| p.day == day) {
+        return Arc::clone(p);
+    }
+    let now = time::OffsetDateTime::from_unix_timestamp(secs)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     let date = now.date();
     let day_text = date.to_string();
     let month_text = day_text.get(..7).unwrap_or_default().to_owned();
-    Period {
-        day: now.unix_timestamp().div_euclid(86_400),
+    let p = Arc::new(Period {
+        day,
         month: i64::from(date.year()) * 12 + i64::from(u8::from(date.month())),
         day_text,
         month_text,
-    }
+    });
+    *cache = Some(Arc::clone(&p));
+    p
 }
 
 #[derive(Debug, Default)]
@@ -354,9 +368,14 @@ impl Budgets {
         };
         let borrowing = {
             let mut keys = lock(&fleet.keys);
-            let e = keys.entry(key.to_owned()).or_default();
+            if !keys.contains_key(key) {
+                keys.insert(key.to_owned(), FleetKey::default());
+            }
+            let Some(e) = keys.get_mut(key) else {
+                return Err(None);
+            };
             if from_credit(e).is_some() {
-                return Ok(p.day_text);
+                return Ok(p.day_text.clone());
             }
             Arc::clone(&e.borrowing)
         };
@@ -366,7 +385,7 @@ impl Budgets {
             let mut keys = lock(&fleet.keys);
             let e = keys.entry(key.to_owned()).or_default();
             if from_credit(e).is_some() {
-                return Ok(p.day_text);
+                return Ok(p.day_text.clone());
             }
             estimate - e.credit
         };
@@ -403,7 +422,7 @@ impl Budgets {
                 // Credit others took meanwhile leaves a shortfall: owed, charged later.
                 e.force = e.force.saturating_add(estimate.saturating_sub(credit));
                 e.credit = credit.saturating_sub(estimate);
-                Ok(p.day_text)
+                Ok(p.day_text.clone())
             }
             Ok(super::shared::BudgetTake::Exhausted(period)) => {
                 Err(Some(BudgetRefusal::Exhausted { period }))
