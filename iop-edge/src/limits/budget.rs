@@ -154,8 +154,8 @@ fn period_now() -> Arc<Period> {
     if let Some(p) = cache.as_ref().filter(|p| p.day == day) {
         return Arc::clone(p);
     }
-    let now = time::OffsetDateTime::from_unix_timestamp(secs)
-        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    let now =
+        time::OffsetDateTime::from_unix_timestamp(secs).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     let date = now.date();
     let day_text = date.to_string();
     let month_text = day_text.get(..7).unwrap_or_default().to_owned();
