@@ -289,9 +289,18 @@ impl RateStore {
                 .arg(x.ahead)
                 .arg(x.share);
         }
+        Self::invoke(self.timeout, &inv, &mut conn).await
+    }
+
+    /// One script call, each attempt bounded by `timeout`.
+    async fn invoke(
+        timeout: Duration,
+        inv: &redis::ScriptInvocation<'_>,
+        conn: &mut Conn,
+    ) -> Result<Vec<i64>, StoreError> {
         let mut attempts = 0;
         loop {
-            let call = tokio::time::timeout(self.timeout, inv.invoke_async::<Vec<i64>>(&mut conn));
+            let call = tokio::time::timeout(timeout, inv.invoke_async::<Vec<i64>>(conn));
             match call.await {
                 Ok(Ok(v)) => return Ok(v),
                 // The script cache was flushed (a restart, a failover): redis-rs reloads once;
@@ -329,22 +338,7 @@ impl RateStore {
             .arg(BUDGET_TTL_S[0])
             .arg(BUDGET_TTL_S[1])
             .arg(whole);
-        let mut attempts = 0;
-        loop {
-            let call = tokio::time::timeout(self.timeout, inv.invoke_async::<Vec<i64>>(&mut conn));
-            match call.await {
-                Ok(Ok(v)) => return Ok(v),
-                Ok(Err(e))
-                    if attempts < 2
-                        && e.kind()
-                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                {
-                    attempts += 1;
-                }
-                Ok(Err(e)) => return Err(unavailable(&e)),
-                Err(_) => return Err(StoreError::Unavailable("timeout".into())),
-            }
-        }
+        Self::invoke(self.timeout, &inv, &mut conn).await
     }
 
     /// Takes `need` nano-dollars of key `id`'s budgets for `day` and `month` (and up to
