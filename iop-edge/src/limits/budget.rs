@@ -464,7 +464,15 @@ impl Budgets {
         let mut calls = Vec::new();
         {
             let mut keys = lock(&fleet.keys);
-            keys.retain(|_, e| e.day == p.day_text || e.credit + e.spend + e.force > 0);
+            // A key is forgotten once it holds nothing and has been idle an hour (or its day
+            // is over): the map holds the keys in use, not every key ever seen.
+            keys.retain(|_, e| {
+                let pending = e.credit + e.spend + e.force > 0;
+                let recent = e
+                    .last_used
+                    .is_some_and(|t| t.elapsed() < std::time::Duration::from_secs(3600));
+                pending || (e.day == p.day_text && recent)
+            });
             for (key, e) in keys.iter_mut() {
                 let idle = e.last_used.is_none_or(|t| t.elapsed() >= fleet.credit_idle);
                 let give = if idle { e.credit / PICO_PER_NANO } else { 0 };
