@@ -196,6 +196,7 @@ fn the_usage_subcommand_reports_the_daily_rollup() {
             outcome,
             duration_us: 1000,
             first_byte_us: 400,
+            added_us: 150,
         });
     }
     store.flush();

@@ -547,6 +547,7 @@ fn frame_seeds(dir: &Path) {
                     outcome: "completed".into(),
                     duration_us: 812_000,
                     first_byte_us: 95_000,
+                    added_us: 310,
                 }],
             }),
         ),

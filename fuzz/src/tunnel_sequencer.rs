@@ -136,7 +136,7 @@ fn kind_of(d: &Delivery) -> Kind {
         Delivery::Start { .. } => Kind::Start,
         Delivery::Body(_) => Kind::Body,
         Delivery::Usage(_) => Kind::Usage,
-        Delivery::End => Kind::End,
+        Delivery::End { .. } => Kind::End,
         Delivery::Error { .. } => Kind::Error,
     }
 }

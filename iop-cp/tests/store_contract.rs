@@ -528,6 +528,7 @@ fn usage(id: &str, principal: &str, at_unix_ms: i64, output: u64) -> UsageRecord
         outcome: "completed".into(),
         duration_us: 5_000,
         first_byte_us: 1_000,
+        added_us: 200,
     }
 }
 

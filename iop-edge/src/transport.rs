@@ -279,6 +279,20 @@ pub trait StreamWatch: Send + Sync + 'static {
     /// The first piece of the answer's content arrived (a tunnel's first body bytes, a run's
     /// first delta): time to first byte. Called once.
     fn first_data(&mut self) {}
+
+    /// The terminal said how long the provider call took at the Node, in microseconds
+    /// ([`iop_wire::runtime::METADATA_PROVIDER_US`]; older Nodes do not say).
+    fn provider_time(&mut self, us: u64) {
+        let _ = us;
+    }
+}
+
+/// The Node's provider time on a terminal's metadata, if it sent one.
+fn provider_us(metadata: &std::collections::BTreeMap<String, String>) -> Option<u64> {
+    metadata
+        .get(iop_wire::runtime::METADATA_PROVIDER_US)?
+        .parse()
+        .ok()
 }
 
 /// How a stream ended, for a [`StreamWatch`].
@@ -343,6 +357,11 @@ impl RunStream {
             if let Some(u) = ev.usage.as_ref() {
                 w.usage(u);
             }
+            if ev.kind.is_terminal()
+                && let Some(us) = provider_us(&ev.metadata)
+            {
+                w.provider_time(us);
+            }
             match ev.kind {
                 RunEventKind::Complete => w.end(StreamEnd::Completed),
                 RunEventKind::Error => w.end(StreamEnd::Failed),
@@ -387,6 +406,14 @@ impl TunnelStream {
         }
         let ev = self.events.recv().await?;
         self.done = ev.is_terminal();
+        if let (
+            Some(w),
+            TunnelEvent::Frame(Delivery::End { metadata } | Delivery::Error { metadata, .. }),
+        ) = (self.watch.0.as_mut(), &ev)
+            && let Some(us) = provider_us(metadata)
+        {
+            w.provider_time(us);
+        }
         match (self.watch.0.as_mut(), &ev) {
             (Some(w), TunnelEvent::Frame(Delivery::Body(b))) if !self.watch.1 && !b.is_empty() => {
                 self.watch.1 = true;
@@ -394,7 +421,7 @@ impl TunnelStream {
             }
             (Some(w), TunnelEvent::Frame(Delivery::Usage(u))) => w.usage(u),
             (Some(w), TunnelEvent::Frame(Delivery::Start { status, .. })) => w.status(*status),
-            (Some(w), TunnelEvent::Frame(Delivery::End)) => w.end(StreamEnd::Completed),
+            (Some(w), TunnelEvent::Frame(Delivery::End { .. })) => w.end(StreamEnd::Completed),
             (Some(w), e) if e.is_terminal() => w.end(StreamEnd::Failed),
             _ => {}
         }

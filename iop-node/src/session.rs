@@ -520,6 +520,7 @@ async fn run_task(
         .await;
     let (dtx, drx) = mpsc::channel::<Budgeted<String>>(64);
     let budget = stream_budget();
+    let provider_started = Instant::now();
     let work = {
         let instance = instance.clone();
         exec::work(async move {
@@ -559,6 +560,10 @@ async fn run_task(
         Ended::Returned(Ok(Ok(done))) => {
             let mut ev = RunEvent::new(RunEventKind::Complete);
             ev.metadata = done.metadata;
+            ev.metadata.insert(
+                iop_wire::runtime::METADATA_PROVIDER_US.to_owned(),
+                provider_started.elapsed().as_micros().to_string(),
+            );
             ev.usage = done.usage;
             Outbound::frame(event(ev))
         }
@@ -652,6 +657,7 @@ async fn tunnel_task(
     req.credential = None;
     let (ftx, frx) = mpsc::channel::<Budgeted<TunnelPayload>>(64);
     let budget = stream_budget();
+    let provider_started = Instant::now();
     let work = {
         let instance = instance.clone();
         exec::work(async move {
@@ -697,7 +703,14 @@ async fn tunnel_task(
         Ended::Returned(Ok(Err(e))) => (error(&e.to_string(), None), false),
         Ended::Returned(Err(_)) => (error("adapter failed", None), false),
     };
-    let last = numbered(terminal);
+    let provider_us = provider_started.elapsed().as_micros().to_string();
+    let last = numbered(terminal).map(|mut f| {
+        f.metadata.insert(
+            iop_wire::runtime::METADATA_PROVIDER_US.to_owned(),
+            provider_us,
+        );
+        f
+    });
     if let Some(f) = last {
         let f = frame(f);
         let _ = out

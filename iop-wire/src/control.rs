@@ -998,6 +998,9 @@ pub struct UsageRecord {
     pub duration_us: u64,
     /// Admission to the answer's first byte, microseconds (0: not measured).
     pub first_byte_us: u64,
+    /// What the mesh added (the duration less the provider's time at the Node), microseconds
+    /// (0: not measured).
+    pub added_us: u64,
 }
 
 impl UsageRecord {
@@ -1022,6 +1025,7 @@ impl UsageRecord {
             outcome: self.outcome.clone(),
             duration_us: self.duration_us,
             first_byte_us: self.first_byte_us,
+            added_us: self.added_us,
         }
     }
 }
@@ -1053,6 +1057,7 @@ impl TryFrom<pb::UsageRecord> for UsageRecord {
             m.cost_pico_usd,
             m.duration_us,
             m.first_byte_us,
+            m.added_us,
         ]
         .into_iter()
         .all(fits)
@@ -1077,6 +1082,7 @@ impl TryFrom<pb::UsageRecord> for UsageRecord {
             outcome: m.outcome,
             duration_us: m.duration_us,
             first_byte_us: m.first_byte_us,
+            added_us: m.added_us,
         })
     }
 }

@@ -90,7 +90,11 @@ pub enum Delivery {
     /// A usage observation (not body).
     Usage(Usage),
     /// The single terminal: END. The stream is finished.
-    End,
+    End {
+        /// The terminal frame's observation metadata (e.g. the Node's `provider_us`: the
+        /// provider call's duration as the Node measured it).
+        metadata: BTreeMap<String, String>,
+    },
     /// The single terminal: ERROR. The stream is finished.
     Error {
         /// Legacy error string.
@@ -105,7 +109,7 @@ pub enum Delivery {
 impl Delivery {
     /// Whether this delivery finished the stream.
     pub fn is_terminal(&self) -> bool {
-        matches!(self, Self::End | Self::Error { .. })
+        matches!(self, Self::End { .. } | Self::Error { .. })
     }
 }
 
@@ -186,7 +190,7 @@ impl TunnelSequencer {
             TunnelPayload::ResponseStart { status, headers } => Delivery::Start { status, headers },
             TunnelPayload::Body(b) => Delivery::Body(b),
             TunnelPayload::Usage(u) => Delivery::Usage(u),
-            TunnelPayload::End => Delivery::End,
+            TunnelPayload::End => Delivery::End { metadata },
             TunnelPayload::Error {
                 error,
                 execution_failure,
@@ -325,7 +329,9 @@ mod tests {
         );
         assert_eq!(
             s.handle_frame(1, f(6, TunnelPayload::End)),
-            Ok(Delivery::End)
+            Ok(Delivery::End {
+                metadata: BTreeMap::new()
+            })
         );
         assert_eq!(s.open_streams(), 0);
         assert_eq!(

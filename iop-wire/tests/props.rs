@@ -129,7 +129,7 @@ proptest! {
                             match (&d, kind) {
                                 (Delivery::Usage(u), 2) => prop_assert_eq!(u.total_tokens, 3),
                                 (Delivery::Body(b), 1) => prop_assert_eq!(&b[..], b"data: {}\n\n"),
-                                (Delivery::Start { .. }, 0) | (Delivery::End, 3) | (Delivery::Error { .. }, 4) => {}
+                                (Delivery::Start { .. }, 0) | (Delivery::End { .. }, 3) | (Delivery::Error { .. }, 4) => {}
                                 other => panic!("delivery {other:?} for kind {kind}"),
                             }
                             Expect::Deliver { terminal: d.is_terminal() }

@@ -554,6 +554,7 @@ fn every_control_message_round_trips() {
                         outcome: "completed".into(),
                         duration_us: 812_000,
                         first_byte_us: 95_000,
+                        added_us: 310,
                     },
                     UsageRecord {
                         request_id: "req-0011223344556677-2".into(),

@@ -347,7 +347,7 @@ fn tunnel_ending(ev: &TunnelEvent) -> Option<Ending> {
         return None;
     }
     Some(match ev {
-        TunnelEvent::Frame(Delivery::End) => Ending::Complete,
+        TunnelEvent::Frame(Delivery::End { .. }) => Ending::Complete,
         TunnelEvent::Frame(Delivery::Error {
             error,
             execution_failure: Some(_),

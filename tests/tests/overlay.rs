@@ -250,7 +250,7 @@ async fn stall_sets_the_overlay_and_only_a_fresh_available_probe_clears_it() {
         );
         assert!(matches!(
             last_event(&edge, "/ok").await,
-            TunnelEvent::Frame(Delivery::End)
+            TunnelEvent::Frame(Delivery::End { .. })
         ));
         let metrics = edge.metrics().render(0, 0);
         for line in [

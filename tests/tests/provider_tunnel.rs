@@ -320,7 +320,7 @@ async fn sse_bytes_arrive_identical_and_in_order_with_usage_on_the_side() {
                 }
                 TunnelEvent::Frame(Delivery::Body(b)) => body.extend_from_slice(&b),
                 TunnelEvent::Frame(Delivery::Usage(u)) => usage.push(u),
-                TunnelEvent::Frame(Delivery::End) => terminals += 1,
+                TunnelEvent::Frame(Delivery::End { .. }) => terminals += 1,
                 other => panic!("unexpected {other:?}"),
             }
         }

@@ -1118,20 +1118,25 @@ async fn every_request_has_exactly_one_usage_record_with_its_outcome_and_tokens(
         assert!(cancelled.5, "no usage reported: the estimate, marked");
         assert_eq!(cancelled.4, 40, "the request's max_tokens");
         // The provider's cached input is recorded (the fake reports half the prompt cached),
-        // and every answered request has its time to first byte, within its duration.
+        // and every answered request has its time to first byte, within its duration; a
+        // completed one what the mesh added (its duration less the provider's time, which the
+        // Node reports on the terminal), less than the duration.
         let mut st = conn
-            .prepare("SELECT status, input_tokens, cached_input_tokens, first_byte_us, duration_us FROM usage WHERE key_id = 'tok'")
+            .prepare("SELECT status, input_tokens, cached_input_tokens, first_byte_us, duration_us, added_us FROM usage WHERE key_id = 'tok'")
             .unwrap();
-        let timed: Vec<(String, i64, i64, i64, i64)> = st
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+        let timed: Vec<(String, i64, i64, i64, i64, i64)> = st
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
             .unwrap()
             .collect::<Result<_, _>>()
             .unwrap();
-        for (status, input, cached, first, duration) in &timed {
+        for (status, input, cached, first, duration, added) in &timed {
             match status.as_str() {
                 "completed" => {
                     assert_eq!(*cached, input / 2, "{timed:?}");
                     assert!(*first > 0 && first <= duration, "{timed:?}");
+                    assert!(*added > 0 && added < duration, "{timed:?}");
                 }
                 "cancelled" => assert!(*first > 0, "its first chunk was read: {timed:?}"),
                 // The upstream's 404 has a body: its first byte counts too.

@@ -185,7 +185,7 @@ async fn tunnel_once(edge: &EdgeHandle, req: ProviderTunnelRequest) -> usize {
     while let Some(ev) = s.next().await {
         match ev {
             TunnelEvent::Frame(Delivery::Body(b)) => n += b.len(),
-            TunnelEvent::Frame(Delivery::End) => break,
+            TunnelEvent::Frame(Delivery::End { .. }) => break,
             TunnelEvent::Frame(Delivery::Start { .. } | Delivery::Usage(_)) => {}
             other => panic!("tunnel failed: {other:?}"),
         }

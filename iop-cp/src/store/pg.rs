@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS usage_records (
   provider TEXT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
   cached_input_tokens BIGINT NOT NULL, estimated BOOLEAN NOT NULL,
   cost_pico_usd BIGINT NOT NULL, outcome TEXT NOT NULL, duration_us BIGINT NOT NULL,
-  first_byte_us BIGINT NOT NULL);
+  first_byte_us BIGINT NOT NULL, added_us BIGINT NOT NULL);
 CREATE INDEX IF NOT EXISTS usage_records_at ON usage_records(at_unix_ms);
 CREATE TABLE IF NOT EXISTS usage_daily (
   day TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL, outcome TEXT NOT NULL,
@@ -691,8 +691,8 @@ impl Store for PgStore {
             .prepare(
                 "INSERT INTO usage_records (request_id, at_unix_ms, day, edge_id, principal_id, \
                  model, provider, input_tokens, output_tokens, cached_input_tokens, estimated, \
-                 cost_pico_usd, outcome, duration_us, first_byte_us) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
+                 cost_pico_usd, outcome, duration_us, first_byte_us, added_us) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
                  ON CONFLICT (request_id) DO NOTHING",
             )
             .await
@@ -739,6 +739,7 @@ impl Store for PgStore {
                         &r.outcome,
                         &to_i64(r.duration_us),
                         &to_i64(r.first_byte_us),
+                        &to_i64(r.added_us),
                     ],
                 )
                 .await

@@ -43,7 +43,7 @@ CREATE TABLE IF NOT EXISTS usage_records (
   provider TEXT NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,
   cached_input_tokens INTEGER NOT NULL, estimated INTEGER NOT NULL,
   cost_pico_usd INTEGER NOT NULL, outcome TEXT NOT NULL, duration_us INTEGER NOT NULL,
-  first_byte_us INTEGER NOT NULL);
+  first_byte_us INTEGER NOT NULL, added_us INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS usage_records_at ON usage_records(at_unix_ms);
 CREATE TABLE IF NOT EXISTS usage_daily (
   day TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL, outcome TEXT NOT NULL,
@@ -658,8 +658,9 @@ impl Store for SqliteStore {
                         "INSERT OR IGNORE INTO usage_records (request_id, at_unix_ms, day, \
                          edge_id, principal_id, model, provider, input_tokens, output_tokens, \
                          cached_input_tokens, estimated, cost_pico_usd, outcome, duration_us, \
-                         first_byte_us) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+                         first_byte_us, added_us) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, \
+                         ?16)",
                     )
                     .map_err(|e| backend(&e))?;
                 let mut daily = tx
@@ -694,6 +695,7 @@ impl Store for SqliteStore {
                             r.outcome,
                             to_i64(r.duration_us),
                             to_i64(r.first_byte_us),
+                            to_i64(r.added_us),
                         ])
                         .map_err(|e| backend(&e))?;
                     if n == 0 {

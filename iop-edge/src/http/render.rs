@@ -187,7 +187,7 @@ pub(super) async fn passthrough_with(
                         }
                         return Some((Ok::<_, std::io::Error>(b), (s, strip, fail_as_event, last)));
                     }
-                    TunnelEvent::Frame(Delivery::End) => {
+                    TunnelEvent::Frame(Delivery::End { .. }) => {
                         let rest = strip
                             .as_mut()
                             .map(iop_dialect::sse::UsageChunkFilter::finish)
@@ -271,7 +271,7 @@ async fn collect(s: &mut TunnelStream, limit: usize) -> Option<Vec<u8>> {
                 body.extend_from_slice(&b);
             }
             TunnelEvent::Frame(Delivery::Usage(_)) => {}
-            TunnelEvent::Frame(Delivery::End) => return Some(body),
+            TunnelEvent::Frame(Delivery::End { .. }) => return Some(body),
             _ => return None,
         }
     }
@@ -392,7 +392,7 @@ fn stream_translated(
             match s.next().await {
                 Some(TunnelEvent::Frame(Delivery::Body(b))) => t.feed(&b, &mut out),
                 Some(TunnelEvent::Frame(Delivery::Usage(_) | Delivery::Start { .. })) => {}
-                Some(TunnelEvent::Frame(Delivery::End)) | None => t.finish(&mut out),
+                Some(TunnelEvent::Frame(Delivery::End { .. })) | None => t.finish(&mut out),
                 Some(_) => t.fail(PROVIDER_FAILED, &mut out),
             }
             if !out.is_empty() {

@@ -1038,6 +1038,12 @@ impl crate::transport::StreamWatch for Hold {
             m.first_data();
         }
     }
+
+    fn provider_time(&mut self, us: u64) {
+        if let Some(m) = self.meter.as_mut() {
+            m.provider_us = Some(us);
+        }
+    }
 }
 
 /// The output tokens a request may use: its cap (`max_tokens`, `max_completion_tokens` or

@@ -111,6 +111,10 @@ pub struct UsageRecord {
     /// Admission to the answer's first content (time to first byte), microseconds; 0 when
     /// none arrived.
     pub first_byte_us: u64,
+    /// What the mesh added: the duration less the provider call's duration as the Node
+    /// measured it, microseconds; 0 when the Node did not report it (no provider call, an
+    /// older Node).
+    pub added_us: u64,
 }
 
 /// Where usage records go.
@@ -570,7 +574,7 @@ impl UsageSink for SqliteUsage {
         }
         let read = |conn: &rusqlite::Connection| -> rusqlite::Result<Vec<UsageRecord>> {
             let mut st = conn.prepare_cached(
-                "SELECT request_id, at_ms, key_id, model, provider, input_tokens, output_tokens, estimated, cost_pusd, status, duration_us, cached_input_tokens, first_byte_us FROM usage WHERE shipped = 0 ORDER BY at_ms, request_id LIMIT ?1",
+                "SELECT request_id, at_ms, key_id, model, provider, input_tokens, output_tokens, estimated, cost_pusd, status, duration_us, cached_input_tokens, first_byte_us, added_us FROM usage WHERE shipped = 0 ORDER BY at_ms, request_id LIMIT ?1",
             )?;
             let rows = st.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], |r| {
                 let u = |i: usize| -> rusqlite::Result<u64> {
@@ -590,6 +594,7 @@ impl UsageSink for SqliteUsage {
                     duration_us: u(10)?,
                     cached_input_tokens: u(11)?,
                     first_byte_us: u(12)?,
+                    added_us: u(13)?,
                 })
             })?;
             rows.collect()
@@ -759,7 +764,7 @@ fn insert(
     let mut dropped = 0;
     {
         let mut row = tx.prepare_cached(
-            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd, shipped, cached_input_tokens, first_byte_us) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            "INSERT OR IGNORE INTO usage (request_id, at_ms, day, key_id, model, provider, input_tokens, output_tokens, estimated, status, duration_us, cost_pusd, shipped, cached_input_tokens, first_byte_us, added_us) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
         )?;
         let mut daily = tx.prepare_cached(
             "INSERT INTO usage_daily (day, key_id, model, status, requests, input_tokens, output_tokens, cost_pusd) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7)
@@ -788,6 +793,7 @@ fn insert(
                 !spool.ship,
                 int(r.cached_input_tokens),
                 int(r.first_byte_us),
+                int(r.added_us),
             ])?;
             if inserted == 1 {
                 n += 1;
@@ -837,7 +843,7 @@ fn migrate(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
         // Rows of an older release were never meant for a Control Plane.
         conn.execute_batch("ALTER TABLE usage ADD COLUMN shipped INTEGER NOT NULL DEFAULT 1")?;
     }
-    for column in ["cached_input_tokens", "first_byte_us"] {
+    for column in ["cached_input_tokens", "first_byte_us", "added_us"] {
         let has: bool = conn.query_row(
             "SELECT count(*) > 0 FROM pragma_table_info('usage') WHERE name = ?1",
             [column],
@@ -926,6 +932,8 @@ pub struct Meter {
     output_estimate: u64,
     price: Option<crate::limits::budget::Price>,
     first_byte_us: u64,
+    /// The provider call's duration at the Node, when its terminal said.
+    pub(crate) provider_us: Option<u64>,
 }
 
 fn unix_ms() -> u64 {
@@ -960,6 +968,7 @@ impl Meter {
             output_estimate,
             price: None,
             first_byte_us: 0,
+            provider_us: None,
         }
     }
 
@@ -994,6 +1003,7 @@ impl Meter {
             outcome: Outcome::Refused,
             duration_us: 0,
             first_byte_us: 0,
+            added_us: 0,
         });
     }
 
@@ -1013,6 +1023,7 @@ impl Meter {
             ),
             None => (iop_wire::runtime::Usage::default(), false),
         };
+        let duration_us = u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.sink.record(UsageRecord {
             request_id: self.request_id,
             at_ms: self.at_ms,
@@ -1025,8 +1036,11 @@ impl Meter {
             estimated,
             cost_pusd: self.price.map_or(0, |p| p.cost_of(&usage)),
             outcome,
-            duration_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            duration_us,
             first_byte_us: self.first_byte_us,
+            added_us: self
+                .provider_us
+                .map_or(0, |p| duration_us.saturating_sub(p).max(1)),
         });
     }
 }
@@ -1051,6 +1065,7 @@ mod tests {
             outcome,
             duration_us: 10,
             first_byte_us: 5,
+            added_us: 2,
         }
     }
 

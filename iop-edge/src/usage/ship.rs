@@ -43,6 +43,7 @@ pub fn wire_record(r: &UsageRecord) -> WireRecord {
         outcome: r.outcome.as_str().to_owned(),
         duration_us: r.duration_us,
         first_byte_us: r.first_byte_us,
+        added_us: r.added_us,
     }
 }
 

@@ -418,4 +418,8 @@ pub struct UsageRecord {
     /// Admission to the first byte of the answer (microseconds; 0: not measured).
     #[prost(uint64, tag = "13")]
     pub first_byte_us: u64,
+    /// What the mesh added: duration_us less the provider call's duration as the Node measured
+    /// it (microseconds; 0: not measured).
+    #[prost(uint64, tag = "14")]
+    pub added_us: u64,
 }

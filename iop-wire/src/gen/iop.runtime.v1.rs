@@ -517,7 +517,8 @@ pub struct ProviderTunnelFrame {
     /// Legacy error string (ERROR).
     #[prost(string, tag = "7")]
     pub error: ::prost::alloc::string::String,
-    /// Observation metadata; never merged into the body.
+    /// Observation metadata; never merged into the body. On END and ERROR, a Node may set
+    /// "provider_us": the provider call's duration it measured (older Nodes do not).
     #[prost(btree_map = "string, string", tag = "8")]
     pub metadata: ::prost::alloc::collections::BTreeMap<
         ::prost::alloc::string::String,

@@ -46,6 +46,12 @@ pub use registration::*;
 pub use snapshots::*;
 pub use tunnel::*;
 
+/// Observation metadata on a run's or tunnel's terminal (added after the first release; older
+/// peers neither send nor read it): the provider call's duration in microseconds, as the Node
+/// measured it (from handing the request to its adapter to the adapter's return). The Edge
+/// subtracts it from its own time to get what the mesh added.
+pub const METADATA_PROVIDER_US: &str = "provider_us";
+
 #[cfg(test)]
 mod tests {
     use prost::Message as _;
