@@ -97,7 +97,10 @@
 //! projection each request authenticated under: a newer generation replaces every principal's
 //! limits at once (an older one is ignored), a principal without limits is not limited, and a
 //! request keeps the limits it was admitted under until it ends. The per-principal state (its
-//! rate so far, requests in flight, spend) carries over a change of limits. How this Edge
+//! rate so far, requests in flight, spend) carries over a change of limits: the rule's state is
+//! a time (GCRA's theoretical arrival time), so past use counts at the rate it was admitted
+//! under. A raised limit gives its new steady rate at once and its whole burst once that past
+//! use has gone by (at most one period of the old limit). How this Edge
 //! enforces them (`[auth.shared]`, `auth.output_estimate`, `[prices]`) stays in its own
 //! configuration; a rate above [`shared::MAX_EXACT_RATE`] is clamped to it.
 //!
