@@ -264,6 +264,7 @@ fn tunnel_request(run_id: &str, credential: Option<ManagedCredential>) -> Provid
         operation: Some(Operation::ChatCompletions),
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: credential.map(Box::new),
+        trace: None,
     }
 }
 

@@ -47,6 +47,53 @@ fn main() {
     report_decode_seeds(&root.join("report_decode"));
     ping_scanner_seeds(&root.join("ping_scanner"));
     usage_filter_seeds(&root.join("usage_filter"));
+    trace_context_seeds(&root.join("trace_context"));
+}
+
+// === trace_context ===
+
+/// The recommendation's examples, with and without a `tracestate`, a later version with more
+/// after it, and the shapes it refuses (all-zero ids, uppercase hex, version `ff`, a short one).
+/// Byte 0 is where the `tracestate` starts.
+fn trace_context_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let cases: [(&str, &str, &str); 7] = [
+        ("w3c_example", tp, ""),
+        ("with_state", tp, "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
+        (
+            "later_version",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00-x",
+            "",
+        ),
+        (
+            "zero_trace",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "",
+        ),
+        (
+            "uppercase",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "",
+        ),
+        (
+            "version_ff",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "",
+        ),
+        (
+            "short",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+            "a=b",
+        ),
+    ];
+    for (name, parent, state) in cases {
+        let mut s = vec![u8::try_from(parent.len()).expect("short")];
+        s.extend_from_slice(parent.as_bytes());
+        s.extend_from_slice(state.as_bytes());
+        iop_fuzz::trace_context::run(&s);
+        write(&dir, name, &s);
+    }
 }
 
 // === usage_filter ===
@@ -426,6 +473,11 @@ fn frame_seeds(dir: &Path) {
         timeout: Some(Duration::from_secs(120)),
         long_context: false,
         credential: None,
+        trace: iop_wire::trace::TraceContext::parse(
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            Some(b"congo=t61rcWkgMzE"),
+        )
+        .map(Box::new),
     };
     frame("run_request", &on_stream(RuntimeMessage::RunRequest(run)));
     let mut delta = RunEvent::new(RunEventKind::Delta);

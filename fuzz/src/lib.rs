@@ -11,5 +11,6 @@ pub mod report_decode;
 pub mod seed;
 pub mod signed_request;
 pub mod stream_translate;
+pub mod trace_context;
 pub mod tunnel_sequencer;
 pub mod usage_filter;

@@ -231,6 +231,7 @@ impl History {
                     let request = AcquireLeaseRequest {
                         binding: binding(p),
                         recipient_public_key,
+                        trace: None,
                     };
                     let answer = match leases.acquire(&request, 0).await {
                         Ok(lease) => AcquireLeaseResponse::Granted(lease),
@@ -659,6 +660,7 @@ impl Model for ControlModel {
                 let request = AcquireLeaseRequest {
                     binding: binding(projection),
                     recipient_public_key: h.recipient_public_key,
+                    trace: None,
                 };
                 let ticket = w.edge.acquire_lease(now, request).expect("connected");
                 w.leases.insert(

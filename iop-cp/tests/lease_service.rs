@@ -84,6 +84,7 @@ fn request(w: &World, binding: CredentialLeaseBinding) -> AcquireLeaseRequest {
     AcquireLeaseRequest {
         binding,
         recipient_public_key: *w.node.public_key().as_bytes(),
+        trace: None,
     }
 }
 

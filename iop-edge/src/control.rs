@@ -362,6 +362,7 @@ impl ControlConnector {
         let request = AcquireLeaseRequest {
             binding,
             recipient_public_key,
+            trace: None,
         };
         // Never waits: the session's queue is far from full unless the session is stuck (then
         // this fails closed).

@@ -134,6 +134,7 @@ impl ControlFrame {
                 M::AcquireLeaseRequest(pb::AcquireLeaseRequest {
                     binding: Some(m.binding.to_proto()),
                     recipient_public_key: bytes::Bytes::copy_from_slice(&m.recipient_public_key),
+                    trace: m.trace.as_ref().map(crate::trace::TraceContext::to_proto),
                 })
             }
             ControlMessage::AcquireLeaseResponse(m) => M::AcquireLeaseResponse(match m {
@@ -266,6 +267,7 @@ impl TryFrom<pb::ControlEnvelope> for ControlFrame {
                         .ok_or(InvalidMessage::MissingField("binding"))?
                         .try_into()?,
                     recipient_public_key,
+                    trace: crate::trace::TraceContext::from_proto(m.trace),
                 })
             }
             M::AcquireLeaseResponse(m) => {
@@ -933,6 +935,8 @@ pub struct AcquireLeaseRequest {
     pub binding: CredentialLeaseBinding,
     /// Selected Node's X25519 public key.
     pub recipient_public_key: [u8; 32],
+    /// The Edge's lease acquisition span, if the request is traced (see [`crate::trace`]).
+    pub trace: Option<crate::trace::TraceContext>,
 }
 
 /// Control Plane → Edge: a lease, or a refusal without any credential material.

@@ -19,6 +19,7 @@
 //! | [`health`] | the connection-scoped `health_observation_seq` |
 //! | [`liveness`] | the heartbeat and silence rule both wires share |
 //! | [`validate`] | shared field rules, including `response_stall_timeout_ms` |
+//! | [`trace`] | W3C trace context: the `traceparent`/`tracestate` headers and their binary form on both wires (advisory: a malformed one is ignored) |
 //! | [`text_tools`] | the text tool-call fallback contract: metadata keys, the `<tool_call>` text form, its splitter |
 //!
 //! The generated prost code lives in `src/gen/` (committed, private); the `iop-wire-codegen`
@@ -89,6 +90,7 @@ pub mod reconnect;
 pub mod runtime;
 pub mod text_tools;
 pub mod time;
+pub mod trace;
 pub mod tunnel_order;
 pub mod validate;
 

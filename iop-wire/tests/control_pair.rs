@@ -239,6 +239,7 @@ fn lease_answers_are_matched_and_pending_requests_fail_on_close() {
     let req = AcquireLeaseRequest {
         binding: binding(1),
         recipient_public_key: [7; 32],
+        trace: None,
     };
     let a = p.edge.acquire_lease(p.now, req.clone()).unwrap();
     let b = p.edge.acquire_lease(p.now, req).unwrap();
@@ -285,6 +286,7 @@ fn lease_answers_are_matched_and_pending_requests_fail_on_close() {
             AcquireLeaseRequest {
                 binding: binding(1),
                 recipient_public_key: [0; 32],
+                trace: None,
             }
         ),
         Err(ControlSessionError::NotConnected)
@@ -401,6 +403,7 @@ fn out_of_place_messages_close_the_session() {
             ControlMessage::AcquireLeaseRequest(AcquireLeaseRequest {
                 binding: binding(1),
                 recipient_public_key: [0; 32],
+                trace: None,
             }),
         ),
     );

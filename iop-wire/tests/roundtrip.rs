@@ -150,6 +150,13 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
             lease: lease(),
             binding: binding(),
         })),
+        trace: Some(Box::new(
+            iop_wire::trace::TraceContext::parse(
+                b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                Some(b"congo=t61rcWkgMzE"),
+            )
+            .unwrap(),
+        )),
     };
     let tunnel = ProviderTunnelRequest {
         run_id: "run-2".into(),
@@ -170,6 +177,13 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
         operation: Some(Operation::ChatCompletions),
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
+        trace: Some(Box::new(
+            iop_wire::trace::TraceContext::parse(
+                b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+                None,
+            )
+            .unwrap(),
+        )),
     };
     let mut run_error = RunEvent::new(RunEventKind::Error);
     run_error.error = "response stalled".into();
@@ -522,6 +536,10 @@ fn every_control_message_round_trips() {
             ControlMessage::AcquireLeaseRequest(AcquireLeaseRequest {
                 binding: binding(),
                 recipient_public_key: [2; 32],
+                trace: iop_wire::trace::TraceContext::parse(
+                    b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                    None,
+                ),
             }),
         ),
         ControlFrame::correlated(

@@ -436,6 +436,7 @@ async fn legacy_mode_carries_no_lease_traffic() {
         let req = iop_wire::control::AcquireLeaseRequest {
             binding,
             recipient_public_key: [9; 32],
+            trace: None,
         };
         io.send(ControlFrame::correlated(
             5,

@@ -189,6 +189,7 @@ fn tunnel_with(id: &str, body: &'static str) -> ProviderTunnelRequest {
         operation: None,
         response_stall_timeout: ResponseStallTimeout::from_duration(STALL).unwrap(),
         credential: None,
+        trace: None,
     }
 }
 
@@ -211,6 +212,7 @@ fn run_with(id: &str, input: &'static str) -> RunRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     }
 }
 

@@ -78,6 +78,7 @@ async fn ollama_stream_becomes_normalized_run_events() {
             timeout: Some(Duration::from_secs(20)),
             long_context: false,
             credential: None,
+            trace: None,
         };
         let mut s = edge.run("node-1", request).await.unwrap();
         let mut events = Vec::new();

@@ -137,6 +137,7 @@ fn tunnel_request(run_id: &str, adapter: &str, target: &str) -> ProviderTunnelRe
         operation: Some(Operation::ChatCompletions),
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
+        trace: None,
     }
 }
 
@@ -151,6 +152,7 @@ fn run_request(run_id: &str, adapter: &str, target: &str) -> RunRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     }
 }
 

@@ -83,6 +83,7 @@ fn run(id: &str, input: &str) -> RunRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     }
 }
 

@@ -216,6 +216,7 @@ fn run(stream_id: u64, run_id: &str) -> RuntimeFrame {
             timeout: None,
             long_context: false,
             credential: None,
+            trace: None,
         }))
     }
 }

@@ -157,6 +157,7 @@ fn tunnel(path: &'static str) -> PoolRequest {
             operation: None,
             response_stall_timeout: ResponseStallTimeout::DEFAULT, // replaced from the lease
             credential: None,
+            trace: None,
         })
     }
 }
@@ -337,6 +338,7 @@ async fn a_validated_run_stall_gets_handoff_metadata_and_available_evidence_sets
                 timeout: None,
                 long_context: false,
                 credential: None,
+                trace: None,
             })
         };
         let Dispatched::Run(mut s) = edge

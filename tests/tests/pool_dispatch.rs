@@ -85,6 +85,7 @@ fn build(i: usize) -> PoolRequest {
             timeout: None,
             long_context: false,
             credential: None,
+            trace: None,
         })
     }
 }

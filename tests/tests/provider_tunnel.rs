@@ -294,6 +294,7 @@ fn chat(run_id: &str, operation: Option<Operation>, path: &str) -> ProviderTunne
         operation,
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
+        trace: None,
     }
 }
 
@@ -682,6 +683,7 @@ async fn a_disconnect_cancels_the_nodes_run_and_tunnel_handlers() {
                     timeout: None,
                     long_context: false,
                     credential: None,
+                    trace: None,
                 },
             )
             .await

@@ -134,6 +134,7 @@ fn request(run_id: &str) -> RunRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     }
 }
 
@@ -313,6 +314,7 @@ async fn a_tunnel_nobody_reads() {
             operation: Some(Operation::ChatCompletions),
             response_stall_timeout: ResponseStallTimeout::DEFAULT,
             credential: None,
+            trace: None,
         };
         // Warm up: a stream read for a while, then dropped (its cancel settles).
         let mut warm = edge.tunnel("node-1", request("warm")).await.unwrap();

@@ -307,6 +307,7 @@ async fn node_registers_becomes_ready_runs_and_is_fenced_on_close() {
             timeout: None,
             long_context: false,
             credential: None,
+            trace: None,
         };
         edge.send(EdgeInput::Send { node_id: "node-1".into(), generation, frame: RuntimeFrame::on_stream(5, RuntimeMessage::RunRequest(run)) }).ok().unwrap();
         let mut kinds = Vec::new();

@@ -123,6 +123,7 @@ fn request(run_id: &str, stall_ms: i64) -> RunRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     }
 }
 

@@ -59,6 +59,7 @@ pub(crate) fn run_request() -> RuntimeFrame {
             timeout: Some(Duration::from_secs(300)),
             long_context: false,
             credential: None,
+            trace: None,
         }),
     )
 }

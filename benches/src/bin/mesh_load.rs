@@ -175,6 +175,7 @@ fn tunnel_request(id: u64, operation: Option<Operation>, path: &str) -> Provider
         operation,
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
+        trace: None,
     }
 }
 

@@ -269,6 +269,7 @@ fn run_request() -> RuntimeMessage {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     })
 }
 

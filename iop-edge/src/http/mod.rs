@@ -921,6 +921,7 @@ fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> P
         operation: Some(operation),
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
+        trace: None,
     })
 }
 
@@ -949,6 +950,7 @@ fn native_run(run_id: String, input: &Value) -> PoolRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     })
 }
 

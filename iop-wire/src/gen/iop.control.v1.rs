@@ -348,6 +348,10 @@ pub struct AcquireLeaseRequest {
     /// The selected Node's X25519 public key, learned from its authenticated registration.
     #[prost(bytes = "bytes", tag = "2")]
     pub recipient_public_key: ::prost::bytes::Bytes,
+    /// The Edge's lease acquisition span (W3C trace context): the Control Plane's span is its
+    /// child. Added after the first release; older Control Planes ignore it.
+    #[prost(message, optional, tag = "3")]
+    pub trace: ::core::option::Option<super::super::runtime::v1::TraceContext>,
 }
 /// Control Plane -> Edge: answer to AcquireLeaseRequest.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -358,6 +358,28 @@ pub struct RunRequest {
     pub credential_lease: ::core::option::Option<CredentialLease>,
     #[prost(message, optional, tag = "10")]
     pub credential_binding: ::core::option::Option<CredentialLeaseBinding>,
+    /// The Edge's dispatch attempt span (W3C trace context): the Node's spans are its children.
+    /// Added after the first release; older Nodes ignore it.
+    #[prost(message, optional, tag = "11")]
+    pub trace: ::core::option::Option<TraceContext>,
+}
+/// W3C Trace Context (<https://www.w3.org/TR/trace-context/>) of the sender's span, in binary
+/// form. A receiver ignores one that is malformed (wrong lengths, all-zero ids, an oversized or
+/// non-printable tracestate): tracing never fails a request.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct TraceContext {
+    /// 16 bytes, not all zero.
+    #[prost(bytes = "bytes", tag = "1")]
+    pub trace_id: ::prost::bytes::Bytes,
+    /// The sender's span id: 8 bytes, not all zero.
+    #[prost(bytes = "bytes", tag = "2")]
+    pub span_id: ::prost::bytes::Bytes,
+    /// W3C trace-flags (bit 0: sampled); at most 255.
+    #[prost(uint32, tag = "3")]
+    pub flags: u32,
+    /// The W3C tracestate header value, passed on unchanged; at most 512 printable ASCII bytes.
+    #[prost(string, tag = "4")]
+    pub tracestate: ::prost::alloc::string::String,
 }
 /// Node -> Edge: one event of a normalized execution stream.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -492,6 +514,9 @@ pub struct ProviderTunnelRequest {
     pub credential_lease: ::core::option::Option<CredentialLease>,
     #[prost(message, optional, tag = "16")]
     pub credential_binding: ::core::option::Option<CredentialLeaseBinding>,
+    /// As RunRequest.trace. Added after the first release; older Nodes ignore it.
+    #[prost(message, optional, tag = "17")]
+    pub trace: ::core::option::Option<TraceContext>,
 }
 /// Node -> Edge: one ordered frame of a tunnelled provider response. RESPONSE_START at most once
 /// and first, BODY zero or more, exactly one terminal END or ERROR; USAGE is observation only.

@@ -46,6 +46,9 @@ pub struct RunRequest {
     /// `RuntimeFrame` (an enum as large as its largest message) 664 bytes, moved whole on every
     /// frame of every kind.
     pub credential: Option<Box<ManagedCredential>>,
+    /// The Edge's dispatch attempt span, if the request is traced (the Node's spans are its
+    /// children; see [`crate::trace`]).
+    pub trace: Option<Box<crate::trace::TraceContext>>,
 }
 
 impl RunRequest {
@@ -63,6 +66,10 @@ impl RunRequest {
             long_context: self.long_context,
             credential_lease,
             credential_binding,
+            trace: self
+                .trace
+                .as_deref()
+                .map(crate::trace::TraceContext::to_proto),
         }
     }
 }
@@ -83,6 +90,10 @@ impl RunRequest {
             long_context: self.long_context,
             credential_lease,
             credential_binding,
+            trace: self
+                .trace
+                .as_deref()
+                .map(crate::trace::TraceContext::to_proto),
         }
     }
 }
@@ -108,6 +119,7 @@ impl TryFrom<pb::RunRequest> for RunRequest {
                 m.response_stall_timeout_ms,
             )?,
             credential: managed_credential(m.credential_lease, m.credential_binding)?,
+            trace: crate::trace::TraceContext::from_proto(m.trace).map(Box::new),
             run_id: m.run_id,
             adapter: m.adapter,
             target: m.target,

@@ -125,6 +125,9 @@ pub struct ProviderTunnelRequest {
     /// `RuntimeFrame` (an enum as large as its largest message) 664 bytes, moved whole on every
     /// frame of every kind.
     pub credential: Option<Box<ManagedCredential>>,
+    /// The Edge's dispatch attempt span, if the request is traced (the Node's spans are its
+    /// children; see [`crate::trace`]).
+    pub trace: Option<Box<crate::trace::TraceContext>>,
 }
 
 impl ProviderTunnelRequest {
@@ -151,6 +154,10 @@ impl ProviderTunnelRequest {
             response_stall_timeout_ms: self.response_stall_timeout.to_wire_ms(),
             credential_lease,
             credential_binding,
+            trace: self
+                .trace
+                .as_deref()
+                .map(crate::trace::TraceContext::to_proto),
         }
     }
 }
@@ -181,6 +188,10 @@ impl ProviderTunnelRequest {
             response_stall_timeout_ms: self.response_stall_timeout.to_wire_ms(),
             credential_lease,
             credential_binding,
+            trace: self
+                .trace
+                .as_deref()
+                .map(crate::trace::TraceContext::to_proto),
         }
     }
 }
@@ -229,6 +240,7 @@ impl TryFrom<pb::ProviderTunnelRequest> for ProviderTunnelRequest {
                 m.response_stall_timeout_ms,
             )?,
             credential: managed_credential(m.credential_lease, m.credential_binding)?,
+            trace: crate::trace::TraceContext::from_proto(m.trace).map(Box::new),
             run_id: m.run_id,
             adapter: m.adapter,
             target: m.target,

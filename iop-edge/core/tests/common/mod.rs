@@ -82,6 +82,7 @@ pub(crate) fn run_request(run_id: &str) -> RunRequest {
         timeout: None,
         long_context: false,
         credential: None,
+        trace: None,
     }
 }
 
@@ -106,5 +107,6 @@ pub(crate) fn tunnel_request(run_id: &str) -> ProviderTunnelRequest {
         operation: None,
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
+        trace: None,
     }
 }
