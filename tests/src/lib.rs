@@ -5,5 +5,6 @@
 
 pub mod net;
 pub mod node;
+pub mod otlp;
 pub mod pki;
 pub mod upstream;

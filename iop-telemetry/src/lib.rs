@@ -1,0 +1,776 @@
+//! OpenTelemetry tracing for the IOP mesh: one trace from the client to the provider.
+//!
+//! The Edge continues the client's W3C `traceparent` (or starts a trace), its dispatch attempt
+//! span's context crosses the Edge–Node wire on the run or tunnel request
+//! ([`iop_wire::trace::TraceContext`]), and the Node sends its provider call span's context to
+//! the provider as a `traceparent` header. A managed Edge's lease request carries its lease
+//! span's context to `iop-cp`. Every process exports its own spans over OTLP; the collector
+//! joins them by trace id.
+//!
+//! # Use
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), iop_telemetry::Error> {
+//! use iop_telemetry::{SpanKind, Telemetry, TelemetryConfig, attr};
+//!
+//! // Off unless an endpoint is configured here or in OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT.
+//! let config = TelemetryConfig {
+//!     endpoint: Some("http://127.0.0.1:4318".into()),
+//!     ..TelemetryConfig::default()
+//! };
+//! let telemetry = Telemetry::start(&config, "my-service")?;
+//! let parent = iop_wire::trace::TraceContext::parse(
+//!     b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+//!     None,
+//! );
+//! let mut span = telemetry.span("chat m", SpanKind::Server, parent.as_ref(), vec![
+//!     attr::operation("chat"),
+//! ]);
+//! let child = telemetry.child(&span, "attempt", SpanKind::Client, Vec::new());
+//! let for_the_next_hop = child.context(); // what crosses the wire
+//! span.fail("timeout");
+//! drop((child, span)); // a span ends when dropped
+//! telemetry.flush().await; // before exit
+//! # Ok(()) }
+//! ```
+//!
+//! # Configuration
+//!
+//! [`TelemetryConfig`] (the binaries' `[telemetry]` table and flags) wins over the standard
+//! environment variables, which the SDK and the exporter read for anything left unset:
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` | the collector; tracing is off when neither (nor the config) names one |
+//! | `OTEL_EXPORTER_OTLP_PROTOCOL`, `..._TRACES_PROTOCOL` | `http/protobuf` (default) or `grpc` |
+//! | `OTEL_EXPORTER_OTLP_HEADERS`, `..._TIMEOUT` | read by the exporter (headers are never logged) |
+//! | `OTEL_EXPORTER_OTLP_CERTIFICATE` | a PEM CA file for an `https` gRPC collector (HTTP uses the platform's roots) |
+//! | `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES` | the resource |
+//! | `OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG` | the sampler (default `parentbased_always_on`) |
+//! | `OTEL_BSP_MAX_QUEUE_SIZE`, `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, `OTEL_BSP_SCHEDULE_DELAY` | the queue (2048 spans), batch (512) and delay (5000 ms) |
+//! | `OTEL_SDK_DISABLED=true`, `OTEL_TRACES_EXPORTER=none` | off |
+//!
+//! # What it costs
+//!
+//! Off (the default), [`Telemetry::span`] records nothing: it only passes a client's context
+//! through, so the provider still sees the client's trace id. On, a finished span is handed to
+//! a bounded queue with `try_send`; one task exports batches. A slow or absent collector never
+//! blocks a request: when the queue is full, the span is dropped and counted
+//! ([`Stats::dropped`]), and a failed export counts its spans in [`Stats::failed`]; both are on
+//! the Edge's `/metrics` and logged (at most once a minute) by every process.
+//!
+//! # Why our own queue
+//!
+//! The SDK, the sampler, the id generator and the OTLP exporters are the OpenTelemetry
+//! project's. Only the span processor is ours: the SDK's batch processor drops spans when its
+//! queue is full but does not expose how many, and that count is what an operator needs to
+//! know the trace they look for was lost. Spans are explicit values passed along the request
+//! path (not a thread-local context), because a request crosses tasks and a wire.
+//!
+//! # What never goes into a span
+//!
+//! No secret (keys, tokens, leases, credentials), no prompt and no completion text: the
+//! attributes are the GenAI semantic conventions' names ([`attr`]) with model names, token
+//! counts, provider and Node ids, statuses and error kinds only.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use iop_wire::trace::TraceContext;
+use opentelemetry::trace::{
+    Span as _, SpanBuilder, SpanContext, SpanId, Status, TraceContextExt as _, TraceFlags, TraceId,
+    TraceState, Tracer as _, TracerProvider as _,
+};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{
+    Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter, SpanProcessor,
+};
+use tokio::sync::{mpsc, oneshot};
+
+pub use opentelemetry::KeyValue;
+pub use opentelemetry::trace::SpanKind;
+
+pub mod attr;
+
+/// How spans reach the collector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// OTLP/gRPC (port 4317 by convention).
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies, to `<endpoint>/v1/traces` (port 4318 by convention).
+    HttpProtobuf,
+}
+
+impl Protocol {
+    /// From the `OTEL_EXPORTER_OTLP_PROTOCOL` spelling.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim() {
+            "grpc" => Some(Self::Grpc),
+            "http/protobuf" => Some(Self::HttpProtobuf),
+            _ => None,
+        }
+    }
+}
+
+/// Tracing settings; every `None` falls back to the standard environment variable (see the
+/// crate docs), and tracing is off when no endpoint is named anywhere.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct TelemetryConfig {
+    /// The collector's base URL (`http://host:4318` for HTTP, `http://host:4317` for gRPC).
+    pub endpoint: Option<String>,
+    /// The protocol.
+    pub protocol: Option<Protocol>,
+    /// `service.name`.
+    pub service_name: Option<String>,
+    /// Parent-based ratio sampling: a request with a sampled parent is recorded, one with an
+    /// unsampled parent is not, and a new trace is recorded with this probability (0–1).
+    pub sample_ratio: Option<f64>,
+    /// Most finished spans waiting for export (default 2048).
+    pub queue_max: Option<usize>,
+}
+
+/// Why tracing could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A setting is not valid.
+    #[error("telemetry setting {setting}: {rule}")]
+    Invalid {
+        /// The config key or environment variable.
+        setting: &'static str,
+        /// What it must be.
+        rule: &'static str,
+    },
+    /// The exporter could not be built.
+    #[error("OTLP exporter: {0}")]
+    Exporter(String),
+}
+
+/// The settings once the environment filled in the gaps.
+#[derive(Clone, Debug, PartialEq)]
+struct Resolved {
+    /// Explicit endpoint (the config's); `None` = the exporter reads the environment.
+    endpoint: Option<String>,
+    protocol: Protocol,
+    service_name: Option<String>,
+    sample_ratio: Option<f64>,
+    queue_max: usize,
+    batch_max: usize,
+    delay: Duration,
+    grpc_ca: Option<String>,
+}
+
+fn env_number<T: std::str::FromStr>(
+    env: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<T>, Error> {
+    env(var)
+        .filter(|v| !v.trim().is_empty())
+        .map(|v| {
+            v.trim().parse().map_err(|_| Error::Invalid {
+                setting: var,
+                rule: "a non-negative integer",
+            })
+        })
+        .transpose()
+}
+
+impl TelemetryConfig {
+    /// Whether and how to trace, with `env` as the environment; `None` = off.
+    fn resolve(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Resolved>, Error> {
+        let set = |var: &str| env(var).filter(|v| !v.trim().is_empty());
+        if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+            || set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim() == "none")
+        {
+            return Ok(None);
+        }
+        let endpoint = self.endpoint.clone().filter(|e| !e.trim().is_empty());
+        if endpoint.is_none()
+            && set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_none()
+            && set("OTEL_EXPORTER_OTLP_ENDPOINT").is_none()
+        {
+            return Ok(None);
+        }
+        let protocol = match self.protocol {
+            Some(p) => p,
+            None => match set("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                .or_else(|| set("OTEL_EXPORTER_OTLP_PROTOCOL"))
+            {
+                None => Protocol::HttpProtobuf,
+                Some(p) => Protocol::parse(&p).ok_or(Error::Invalid {
+                    setting: "OTEL_EXPORTER_OTLP_PROTOCOL",
+                    rule: "grpc or http/protobuf",
+                })?,
+            },
+        };
+        if let Some(r) = self.sample_ratio
+            && !(0.0..=1.0).contains(&r)
+        {
+            return Err(Error::Invalid {
+                setting: "sample_ratio",
+                rule: "between 0 and 1",
+            });
+        }
+        let queue_max = match self.queue_max {
+            Some(q) => q,
+            None => env_number(env, "OTEL_BSP_MAX_QUEUE_SIZE")?.unwrap_or(2048),
+        };
+        let batch_max = env_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")?.unwrap_or(512);
+        let delay_ms: u64 = env_number(env, "OTEL_BSP_SCHEDULE_DELAY")?.unwrap_or(5000);
+        if queue_max == 0 || batch_max == 0 {
+            return Err(Error::Invalid {
+                setting: "OTEL_BSP_MAX_QUEUE_SIZE",
+                rule: "the queue and the batch hold at least one span",
+            });
+        }
+        Ok(Some(Resolved {
+            endpoint,
+            protocol,
+            service_name: self.service_name.clone(),
+            sample_ratio: self.sample_ratio,
+            queue_max,
+            batch_max: batch_max.min(queue_max),
+            delay: Duration::from_millis(delay_ms.max(1)),
+            grpc_ca: set("OTEL_EXPORTER_OTLP_CERTIFICATE"),
+        }))
+    }
+}
+
+/// What the exporter did, since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Spans sent to the collector.
+    pub exported: u64,
+    /// Spans dropped because the queue was full (the collector slow or down).
+    pub dropped: u64,
+    /// Spans whose export failed (the collector refused them, was unreachable or timed out).
+    pub failed: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    exported: AtomicU64,
+    dropped: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// The bounded queue between finished spans and the export task: `try_send`, never a wait.
+#[derive(Debug)]
+struct Queue {
+    tx: mpsc::Sender<SpanData>,
+    counters: Arc<Counters>,
+}
+
+impl SpanProcessor for Queue {
+    fn on_start(&self, _span: &mut opentelemetry_sdk::trace::Span, _cx: &opentelemetry::Context) {}
+
+    fn on_end(&self, span: SpanData) {
+        if self.tx.try_send(span).is_err() {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        // Flushing waits on the export task; that is `Telemetry::flush`, which is async.
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+        Ok(())
+    }
+}
+
+/// The export task: batches of up to `batch_max` spans, each sent when full or `delay` after
+/// its first span; a flush request sends everything queued, then answers.
+async fn export_loop<E: SpanExporter>(
+    mut rx: mpsc::Receiver<SpanData>,
+    mut flushes: mpsc::Receiver<oneshot::Sender<()>>,
+    exporter: E,
+    r: Resolved,
+    counters: Arc<Counters>,
+) {
+    let mut warned: Option<tokio::time::Instant> = None;
+    let mut batch: Vec<SpanData> = Vec::with_capacity(r.batch_max);
+    let mut export = async |batch: &mut Vec<SpanData>| {
+        if batch.is_empty() {
+            return;
+        }
+        let spans = std::mem::replace(batch, Vec::with_capacity(r.batch_max));
+        let n = spans.len() as u64;
+        let timeout = Duration::from_secs(10);
+        match tokio::time::timeout(timeout, exporter.export(spans)).await {
+            Ok(Ok(())) => {
+                counters.exported.fetch_add(n, Ordering::Relaxed);
+            }
+            outcome => {
+                counters.failed.fetch_add(n, Ordering::Relaxed);
+                let now = tokio::time::Instant::now();
+                if warned.is_none_or(|w| now.duration_since(w) >= Duration::from_secs(60)) {
+                    warned = Some(now);
+                    let why = match outcome {
+                        Err(_) => "timed out".to_owned(),
+                        Ok(Err(e)) => e.to_string(),
+                        Ok(Ok(())) => String::new(),
+                    };
+                    let s = counters_snapshot(&counters);
+                    tracing::warn!(
+                        target: "iop_telemetry",
+                        error = %why,
+                        failed = s.failed,
+                        dropped = s.dropped,
+                        "spans were not exported (logged at most once a minute)"
+                    );
+                }
+            }
+        }
+    };
+    loop {
+        let mut flush = None;
+        tokio::select! {
+            biased;
+            f = flushes.recv() => match f {
+                Some(f) => flush = Some(f),
+                None => return,
+            },
+            s = rx.recv() => match s {
+                Some(s) => {
+                    batch.push(s);
+                    let deadline = tokio::time::Instant::now() + r.delay;
+                    while batch.len() < r.batch_max {
+                        tokio::select! {
+                            biased;
+                            f = flushes.recv() => { flush = f; break; }
+                            () = tokio::time::sleep_until(deadline) => break,
+                            s = rx.recv() => match s {
+                                Some(s) => batch.push(s),
+                                None => break,
+                            },
+                        }
+                    }
+                    export(&mut batch).await;
+                }
+                None => return,
+            },
+        }
+        if let Some(done) = flush {
+            while let Ok(s) = rx.try_recv() {
+                batch.push(s);
+                if batch.len() >= r.batch_max {
+                    export(&mut batch).await;
+                }
+            }
+            export(&mut batch).await;
+            let _ = done.send(());
+        }
+    }
+}
+
+fn counters_snapshot(c: &Counters) -> Stats {
+    Stats {
+        exported: c.exported.load(Ordering::Relaxed),
+        dropped: c.dropped.load(Ordering::Relaxed),
+        failed: c.failed.load(Ordering::Relaxed),
+    }
+}
+
+struct Inner {
+    /// Kept for the tracer's lifetime (the tracer holds it weakly).
+    _provider: SdkTracerProvider,
+    tracer: SdkTracer,
+    counters: Arc<Counters>,
+    flush: mpsc::Sender<oneshot::Sender<()>>,
+}
+
+/// A process's tracer: cheap to clone; [`Telemetry::off`] (the default) records nothing.
+#[derive(Clone, Default)]
+pub struct Telemetry(Option<Arc<Inner>>);
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("on", &self.0.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn process_env(var: &str) -> Option<String> {
+    std::env::var(var).ok()
+}
+
+impl Telemetry {
+    /// Tracing off: spans record nothing and only pass a parent's context through.
+    pub fn off() -> Self {
+        Self(None)
+    }
+
+    /// Starts tracing as `config` and the environment say (off when neither names a
+    /// collector); `default_service` is `service.name` unless `OTEL_SERVICE_NAME` or the config
+    /// names one. Spawns the export task: call it inside a tokio runtime.
+    pub fn start(config: &TelemetryConfig, default_service: &str) -> Result<Self, Error> {
+        let Some(r) = config.resolve(&process_env)? else {
+            return Ok(Self::off());
+        };
+        let service = r
+            .service_name
+            .clone()
+            .or_else(|| process_env("OTEL_SERVICE_NAME").filter(|s| !s.is_empty()))
+            .unwrap_or_else(|| default_service.to_owned());
+        let resource = Resource::builder().with_service_name(service).build();
+        match r.protocol {
+            Protocol::HttpProtobuf => {
+                use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
+                let mut b = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                    .with_http_client(http_client()?);
+                if let Some(e) = &r.endpoint {
+                    b = b.with_endpoint(format!("{}/v1/traces", e.trim_end_matches('/')));
+                }
+                let exporter = b.build().map_err(|e| Error::Exporter(e.to_string()))?;
+                Ok(Self::with_exporter(exporter, r, resource))
+            }
+            Protocol::Grpc => {
+                use opentelemetry_otlp::{WithExportConfig as _, WithTonicConfig as _};
+                let mut b = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+                if let Some(e) = &r.endpoint {
+                    b = b.with_endpoint(e.clone());
+                }
+                if let Some(path) = &r.grpc_ca {
+                    let pem = std::fs::read(path).map_err(|_| Error::Invalid {
+                        setting: "OTEL_EXPORTER_OTLP_CERTIFICATE",
+                        rule: "a readable PEM file",
+                    })?;
+                    b = b.with_tls_config(
+                        tonic::transport::ClientTlsConfig::new()
+                            .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+                    );
+                }
+                let exporter = b.build().map_err(|e| Error::Exporter(e.to_string()))?;
+                Ok(Self::with_exporter(exporter, r, resource))
+            }
+        }
+    }
+
+    fn with_exporter<E: SpanExporter + 'static>(
+        mut exporter: E,
+        r: Resolved,
+        resource: Resource,
+    ) -> Self {
+        exporter.set_resource(&resource);
+        let counters = Arc::new(Counters::default());
+        let (tx, rx) = mpsc::channel(r.queue_max);
+        let (flush, flushes) = mpsc::channel(4);
+        let mut builder = SdkTracerProvider::builder()
+            .with_resource(resource)
+            .with_span_processor(Queue {
+                tx,
+                counters: counters.clone(),
+            });
+        if let Some(ratio) = r.sample_ratio {
+            builder = builder.with_sampler(Sampler::ParentBased(Box::new(
+                Sampler::TraceIdRatioBased(ratio),
+            )));
+        }
+        let provider = builder.build();
+        let tracer = provider.tracer("iop-mesh");
+        tokio::spawn(export_loop(rx, flushes, exporter, r, counters.clone()));
+        Self(Some(Arc::new(Inner {
+            _provider: provider,
+            tracer,
+            counters,
+            flush,
+        })))
+    }
+
+    /// Whether spans are recorded and exported.
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// A span whose parent is `parent` (a remote context: the client's `traceparent`, or the
+    /// previous hop's on the wire), or the root of a new trace. Off, it records nothing and
+    /// passes `parent` on.
+    pub fn span(
+        &self,
+        name: &'static str,
+        kind: SpanKind,
+        parent: Option<&TraceContext>,
+        attributes: Vec<KeyValue>,
+    ) -> Span {
+        self.span_at(name, kind, parent, attributes, None)
+    }
+
+    /// As [`Telemetry::span`], started at `start` instead of now (a wait measured before it was
+    /// known to be one).
+    pub fn span_at(
+        &self,
+        name: &'static str,
+        kind: SpanKind,
+        parent: Option<&TraceContext>,
+        attributes: Vec<KeyValue>,
+        start: Option<SystemTime>,
+    ) -> Span {
+        let Some(inner) = &self.0 else {
+            return Span(State::Remote(parent.cloned()));
+        };
+        let cx = match parent {
+            Some(p) => opentelemetry::Context::new().with_remote_span_context(span_context(p)),
+            None => opentelemetry::Context::new(),
+        };
+        let mut b = SpanBuilder::from_name(name)
+            .with_kind(kind)
+            .with_attributes(attributes);
+        if let Some(t) = start {
+            b = b.with_start_time(t);
+        }
+        Span(State::On(inner.tracer.build_with_context(b, &cx)))
+    }
+
+    /// A child of `parent`.
+    pub fn child(
+        &self,
+        parent: &Span,
+        name: &'static str,
+        kind: SpanKind,
+        attributes: Vec<KeyValue>,
+    ) -> Span {
+        self.span(name, kind, parent.context().as_ref(), attributes)
+    }
+
+    /// Export counts since start (zeros when off).
+    pub fn stats(&self) -> Stats {
+        self.0
+            .as_ref()
+            .map_or_else(Stats::default, |i| counters_snapshot(&i.counters))
+    }
+
+    /// Exports every finished span now and waits for it (up to 10 s); call before exit.
+    pub async fn flush(&self) {
+        let Some(inner) = &self.0 else { return };
+        let (tx, rx) = oneshot::channel();
+        if inner.flush.send(tx).await.is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), rx).await;
+        }
+    }
+}
+
+fn span_context(p: &TraceContext) -> SpanContext {
+    SpanContext::new(
+        TraceId::from_bytes(p.trace_id),
+        SpanId::from_bytes(p.span_id),
+        TraceFlags::new(p.flags),
+        true,
+        p.state
+            .as_deref()
+            .and_then(|s| s.parse::<TraceState>().ok())
+            .unwrap_or_default(),
+    )
+}
+
+/// The HTTP exporter's client: our reqwest, TLS by rustls with ring and the platform's roots.
+fn http_client() -> Result<reqwest::Client, Error> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = rustls_platform_verifier::Verifier::new(provider.clone())
+        .map_err(|e| Error::Exporter(format!("platform certificate verifier: {e}")))?;
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Exporter(e.to_string()))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier))
+        .with_no_client_auth();
+    reqwest::Client::builder()
+        .tls_backend_preconfigured(tls)
+        .build()
+        .map_err(|e| Error::Exporter(e.to_string()))
+}
+
+enum State {
+    /// Tracing off: the parent's context, passed on unchanged.
+    Remote(Option<TraceContext>),
+    On(opentelemetry_sdk::trace::Span),
+}
+
+/// One span; it ends when dropped. Off, it records nothing.
+pub struct Span(State);
+
+impl std::fmt::Debug for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.context() {
+            Some(c) => write!(f, "Span({c:?})"),
+            None => f.write_str("Span(none)"),
+        }
+    }
+}
+
+impl Span {
+    /// A span that records nothing and has no context.
+    pub fn none() -> Self {
+        Self(State::Remote(None))
+    }
+
+    /// The context to send to the next hop (this span as its parent): `None` when there is no
+    /// trace at all (tracing off and no client context).
+    pub fn context(&self) -> Option<TraceContext> {
+        match &self.0 {
+            State::Remote(c) => c.clone(),
+            State::On(s) => {
+                let c = s.span_context();
+                c.is_valid().then(|| TraceContext {
+                    trace_id: c.trace_id().to_bytes(),
+                    span_id: c.span_id().to_bytes(),
+                    flags: c.trace_flags().to_u8(),
+                    state: Some(c.trace_state().header()).filter(|s| !s.is_empty()),
+                })
+            }
+        }
+    }
+
+    /// The trace id as hex, for log lines (`None` without a trace).
+    pub fn trace_id(&self) -> Option<String> {
+        self.context().map(|c| c.trace_id_hex())
+    }
+
+    /// Whether this span is recorded (tracing on and sampled).
+    pub fn is_recording(&self) -> bool {
+        matches!(&self.0, State::On(s) if s.is_recording())
+    }
+
+    /// Sets an attribute.
+    pub fn set(&mut self, kv: KeyValue) {
+        if let State::On(s) = &mut self.0
+            && s.is_recording()
+        {
+            s.set_attribute(kv);
+        }
+    }
+
+    /// Adds an event (a stall, a fence, a cancel, a slow-consumer cut).
+    pub fn event(&mut self, name: &'static str, attributes: Vec<KeyValue>) {
+        if let State::On(s) = &mut self.0
+            && s.is_recording()
+        {
+            s.add_event(name, attributes);
+        }
+    }
+
+    /// Marks the span failed with `error.type` = `kind` (a fixed word, never a message).
+    pub fn fail(&mut self, kind: &'static str) {
+        if let State::On(s) = &mut self.0
+            && s.is_recording()
+        {
+            s.set_attribute(attr::error_type(kind));
+            s.set_status(Status::error(kind));
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn off_without_an_endpoint_or_when_disabled() {
+        let c = TelemetryConfig::default();
+        assert_eq!(c.resolve(&env(&[])).unwrap(), None);
+        assert_eq!(
+            c.resolve(&env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+                ("OTEL_SDK_DISABLED", "true")
+            ]))
+            .unwrap(),
+            None
+        );
+        assert_eq!(
+            c.resolve(&env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+                ("OTEL_TRACES_EXPORTER", "none")
+            ]))
+            .unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn the_config_wins_over_the_environment() {
+        let c = TelemetryConfig {
+            endpoint: Some("http://a:4317".into()),
+            protocol: Some(Protocol::Grpc),
+            queue_max: Some(16),
+            ..TelemetryConfig::default()
+        };
+        let r = c
+            .resolve(&env(&[
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                ("OTEL_BSP_MAX_QUEUE_SIZE", "99"),
+                ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+            ]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.protocol, Protocol::Grpc);
+        assert_eq!(r.queue_max, 16);
+        assert_eq!(r.batch_max, 16);
+        assert_eq!(r.delay, Duration::from_millis(100));
+        let from_env = TelemetryConfig::default()
+            .resolve(&env(&[
+                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(from_env.protocol, Protocol::Grpc);
+        assert_eq!(
+            from_env.endpoint, None,
+            "the exporter reads it from the environment"
+        );
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let e = TelemetryConfig::default()
+            .resolve(&env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+            ]))
+            .unwrap_err();
+        assert!(e.to_string().contains("OTEL_EXPORTER_OTLP_PROTOCOL"), "{e}");
+        let e = TelemetryConfig {
+            endpoint: Some("http://c".into()),
+            sample_ratio: Some(1.5),
+            ..TelemetryConfig::default()
+        }
+        .resolve(&env(&[]))
+        .unwrap_err();
+        assert!(e.to_string().contains("sample_ratio"), "{e}");
+    }
+
+    #[test]
+    fn off_passes_the_parents_context_through() {
+        let t = Telemetry::off();
+        let p = TraceContext::parse(
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            None,
+        )
+        .unwrap();
+        let s = t.span("x", SpanKind::Server, Some(&p), Vec::new());
+        let c = t.child(&s, "y", SpanKind::Client, Vec::new());
+        assert_eq!(c.context(), Some(p));
+        assert!(!c.is_recording());
+        assert_eq!(
+            t.span("z", SpanKind::Server, None, Vec::new()).context(),
+            None
+        );
+    }
+}
