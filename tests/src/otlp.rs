@@ -156,13 +156,13 @@ impl Collector {
                         Ok(req) => {
                             store.lock().expect("store").extend(flatten(req, "http"));
                             (
-                                axum::http::StatusCode::OK,
+                                http::StatusCode::OK,
                                 [("content-type", "application/x-protobuf")],
                                 ExportTraceServiceResponse::default().encode_to_vec(),
                             )
                         }
                         Err(_) => (
-                            axum::http::StatusCode::BAD_REQUEST,
+                            http::StatusCode::BAD_REQUEST,
                             [("content-type", "text/plain")],
                             b"not an ExportTraceServiceRequest".to_vec(),
                         ),
