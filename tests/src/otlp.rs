@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::http::StatusCode;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -156,13 +157,13 @@ impl Collector {
                         Ok(req) => {
                             store.lock().expect("store").extend(flatten(req, "http"));
                             (
-                                http::StatusCode::OK,
+                                StatusCode::OK,
                                 [("content-type", "application/x-protobuf")],
                                 ExportTraceServiceResponse::default().encode_to_vec(),
                             )
                         }
                         Err(_) => (
-                            http::StatusCode::BAD_REQUEST,
+                            StatusCode::BAD_REQUEST,
                             [("content-type", "text/plain")],
                             b"not an ExportTraceServiceRequest".to_vec(),
                         ),
