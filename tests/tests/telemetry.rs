@@ -3,6 +3,8 @@
 //! the resource's service name, attributes and events, and a dead collector's spans counted,
 //! never waited for.
 
+#![allow(clippy::unwrap_used, reason = "tests")]
+
 use std::time::Duration;
 
 use iop_telemetry::{KeyValue, Protocol, SpanKind, Telemetry, TelemetryConfig, attr};
