@@ -445,6 +445,8 @@ async fn managed_credentials_end_to_end() {
                 no_stream_usage: Default::default(),
                 control: Some(control.clone()),
                 body_timeout: http::DEFAULT_BODY_TIMEOUT,
+                telemetry: Default::default(),
+                no_trace_propagation: Default::default(),
             },
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

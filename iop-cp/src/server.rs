@@ -100,6 +100,10 @@ pub struct ServerConfig {
     /// The wall clock: when a lease's validity starts, when a staged issuer key is due. The
     /// system clock; a simulation passes its own ([`UnixClock::new`]).
     pub clock: UnixClock,
+    /// Where the Control Plane's spans go ([`iop_telemetry`]): each lease request is a
+    /// `lease issue` span, a child of the Edge's `lease acquire` span when the request carried
+    /// its trace. Off by default.
+    pub telemetry: iop_telemetry::Telemetry,
 }
 
 /// A wall clock in Unix milliseconds.
@@ -157,6 +161,7 @@ impl ServerConfig {
             store_poll: DEFAULT_STORE_POLL,
             clock: UnixClock::system(),
             store_watch: true,
+            telemetry: iop_telemetry::Telemetry::off(),
         }
     }
 }
@@ -660,10 +665,27 @@ async fn connection<S>(
                             .as_ref()
                             .map_or(String::new(), |(id, _)| id.clone());
                         let clock = config.clock.clone();
+                        let mut span = if config.telemetry.is_on() {
+                            config.telemetry.span(
+                                "lease issue",
+                                iop_telemetry::SpanKind::Server,
+                                request.trace.as_ref(),
+                                vec![
+                                    iop_telemetry::KeyValue::new("iop.edge.id", edge_id.clone()),
+                                    iop_telemetry::attr::node_id(request.binding.node_id.clone()),
+                                    iop_telemetry::attr::principal(
+                                        request.binding.principal_id.clone(),
+                                    ),
+                                ],
+                            )
+                        } else {
+                            iop_telemetry::Span::none()
+                        };
                         tokio::spawn(async move {
                             let answer = match leases.acquire(&request, clock.now_ms()).await {
                                 Ok(lease) => AcquireLeaseResponse::Granted(lease),
                                 Err(refusal) => {
+                                    span.fail("lease_refused");
                                     tracing::info!(target: "iop_cp", event = "cp_lease_refused", edge_id = %edge_id, reason = refusal.as_str(), "lease refused");
                                     AcquireLeaseResponse::Refused {
                                         reason: refusal.as_str().to_owned(),
@@ -672,6 +694,7 @@ async fn connection<S>(
                             };
                             // Never waits (the loop may be waiting for this task's slot).
                             let _ = out.try_send(Request::Lease(id, answer));
+                            drop(span);
                             drop(permit);
                         });
                     }

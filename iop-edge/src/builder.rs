@@ -148,6 +148,7 @@ pub struct AdapterSpec {
     operations: Option<BTreeMap<String, String>>,
     options: BTreeMap<String, String>,
     stream_usage: Option<bool>,
+    trace_propagation: Option<bool>,
     capacity: u32,
     long_context_capacity: Option<u32>,
     request_timeout: Duration,
@@ -164,6 +165,7 @@ impl AdapterSpec {
             operations: None,
             options: BTreeMap::new(),
             stream_usage: None,
+            trace_propagation: None,
             capacity: 1,
             long_context_capacity: None,
             request_timeout: Duration::ZERO,
@@ -220,6 +222,14 @@ impl AdapterSpec {
     #[must_use]
     pub fn stream_usage(mut self, ask: bool) -> Self {
         self.stream_usage = Some(ask);
+        self
+    }
+
+    /// Whether the Node sends the request's trace to this upstream as a `traceparent` header
+    /// (default true; the file's `trace_propagation`).
+    #[must_use]
+    pub fn trace_propagation(mut self, send: bool) -> Self {
+        self.trace_propagation = Some(send);
         self
     }
 
@@ -340,6 +350,7 @@ pub struct EdgeBuilder {
     rate_limits: Option<crate::limits::LimitsConfig>,
     usage: Option<Arc<dyn crate::usage::UsageSink>>,
     control_plane: Option<ControlPlaneSpec>,
+    telemetry: iop_telemetry::TelemetryConfig,
 }
 
 impl EdgeBuilder {
@@ -360,7 +371,16 @@ impl EdgeBuilder {
             rate_limits: None,
             usage: None,
             control_plane: None,
+            telemetry: iop_telemetry::TelemetryConfig::default(),
         }
+    }
+
+    /// OpenTelemetry tracing ([`iop_telemetry`]); the `OTEL_*` variables fill what it leaves
+    /// out, and it is off when neither names a collector.
+    #[must_use]
+    pub fn telemetry(mut self, telemetry: iop_telemetry::TelemetryConfig) -> Self {
+        self.telemetry = telemetry;
+        self
     }
 
     /// The Node listener's address (port 0: any free port, see [`crate::Edge::node_addr`]).
@@ -459,6 +479,7 @@ impl EdgeBuilder {
         let api_keys = self.api_keys.clone();
         let rate_limits = self.rate_limits.clone();
         let usage = self.usage.clone();
+        let telemetry = self.telemetry.clone();
         if api_keys.is_some()
             && self
                 .control_plane
@@ -502,6 +523,7 @@ impl EdgeBuilder {
             l.set_usage(Arc::clone(u));
         }
         config.http.usage = usage;
+        config.telemetry = telemetry;
         Ok(config)
     }
 
@@ -555,6 +577,7 @@ impl EdgeBuilder {
                     operations: a.operations,
                     options: a.options,
                     stream_usage: a.stream_usage,
+                    trace_propagation: a.trace_propagation,
                 });
             }
             nodes.push(config::Node {
@@ -588,6 +611,7 @@ impl EdgeBuilder {
             },
             auth: None,
             usage: None,
+            telemetry: iop_telemetry::TelemetryToml::default(),
             prices: BTreeMap::new(),
             pool: self.pool,
             limits: self.limits,

@@ -83,6 +83,7 @@
 //! targets = ["gpt-4o-mini"]
 //! # stream_usage = false             # do not ask this upstream for usage on chat streams
 //!                                    #   (stream_options.include_usage) if it refuses the field
+//! # trace_propagation = false        # do not send this upstream a traceparent header
 //!
 //! [[models]]
 //! name = "gpt-4o-mini"               # what clients ask for
@@ -210,6 +211,10 @@ pub struct EdgeConfigFile {
     /// `[prices.<model>]`: per-model prices, for budgets and the records' cost.
     #[serde(default)]
     pub prices: BTreeMap<String, PriceToml>,
+    /// `[telemetry]`: OpenTelemetry tracing ([`iop_telemetry::TelemetryToml`]); the `OTEL_*`
+    /// variables fill what it leaves out, and tracing is off when neither names a collector.
+    #[serde(default)]
+    pub telemetry: iop_telemetry::TelemetryToml,
 }
 
 /// `[usage]` ([`crate::usage`]).
@@ -707,6 +712,11 @@ pub struct Adapter {
     /// upstream that refuses the field (its streams then keep their reservation).
     #[serde(default)]
     pub stream_usage: Option<bool>,
+    /// `nodes.adapters.trace_propagation` (default true): the Node sends the request's trace
+    /// to this upstream as a `traceparent` header (`false` for one that refuses unknown
+    /// headers, or that must not learn trace ids).
+    #[serde(default)]
+    pub trace_propagation: Option<bool>,
 }
 
 fn one() -> u32 {
@@ -810,6 +820,9 @@ pub struct EdgeConfig {
     /// ([`EdgeConfigFile::build_with_tls`]; reload it yourself with
     /// [`WorkloadTls::reload_pem`]).
     pub tls_files: Option<TlsFiles>,
+    /// Tracing settings; [`crate::Edge::start`] starts the exporter (unless
+    /// [`HttpConfig::telemetry`] is already on).
+    pub telemetry: iop_telemetry::TelemetryConfig,
 }
 
 impl EdgeConfigFile {
@@ -1007,11 +1020,15 @@ impl EdgeConfigFile {
         let mut node_configs = Vec::new();
         let mut kinds = HashMap::new();
         let mut no_stream_usage = std::collections::HashSet::new();
+        let mut no_trace_propagation = std::collections::HashSet::new();
         for n in &self.nodes {
             let mut adapters = Vec::new();
             for a in &n.adapters {
                 if a.stream_usage == Some(false) {
                     no_stream_usage.insert((n.node_id.clone(), a.name.clone()));
+                }
+                if a.trace_propagation == Some(false) {
+                    no_trace_propagation.insert((n.node_id.clone(), a.name.clone()));
                 }
                 let (settings, kind) = adapter_settings(a)?;
                 kinds.insert((n.node_id.clone(), a.name.clone()), kind);
@@ -1084,6 +1101,10 @@ impl EdgeConfigFile {
             providers,
             max_queue: self.pool.max_queue,
         });
+        let telemetry = self
+            .telemetry
+            .to_config()
+            .map_err(|e| invalid("telemetry", e))?;
         let control = match &self.control_plane {
             None => None,
             Some(cp) => {
@@ -1133,6 +1154,7 @@ impl EdgeConfigFile {
             http_listen: self.listen.http,
             http: HttpConfig {
                 no_stream_usage,
+                no_trace_propagation,
                 api_keys,
                 limiter: {
                     if let (Some(l), Some(u)) = (&limiter, &usage) {
@@ -1155,6 +1177,7 @@ impl EdgeConfigFile {
             control,
             tls,
             tls_files,
+            telemetry,
         })
     }
 }

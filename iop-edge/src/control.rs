@@ -355,6 +355,18 @@ impl ControlConnector {
         binding: CredentialLeaseBinding,
         recipient_public_key: [u8; 32],
     ) -> Result<CredentialLease, LeaseError> {
+        self.acquire_lease_traced(binding, recipient_public_key, None)
+            .await
+    }
+
+    /// As [`ControlConnector::acquire_lease`], carrying the caller's lease span context to the
+    /// Control Plane (its span of the acquisition joins the same trace).
+    pub async fn acquire_lease_traced(
+        &self,
+        binding: CredentialLeaseBinding,
+        recipient_public_key: [u8; 32],
+        trace: Option<iop_wire::trace::TraceContext>,
+    ) -> Result<CredentialLease, LeaseError> {
         if !self.shared.config.managed {
             return Err(LeaseError::Disabled);
         }
@@ -362,7 +374,7 @@ impl ControlConnector {
         let request = AcquireLeaseRequest {
             binding,
             recipient_public_key,
-            trace: None,
+            trace,
         };
         // Never waits: the session's queue is far from full unless the session is stuck (then
         // this fails closed).

@@ -57,6 +57,9 @@ pub enum StartError {
     /// The Control Plane connector's settings are unusable.
     #[error("control_plane: {0}")]
     Control(#[from] ControlConfigError),
+    /// Tracing could not start (`[telemetry]` or the `OTEL_*` variables).
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] iop_telemetry::Error),
 }
 
 /// A running Edge. Dropping it leaves its tasks running until the runtime ends; call
@@ -102,8 +105,20 @@ impl Edge {
             tls,
             tls_files,
             http_listen,
+            telemetry,
             ..
         } = config;
+        if !http.telemetry.is_on() {
+            match iop_telemetry::Telemetry::start(&telemetry, "iop-edge") {
+                Ok(t) => http.telemetry = t,
+                Err(e) => {
+                    if let Some(a) = &accept {
+                        a.abort();
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
         let control = match control {
             Some(c) => {
                 let connector = ControlConnector::start(handle.clone(), c, stop.clone());
@@ -213,9 +228,10 @@ impl Edge {
         .unwrap_or_else(|e| Err(std::io::Error::other(e)))
     }
 
-    /// Stops the Node listener, the TLS reload and the Control Plane session (waiting up to
-    /// 2 s for it to close cleanly). Node connections already open end with the runtime.
+    /// Exports the spans still queued, then stops the Node listener, the TLS reload and the
+    /// Control Plane session (waiting up to 2 s for it to close cleanly). Node connections already open end with the runtime.
     pub async fn shutdown(self) {
+        self.http.telemetry.flush().await;
         self.stop.cancel();
         if let Some(a) = &self.accept {
             a.abort();

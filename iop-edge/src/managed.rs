@@ -52,6 +52,10 @@ pub(crate) struct Binder<'a> {
     machine: ManagedBinding,
     admission: Option<Admission>,
     step: Step,
+    /// Where lease acquisition spans go, and their parent (the dispatch attempt's context).
+    telemetry: Option<(iop_telemetry::Telemetry, iop_wire::trace::TraceContext)>,
+    /// How many times the binding waited for a newer projection (a stale binding re-bound).
+    pub(crate) rebinds: u32,
 }
 
 impl<'a> Binder<'a> {
@@ -81,7 +85,24 @@ impl<'a> Binder<'a> {
             machine,
             admission: Some(admission),
             step,
+            telemetry: None,
+            rebinds: 0,
         }
+    }
+
+    /// Each lease acquisition becomes a span, a child of `attempt` (sent to the Control Plane
+    /// on the lease request, so its span joins the trace).
+    pub(crate) fn traced(
+        mut self,
+        telemetry: &iop_telemetry::Telemetry,
+        attempt: &iop_telemetry::Span,
+    ) -> Self {
+        if telemetry.is_on()
+            && let Some(parent) = attempt.context()
+        {
+            self.telemetry = Some((telemetry.clone(), parent));
+        }
+        self
     }
 
     /// The new admission after a [`Run::Readmit`], and whether its provider takes the request
@@ -112,21 +133,43 @@ impl<'a> Binder<'a> {
                         return Run::Refused(Refusal::ApiMisuse);
                     };
                     granted = None;
-                    let outcome = match control.acquire_lease(binding, key).await {
+                    let mut span = match &self.telemetry {
+                        Some((t, parent)) => t.span(
+                            "lease acquire",
+                            iop_telemetry::SpanKind::Client,
+                            Some(parent),
+                            vec![
+                                iop_telemetry::attr::node_id(binding.node_id.clone()),
+                                iop_telemetry::KeyValue::new(
+                                    "iop.route.id",
+                                    binding.route_id.clone(),
+                                ),
+                            ],
+                        ),
+                        None => iop_telemetry::Span::none(),
+                    };
+                    let trace = span.context().filter(|_| span.is_recording());
+                    let outcome = match control.acquire_lease_traced(binding, key, trace).await {
                         Ok(lease) => {
                             granted = Some(lease);
                             LeaseOutcome::Granted
                         }
-                        Err(LeaseError::Refused(reason)) => LeaseOutcome::Refused(reason),
+                        Err(LeaseError::Refused(reason)) => {
+                            span.fail("lease_refused");
+                            LeaseOutcome::Refused(reason)
+                        }
                         Err(LeaseError::NotConnected | LeaseError::NoAnswer) => {
+                            span.fail("control_plane_unreachable");
                             LeaseOutcome::Unreachable
                         }
                         Err(LeaseError::Disabled) => LeaseOutcome::Disabled,
                     };
+                    drop(span);
                     self.machine
                         .handle_lease(now(), outcome, control.projection(), edge)
                 }
                 Step::AwaitProjection { after, until } => {
+                    self.rebinds += 1;
                     let left = until.saturating_duration_since(now());
                     let newer = control.projection_after(after, left).await;
                     self.machine.handle_projection(newer, edge)

@@ -15,6 +15,19 @@
 //! | `iop_edge_accept_errors_total` | `listener` = nodes, http |
 //! | `iop_edge_slow_consumers_total` | — (streams ended because their reader fell behind) |
 //! | `iop_edge_http_connections_refused_total` | — (over the HTTP connection cap) |
+//! | `gen_ai_server_request_duration_seconds` (histogram) | `endpoint`; `model` = a configured model group (the operator's list, so bounded) |
+//! | `gen_ai_server_time_to_first_token_seconds` (histogram) | `endpoint`, `model`: to the answer's first content |
+//! | `gen_ai_server_time_per_output_token_seconds` (histogram) | `endpoint`, `model`: (end − first content) ÷ (output tokens − 1), when the provider reported more than one |
+//! | `gen_ai_client_token_usage` (histogram) | `endpoint`, `model`, `token_type` = input, output: as the provider reported them |
+//! | `iop_edge_gateway_overhead_seconds` (histogram) | `endpoint`: the Edge's time for a request minus the provider call's time as the Node measured it (sent back on the terminal): what the mesh adds |
+//! | `iop_telemetry_spans_total` | `outcome` = exported, dropped (the export queue was full), failed (the collector refused or was unreachable) |
+//!
+//! The `gen_ai_*` names are the OpenTelemetry GenAI semantic conventions' metrics
+//! (`gen_ai.server.request.duration`, `gen_ai.server.time_to_first_token`,
+//! `gen_ai.server.time_per_output_token`, `gen_ai.client.token.usage`: the Edge is a GenAI
+//! server to its clients and a client of the providers' token counts) written as Prometheus
+//! names, with the conventions' bucket boundaries. A request's duration runs from the handler's
+//! start to the end of its response body (the whole stream).
 //!
 //! The matching structured log events are `edge_provider_health_observation` and
 //! `edge_liveness_recovery_observation` (tracing, target `iop_edge`), emitted after the overlay
@@ -39,6 +52,41 @@ use prometheus_client::registry::Registry;
 /// Histogram bucket bounds, seconds.
 const BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// `gen_ai.server.request.duration`'s recommended boundaries, seconds.
+const GENAI_DURATION: [f64; 14] = [
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
+/// `gen_ai.server.time_to_first_token`'s, seconds.
+const GENAI_TTFT: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
+/// `gen_ai.server.time_per_output_token`'s, seconds.
+const GENAI_TPOT: [f64; 13] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+];
+/// `gen_ai.client.token.usage`'s, tokens.
+const GENAI_TOKENS: [f64; 14] = [
+    1.0,
+    4.0,
+    16.0,
+    64.0,
+    256.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+    262_144.0,
+    1_048_576.0,
+    4_194_304.0,
+    16_777_216.0,
+    67_108_864.0,
+];
+/// The gateway's overhead, seconds: fine at the bottom, where a mesh's figures are.
+const OVERHEAD: [f64; 14] = [
+    0.000_05, 0.000_1, 0.000_2, 0.000_3, 0.000_5, 0.000_75, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05,
+    0.1, 1.0,
 ];
 
 /// A label value written as its fixed name.
@@ -234,6 +282,88 @@ fn new_histogram() -> Histogram {
     Histogram::new(BUCKETS)
 }
 
+/// `endpoint` and `model` (a configured model group).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ModelLabels {
+    endpoint: Endpoint,
+    model: String,
+}
+
+/// [`ModelLabels`] and the token type.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TokenLabels {
+    endpoint: Endpoint,
+    model: String,
+    token_type: TokenType,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum TokenType {
+    Input,
+    Output,
+}
+
+impl TokenType {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Input => "input",
+            Self::Output => "output",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum SpanOutcome {
+    Exported,
+    Dropped,
+    Failed,
+}
+
+impl SpanOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Exported => "exported",
+            Self::Dropped => "dropped",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+label_values!(TokenType, SpanOutcome);
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SpanLabels {
+    outcome: SpanOutcome,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// What one finished model request measured ([`Metrics::model_request`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ModelRequest {
+    /// Handler start to the end of the response body.
+    pub duration: Duration,
+    /// To the answer's first content, if any came.
+    pub first_content: Option<Duration>,
+    /// The provider's reported (input, output) tokens, if it reported them.
+    pub tokens: Option<(u64, u64)>,
+    /// The provider call's duration at the Node, if the Node said.
+    pub provider: Option<Duration>,
+}
+
+/// The GenAI histograms.
+#[derive(Debug)]
+struct GenAi {
+    duration: HistogramFamily<ModelLabels>,
+    ttft: HistogramFamily<ModelLabels>,
+    tpot: HistogramFamily<ModelLabels>,
+    tokens: HistogramFamily<TokenLabels>,
+    overhead: Vec<Histogram>,
+    spans: Vec<Counter>,
+    /// Serializes the scrape-time update of `spans`.
+    spans_seen: std::sync::Mutex<[u64; 3]>,
+}
+
 /// The Edge's metrics. Cheap to share (`Arc`).
 #[derive(Debug)]
 pub struct Metrics {
@@ -252,6 +382,83 @@ pub struct Metrics {
     http_refused: Counter,
     queue_depth: Gauge,
     in_flight: Gauge,
+    genai: GenAi,
+}
+
+fn histogram_family<
+    L: EncodeLabelSet + Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync + 'static,
+>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    make: fn() -> Histogram,
+) -> HistogramFamily<L> {
+    let f = HistogramFamily::<L>::new_with_constructor(make);
+    registry.register(name, help, f.clone());
+    f
+}
+
+impl GenAi {
+    fn new(r: &mut Registry) -> Self {
+        let duration = histogram_family(
+            r,
+            "gen_ai_server_request_duration_seconds",
+            "GenAI request duration, to the end of the response body",
+            || Histogram::new(GENAI_DURATION),
+        );
+        let ttft = histogram_family(
+            r,
+            "gen_ai_server_time_to_first_token_seconds",
+            "Time to the answer's first content",
+            || Histogram::new(GENAI_TTFT),
+        );
+        let tpot = histogram_family(
+            r,
+            "gen_ai_server_time_per_output_token_seconds",
+            "Time per output token after the first",
+            || Histogram::new(GENAI_TPOT),
+        );
+        let tokens = histogram_family(
+            r,
+            "gen_ai_client_token_usage",
+            "Tokens per request as the provider reported them",
+            || Histogram::new(GENAI_TOKENS),
+        );
+        let overhead_family = histogram_family::<EndpointLabels>(
+            r,
+            "iop_edge_gateway_overhead_seconds",
+            "The Edge's time minus the provider call's time at the Node",
+            || Histogram::new(OVERHEAD),
+        );
+        let overhead = Endpoint::ALL
+            .iter()
+            .map(|&endpoint| {
+                overhead_family
+                    .get_or_create(&EndpointLabels { endpoint })
+                    .clone()
+            })
+            .collect();
+        let spans = counters(
+            r,
+            "iop_telemetry_spans",
+            "Finished trace spans by what became of them",
+            &[
+                SpanOutcome::Exported,
+                SpanOutcome::Dropped,
+                SpanOutcome::Failed,
+            ],
+            |outcome| SpanLabels { outcome },
+        );
+        Self {
+            duration,
+            ttft,
+            tpot,
+            tokens,
+            overhead,
+            spans,
+            spans_seen: std::sync::Mutex::new([0; 3]),
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -363,8 +570,10 @@ impl Default for Metrics {
             "Provider leases held",
             in_flight.clone(),
         );
+        let genai = GenAi::new(&mut r);
         Self {
             registry: r,
+            genai,
             evidence,
             transitions,
             eligibility,
@@ -459,6 +668,61 @@ impl Metrics {
         let e = index_of(&Endpoint::ALL, &endpoint);
         self.requests[e][usize::from(!ok)].inc();
         self.durations[e].observe(duration.as_secs_f64());
+    }
+
+    /// One finished model request of `endpoint` to configured model group `model` (the
+    /// GenAI histograms and the gateway overhead).
+    pub fn model_request(&self, endpoint: Endpoint, model: &str, m: &ModelRequest) {
+        let g = &self.genai;
+        let labels = ModelLabels {
+            endpoint,
+            model: model.to_owned(),
+        };
+        g.duration
+            .get_or_create(&labels)
+            .observe(m.duration.as_secs_f64());
+        if let Some(first) = m.first_content {
+            g.ttft.get_or_create(&labels).observe(first.as_secs_f64());
+            if let Some((_, output)) = m.tokens
+                && output > 1
+            {
+                #[allow(clippy::cast_precision_loss, reason = "a token count as a divisor")]
+                let per = m.duration.saturating_sub(first).as_secs_f64() / (output - 1) as f64;
+                g.tpot.get_or_create(&labels).observe(per);
+            }
+        }
+        if let Some((input, output)) = m.tokens {
+            for (token_type, n) in [(TokenType::Input, input), (TokenType::Output, output)] {
+                #[allow(clippy::cast_precision_loss, reason = "a token count in a histogram")]
+                g.tokens
+                    .get_or_create(&TokenLabels {
+                        endpoint,
+                        model: labels.model.clone(),
+                        token_type,
+                    })
+                    .observe(n as f64);
+            }
+        }
+        if let Some(p) = m.provider {
+            g.overhead[index_of(&Endpoint::ALL, &endpoint)]
+                .observe(m.duration.saturating_sub(p).as_secs_f64());
+        }
+    }
+
+    /// Brings `iop_telemetry_spans_total` up to `stats` (read at scrape time).
+    pub fn telemetry(&self, stats: iop_telemetry::Stats) {
+        let g = &self.genai;
+        let mut seen = g
+            .spans_seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (i, now) in [stats.exported, stats.dropped, stats.failed]
+            .into_iter()
+            .enumerate()
+        {
+            g.spans[i].inc_by(now.saturating_sub(seen[i]));
+            seen[i] = seen[i].max(now);
+        }
     }
 
     /// The exposition (OpenMetrics text); `queue_depth` and `in_flight` are read at scrape

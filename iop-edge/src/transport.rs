@@ -180,7 +180,7 @@ impl TransportConfig {
 /// A request to send on an admitted provider: the pool fills in the adapter instance, the
 /// target and the winning candidate's stall timeout (seed 000: the final request is built
 /// after selection, by the caller, in its own task).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum PoolRequest {
     /// A normalized run (native providers).
     Run(RunRequest),
@@ -285,6 +285,30 @@ pub trait StreamWatch: Send + Sync + 'static {
     fn provider_time(&mut self, us: u64) {
         let _ = us;
     }
+
+    /// Something happened to the stream that a trace should show: `response_stalled` (the
+    /// Node's stall terminal), `node_disconnected` (the Node's generation was fenced),
+    /// `slow_consumer_cut`, `wait_timeout`, `ordering_violation`, `cancelled` (the Node
+    /// cancelled the run) or `client_cancelled` (the reader went away before the terminal).
+    fn event(&mut self, name: &'static str) {
+        let _ = name;
+    }
+}
+
+/// The event name of a terminal that is not the provider's normal end, for
+/// [`StreamWatch::event`].
+fn tunnel_event_name(ev: &TunnelEvent) -> Option<&'static str> {
+    match ev {
+        TunnelEvent::Frame(Delivery::Error {
+            execution_failure: Some(_),
+            ..
+        }) => Some("response_stalled"),
+        TunnelEvent::NodeDisconnected => Some("node_disconnected"),
+        TunnelEvent::SlowConsumer => Some("slow_consumer_cut"),
+        TunnelEvent::WaitTimeout => Some("wait_timeout"),
+        TunnelEvent::Violation(_) => Some("ordering_violation"),
+        _ => None,
+    }
 }
 
 /// The Node's provider time on a terminal's metadata, if it sent one.
@@ -336,6 +360,9 @@ pub struct RunStream {
 impl Drop for RunStream {
     fn drop(&mut self) {
         if !self.done {
+            if let Some(w) = self.watch.0.as_mut() {
+                w.event("client_cancelled");
+            }
             self.on_drop.notify();
         }
     }
@@ -364,8 +391,20 @@ impl RunStream {
             }
             match ev.kind {
                 RunEventKind::Complete => w.end(StreamEnd::Completed),
-                RunEventKind::Error => w.end(StreamEnd::Failed),
-                RunEventKind::Cancelled => w.end(StreamEnd::Cancelled),
+                RunEventKind::Error => {
+                    if ev.execution_failure.is_some() {
+                        w.event("response_stalled");
+                    } else if ev.error == NODE_DISCONNECTED {
+                        w.event("node_disconnected");
+                    } else if ev.error == SLOW_CONSUMER {
+                        w.event("slow_consumer_cut");
+                    }
+                    w.end(StreamEnd::Failed);
+                }
+                RunEventKind::Cancelled => {
+                    w.event("cancelled");
+                    w.end(StreamEnd::Cancelled);
+                }
                 _ => {}
             }
         }
@@ -385,6 +424,8 @@ pub struct TunnelStream {
     /// The generation the tunnel was opened on.
     pub generation: Generation,
     events: StreamRx<TunnelEvent>,
+    /// The first event, read by [`TunnelStream::lost_before_start`].
+    peeked: Option<TunnelEvent>,
     done: bool,
     on_drop: DropNotice,
     watch: Watch,
@@ -393,6 +434,9 @@ pub struct TunnelStream {
 impl Drop for TunnelStream {
     fn drop(&mut self) {
         if !self.done {
+            if let Some(w) = self.watch.0.as_mut() {
+                w.event("client_cancelled");
+            }
             self.on_drop.notify();
         }
     }
@@ -404,8 +448,14 @@ impl TunnelStream {
         if self.done {
             return None;
         }
-        let ev = self.events.recv().await?;
+        let ev = match self.peeked.take() {
+            Some(ev) => ev,
+            None => self.events.recv().await?,
+        };
         self.done = ev.is_terminal();
+        if let (Some(w), Some(name)) = (self.watch.0.as_mut(), tunnel_event_name(&ev)) {
+            w.event(name);
+        }
         if let (
             Some(w),
             TunnelEvent::Frame(Delivery::End { metadata } | Delivery::Error { metadata, .. }),
@@ -431,6 +481,34 @@ impl TunnelStream {
     /// Attaches `watch`: it sees the tunnel's usage frames and is dropped with the stream.
     pub fn watch(&mut self, watch: Box<dyn StreamWatch>) {
         self.watch = Watch(Some(watch), false);
+    }
+
+    /// Takes the watch back off (to move it to another attempt's stream).
+    pub fn unwatch(&mut self) -> Option<Box<dyn StreamWatch>> {
+        self.watch.0.take()
+    }
+
+    /// Waits for the first event and tells whether the Node's connection ended before it sent
+    /// anything (the stream then ended: nothing of the answer exists, so the request may go to
+    /// another candidate). Otherwise the event stays first in line for [`TunnelStream::next`].
+    pub async fn lost_before_start(&mut self) -> bool {
+        if self.done || self.peeked.is_some() {
+            return false;
+        }
+        match self.events.recv().await {
+            Some(TunnelEvent::NodeDisconnected) => {
+                self.done = true;
+                if let Some(w) = self.watch.0.as_mut() {
+                    w.event("node_disconnected");
+                }
+                true
+            }
+            Some(ev) => {
+                self.peeked = Some(ev);
+                false
+            }
+            None => false,
+        }
     }
 }
 
@@ -790,6 +868,7 @@ impl EdgeHandle {
         Ok(TunnelStream {
             generation: opened.generation,
             events,
+            peeked: None,
             done: false,
             on_drop: self.drop_notice(opened.stream_id),
             watch: Watch(None, false),
@@ -886,6 +965,7 @@ impl EdgeHandle {
                 Ok(Dispatched::Tunnel(TunnelStream {
                     generation: opened.generation,
                     events,
+                    peeked: None,
                     done: false,
                     on_drop: self.drop_notice(opened.stream_id),
                     watch: Watch(None, false),

@@ -31,6 +31,9 @@
 //! public_key = "/etc/iop/cp-issuer.pub.pem"        # `iop-cp issuer-key` prints it
 //! # key_id = "p256:…"   optional: derived from the key; if given it must match
 //!
+//! [telemetry]                   # OpenTelemetry tracing (iop_telemetry); omitted = the OTEL_*
+//! otlp_endpoint = "http://127.0.0.1:4318" #   variables, and off when they name no collector
+//!
 //! [[credentials]]               # legacy mode only: upstream keys this Node holds itself
 //! adapter = "openai"            # the adapter instance name in the Edge's config
 //! api_key_env = "OPENAI_API_KEY" # or api_key_file = "/etc/iop/openai.key" (not world-readable)
@@ -76,6 +79,10 @@ pub struct NodeConfigFile {
     /// `[[credentials]]`.
     #[serde(default)]
     pub credentials: Vec<CredentialEntry>,
+    /// `[telemetry]`: OpenTelemetry tracing ([`iop_telemetry::TelemetryToml`]); the `OTEL_*`
+    /// variables fill what it leaves out, and tracing is off when neither names a collector.
+    #[serde(default)]
+    pub telemetry: iop_telemetry::TelemetryToml,
 }
 
 /// One `[[credentials]]` entry: an upstream key this Node holds for one adapter instance.
@@ -284,6 +291,9 @@ pub struct NodeBuilt {
     pub key: PathBuf,
     /// `tls.reload_sec`; `None` = never.
     pub reload: Option<Duration>,
+    /// Tracing settings: start them with [`iop_telemetry::Telemetry::start`] and put the
+    /// result in [`NodeOptions::telemetry`] (the `iop-node` binary does).
+    pub telemetry: iop_telemetry::TelemetryConfig,
 }
 
 /// `[reconnect]`.
@@ -386,6 +396,10 @@ impl NodeConfigFile {
     /// `tls.reload_sec`).
     pub fn build(self, adapters: AdapterRegistry) -> Result<NodeBuilt, ConfigError> {
         let local_keys = self.local_keys()?;
+        let telemetry = self
+            .telemetry
+            .to_config()
+            .map_err(|e| invalid("telemetry", e.to_string()))?;
         let reconnect =
             ReconnectPolicy::from_config(self.reconnect.interval_sec, self.reconnect.max_attempts)
                 .map_err(|e| {
@@ -460,6 +474,7 @@ impl NodeConfigFile {
             cert: self.tls.cert,
             key: self.tls.key,
             reload,
+            telemetry,
         })
     }
 }

@@ -104,7 +104,7 @@ use std::time::Duration;
 
 pub use adapter::{
     Adapter, AdapterBuildError, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate,
-    RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink, last_message_text,
+    RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink, last_message_text, trace_headers,
 };
 /// The attribute [`Adapter`] implementations are written with.
 pub use async_trait::async_trait;
@@ -167,6 +167,10 @@ pub struct NodeOptions {
     /// After a response stall, how long the aborted provider call may take to return before
     /// the terminal reports an unconfirmed fence.
     pub close_grace: Duration,
+    /// Where the Node's spans go ([`iop_telemetry`]): each run or tunnel is an `execute` span,
+    /// a child of the Edge's dispatch attempt, and its provider call a child of that. Off by
+    /// default (the Edge's context is then still passed on to the provider).
+    pub telemetry: iop_telemetry::Telemetry,
 }
 
 impl std::fmt::Debug for NodeOptions {
@@ -228,7 +232,15 @@ impl NodeOptions {
             connect_timeout: Duration::from_secs(10),
             jitter_seed: None,
             close_grace: DEFAULT_CLOSE_GRACE,
+            telemetry: iop_telemetry::Telemetry::off(),
         })
+    }
+
+    /// Sets where the Node's spans go.
+    #[must_use]
+    pub fn with_telemetry(mut self, telemetry: iop_telemetry::Telemetry) -> Self {
+        self.telemetry = telemetry;
+        self
     }
 
     /// Sets the adapter registry.

@@ -62,13 +62,18 @@ impl OllamaAdapter {
         })
     }
 
-    /// `POST /api/chat` with `body`.
-    async fn chat(&self, body: &Value) -> Result<Exchange, AdapterError> {
+    /// `POST /api/chat` with `body`, carrying `trace` as `traceparent`.
+    async fn chat(
+        &self,
+        body: &Value,
+        trace: Option<&iop_wire::trace::TraceContext>,
+    ) -> Result<Exchange, AdapterError> {
         let mut headers = http::HeaderMap::new();
         headers.insert(
             http::header::CONTENT_TYPE,
             http::HeaderValue::from_static("application/json"),
         );
+        crate::adapter::trace_headers(&mut headers, trace);
         let body =
             Bytes::from(serde_json::to_vec(body).map_err(|_| AdapterError::InvalidInput("body"))?);
         let request = provider_http::request(
@@ -188,7 +193,7 @@ impl Adapter for OllamaAdapter {
         let fenced = || AdapterError::Provider("fenced".into());
         let mut response = tokio::select! {
             () = events.cancelled() => return Err(fenced()),
-            r = self.chat(&body) => r?,
+            r = self.chat(&body, request.trace.as_deref()) => r?,
         };
         let mut text_tool_fallback = false;
         if response.status() == http::StatusCode::BAD_REQUEST
@@ -206,7 +211,7 @@ impl Adapter for OllamaAdapter {
             text_tool_fallback = true;
             response = tokio::select! {
                 () = events.cancelled() => return Err(fenced()),
-                r = self.chat(&fallback) => r?,
+                r = self.chat(&fallback, request.trace.as_deref()) => r?,
             };
         }
         if !response.status().is_success() {

@@ -152,6 +152,7 @@ impl Adapter for OpenAiCompatAdapter {
         // The profile's fixed headers, then the credential (an opened lease or the Node's own
         // key) in its declared header, right before the call.
         self.profile_headers(&mut headers);
+        crate::adapter::trace_headers(&mut headers, request.trace.as_deref());
         frames.inject_credential(&mut headers);
         let outgoing = provider_http::request(method, uri, headers, request.body);
         let fenced = || AdapterError::Provider("fenced".into());

@@ -326,6 +326,7 @@ impl From<&NodeOptions> for ExecSettings {
             close_grace: opts.close_grace,
             node_id: opts.node_id.clone(),
             credentials: opts.credentials.clone(),
+            telemetry: opts.telemetry.clone(),
         }
     }
 }
@@ -476,6 +477,112 @@ pub(crate) struct ExecSettings {
     /// This Node's id and, in managed mode, its credential plane.
     pub(crate) node_id: String,
     pub(crate) credentials: Option<Arc<crate::credential::CredentialPlane>>,
+    pub(crate) telemetry: iop_telemetry::Telemetry,
+}
+
+/// A run's or tunnel's `execute` span (a child of the Edge's attempt on the wire) and its
+/// provider call span (a child of that); the request's trace becomes the provider span's
+/// context, which the adapter sends as `traceparent`.
+fn node_spans(
+    t: &iop_telemetry::Telemetry,
+    parent: Option<&iop_wire::trace::TraceContext>,
+    run_id: &str,
+    instance: &Instance,
+    target: &str,
+    operation: &'static str,
+) -> (iop_telemetry::Span, iop_telemetry::Span) {
+    use iop_telemetry::{SpanKind, attr};
+    if !t.is_on() {
+        let exec = t.span("execute", SpanKind::Server, parent, Vec::new());
+        let provider = t.child(&exec, "provider", SpanKind::Client, Vec::new());
+        return (exec, provider);
+    }
+    let exec = t.span(
+        "execute",
+        SpanKind::Server,
+        parent,
+        vec![
+            attr::run_id(run_id.to_owned()),
+            attr::adapter(instance.config.instance_key().to_owned()),
+            attr::request_model(target.to_owned()),
+        ],
+    );
+    let mut attributes = vec![
+        attr::operation(operation),
+        attr::provider(instance.config.adapter_type.clone()),
+        attr::request_model(target.to_owned()),
+    ];
+    if let iop_wire::runtime::AdapterSettings::OpenAiCompat(s) = &instance.config.settings
+        && let Ok(uri) = s.base_url.parse::<http::Uri>()
+        && let Some(host) = uri.host()
+    {
+        attributes.push(attr::server_address(host.to_owned()));
+        if let Some(port) = uri.port_u16() {
+            attributes.push(attr::server_port(port));
+        }
+    } else if let iop_wire::runtime::AdapterSettings::Native(s) = &instance.config.settings
+        && let Ok(uri) = s.base_url.parse::<http::Uri>()
+        && let Some(host) = uri.host()
+    {
+        attributes.push(attr::server_address(host.to_owned()));
+    }
+    let provider = t.child(
+        &exec,
+        format!("{operation} {target}"),
+        SpanKind::Client,
+        attributes,
+    );
+    (exec, provider)
+}
+
+/// The context the adapter sends to the provider: the provider span's, keeping the Edge's
+/// per-adapter `to_provider` choice.
+fn provider_trace(
+    provider: &iop_telemetry::Span,
+    incoming: Option<&iop_wire::trace::TraceContext>,
+) -> Option<Box<iop_wire::trace::TraceContext>> {
+    let mut c = provider.context()?;
+    c.to_provider = incoming.is_none_or(|i| i.to_provider);
+    Some(Box::new(c))
+}
+
+/// The GenAI operation name of a tunnel operation.
+fn genai_operation(op: iop_wire::runtime::Operation) -> &'static str {
+    use iop_wire::runtime::Operation as O;
+    match op {
+        O::ChatCompletions | O::Messages | O::Responses => "chat",
+        O::CountTokens => "count_tokens",
+        O::Models => "models",
+    }
+}
+
+/// How an execution ended, on its spans.
+fn end_spans<T, E>(
+    exec: &mut iop_telemetry::Span,
+    provider: &mut iop_telemetry::Span,
+    ended: &Ended<Result<T, E>>,
+) {
+    match ended {
+        Ended::Stalled(_) => {
+            exec.event("response_stalled", Vec::new());
+            exec.fail("response_stalled");
+            provider.fail("response_stalled");
+        }
+        Ended::Cancelled => {
+            exec.event("cancelled", Vec::new());
+            exec.fail("cancelled");
+            provider.fail("cancelled");
+        }
+        Ended::Deadline => {
+            exec.fail("deadline_exceeded");
+            provider.fail("deadline_exceeded");
+        }
+        Ended::Returned(Ok(Ok(_))) => {}
+        Ended::Returned(_) => {
+            exec.fail("provider_error");
+            provider.fail("provider_error");
+        }
+    }
 }
 
 fn stamped(frame: RuntimeFrame) -> Outbound {
@@ -520,6 +627,16 @@ async fn run_task(
         .await;
     let (dtx, drx) = mpsc::channel::<Budgeted<String>>(64);
     let budget = stream_budget();
+    let (mut exec_span, mut provider_span) = node_spans(
+        &settings.telemetry,
+        req.trace.as_deref(),
+        &run_id,
+        &instance,
+        &req.target,
+        "chat",
+    );
+    let mut req = req;
+    req.trace = provider_trace(&provider_span, req.trace.as_deref());
     let provider_started = Instant::now();
     let work = {
         let instance = instance.clone();
@@ -544,6 +661,17 @@ async fn run_task(
         Some(Outbound::frame(event(ev)))
     };
     let ended = exec::supervise(work, drx, forward, &out, watch, permit, probe, ident).await;
+    end_spans(&mut exec_span, &mut provider_span, &ended);
+    if let Ended::Returned(Ok(Ok(done))) = &ended
+        && let Some(u) = &done.usage
+    {
+        for span in [&mut provider_span, &mut exec_span] {
+            span.set(iop_telemetry::attr::input_tokens(u.prompt_tokens));
+            span.set(iop_telemetry::attr::output_tokens(u.completion_tokens));
+        }
+    }
+    drop(provider_span);
+    drop(exec_span);
     let terminal = match ended {
         Ended::Cancelled => Outbound::frame(event(RunEvent::new(RunEventKind::Cancelled))),
         Ended::Deadline => {
@@ -655,6 +783,15 @@ async fn tunnel_task(
     };
     // The envelope has served its purpose; the adapter never sees it.
     req.credential = None;
+    let (mut exec_span, mut provider_span) = node_spans(
+        &settings.telemetry,
+        req.trace.as_deref(),
+        &run_id,
+        &instance,
+        &req.target,
+        req.operation.map_or("http", genai_operation),
+    );
+    req.trace = provider_trace(&provider_span, req.trace.as_deref());
     let (ftx, frx) = mpsc::channel::<Budgeted<TunnelPayload>>(64);
     let budget = stream_budget();
     let provider_started = Instant::now();
@@ -676,10 +813,40 @@ async fn tunnel_task(
     };
     // The writer refuses out-of-order payloads from a misbehaving adapter.
     // The byte budget is given back as the payload moves on to the connection writer.
+    // The status and usage the spans show; like `writer`, never contended.
+    let seen: std::sync::Mutex<(Option<u16>, Option<(u64, u64)>)> = std::sync::Mutex::default();
     let forward = |(payload, _budget): Budgeted<TunnelPayload>| {
+        if settings.telemetry.is_on() {
+            let mut seen = seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match &payload {
+                TunnelPayload::ResponseStart { status, .. } => seen.0 = Some(*status),
+                TunnelPayload::Usage(u) => seen.1 = Some((u.prompt_tokens, u.completion_tokens)),
+                _ => {}
+            }
+        }
         numbered(payload).map(|f| Outbound::frame(frame(f)))
     };
     let ended = exec::supervise(work, frx, forward, &out, watch, permit, probe, ident).await;
+    end_spans(&mut exec_span, &mut provider_span, &ended);
+    let (status, usage) = *seen
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for span in [&mut provider_span, &mut exec_span] {
+        if let Some(status) = status {
+            span.set(iop_telemetry::attr::http_status(status));
+            if status >= 400 {
+                span.fail("provider_status");
+            }
+        }
+        if let Some((input, output)) = usage {
+            span.set(iop_telemetry::attr::input_tokens(input));
+            span.set(iop_telemetry::attr::output_tokens(output));
+        }
+    }
+    drop(provider_span);
+    drop(exec_span);
     let error = |text: &str, execution_failure| TunnelPayload::Error {
         error: text.to_owned(),
         execution_failure,

@@ -132,6 +132,69 @@ pub struct TelemetryConfig {
     pub queue_max: Option<usize>,
 }
 
+/// The `[telemetry]` table of the binaries' configuration files (every key optional; the
+/// `OTEL_*` variables fill what is left out):
+///
+/// ```toml
+/// [telemetry]
+/// otlp_endpoint = "http://127.0.0.1:4318"   # the collector's base URL
+/// otlp_protocol = "http/protobuf"           # or "grpc" (then usually port 4317)
+/// service_name = "iop-edge"
+/// sample_ratio = 0.01                       # new traces; a client's sampled flag is followed
+/// queue_max = 2048                          # finished spans waiting for export
+/// ```
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryToml {
+    /// `otlp_endpoint`.
+    pub otlp_endpoint: Option<String>,
+    /// `otlp_protocol`: `grpc` or `http/protobuf`.
+    pub otlp_protocol: Option<String>,
+    /// `service_name`.
+    pub service_name: Option<String>,
+    /// `sample_ratio`, 0–1.
+    pub sample_ratio: Option<f64>,
+    /// `queue_max`.
+    pub queue_max: Option<usize>,
+}
+
+impl TelemetryToml {
+    /// The settings, checked.
+    pub fn to_config(&self) -> Result<TelemetryConfig, Error> {
+        let protocol = self
+            .otlp_protocol
+            .as_deref()
+            .map(|p| {
+                Protocol::parse(p).ok_or(Error::Invalid {
+                    setting: "telemetry.otlp_protocol",
+                    rule: "grpc or http/protobuf",
+                })
+            })
+            .transpose()?;
+        if let Some(r) = self.sample_ratio
+            && !(0.0..=1.0).contains(&r)
+        {
+            return Err(Error::Invalid {
+                setting: "telemetry.sample_ratio",
+                rule: "between 0 and 1",
+            });
+        }
+        if self.queue_max == Some(0) {
+            return Err(Error::Invalid {
+                setting: "telemetry.queue_max",
+                rule: "at least 1",
+            });
+        }
+        Ok(TelemetryConfig {
+            endpoint: self.otlp_endpoint.clone(),
+            protocol,
+            service_name: self.service_name.clone(),
+            sample_ratio: self.sample_ratio,
+            queue_max: self.queue_max,
+        })
+    }
+}
+
 /// Why tracing could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -495,7 +558,7 @@ impl Telemetry {
     /// passes `parent` on.
     pub fn span(
         &self,
-        name: &'static str,
+        name: impl Into<std::borrow::Cow<'static, str>>,
         kind: SpanKind,
         parent: Option<&TraceContext>,
         attributes: Vec<KeyValue>,
@@ -507,7 +570,7 @@ impl Telemetry {
     /// known to be one).
     pub fn span_at(
         &self,
-        name: &'static str,
+        name: impl Into<std::borrow::Cow<'static, str>>,
         kind: SpanKind,
         parent: Option<&TraceContext>,
         attributes: Vec<KeyValue>,
@@ -533,7 +596,7 @@ impl Telemetry {
     pub fn child(
         &self,
         parent: &Span,
-        name: &'static str,
+        name: impl Into<std::borrow::Cow<'static, str>>,
         kind: SpanKind,
         attributes: Vec<KeyValue>,
     ) -> Span {
@@ -624,6 +687,7 @@ impl Span {
                     span_id: c.span_id().to_bytes(),
                     flags: c.trace_flags().to_u8(),
                     state: Some(c.trace_state().header()).filter(|s| !s.is_empty()),
+                    to_provider: true,
                 })
             }
         }

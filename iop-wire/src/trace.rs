@@ -37,6 +37,9 @@ pub struct TraceContext {
     /// The `tracestate` header value, if any (validated: at most [`MAX_TRACESTATE_LEN`]
     /// printable ASCII bytes).
     pub state: Option<String>,
+    /// On a run or tunnel request: whether the Node sends the trace on to the provider as a
+    /// `traceparent` header (the adapter's `trace_propagation` at the Edge; default true).
+    pub to_provider: bool,
 }
 
 impl std::fmt::Debug for TraceContext {
@@ -118,6 +121,7 @@ impl TraceContext {
             span_id,
             flags,
             state,
+            to_provider: true,
         })
     }
 
@@ -159,6 +163,7 @@ impl TraceContext {
             span_id: self.span_id.to_vec().into(),
             flags: u32::from(self.flags),
             tracestate: self.state.clone().unwrap_or_default(),
+            no_provider_header: !self.to_provider,
         }
     }
 
@@ -179,6 +184,7 @@ impl TraceContext {
             span_id,
             flags,
             state,
+            to_provider: !m.no_provider_header,
         })
     }
 }

@@ -257,6 +257,8 @@ async fn surface(ca: &Ca, upstream: SocketAddr) -> String {
             no_stream_usage: Default::default(),
             control: None,
             body_timeout: http::DEFAULT_BODY_TIMEOUT,
+            telemetry: Default::default(),
+            no_trace_propagation: Default::default(),
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -172,6 +172,11 @@ enum IssuerKeyCmd {
 
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
+    /// OpenTelemetry collector base URL for the Control Plane's spans (each lease request is a
+    /// span of the Edge's trace). Unset: the standard OTEL_EXPORTER_OTLP_ENDPOINT (and the
+    /// other OTEL_* variables); tracing is off when neither names one.
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
     /// Days the raw usage records of managed Edges are kept; the daily rollup stays for good.
     /// Keep it longer than any Edge may stay cut off (a record replayed after its raw row is
     /// gone would count again).
@@ -893,6 +898,14 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
         (None, String::new())
     };
     let mut config = ServerConfig::new(args.listen, tls, args.credential_plane);
+    let mut telemetry = iop_telemetry::TelemetryConfig::default();
+    telemetry.endpoint.clone_from(&args.otlp_endpoint);
+    config.telemetry = iop_telemetry::Telemetry::start(&telemetry, "iop-cp")
+        .map_err(|e| usage(format!("telemetry: {e}")))?;
+    if config.telemetry.is_on() {
+        println!("iop-cp: exporting spans over OTLP");
+    }
+    let telemetry = config.telemetry.clone();
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(100));
     config.store_poll = Duration::from_millis(args.store_poll_ms.max(10));
     config.store_watch = args.store_watch;
@@ -937,6 +950,7 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
     prune_stop.cancel();
     cp.shutdown();
     let _ = task.await;
+    telemetry.flush().await;
     println!("iop-cp: stopped");
     Ok(())
 }

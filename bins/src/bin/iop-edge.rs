@@ -49,14 +49,19 @@ per keyed request or principal in a SQLite file (sqlite, queue 65536, retention_
 mode: also the spool of records sent to the Control Plane, spool_max 1000000), in managed mode \
 auth.output_estimate and [auth.shared] only (principals' limits come from the Control Plane), \
 [pool], [[nodes]] with \
-[[nodes.adapters]] and their profile = chat_only | openai | anthropic and stream_usage (true: ask \
-for usage on chat streams), [[models]], \
+[[nodes.adapters]] and their profile = chat_only | openai | anthropic, stream_usage (true: ask \
+for usage on chat streams) and trace_propagation (true: the Node sends the upstream a \
+traceparent header), [[models]], [telemetry] otlp_endpoint, otlp_protocol (http/protobuf | \
+grpc), service_name, sample_ratio, queue_max (OpenTelemetry tracing, off unless a collector is \
+named here or in OTEL_EXPORTER_OTLP_ENDPOINT), \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
 slow_consumer_timeout_sec (30), http_max_connections (4096), http_header_timeout_sec (30, also \
 the keep-alive idle limit), http_body_timeout_sec (60)).\n\n\
 Environment: RUST_LOG (log filter, default info); TOKIO_WORKER_THREADS (runtime worker threads, \
-default one per core)."
+default one per core); OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL, \
+OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG, OTEL_BSP_* and the other \
+standard OTEL_* variables (tracing; the file's [telemetry] wins where both set a value)."
 )]
 #[command(subcommand_negates_reqs = true)]
 struct Cli {
@@ -156,6 +161,9 @@ async fn main() {
         listener.local_addr().map_or(http_listen, |a| a)
     );
     let http = edge.http_config();
+    if http.telemetry.is_on() {
+        println!("iop-edge: exporting spans over OTLP");
+    }
     if http.api_keys.is_none() && http.control.is_none() {
         eprintln!("iop-edge: no [auth] section: every request is accepted without a key");
     }

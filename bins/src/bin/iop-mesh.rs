@@ -115,6 +115,29 @@ struct Args {
     /// With --managed: the Control Plane's admin API address (loopback).
     #[arg(long, default_value = "127.0.0.1:0", requires = "managed")]
     cp_admin_listen: SocketAddr,
+    /// OpenTelemetry collector base URL: the Edge, every Node and (with --managed) the Control
+    /// Plane export their spans there, as services iop-edge, iop-node and iop-cp, one trace
+    /// per request. Unset: OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_* variables; off when
+    /// neither names a collector.
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
+    /// With --otlp-endpoint: `http/protobuf` (port 4318 by convention) or `grpc` (4317).
+    #[arg(long, value_parser = ["http/protobuf", "grpc"], requires = "otlp_endpoint")]
+    otlp_protocol: Option<String>,
+}
+
+/// The tracing settings of one of the mesh's services.
+fn telemetry(args: &Args, service: &str) -> iop_telemetry::TelemetryConfig {
+    let mut c = iop_telemetry::TelemetryConfig::default();
+    c.endpoint.clone_from(&args.otlp_endpoint);
+    c.protocol = args
+        .otlp_protocol
+        .as_deref()
+        .and_then(iop_telemetry::Protocol::parse);
+    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+        c.service_name = Some(service.to_owned());
+    }
+    c
 }
 
 /// The upstream of `--openai-url` / `--anthropic-url` and its profile, if one is given.
@@ -231,6 +254,7 @@ async fn run(args: Args) -> Result<(), String> {
         .material(role::EDGE, "edge-1")
         .map_err(|e| e.to_string())?;
     let config = builder
+        .telemetry(telemetry(&args, "iop-edge"))
         .build(EdgeTls::Material(tls))
         .map_err(|e| flag_error(&e))?;
     let edge = Edge::start(config)
@@ -250,12 +274,18 @@ async fn run(args: Args) -> Result<(), String> {
     }
     let mut life = edge.handle().subscribe();
 
+    let node_telemetry = iop_telemetry::Telemetry::start(&telemetry(&args, "iop-node"), "iop-node")
+        .map_err(|e| format!("telemetry: {e}"))?;
+    if node_telemetry.is_on() {
+        println!("iop-mesh: exporting spans over OTLP");
+    }
     let mut node_tasks = Vec::new();
     for name in &names {
         let tls = ca.node_tls(name, "edge-1").map_err(|e| e.to_string())?;
         let mut opts = NodeOptions::new(name, &edge.node_addr().to_string(), "localhost", tls)
             .map_err(|e| e.to_string())?
-            .with_adapters(AdapterRegistry::with_builtins());
+            .with_adapters(AdapterRegistry::with_builtins())
+            .with_telemetry(node_telemetry.clone());
         if let Some(key) = &local_key {
             opts = opts.with_local_key(ADAPTER, key.clone());
         }
@@ -327,6 +357,7 @@ async fn run(args: Args) -> Result<(), String> {
     for t in node_tasks {
         let _ = t.await;
     }
+    node_telemetry.flush().await;
     edge.shutdown().await;
     drop(managed);
     println!("iop-mesh: stopped");
@@ -444,7 +475,11 @@ mod managed {
             .map_err(admin_err)?;
         let token = admin.create_token("mesh").await.map_err(admin_err)?.token;
         let tls = ca.control_plane_tls("cp-1").map_err(|e| e.to_string())?;
-        let config = ServerConfig::new("127.0.0.1:0".parse().map_err(|_| "address")?, tls, true);
+        let mut config =
+            ServerConfig::new("127.0.0.1:0".parse().map_err(|_| "address")?, tls, true);
+        config.telemetry =
+            iop_telemetry::Telemetry::start(&super::telemetry(args, "iop-cp"), "iop-cp")
+                .map_err(|e| format!("telemetry: {e}"))?;
         let (cp, _task) = server::serve(config, admin.clone(), Some(Arc::new(leases)))
             .await
             .map_err(|e| fail("listener", &e))?;

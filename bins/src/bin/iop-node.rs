@@ -16,7 +16,9 @@ use iop_node::{AdapterRegistry, Node};
 /// same `[reconnect]` policy.
 ///
 /// Environment: RUST_LOG (log filter, default info); TOKIO_WORKER_THREADS (runtime worker
-/// threads, default one per core).
+/// threads, default one per core); OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL,
+/// OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER(_ARG) and the other OTEL_* variables (tracing, off
+/// unless a collector is named).
 #[derive(Debug, Parser)]
 #[command(name = "iop-node", version, about, long_about)]
 struct Args {
@@ -28,7 +30,9 @@ struct Args {
     /// prints) and key_id (optional: derived from the key) (managed mode: the Control Plane
     /// leases the upstream keys);
     /// [[credentials]] adapter, api_key_env | api_key_file, header, prefix (legacy mode: the
-    /// upstream keys this Node holds itself). See the iop_node::config docs for their meaning.
+    /// upstream keys this Node holds itself); [telemetry] otlp_endpoint, otlp_protocol,
+    /// service_name, sample_ratio, queue_max (OpenTelemetry tracing; the OTEL_* variables fill
+    /// what is left out). See the iop_node::config docs for their meaning.
     #[arg(long, short = 'c', value_name = "FILE")]
     config: PathBuf,
 
@@ -60,18 +64,35 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let mut built = built;
     let exit = runtime.block_on(async {
         let signal = iop_bins::shutdown_signal();
+        let telemetry = match iop_telemetry::Telemetry::start(&built.telemetry, "iop-node") {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("iop-node: invalid configuration: telemetry: {e}");
+                return None;
+            }
+        };
+        if telemetry.is_on() {
+            tracing::info!("exporting spans over OTLP");
+        }
+        built.options.telemetry = telemetry.clone();
         // The supervisor runs on a worker thread, not the thread blocked in `block_on`: the
         // session loop then shares the workers' wake-ups instead of being woken across threads
         // for every frame.
-        Node::from_config(built)
+        let exit = Node::from_config(built)
             .run_until(async {
                 signal.await;
                 tracing::info!("shutdown requested");
             })
-            .await
+            .await;
+        telemetry.flush().await;
+        Some(exit)
     });
+    let Some(exit) = exit else {
+        return ExitCode::from(1);
+    };
     tracing::info!(?exit, "iop-node stopped");
     ExitCode::from(u8::try_from(exit.exit_code()).unwrap_or(1))
 }

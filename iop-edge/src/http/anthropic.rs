@@ -127,6 +127,8 @@ pub(super) async fn count_tokens(
                     &parsed.model,
                     admission,
                     request,
+                    // count_tokens is not traced.
+                    &mut iop_telemetry::Span::none(),
                 )
                 .await
                 {

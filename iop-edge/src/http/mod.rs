@@ -71,6 +71,7 @@
 mod anthropic;
 mod auth;
 mod chat;
+mod observe;
 mod render;
 mod responses;
 
@@ -123,6 +124,9 @@ pub struct HttpConfig {
     /// Adapter instances (`(node_id, adapter)`) not asked for usage on chat streams
     /// (`stream_usage = false`): their upstreams refuse `stream_options`.
     pub no_stream_usage: std::collections::HashSet<(String, String)>,
+    /// Adapter instances (`(node_id, adapter)`) the Node must not send a `traceparent` header
+    /// to (`trace_propagation = false`).
+    pub no_trace_propagation: std::collections::HashSet<(String, String)>,
     /// Legacy mode: where each keyed request's usage record goes ([`crate::usage`]); `None`
     /// records nothing.
     pub usage: Option<Arc<dyn crate::usage::UsageSink>>,
@@ -132,6 +136,9 @@ pub struct HttpConfig {
     /// The whole request body must arrive within this (408 otherwise, in the route's dialect):
     /// a client that drips its body cannot hold a connection for long.
     pub body_timeout: Duration,
+    /// Where the Edge's spans go ([`iop_telemetry`]); off by default (a client's
+    /// `traceparent` is then still passed on to the provider).
+    pub telemetry: iop_telemetry::Telemetry,
 }
 
 impl HttpConfig {
@@ -144,8 +151,10 @@ impl HttpConfig {
             limiter: None,
             usage: None,
             no_stream_usage: std::collections::HashSet::new(),
+            no_trace_propagation: std::collections::HashSet::new(),
             control: None,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            telemetry: iop_telemetry::Telemetry::off(),
         }
     }
 }
@@ -821,8 +830,9 @@ async fn send(
     model: &str,
     admission: Admission,
     request: PoolRequest,
+    attempt: &mut iop_telemetry::Span,
 ) -> Result<Dispatched, Response> {
-    let (admission, request) = match caller {
+    let (admission, mut request) = match caller {
         Caller::Open(_) => (admission, request),
         Caller::Managed {
             control,
@@ -842,12 +852,16 @@ async fn send(
                 token,
                 model,
                 admission,
-            );
+            )
+            .traced(&state.config.telemetry, attempt);
             loop {
                 // Boxed: the lease round trip's state is large and only managed requests need
                 // it.
                 match Box::pin(binder.run()).await {
                     Run::Bound(bound) => {
+                        for _ in 0..binder.rebinds {
+                            attempt.event("rebind", Vec::new());
+                        }
                         let (admission, binding, lease) = *bound;
                         let request = match request {
                             PoolRequest::Tunnel(mut req) => {
@@ -865,6 +879,7 @@ async fn send(
                     Run::Readmit(old) => {
                         let before = shape(&old);
                         drop(old);
+                        attempt.event("readmit", Vec::new());
                         let new = admit(state, dialect, group, model).await?;
                         let same = shape(&new) == before;
                         binder.readmitted(new, same);
@@ -874,11 +889,154 @@ async fn send(
             }
         }
     };
+    let lease = admission.lease();
+    if attempt.is_recording() {
+        attempt.set(iop_telemetry::attr::node_id(lease.key.node_id.clone()));
+        attempt.set(iop_telemetry::attr::adapter(lease.adapter.clone()));
+        attempt.set(iop_telemetry::attr::response_model(lease.target.clone()));
+        attempt.set(iop_telemetry::attr::server_address(
+            lease.key.node_id.clone(),
+        ));
+    }
+    let mut trace = attempt.context().map(Box::new);
+    if let Some(t) = trace.as_mut()
+        && !state.config.no_trace_propagation.is_empty()
+    {
+        t.to_provider = !state
+            .config
+            .no_trace_propagation
+            .contains(&(lease.key.node_id.clone(), lease.adapter.clone()));
+    }
+    match &mut request {
+        PoolRequest::Run(r) => r.trace = trace,
+        PoolRequest::Tunnel(t) => t.trace = trace,
+    }
     state
         .edge
         .send_admitted(admission, request)
         .await
-        .map_err(|e| render::dispatch_error(dialect, e, model))
+        .map_err(|e| {
+            attempt.fail("dispatch_failed");
+            render::dispatch_error(dialect, e, model)
+        })
+}
+
+/// Most dispatch attempts of one request: the first, and one fallback to another candidate
+/// when the first Node's connection ended before it sent anything.
+const MAX_ATTEMPTS: u32 = 2;
+
+/// What to call a dispatch attempt span.
+fn attempt_span(
+    state: &AppState,
+    server: Option<&iop_telemetry::Span>,
+    number: u32,
+    reason: &'static str,
+) -> iop_telemetry::Span {
+    let t = &state.config.telemetry;
+    let Some(server) = server else {
+        return iop_telemetry::Span::none();
+    };
+    if !t.is_on() {
+        return t.child(
+            server,
+            "dispatch",
+            iop_telemetry::SpanKind::Client,
+            Vec::new(),
+        );
+    }
+    t.child(
+        server,
+        "dispatch",
+        iop_telemetry::SpanKind::Client,
+        vec![
+            iop_telemetry::attr::operation("chat"),
+            iop_telemetry::attr::attempt(number),
+            iop_telemetry::attr::attempt_reason(reason),
+        ],
+    )
+}
+
+/// Sends a tunnel request and, when the Node's connection ends before it sent anything (the
+/// Node died or was fenced with the request in flight), admits the request once more and sends
+/// it to the new candidate, if that provider takes the request as built (same kind, target and
+/// protocol profile). The provider behind the lost Node may have received the first request.
+/// Each attempt is its own span.
+#[allow(clippy::too_many_arguments, reason = "one request's whole context")]
+async fn dispatch_tunnel(
+    state: &AppState,
+    dialect: Dialect,
+    caller: &Caller,
+    group: &str,
+    model: &str,
+    mut admission: Admission,
+    request: PoolRequest,
+    server: Option<&iop_telemetry::Span>,
+) -> Result<(crate::transport::TunnelStream, iop_telemetry::Span), Response> {
+    let shape = |a: &Admission| {
+        let l = a.lease();
+        (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
+    };
+    let mut number = 1;
+    let mut reason = "first";
+    let mut request = Some(request);
+    loop {
+        let mut attempt = attempt_span(state, server, number, reason);
+        let this = match request.take() {
+            Some(r) if number < MAX_ATTEMPTS => {
+                request = Some(r.clone());
+                r
+            }
+            Some(r) => r,
+            None => {
+                return Err(render::error(
+                    dialect,
+                    StatusCode::BAD_GATEWAY,
+                    render::PROVIDER_FAILED,
+                ));
+            }
+        };
+        let before = shape(&admission);
+        match send(
+            state,
+            dialect,
+            caller,
+            group,
+            model,
+            admission,
+            this,
+            &mut attempt,
+        )
+        .await?
+        {
+            Dispatched::Tunnel(mut s) => {
+                if request.is_none() || !s.lost_before_start().await {
+                    return Ok((s, attempt));
+                }
+                attempt.event("node_disconnected", Vec::new());
+                attempt.fail("node_disconnected");
+                drop(attempt);
+                drop(s);
+                let next = admit(state, dialect, group, model).await?;
+                if shape(&next) != before {
+                    return Err(render::error(
+                        dialect,
+                        StatusCode::BAD_GATEWAY,
+                        render::PROVIDER_FAILED,
+                    ));
+                }
+                admission = next;
+                number += 1;
+                reason = "fallback";
+            }
+            Dispatched::Run(_) => {
+                return Err(render::error(
+                    dialect,
+                    StatusCode::BAD_GATEWAY,
+                    render::PROVIDER_FAILED,
+                ));
+            }
+        }
+    }
 }
 
 /// A managed request's refusal in the route's dialect (503s with `Retry-After` where the
@@ -997,7 +1155,22 @@ struct Route {
     client: fn(&Value, Meta, bool) -> render::ClientSide,
 }
 
-/// Serves one chat-like request: see the module docs for the path it takes.
+/// A route's endpoint label and its server span's name (`{method} {route}`).
+fn route_names(operation: Operation) -> (Endpoint, &'static str, &'static str) {
+    match operation {
+        Operation::Responses => (Endpoint::Responses, "POST /v1/responses", "/v1/responses"),
+        Operation::Messages => (Endpoint::Messages, "POST /v1/messages", "/v1/messages"),
+        _ => (
+            Endpoint::ChatCompletions,
+            "POST /v1/chat/completions",
+            "/v1/chat/completions",
+        ),
+    }
+}
+
+/// Serves one chat-like request: see the module docs for the path it takes. Its server span
+/// continues the client's `traceparent`; it ends here on an early answer, or with the
+/// response stream (it rides on it in [`observe::Observed`]).
 async fn serve_route(
     state: &AppState,
     route: &Route,
@@ -1005,11 +1178,63 @@ async fn serve_route(
     app_key: Option<&crate::limits::KeyId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let started = std::time::Instant::now();
+    let (_, span_name, http_route) = route_names(route.operation);
+    let client = observe::client_context(headers);
+    let telemetry = &state.config.telemetry;
+    let server = if telemetry.is_on() {
+        telemetry.span(
+            span_name,
+            iop_telemetry::SpanKind::Server,
+            client.as_ref(),
+            vec![
+                iop_telemetry::attr::http_method("POST"),
+                iop_telemetry::attr::http_route(http_route),
+                iop_telemetry::attr::operation("chat"),
+            ],
+        )
+    } else {
+        telemetry.span(
+            span_name,
+            iop_telemetry::SpanKind::Server,
+            client.as_ref(),
+            Vec::new(),
+        )
+    };
+    let mut server = Some(server);
+    let response = serve_traced(state, route, headers, app_key, body, started, &mut server).await;
+    if let Some(mut span) = server {
+        let status = response.status().as_u16();
+        span.set(iop_telemetry::attr::http_status(status));
+        if status >= 400 {
+            span.fail(observe::status_error(status));
+        }
+    }
+    response
+}
+
+/// [`serve_route`] under its server span (`server` is taken when the response streams).
+async fn serve_traced(
+    state: &AppState,
+    route: &Route,
+    headers: &HeaderMap,
+    app_key: Option<&crate::limits::KeyId>,
+    body: Result<Bytes, BytesRejection>,
+    started: std::time::Instant,
+    server: &mut Option<iop_telemetry::Span>,
+) -> Response {
     let dialect = route.dialect;
     let parsed = match parse(dialect, body) {
         Ok(p) => p,
         Err(r) => return r,
     };
+    if let Some(s) = server.as_mut()
+        && s.is_recording()
+    {
+        s.set(iop_telemetry::attr::request_model(observe::model_attr(
+            &parsed.model,
+        )));
+    }
     let caller = match authenticate(state, dialect, headers, app_key) {
         Ok(c) => c,
         Err(r) => return r,
@@ -1038,12 +1263,17 @@ async fn serve_route(
         Err(r) => return r,
     };
     let quota = *hold.quota();
-    let response = serve_admitted(state, route, headers, parsed, caller, group, hold).await;
+    let response = serve_admitted(
+        state, route, headers, parsed, caller, group, hold, started, server,
+    )
+    .await;
     with_quota(response, dialect, &quota)
 }
 
 /// The rest of [`serve_route`], once the key's limits admitted the request: the hold rides
-/// on the response stream (or is given back when nothing was sent).
+/// on the response stream (or is given back when nothing was sent), inside the
+/// [`observe::Observed`] watch that finishes the spans and the metrics.
+#[allow(clippy::too_many_arguments, reason = "one request's whole context")]
 async fn serve_admitted(
     state: &AppState,
     route: &Route,
@@ -1052,11 +1282,36 @@ async fn serve_admitted(
     caller: Caller,
     group: String,
     mut hold: crate::limits::Hold,
+    started: std::time::Instant,
+    server: &mut Option<iop_telemetry::Span>,
 ) -> Response {
     let dialect = route.dialect;
+    let queue = match server.as_ref() {
+        Some(s) if s.is_recording() => {
+            state
+                .config
+                .telemetry
+                .child(s, "queue", iop_telemetry::SpanKind::Internal, Vec::new())
+        }
+        _ => iop_telemetry::Span::none(),
+    };
     let admission = match admit(state, dialect, &group, &parsed.model).await {
         Ok(a) => a,
         Err(r) => return r,
+    };
+    drop(queue);
+    let observed = |inner: Option<Box<dyn crate::transport::StreamWatch>>,
+                    server: &mut Option<iop_telemetry::Span>,
+                    attempt: iop_telemetry::Span| {
+        Box::new(observe::Observed::new(
+            inner,
+            state.edge.metrics().clone(),
+            route_names(route.operation).0,
+            group.clone(),
+            started,
+            server.take().unwrap_or_else(iop_telemetry::Span::none),
+            attempt,
+        ))
     };
     let lease = admission.lease();
     hold.provider(&lease.key);
@@ -1120,6 +1375,7 @@ async fn serve_admitted(
                         created: unix_now(),
                     };
                     let client = (route.client)(&parsed.json, meta, parsed.stream);
+                    let mut attempt = attempt_span(state, server.as_ref(), 1, "first");
                     return match send(
                         state,
                         dialect,
@@ -1128,14 +1384,19 @@ async fn serve_admitted(
                         &parsed.model,
                         admission,
                         run,
+                        &mut attempt,
                     )
                     .await
                     {
                         Ok(Dispatched::Run(mut s)) => {
-                            if !hold.is_empty() {
-                                hold.sent();
-                                s.watch(Box::new(hold));
-                            }
+                            let inner: Option<Box<dyn crate::transport::StreamWatch>> =
+                                if hold.is_empty() {
+                                    None
+                                } else {
+                                    hold.sent();
+                                    Some(Box::new(hold))
+                                };
+                            s.watch(observed(inner, server, attempt));
                             let events = render::NativeEvents::new(tools, parsed.stream);
                             render::native(s, events, client).await
                         }
@@ -1148,7 +1409,7 @@ async fn serve_admitted(
             }
         }
     };
-    let dispatched = match send(
+    let dispatched = match dispatch_tunnel(
         state,
         dialect,
         &caller,
@@ -1156,17 +1417,20 @@ async fn serve_admitted(
         &parsed.model,
         admission,
         request,
+        server.as_ref(),
     )
     .await
     {
-        Ok(Dispatched::Tunnel(mut s)) => {
-            if !hold.is_empty() {
+        Ok((mut s, attempt)) => {
+            let inner: Option<Box<dyn crate::transport::StreamWatch>> = if hold.is_empty() {
+                None
+            } else {
                 hold.sent();
-                s.watch(Box::new(hold));
-            }
+                Some(Box::new(hold))
+            };
+            s.watch(observed(inner, server, attempt));
             s
         }
-        Ok(_) => return render::error(dialect, StatusCode::BAD_GATEWAY, render::PROVIDER_FAILED),
         Err(r) => return r,
     };
     let upstream = match plan {
@@ -1255,6 +1519,10 @@ async fn models(
 
 async fn metrics(State(state): State<AppState>) -> Response {
     let (queue, in_flight) = state.edge.pool_stats();
+    state
+        .edge
+        .metrics()
+        .telemetry(state.config.telemetry.stats());
     let mut text = state.edge.metrics().render(queue, in_flight);
     if let Some(limiter) = &state.config.limiter {
         limiter.encode_metrics(&mut text);

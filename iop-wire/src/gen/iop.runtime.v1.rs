@@ -380,6 +380,10 @@ pub struct TraceContext {
     /// The W3C tracestate header value, passed on unchanged; at most 512 printable ASCII bytes.
     #[prost(string, tag = "4")]
     pub tracestate: ::prost::alloc::string::String,
+    /// On a run or tunnel request: the Node must not send a traceparent header to the provider
+    /// (the adapter's trace_propagation = false at the Edge). Default: it does.
+    #[prost(bool, tag = "5")]
+    pub no_provider_header: bool,
 }
 /// Node -> Edge: one event of a normalized execution stream.
 #[derive(Clone, PartialEq, ::prost::Message)]
