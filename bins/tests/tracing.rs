@@ -554,3 +554,111 @@ async fn one_trace_spans_edge_node_and_provider() {
     let logs = edge.log_text();
     assert!(!logs.contains(KEY), "no secret in the Edge's log");
 }
+
+/// Managed mode through `iop-mesh --managed --otlp-endpoint`: the lease acquisition is a span
+/// of the request's trace, and so is the Control Plane's answer to it (service `iop-cp`),
+/// parent to child across the Control Plane wire; every service exports to the one endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_managed_lease_is_a_span_of_the_same_trace() {
+    let dir = TempDir::new("tracing-managed");
+    let collector = Collector::start().await;
+    let held = Arc::new(AtomicUsize::new(0));
+    let (base, seen) = upstream(held).await;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mesh = Proc::spawn(
+        env!("CARGO_BIN_EXE_iop-mesh"),
+        &[
+            "--managed",
+            "--nodes",
+            "1",
+            "--listen",
+            &listen,
+            "--openai-url",
+            &base,
+            "--model",
+            "mesh-model",
+            "--upstream-model",
+            "fake-model",
+            "--upstream-api-key-env",
+            "UPSTREAM_KEY",
+            "--otlp-endpoint",
+            &collector.grpc,
+            "--otlp-protocol",
+            "grpc",
+        ],
+        &[
+            ("UPSTREAM_KEY", "sk-upstream-managed"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+        dir.path(),
+        "mesh",
+    );
+    let up = async {
+        for _ in 0..3000 {
+            if mesh.log_text().contains("base URL") {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    };
+    assert!(up.await, "{}", mesh.log_text());
+    let log = mesh.log_text();
+    assert!(log.contains("exporting spans over OTLP"), "{log}");
+    let token = log
+        .lines()
+        .find_map(|l| l.strip_prefix("iop-mesh: token: "))
+        .expect("the mesh prints a token")
+        .trim()
+        .to_owned();
+    let trace = "5af7651916cd43dd8448eb211c80319d";
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let resp = reqwest::Client::new()
+        .post(format!("http://{listen}/v1/chat/completions"))
+        .bearer_auth(&token)
+        .header("traceparent", format!("00-{trace}-a7ad6b7169203332-01"))
+        .json(&json!({"model": "mesh-model", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    let spans = collector
+        .wait_for(LIMIT, |s| {
+            let t: Vec<_> = s.iter().filter(|x| x.trace_id == trace).collect();
+            ["iop-edge", "iop-node", "iop-cp"]
+                .iter()
+                .all(|svc| t.iter().any(|x| x.service == *svc))
+                && t.iter().any(|x| x.name == "execute")
+                && t.iter().any(|x| x.kind == 2 && x.service == "iop-edge")
+        })
+        .await;
+    let t: Vec<ReceivedSpan> = spans.into_iter().filter(|s| s.trace_id == trace).collect();
+    let attempt = one(&t, "attempt span", |s| s.name == "dispatch");
+    let lease = one(&t, "lease acquire span", |s| s.name == "lease acquire");
+    assert_eq!(lease.service, "iop-edge");
+    assert_eq!(
+        lease.parent_span_id, attempt.span_id,
+        "the lease is part of the attempt"
+    );
+    let issue = one(&t, "Control Plane lease span", |s| s.name == "lease issue");
+    assert_eq!(issue.service, "iop-cp");
+    assert_eq!(
+        issue.parent_span_id, lease.span_id,
+        "across the Control Plane wire"
+    );
+    assert_eq!(issue.attr("iop.principal.id"), Some("mesh"));
+    let exec = one(&t, "execute span", |s| s.name == "execute");
+    assert_eq!(exec.parent_span_id, attempt.span_id);
+    let sent = seen.traceparents.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(ids(&sent[0]).0, trace);
+    for s in &t {
+        let text = format!("{s:?}");
+        assert!(!text.contains(&token), "no token in a span");
+        assert!(
+            !text.contains("sk-upstream-managed"),
+            "no upstream key in a span"
+        );
+    }
+}
