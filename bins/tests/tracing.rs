@@ -492,6 +492,17 @@ async fn one_trace_spans_edge_node_and_provider() {
     );
     let exec = one(&t, "surviving Node's execute span", |s| s.name == "execute");
     assert_eq!(exec.parent_span_id, attempts[1].span_id);
+    // The log line of the fallback carries the trace id.
+    let line = edge
+        .log_text()
+        .lines()
+        .find(|l| l.contains("sending the request to another candidate"))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no fallback log line:\n{}", edge.log_text()));
+    assert!(
+        line.contains(&format!("trace_id={fallback_trace}")),
+        "{line}"
+    );
 
     // 4. The collector goes away: requests are unaffected, and the Edge counts the spans it
     // could not export.

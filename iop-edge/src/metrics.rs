@@ -796,6 +796,75 @@ mod tests {
     }
 
     #[test]
+    fn a_model_request_fills_the_genai_histograms_and_the_overhead() {
+        let m = Metrics::default();
+        m.model_request(
+            Endpoint::ChatCompletions,
+            "mesh-model",
+            &ModelRequest {
+                duration: Duration::from_millis(500),
+                first_content: Some(Duration::from_millis(100)),
+                tokens: Some((20, 5)),
+                provider: Some(Duration::from_micros(499_800)),
+            },
+        );
+        // No provider time (an older Node), no usage, no content: only the duration.
+        m.model_request(
+            Endpoint::Messages,
+            "other",
+            &ModelRequest {
+                duration: Duration::from_millis(30),
+                ..ModelRequest::default()
+            },
+        );
+        m.telemetry(iop_telemetry::Stats {
+            exported: 7,
+            dropped: 2,
+            failed: 1,
+        });
+        m.telemetry(iop_telemetry::Stats {
+            exported: 9,
+            dropped: 2,
+            failed: 1,
+        });
+        let text = m.render(0, 0);
+        let labels = "endpoint=\"chat_completions\",model=\"mesh-model\"";
+        assert!(text.contains(&format!(
+            "gen_ai_server_request_duration_seconds_bucket{{le=\"0.64\",{labels}}} 1"
+        )));
+        assert!(text.contains(&format!(
+            "gen_ai_server_request_duration_seconds_bucket{{le=\"0.32\",{labels}}} 0"
+        )));
+        assert!(text.contains(&format!(
+            "gen_ai_server_time_to_first_token_seconds_bucket{{le=\"0.1\",{labels}}} 1"
+        )));
+        // (500 - 100) ms over 4 tokens after the first.
+        assert!(text.contains(&format!(
+            "gen_ai_server_time_per_output_token_seconds_bucket{{le=\"0.1\",{labels}}} 1"
+        )));
+        assert!(text.contains(&format!(
+            "gen_ai_server_time_per_output_token_seconds_bucket{{le=\"0.075\",{labels}}} 0"
+        )));
+        assert!(text.contains(&format!(
+            "gen_ai_client_token_usage_sum{{{labels},token_type=\"input\"}} 20.0"
+        )));
+        assert!(text.contains(&format!(
+            "gen_ai_client_token_usage_sum{{{labels},token_type=\"output\"}} 5.0"
+        )));
+        // 500 ms - 499.8 ms = 200 us.
+        assert!(text.contains(
+            "iop_edge_gateway_overhead_seconds_bucket{le=\"0.0002\",endpoint=\"chat_completions\"} 1"
+        ));
+        assert!(text.contains(
+            "iop_edge_gateway_overhead_seconds_bucket{le=\"0.0001\",endpoint=\"chat_completions\"} 0"
+        ));
+        assert!(text.contains("iop_edge_gateway_overhead_seconds_count{endpoint=\"messages\"} 0"));
+        assert!(!text.contains("model=\"other\",token_type"));
+        assert!(text.contains("iop_telemetry_spans_total{outcome=\"exported\"} 9"));
+        assert!(text.contains("iop_telemetry_spans_total{outcome=\"dropped\"} 2"));
+    }
+
+    #[test]
     fn closes_are_counted_by_cause_and_a_peer_close_is_not() {
         use iop_edge_core::registry::FenceCause;
         let m = Metrics::default();

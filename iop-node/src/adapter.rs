@@ -476,6 +476,23 @@ impl CapacityGate {
     }
 }
 
+/// Writes `trace` into a provider request as W3C `traceparent` (and `tracestate`), unless the
+/// Edge said this adapter must not get it (`to_provider`); a client's own header of that name
+/// never reaches here (the Edge forwards none). Adapters that speak HTTP call this.
+pub fn trace_headers(headers: &mut http::HeaderMap, trace: Option<&iop_wire::trace::TraceContext>) {
+    let Some(t) = trace.filter(|t| t.to_provider) else {
+        return;
+    };
+    if let Ok(v) = http::HeaderValue::from_str(&t.traceparent()) {
+        headers.insert("traceparent", v);
+    }
+    if let Some(state) = &t.state
+        && let Ok(v) = http::HeaderValue::from_str(state)
+    {
+        headers.insert("tracestate", v);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -491,22 +508,5 @@ mod tests {
         assert_eq!(g.in_flight(), 1);
         assert!(g.try_admit().is_some());
         assert!(CapacityGate::new(0).try_admit().is_none());
-    }
-}
-
-/// Writes `trace` into a provider request as W3C `traceparent` (and `tracestate`), unless the
-/// Edge said this adapter must not get it (`to_provider`); a client's own header of that name
-/// never reaches here (the Edge forwards none). Adapters that speak HTTP call this.
-pub fn trace_headers(headers: &mut http::HeaderMap, trace: Option<&iop_wire::trace::TraceContext>) {
-    let Some(t) = trace.filter(|t| t.to_provider) else {
-        return;
-    };
-    if let Ok(v) = http::HeaderValue::from_str(&t.traceparent()) {
-        headers.insert("traceparent", v);
-    }
-    if let Some(state) = &t.state
-        && let Ok(v) = http::HeaderValue::from_str(state)
-    {
-        headers.insert("tracestate", v);
     }
 }

@@ -23,6 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::NodeOptions;
 use crate::adapter::{
@@ -260,9 +261,13 @@ fn handle_frame(
                     let out = out_tx.clone();
                     // Boxed: the execution's state is several KiB, moved once into the heap
                     // rather than copied into the task cell and again out of it.
-                    tokio::spawn(Box::pin(run_task(
-                        stream_id, req, instance, permit, token, out, settings,
-                    )));
+                    let span = log_span(req.trace.as_deref());
+                    tokio::spawn(
+                        Box::pin(run_task(
+                            stream_id, req, instance, permit, token, out, settings,
+                        ))
+                        .instrument(span),
+                    );
                 }
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Run, error);
@@ -307,9 +312,13 @@ fn handle_frame(
             ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
-                    tokio::spawn(Box::pin(tunnel_task(
-                        stream_id, req, instance, permit, token, out, settings,
-                    )));
+                    let span = log_span(req.trace.as_deref());
+                    tokio::spawn(
+                        Box::pin(tunnel_task(
+                            stream_id, req, instance, permit, token, out, settings,
+                        ))
+                        .instrument(span),
+                    );
                 }
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Tunnel, error);
@@ -480,6 +489,15 @@ pub(crate) struct ExecSettings {
     pub(crate) telemetry: iop_telemetry::Telemetry,
 }
 
+/// The log span of an execution: its log lines carry the request's trace id, when it has one
+/// (a disabled span, which costs nothing, when it has none).
+fn log_span(trace: Option<&iop_wire::trace::TraceContext>) -> tracing::Span {
+    match trace {
+        Some(t) => tracing::info_span!("run", trace_id = %t.trace_id_hex()),
+        None => tracing::Span::none(),
+    }
+}
+
 /// A run's or tunnel's `execute` span (a child of the Edge's attempt on the wire) and its
 /// provider call span (a child of that); the request's trace becomes the provider span's
 /// context, which the adapter sends as `traceparent`.
@@ -545,6 +563,9 @@ fn provider_trace(
     c.to_provider = incoming.is_none_or(|i| i.to_provider);
     Some(Box::new(c))
 }
+
+/// What a tunnel's spans show: the provider's status and (input, output) tokens.
+type Seen = (Option<u16>, Option<(u64, u64)>);
 
 /// The GenAI operation name of a tunnel operation.
 fn genai_operation(op: iop_wire::runtime::Operation) -> &'static str {
@@ -814,7 +835,7 @@ async fn tunnel_task(
     // The writer refuses out-of-order payloads from a misbehaving adapter.
     // The byte budget is given back as the payload moves on to the connection writer.
     // The status and usage the spans show; like `writer`, never contended.
-    let seen: std::sync::Mutex<(Option<u16>, Option<(u64, u64)>)> = std::sync::Mutex::default();
+    let seen: std::sync::Mutex<Seen> = std::sync::Mutex::default();
     let forward = |(payload, _budget): Budgeted<TunnelPayload>| {
         if settings.telemetry.is_on() {
             let mut seen = seen

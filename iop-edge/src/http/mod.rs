@@ -822,6 +822,7 @@ async fn admit(
 /// for a re-admission: the admission is given back and the request admitted once more (the
 /// Node is no longer a candidate); the new provider must take the request as built (same kind,
 /// target and protocol profile), or the answer is 503 + `Retry-After`.
+#[allow(clippy::too_many_arguments, reason = "one request's whole context")]
 async fn send(
     state: &AppState,
     dialect: Dialect,
@@ -996,6 +997,7 @@ async fn dispatch_tunnel(
             }
         };
         let before = shape(&admission);
+        let before_node = admission.lease().key.node_id.clone();
         match send(
             state,
             dialect,
@@ -1012,6 +1014,10 @@ async fn dispatch_tunnel(
                 if request.is_none() || !s.lost_before_start().await {
                     return Ok((s, attempt));
                 }
+                tracing::warn!(
+                    node_id = %before_node,
+                    "the Node's connection ended before it answered; sending the request to another candidate"
+                );
                 attempt.event("node_disconnected", Vec::new());
                 attempt.fail("node_disconnected");
                 drop(attempt);
@@ -1201,8 +1207,17 @@ async fn serve_route(
             Vec::new(),
         )
     };
+    // Log lines of a traced request carry its trace id.
+    let log_span = match server.trace_id() {
+        Some(id) => tracing::info_span!("request", trace_id = %id),
+        None => tracing::Span::none(),
+    };
     let mut server = Some(server);
-    let response = serve_traced(state, route, headers, app_key, body, started, &mut server).await;
+    let response = tracing::Instrument::instrument(
+        serve_traced(state, route, headers, app_key, body, started, &mut server),
+        log_span,
+    )
+    .await;
     if let Some(mut span) = server {
         let status = response.status().as_u16();
         span.set(iop_telemetry::attr::http_status(status));

@@ -46,10 +46,10 @@ pub(super) fn status_error(status: u16) -> &'static str {
         408 => "request_timeout",
         413 => "payload_too_large",
         429 => "rate_limited",
-        500..=599 if status == 502 => "provider_failed",
+        502 => "provider_failed",
         503 => "unavailable",
         504 => "gateway_timeout",
-        400..=499 => "client_error",
+        402 | 405..=407 | 409..=412 | 414..=428 | 430..=499 => "client_error",
         _ => "server_error",
     }
 }
@@ -103,7 +103,7 @@ impl Observed {
 
 impl StreamWatch for Observed {
     fn usage(&mut self, usage: &Usage) {
-        self.usage = Some(usage.clone());
+        self.usage = Some(*usage);
         if let Some(w) = self.inner.as_mut() {
             w.usage(usage);
         }
