@@ -30,6 +30,14 @@
 //!   and the Node's CPU time per request (from `/proc/PID/stat`) over the mesh requests.
 //! - **max**: closed loop, `C` concurrent connections (16 and 64) for 4 s, non-streaming:
 //!   direct, the relays, then the mesh: requests per second and the mesh's ratio to direct.
+//! - **tracing** (`proc_load tracing`, not in the default run): three meshes at once, tracing
+//!   off, on at 1 % sampling and on at 100 %, all exporting over OTLP/HTTP to a minimal
+//!   collector process (this binary as `proc_load collector`, which reads and discards the
+//!   batches); three interleaved rounds of the open-loop latency at `PROC_LOAD_TRACE_RATE`
+//!   (default 500/s, `PROC_LOAD_SECONDS` each) and of the 64-client closed loop, medians of
+//!   three with the per-run values. The tracing-off mesh's `iop_edge_gateway_overhead_seconds`
+//!   (scraped before and after each round) is set beside the added latency measured here:
+//!   the mean of the histogram against the mean added latency of the same requests.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -125,6 +133,12 @@ struct Mesh {
 }
 
 fn start(dir: &Path) -> Mesh {
+    start_with(dir, "")
+}
+
+/// The mesh, with `telemetry` (a `[telemetry]` table, or nothing) in the Edge's and the
+/// Node's configuration.
+fn start_with(dir: &Path, telemetry: &str) -> Mesh {
     let ca = Ca::new("proc_load CA");
     let edge_leaf = ca.workload(role::EDGE, "edge-1", true);
     let node_leaf = ca.workload(role::NODE, "node-1", false);
@@ -155,8 +169,8 @@ fn start(dir: &Path) -> Mesh {
         "node_id = \"node-1\"\n[edge]\naddress = \"127.0.0.1:{nodes}\"\nserver_name = \"localhost\"\nname = \"edge-1\"\n[tls]\ntrust_domain = \"{td}\"\nca = \"{d}/ca.pem\"\ncert = \"{d}/node.pem\"\nkey = \"{d}/node.key\"\n[reconnect]\ninterval_sec = 1\nmax_attempts = 0\n",
         td = pki::TRUST_DOMAIN,
     );
-    std::fs::write(dir.join("edge.toml"), edge).unwrap();
-    std::fs::write(dir.join("node.toml"), node).unwrap();
+    std::fs::write(dir.join("edge.toml"), edge + telemetry).unwrap();
+    std::fs::write(dir.join("node.toml"), node + telemetry).unwrap();
     let spawn = |var: &str, name: &str, config: &str| {
         Killed(
             Command::new(bin(var, name))
@@ -353,6 +367,17 @@ impl Pool {
         }
     }
 
+    /// One request, whether it was answered 200 (while waiting for a mesh to start).
+    async fn once_ok(&self) -> bool {
+        match RawHttp::connect(self.port).await {
+            Ok(mut c) => c
+                .exchange(&self.request)
+                .await
+                .is_ok_and(|e| e.status == 200),
+            Err(_) => false,
+        }
+    }
+
     async fn once(&self) -> Exchange {
         let conn = self.idle.lock().unwrap().pop();
         let mut conn = match conn {
@@ -526,10 +551,216 @@ async fn max(m: &Mesh, floors: &[Path2]) {
     }
 }
 
+// === Tracing: off, 1 %, 100 % ===
+
+/// `proc_load collector PORT`: a minimal OTLP/HTTP receiver (current-thread): reads each batch
+/// and answers an empty `ExportTraceServiceResponse`.
+fn collector(port: u16) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let app = Router::new().route(
+            "/v1/traces",
+            post(|body: Bytes| async move {
+                std::hint::black_box(body.len());
+                Response::builder()
+                    .header("content-type", "application/x-protobuf")
+                    .body(Body::empty())
+                    .unwrap()
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .unwrap();
+        iop_edge::http::serve(listener, app, std::future::pending())
+            .await
+            .unwrap();
+    });
+}
+
+/// A counter or a histogram's `_sum`/`_count` line of an exposition.
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn scrape(port: u16) -> String {
+    reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+fn median3(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+fn mean(v: &[Duration]) -> f64 {
+    v.iter().map(Duration::as_secs_f64).sum::<f64>() / v.len().max(1) as f64
+}
+
+fn tracing_cost(dir: &Path) {
+    let cport = free_port();
+    let _collector = Killed(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["collector", &cport.to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_port(cport);
+    let variants: [(&str, Option<f64>); 3] = [
+        ("off", None),
+        ("on, 1 % sampled", Some(0.01)),
+        ("on, 100 % sampled", Some(1.0)),
+    ];
+    let meshes: Vec<Mesh> = variants
+        .iter()
+        .enumerate()
+        .map(|(i, (_, ratio))| {
+            let sub = dir.join(format!("trace{i}"));
+            std::fs::create_dir_all(&sub).unwrap();
+            let t = ratio.map_or(String::new(), |r| {
+                format!("[telemetry]\notlp_endpoint = \"http://127.0.0.1:{cport}\"\nsample_ratio = {r}\n")
+            });
+            start_with(&sub, &t)
+        })
+        .collect();
+    let rate: u32 = std::env::var("PROC_LOAD_TRACE_RATE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(500);
+    let seconds: u32 = std::env::var("PROC_LOAD_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for m in &meshes {
+            let pool = Pool::new(m.http, false);
+            let start = Instant::now();
+            while RawHttp::connect(m.http).await.is_err()
+                || !pool.once_ok().await
+            {
+                assert!(start.elapsed() < Duration::from_secs(30), "mesh did not start");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let path = |m: &Mesh| {
+            (
+                Path2 { name: "direct", port: m.upstream },
+                Path2 { name: "mesh", port: m.http },
+            )
+        };
+        for m in &meshes {
+            let (d, p) = path(m);
+            let _ = paired(d, p, 200, 1, false, false).await;
+        }
+        // [variant][round] = (added p50, added p99) in ms; closed loop rps.
+        let mut added = vec![Vec::new(); 3];
+        let mut rps = vec![Vec::new(); 3];
+        let mut overhead = Vec::new();
+        for round in 0..3 {
+            for (i, m) in meshes.iter().enumerate() {
+                let (d, p) = path(m);
+                let before = scrape(m.http).await;
+                let (x, y) = paired(d, p, rate, seconds, false, false).await;
+                let after = scrape(m.http).await;
+                let a50 = percentile(&y, 0.5).saturating_sub(percentile(&x, 0.5));
+                let a99 = percentile(&y, 0.99).saturating_sub(percentile(&x, 0.99));
+                added[i].push((a50.as_secs_f64() * 1e3, a99.as_secs_f64() * 1e3));
+                if i == 0 {
+                    let key = "iop_edge_gateway_overhead_seconds";
+                    let label = "{endpoint=\"chat_completions\"}";
+                    let sum = metric(&after, &format!("{key}_sum{label}"))
+                        - metric(&before, &format!("{key}_sum{label}"));
+                    let count = metric(&after, &format!("{key}_count{label}"))
+                        - metric(&before, &format!("{key}_count{label}"));
+                    overhead.push((
+                        round,
+                        (mean(&y) - mean(&x)) * 1e3,
+                        sum / count.max(1.0) * 1e3,
+                        count,
+                    ));
+                }
+            }
+            for (i, m) in meshes.iter().enumerate() {
+                rps[i].push(closed_loop(m.http, 64, Duration::from_secs(4)).await);
+            }
+        }
+        println!(
+            "\n**Tracing cost** ({rate}/s open loop for {seconds} s and a 64-client closed loop for 4 s per variant, three interleaved rounds; medians of three, per-run values in brackets):\n"
+        );
+        println!("| tracing | added p50 | added p99 | closed loop req/s | ÷ off |");
+        println!("|---|---:|---:|---:|---:|");
+        let off_rps = median3(&rps[0]);
+        for (i, (name, _)) in variants.iter().enumerate() {
+            let p50: Vec<f64> = added[i].iter().map(|a| a.0).collect();
+            let p99: Vec<f64> = added[i].iter().map(|a| a.1).collect();
+            let runs = |v: &[f64], d: usize| {
+                v.iter().map(|x| format!("{x:.d$}")).collect::<Vec<_>>().join(", ")
+            };
+            println!(
+                "| {name} | {:.3} ms [{}] | {:.3} ms [{}] | {:.0} [{}] | {:.2}× |",
+                median3(&p50),
+                runs(&p50, 3),
+                median3(&p99),
+                runs(&p99, 3),
+                median3(&rps[i]),
+                runs(&rps[i], 0),
+                median3(&rps[i]) / off_rps
+            );
+        }
+        println!(
+            "\n**The gateway overhead histogram against the measured added latency** (tracing off, the same {rate}/s requests):\n"
+        );
+        println!("| round | mean added latency (mesh − direct, measured by the client) | mean `iop_edge_gateway_overhead_seconds` (Edge time − Node's provider time) | requests in the histogram |");
+        println!("|---:|---:|---:|---:|");
+        for (round, measured, histogram, count) in overhead {
+            println!("| {} | {measured:.3} ms | {histogram:.3} ms | {count:.0} |", round + 1);
+        }
+        for (i, m) in meshes.iter().enumerate().skip(1) {
+            let text = scrape(m.http).await;
+            let c = |o: &str| metric(&text, &format!("iop_telemetry_spans_total{{outcome=\"{o}\"}}"));
+            println!(
+                "\n{}: spans exported {:.0}, dropped {:.0}, failed {:.0}",
+                variants[i].0,
+                c("exported"),
+                c("dropped"),
+                c("failed")
+            );
+        }
+    });
+    drop(meshes);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("upstream") {
         return upstream(args[2].parse().unwrap());
+    }
+    if args.get(1).map(String::as_str) == Some("collector") {
+        return collector(args[2].parse().unwrap());
+    }
+    if args.get(1).map(String::as_str) == Some("tracing") {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = std::env::temp_dir().join(format!("proc_load-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        tracing_cost(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
     }
     if args.get(1).map(String::as_str) == Some("relay") {
         let mode = match args[4].as_str() {
