@@ -66,6 +66,21 @@ async fn chat(State(up): State<Arc<Up>>, headers: HeaderMap, body: String) -> Re
             std::future::pending::<()>().await;
         }
     }
+    if text == "stall" {
+        // The response starts, then the provider goes silent (the Node's stall watchdog ends
+        // it).
+        let first = format!(
+            "data: {}\n\n",
+            json!({"id":"c1","object":"chat.completion.chunk","model":"fake-model","choices":[{"index":0,"delta":{"content":"a"}}]})
+        );
+        use futures_util::StreamExt as _;
+        let body = futures_util::stream::once(async move { Ok::<_, std::io::Error>(first) })
+            .chain(futures_util::stream::pending());
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(body))
+            .unwrap();
+    }
     let usage = json!({"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14});
     if req["stream"] == true {
         let chunk = |c: &str| {
@@ -101,6 +116,15 @@ async fn upstream(held: Arc<AtomicUsize>) -> (String, Arc<Seen>) {
     let seen = Arc::new(Seen::default());
     let app = Router::new()
         .route("/v1/chat/completions", axum::routing::post(chat))
+        // The Node's health probe after a stall: the provider is up.
+        .route(
+            "/v1/models",
+            axum::routing::get(|| async {
+                axum::Json(
+                    json!({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}),
+                )
+            }),
+        )
         .with_state(Arc::new(Up {
             seen: seen.clone(),
             held,
@@ -159,6 +183,7 @@ provider_id = "upstream-{n}"
 adapter = "upstream"
 target = "fake-model"
 capacity = 8
+response_stall_timeout_sec = 1
 "#
         );
     }
@@ -418,6 +443,46 @@ async fn one_trace_spans_edge_node_and_provider() {
         "the attempt ends inside the server span"
     );
 
+    // 2b. The provider goes silent mid-stream: the Node's stall watchdog ends the stream, and
+    // both the attempt and the Node's span show it.
+    let stall_trace = "6bf92f3577b34da6a3ce929d0e0e4737";
+    let (status, _) = post(
+        &client,
+        http_port,
+        json!({"model": "mesh-model", "stream": true, "messages": [{"role": "user", "content": "stall"}]}),
+        Some(&format!("00-{stall_trace}-00f067aa0ba902b7-01")),
+    )
+    .await;
+    assert_eq!(status, 200, "the stream had started");
+    let spans = collector
+        .wait_for(LIMIT, |s| {
+            s.iter().filter(|x| x.trace_id == stall_trace).count() >= 4
+        })
+        .await;
+    let t: Vec<ReceivedSpan> = spans
+        .into_iter()
+        .filter(|s| s.trace_id == stall_trace)
+        .collect();
+    let attempt = one(&t, "attempt span", |s| s.name == "dispatch");
+    assert!(
+        attempt.events.iter().any(|e| e == "response_stalled"),
+        "{attempt:#?}"
+    );
+    let exec = one(&t, "execute span", |s| s.name == "execute");
+    assert!(
+        exec.events.iter().any(|e| e == "response_stalled"),
+        "{exec:#?}"
+    );
+    assert_eq!(exec.attr("error.type"), Some("response_stalled"));
+    let server = one(&t, "Edge server span", |s| {
+        s.service == "iop-edge" && s.kind == 2
+    });
+    assert_eq!(
+        server.attr("error.type"),
+        Some("provider_error"),
+        "{server:#?}"
+    );
+
     // 3. A Node dies with the request at its upstream: the request falls back to the other
     // Node; two attempt spans.
     let fallback_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -538,8 +603,8 @@ async fn one_trace_spans_edge_node_and_provider() {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(0)
             };
-            // Each request: a server, a queue and an attempt span.
-            if count("failed") + count("dropped") >= 60 {
+            // Each request: a server and an attempt span.
+            if count("failed") + count("dropped") >= 40 {
                 return (count("exported"), m);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

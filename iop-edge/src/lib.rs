@@ -52,6 +52,16 @@
 //! one usage record per keyed request (a local SQLite file); both ride on the response stream
 //! ([`StreamWatch`]) to settle to the provider's reported usage.
 //!
+//! Tracing ([`iop_telemetry`], off by default; `[telemetry]`, the `OTEL_*` variables or
+//! [`http::HttpConfig::telemetry`]): each model request is a server span continuing the
+//! client's `traceparent`, with a `queue` span, one `dispatch` span per attempt (the context
+//! the Node's spans hang from, sent on the run or tunnel request) and, in managed mode, a
+//! `lease acquire` span whose context goes to the Control Plane. A tunnel request whose Node is
+//! lost before it answered is sent once more to another candidate that takes the same request
+//! (a second `dispatch` span, reason `fallback`). The GenAI histograms and the gateway's own
+//! overhead (the Edge's time minus the provider call's time the Node reports on the terminal)
+//! are on `/metrics` ([`metrics`]).
+//!
 //! [`config`] reads the Edge's TOML file (the `iop-edge` binary's format) into a
 //! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
 //! hot-reloadable TLS material (`workload_identity::WorkloadTls`).

@@ -206,9 +206,16 @@ pub struct Admission {
     shared: Weak<Shared>,
     armed: bool,
     response_wait: Option<Duration>,
+    /// Whether the request waited in the pool's queue for it.
+    queued: bool,
 }
 
 impl Admission {
+    /// Whether the request waited in the pool's queue (no candidate had capacity at once).
+    pub fn queued(&self) -> bool {
+        self.queued
+    }
+
     /// The selected provider, its Node generation, adapter instance and target.
     pub fn lease(&self) -> &Lease {
         &self.admitted.lease
@@ -704,6 +711,7 @@ impl Shared {
                             shared: Arc::downgrade(self),
                             armed: true,
                             response_wait: None,
+                            queued: true,
                         };
                         if let Err(Ok(mut admission)) = waiter.send(Ok(admission)) {
                             // The caller went away while queued (we hold the lock: release
@@ -920,6 +928,7 @@ impl EdgeHandle {
                 shared: Arc::downgrade(&self.shared),
                 armed: true,
                 response_wait: None,
+                queued: false,
             }),
             Ok(rx) => rx.await.map_err(|_| DispatchError::Stopped)?,
         }

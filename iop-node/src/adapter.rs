@@ -402,6 +402,7 @@ impl AdapterRegistry {
             by_key.insert(
                 c.instance_key().to_owned(),
                 Arc::new(Instance {
+                    trace: TraceAttrs::of(c),
                     config: c.clone(),
                     adapter,
                     gate: CapacityGate::new(c.capacity),
@@ -420,6 +421,43 @@ pub(crate) struct Instance {
     pub(crate) gate: CapacityGate,
     /// The Node's own key for this instance (legacy mode).
     pub(crate) credential: Option<UpstreamCredential>,
+    /// The span attributes every execution on it carries, made once.
+    pub(crate) trace: TraceAttrs,
+}
+
+/// An instance's span attributes, reference-counted (a span clones them for the cost of a
+/// count): the adapter instance, the provider kind, and the upstream's host and port.
+#[derive(Debug)]
+pub(crate) struct TraceAttrs {
+    pub(crate) adapter: iop_telemetry::KeyValue,
+    pub(crate) provider: iop_telemetry::KeyValue,
+    pub(crate) server: Vec<iop_telemetry::KeyValue>,
+}
+
+impl TraceAttrs {
+    fn of(c: &AdapterConfig) -> Self {
+        use iop_telemetry::{KeyValue, attr};
+        let rc = |s: &str| -> Arc<str> { Arc::from(s) };
+        let base = match &c.settings {
+            iop_wire::runtime::AdapterSettings::OpenAiCompat(s) => Some(s.base_url.as_str()),
+            iop_wire::runtime::AdapterSettings::Native(s) => Some(s.base_url.as_str()),
+            _ => None,
+        };
+        let mut server = Vec::new();
+        if let Some(uri) = base.and_then(|b| b.parse::<http::Uri>().ok())
+            && let Some(host) = uri.host()
+        {
+            server.push(KeyValue::new("server.address", rc(host)));
+            if let Some(port) = uri.port_u16() {
+                server.push(attr::server_port(port));
+            }
+        }
+        Self {
+            adapter: KeyValue::new("iop.adapter", rc(c.instance_key())),
+            provider: KeyValue::new("gen_ai.provider.name", rc(&c.adapter_type)),
+            server,
+        }
+    }
 }
 
 /// The running set, keyed by instance identity.

@@ -36,6 +36,14 @@
 //!   `ProviderTunnelFrame`s, usage as a separate observation; the driver sends the single
 //!   END/ERROR terminal. Which dialect to speak is the Edge's decision, not the Node's.
 //!
+//! - Tracing ([`NodeOptions::telemetry`], off by default): each run or tunnel is an `execute`
+//!   span, a child of the Edge's dispatch attempt (its context comes on the request), and the
+//!   provider call a child of that; the adapter sends the provider call's context upstream as
+//!   `traceparent` ([`trace_headers`]; the Edge's per-adapter `trace_propagation = false`
+//!   withholds it). Off, the Edge's context is passed on unchanged. Log lines of a traced
+//!   execution carry its `trace_id`. Every terminal carries the provider call's duration
+//!   (`iop_wire::runtime::METADATA_PROVIDER_US`), from which the Edge computes its overhead.
+//!
 //! - Every execution runs under a response-stall watchdog (see the `exec` module docs for the
 //!   outcome precedence): on a stall the attempt is fenced, the close grace and an exact-target
 //!   probe run concurrently, and exactly one `response_stalled` terminal with a typed

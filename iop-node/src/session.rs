@@ -23,7 +23,6 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument as _;
 
 use crate::NodeOptions;
 use crate::adapter::{
@@ -261,13 +260,9 @@ fn handle_frame(
                     let out = out_tx.clone();
                     // Boxed: the execution's state is several KiB, moved once into the heap
                     // rather than copied into the task cell and again out of it.
-                    let span = log_span(req.trace.as_deref());
-                    tokio::spawn(
-                        Box::pin(run_task(
-                            stream_id, req, instance, permit, token, out, settings,
-                        ))
-                        .instrument(span),
-                    );
+                    tokio::spawn(Box::pin(run_task(
+                        stream_id, req, instance, permit, token, out, settings,
+                    )));
                 }
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Run, error);
@@ -312,13 +307,9 @@ fn handle_frame(
             ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
-                    let span = log_span(req.trace.as_deref());
-                    tokio::spawn(
-                        Box::pin(tunnel_task(
-                            stream_id, req, instance, permit, token, out, settings,
-                        ))
-                        .instrument(span),
-                    );
+                    tokio::spawn(Box::pin(tunnel_task(
+                        stream_id, req, instance, permit, token, out, settings,
+                    )));
                 }
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Tunnel, error);
@@ -489,15 +480,6 @@ pub(crate) struct ExecSettings {
     pub(crate) telemetry: iop_telemetry::Telemetry,
 }
 
-/// The log span of an execution: its log lines carry the request's trace id, when it has one
-/// (a disabled span, which costs nothing, when it has none).
-fn log_span(trace: Option<&iop_wire::trace::TraceContext>) -> tracing::Span {
-    match trace {
-        Some(t) => tracing::info_span!("run", trace_id = %t.trace_id_hex()),
-        None => tracing::Span::none(),
-    }
-}
-
 /// A run's or tunnel's `execute` span (a child of the Edge's attempt on the wire) and its
 /// provider call span (a child of that); the request's trace becomes the provider span's
 /// context, which the adapter sends as `traceparent`.
@@ -515,35 +497,24 @@ fn node_spans(
         let provider = t.child(&exec, "provider", SpanKind::Client, Vec::new());
         return (exec, provider);
     }
+    let model = iop_telemetry::KeyValue::new("gen_ai.request.model", target.to_owned());
     let exec = t.span(
         "execute",
         SpanKind::Server,
         parent,
         vec![
             attr::run_id(run_id.to_owned()),
-            attr::adapter(instance.config.instance_key().to_owned()),
-            attr::request_model(target.to_owned()),
+            instance.trace.adapter.clone(),
+            model.clone(),
         ],
     );
-    let mut attributes = vec![
+    let mut attributes = Vec::with_capacity(3 + instance.trace.server.len());
+    attributes.extend([
         attr::operation(operation),
-        attr::provider(instance.config.adapter_type.clone()),
-        attr::request_model(target.to_owned()),
-    ];
-    if let iop_wire::runtime::AdapterSettings::OpenAiCompat(s) = &instance.config.settings
-        && let Ok(uri) = s.base_url.parse::<http::Uri>()
-        && let Some(host) = uri.host()
-    {
-        attributes.push(attr::server_address(host.to_owned()));
-        if let Some(port) = uri.port_u16() {
-            attributes.push(attr::server_port(port));
-        }
-    } else if let iop_wire::runtime::AdapterSettings::Native(s) = &instance.config.settings
-        && let Ok(uri) = s.base_url.parse::<http::Uri>()
-        && let Some(host) = uri.host()
-    {
-        attributes.push(attr::server_address(host.to_owned()));
-    }
+        instance.trace.provider.clone(),
+        model,
+    ]);
+    attributes.extend(instance.trace.server.iter().cloned());
     let provider = t.child(
         &exec,
         format!("{operation} {target}"),
@@ -787,7 +758,7 @@ async fn tunnel_task(
             ) {
                 Ok(c) => Some(Injection::Lease(c)),
                 Err(rejected) => {
-                    tracing::info!(target: "iop_node", event = "node_credential_rejected", run_id = %run_id, reason = %rejected, "managed tunnel refused");
+                    tracing::info!(target: "iop_node", event = "node_credential_rejected", run_id = %run_id, trace_id = %req.trace.as_deref().map(iop_wire::trace::TraceContext::trace_id_hex).unwrap_or_default(), reason = %rejected, "managed tunnel refused");
                     drop(permit);
                     let terminal = TunnelPayload::Error {
                         error: rejected.to_string(),

@@ -600,7 +600,18 @@ impl Telemetry {
         kind: SpanKind,
         attributes: Vec<KeyValue>,
     ) -> Span {
-        self.span(name, kind, parent.context().as_ref(), attributes)
+        match (&self.0, &parent.0) {
+            // The parent's own context, without a round trip through the wire form.
+            (Some(inner), State::On(p)) => {
+                let cx = opentelemetry::Context::new()
+                    .with_remote_span_context(p.span_context().clone());
+                let b = SpanBuilder::from_name(name)
+                    .with_kind(kind)
+                    .with_attributes(attributes);
+                Span(State::On(Box::new(inner.tracer.build_with_context(b, &cx))))
+            }
+            _ => self.span(name, kind, parent.context().as_ref(), attributes),
+        }
     }
 
     /// Export counts since start (zeros when off).

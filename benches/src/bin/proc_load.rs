@@ -754,6 +754,65 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("collector") {
         return collector(args[2].parse().unwrap());
     }
+    if args.get(1).map(String::as_str) == Some("tracing-perf") {
+        // One mesh at 100 % sampling under the 64-client closed loop while `perf record`
+        // samples its Edge and Node (perf.data in the working directory).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = std::env::temp_dir().join(format!("proc_load-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cport = free_port();
+        let _collector = Killed(
+            Command::new(std::env::current_exe().unwrap())
+                .args(["collector", &cport.to_string()])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        wait_port(cport);
+        let ratio = args.get(2).cloned().unwrap_or_else(|| "1.0".into());
+        let t = if ratio == "off" {
+            String::new()
+        } else {
+            format!(
+                "[telemetry]\notlp_endpoint = \"http://127.0.0.1:{cport}\"\nsample_ratio = {ratio}\n"
+            )
+        };
+        let m = start_with(&dir, &t);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let pool = Pool::new(m.http, false);
+            while !pool.once_ok().await {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = closed_loop(m.http, 64, Duration::from_secs(2)).await;
+            let pids = format!("{},{}", m.edge.0.id(), m.node.0.id());
+            let mut perf = Command::new("perf")
+                .args([
+                    "record",
+                    "-F",
+                    "999",
+                    "-g",
+                    "-p",
+                    &pids,
+                    "-o",
+                    "perf.data",
+                    "--",
+                    "sleep",
+                    "8",
+                ])
+                .spawn()
+                .unwrap();
+            let rps = closed_loop(m.http, 64, Duration::from_secs(8)).await;
+            let _ = perf.wait();
+            println!("closed loop at {ratio}: {rps:.0} req/s");
+        });
+        drop(m);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     if args.get(1).map(String::as_str) == Some("tracing") {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = std::env::temp_dir().join(format!("proc_load-{}", std::process::id()));

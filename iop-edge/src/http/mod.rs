@@ -368,6 +368,8 @@ struct Catalog {
 struct ModelCaps {
     operations: BTreeSet<Operation>,
     native: bool,
+    /// How many Nodes serve the group (a fallback needs another one).
+    nodes: usize,
 }
 
 impl ModelCaps {
@@ -403,6 +405,13 @@ impl Catalog {
         if let Some(pool) = edge.pool_config() {
             for (model, keys) in &pool.models {
                 let caps = models.entry(model.clone()).or_default();
+                caps.nodes = pool
+                    .providers
+                    .iter()
+                    .filter(|p| keys.contains(&p.key))
+                    .map(|p| p.key.node_id.as_str())
+                    .collect::<BTreeSet<_>>()
+                    .len();
                 for spec in pool.providers.iter().filter(|p| keys.contains(&p.key)) {
                     match spec.kind {
                         ProviderKind::Native => caps.native = true,
@@ -424,6 +433,14 @@ impl Catalog {
             }
         }
         Self { profiles, models }
+    }
+
+    /// [`Catalog::profile`], shared (compared by value, cloned by reference count).
+    fn profile_arc(&self, admission: &Admission) -> Option<Arc<ConcreteProtocolProfile>> {
+        let lease = admission.lease();
+        self.profiles
+            .get(&(lease.key.node_id.clone(), lease.adapter.clone()))
+            .cloned()
     }
 
     fn profile(&self, admission: &Admission) -> Option<&ConcreteProtocolProfile> {
@@ -891,14 +908,6 @@ async fn send(
         }
     };
     let lease = admission.lease();
-    if attempt.is_recording() {
-        attempt.set(iop_telemetry::attr::node_id(lease.key.node_id.clone()));
-        attempt.set(iop_telemetry::attr::adapter(lease.adapter.clone()));
-        attempt.set(iop_telemetry::attr::response_model(lease.target.clone()));
-        attempt.set(iop_telemetry::attr::server_address(
-            lease.key.node_id.clone(),
-        ));
-    }
     let mut trace = attempt.context().map(Box::new);
     if let Some(t) = trace.as_mut()
         && !state.config.no_trace_propagation.is_empty()
@@ -932,6 +941,7 @@ fn attempt_span(
     server: Option<&iop_telemetry::Span>,
     number: u32,
     reason: &'static str,
+    lease: &crate::pool::Lease,
 ) -> iop_telemetry::Span {
     let t = &state.config.telemetry;
     let Some(server) = server else {
@@ -953,6 +963,9 @@ fn attempt_span(
             iop_telemetry::attr::operation("chat"),
             iop_telemetry::attr::attempt(number),
             iop_telemetry::attr::attempt_reason(reason),
+            iop_telemetry::attr::node_id(lease.key.node_id.clone()),
+            iop_telemetry::attr::adapter(lease.adapter.clone()),
+            iop_telemetry::attr::response_model(lease.target.clone()),
         ],
     )
 }
@@ -975,15 +988,21 @@ async fn dispatch_tunnel(
 ) -> Result<(crate::transport::TunnelStream, iop_telemetry::Span), Response> {
     let shape = |a: &Admission| {
         let l = a.lease();
-        (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
+        (l.kind, l.target.clone(), state.catalog.profile_arc(a))
     };
     let mut number = 1;
     let mut reason = "first";
     let mut request = Some(request);
+    // A fallback needs another Node serving the group; only then is the request kept.
+    let attempts = if state.catalog.models.get(group).is_some_and(|c| c.nodes > 1) {
+        MAX_ATTEMPTS
+    } else {
+        1
+    };
     loop {
-        let mut attempt = attempt_span(state, server, number, reason);
+        let mut attempt = attempt_span(state, server, number, reason, admission.lease());
         let this = match request.take() {
-            Some(r) if number < MAX_ATTEMPTS => {
+            Some(r) if number < attempts => {
                 request = Some(r.clone());
                 r
             }
@@ -996,8 +1015,10 @@ async fn dispatch_tunnel(
                 ));
             }
         };
-        let before = shape(&admission);
-        let before_node = admission.lease().key.node_id.clone();
+        // What the fallback compares and logs, only when there can be one.
+        let before = request
+            .is_some()
+            .then(|| (shape(&admission), admission.lease().key.node_id.clone()));
         match send(
             state,
             dialect,
@@ -1011,11 +1032,15 @@ async fn dispatch_tunnel(
         .await?
         {
             Dispatched::Tunnel(mut s) => {
-                if request.is_none() || !s.lost_before_start().await {
+                let Some((before, before_node)) = before else {
+                    return Ok((s, attempt));
+                };
+                if !s.lost_before_start().await {
                     return Ok((s, attempt));
                 }
                 tracing::warn!(
                     node_id = %before_node,
+                    trace_id = %server.and_then(iop_telemetry::Span::trace_id).unwrap_or_default(),
                     "the Node's connection ended before it answered; sending the request to another candidate"
                 );
                 attempt.event("node_disconnected", Vec::new());
@@ -1207,17 +1232,8 @@ async fn serve_route(
             Vec::new(),
         )
     };
-    // Log lines of a traced request carry its trace id.
-    let log_span = match server.trace_id() {
-        Some(id) => tracing::info_span!("request", trace_id = %id),
-        None => tracing::Span::none(),
-    };
     let mut server = Some(server);
-    let response = tracing::Instrument::instrument(
-        serve_traced(state, route, headers, app_key, body, started, &mut server),
-        log_span,
-    )
-    .await;
+    let response = serve_traced(state, route, headers, app_key, body, started, &mut server).await;
     if let Some(mut span) = server {
         let status = response.status().as_u16();
         span.set(iop_telemetry::attr::http_status(status));
@@ -1301,20 +1317,26 @@ async fn serve_admitted(
     server: &mut Option<iop_telemetry::Span>,
 ) -> Response {
     let dialect = route.dialect;
-    let queue = match server.as_ref() {
-        Some(s) if s.is_recording() => {
-            state
-                .config
-                .telemetry
-                .child(s, "queue", iop_telemetry::SpanKind::Internal, Vec::new())
-        }
-        _ => iop_telemetry::Span::none(),
-    };
+    let waiting = server
+        .as_ref()
+        .is_some_and(iop_telemetry::Span::is_recording)
+        .then(SystemTime::now);
     let admission = match admit(state, dialect, &group, &parsed.model).await {
         Ok(a) => a,
         Err(r) => return r,
     };
-    drop(queue);
+    // The wait for a provider, as a span of its own only when there was one.
+    if admission.queued()
+        && let (Some(s), Some(waiting)) = (server.as_ref(), waiting)
+    {
+        drop(state.config.telemetry.span_at(
+            "queue",
+            iop_telemetry::SpanKind::Internal,
+            s.context().as_ref(),
+            Vec::new(),
+            Some(waiting),
+        ));
+    }
     let observed = |inner: Option<Box<dyn crate::transport::StreamWatch>>,
                     server: &mut Option<iop_telemetry::Span>,
                     attempt: iop_telemetry::Span| {
@@ -1390,7 +1412,8 @@ async fn serve_admitted(
                         created: unix_now(),
                     };
                     let client = (route.client)(&parsed.json, meta, parsed.stream);
-                    let mut attempt = attempt_span(state, server.as_ref(), 1, "first");
+                    let mut attempt =
+                        attempt_span(state, server.as_ref(), 1, "first", admission.lease());
                     return match send(
                         state,
                         dialect,
@@ -1619,11 +1642,13 @@ mod tests {
         let caps = ModelCaps {
             operations: [Models].into_iter().collect(),
             native: false,
+            nodes: 1,
         };
         assert!(!caps.can_serve(ChatCompletions) && caps.can_serve(CountTokens));
         let caps = ModelCaps {
             operations: [Messages].into_iter().collect(),
             native: false,
+            nodes: 1,
         };
         assert!(caps.can_serve(ChatCompletions) && caps.can_serve(Responses));
     }
