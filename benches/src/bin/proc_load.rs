@@ -671,13 +671,22 @@ fn tracing_cost(dir: &Path) {
         // [variant][round] = (added p50, added p99) in ms; closed loop rps.
         let mut added = vec![Vec::new(); 3];
         let mut rps = vec![Vec::new(); 3];
+        // [variant][round] = (Edge, Node) CPU µs per request over the open loop.
+        let mut cpus = vec![Vec::new(); 3];
         let mut overhead = Vec::new();
         for round in 0..3 {
             for (i, m) in meshes.iter().enumerate() {
                 let (d, p) = path(m);
                 let before = scrape(m.http).await;
+                let (e0, n0) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
                 let (x, y) = paired(d, p, rate, seconds, false, false).await;
+                let (e1, n1) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
                 let after = scrape(m.http).await;
+                let reqs = y.len() as f64;
+                cpus[i].push((
+                    (e1 - e0).as_secs_f64() * 1e6 / reqs,
+                    (n1 - n0).as_secs_f64() * 1e6 / reqs,
+                ));
                 let a50 = percentile(&y, 0.5).saturating_sub(percentile(&x, 0.5));
                 let a99 = percentile(&y, 0.99).saturating_sub(percentile(&x, 0.99));
                 added[i].push((a50.as_secs_f64() * 1e3, a99.as_secs_f64() * 1e3));
@@ -703,8 +712,10 @@ fn tracing_cost(dir: &Path) {
         println!(
             "\n**Tracing cost** ({rate}/s open loop for {seconds} s and a 64-client closed loop for 4 s per variant, three interleaved rounds; medians of three, per-run values in brackets):\n"
         );
-        println!("| tracing | added p50 | added p99 | closed loop req/s | ÷ off |");
-        println!("|---|---:|---:|---:|---:|");
+        println!(
+            "| tracing | added p50 | added p99 | Edge CPU/req | Node CPU/req | closed loop req/s | ÷ off |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|");
         let off_rps = median3(&rps[0]);
         for (i, (name, _)) in variants.iter().enumerate() {
             let p50: Vec<f64> = added[i].iter().map(|a| a.0).collect();
@@ -712,12 +723,18 @@ fn tracing_cost(dir: &Path) {
             let runs = |v: &[f64], d: usize| {
                 v.iter().map(|x| format!("{x:.d$}")).collect::<Vec<_>>().join(", ")
             };
+            let ecpu: Vec<f64> = cpus[i].iter().map(|c| c.0).collect();
+            let ncpu: Vec<f64> = cpus[i].iter().map(|c| c.1).collect();
             println!(
-                "| {name} | {:.3} ms [{}] | {:.3} ms [{}] | {:.0} [{}] | {:.2}× |",
+                "| {name} | {:.3} ms [{}] | {:.3} ms [{}] | {:.1} µs [{}] | {:.1} µs [{}] | {:.0} [{}] | {:.2}× |",
                 median3(&p50),
                 runs(&p50, 3),
                 median3(&p99),
                 runs(&p99, 3),
+                median3(&ecpu),
+                runs(&ecpu, 1),
+                median3(&ncpu),
+                runs(&ncpu, 1),
                 median3(&rps[i]),
                 runs(&rps[i], 0),
                 median3(&rps[i]) / off_rps
