@@ -508,3 +508,85 @@ mod tests {
         assert_eq!(h.len(), 2);
     }
 }
+
+/// Encoding speed against the OpenTelemetry exporter's conversion (a measurement, not a test:
+/// `cargo test --release -p iop-telemetry --lib -- --ignored encoding_speed --nocapture`).
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::print_stdout, reason = "a measurement")]
+mod speed {
+    use super::*;
+    use opentelemetry::InstrumentationScope;
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use opentelemetry_sdk::trace::{SpanEvents, SpanLinks};
+    use prost::Message as _;
+
+    fn batch(n: usize) -> Vec<SpanData> {
+        let scope = InstrumentationScope::builder("iop-mesh").build();
+        (0..n)
+            .map(|i| SpanData {
+                span_context: SpanContext::new(
+                    TraceId::from(i as u128 + 1),
+                    SpanId::from(i as u64 + 1),
+                    TraceFlags::SAMPLED,
+                    false,
+                    TraceState::default(),
+                ),
+                parent_span_id: SpanId::from(7),
+                parent_span_is_remote: false,
+                span_kind: SpanKind::Client,
+                name: "dispatch".into(),
+                start_time: SystemTime::now(),
+                end_time: SystemTime::now(),
+                attributes: vec![
+                    KeyValue::new("gen_ai.operation.name", "chat"),
+                    KeyValue::new("iop.attempt", 1_i64),
+                    KeyValue::new("iop.attempt.reason", "first"),
+                    KeyValue::new("iop.node.id", "node-1".to_owned()),
+                    KeyValue::new("iop.adapter", "upstream".to_owned()),
+                    KeyValue::new("gen_ai.response.model", "fake-model".to_owned()),
+                    KeyValue::new("gen_ai.usage.input_tokens", 11_i64),
+                    KeyValue::new("gen_ai.usage.output_tokens", 3_i64),
+                ],
+                dropped_attributes_count: 0,
+                events: SpanEvents::default(),
+                links: SpanLinks::default(),
+                status: Status::Unset,
+                instrumentation_scope: scope.clone(),
+            })
+            .collect()
+    }
+
+    #[test]
+    #[ignore = "a measurement"]
+    fn encoding_speed() {
+        use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+        use opentelemetry_proto::transform::trace::tonic::group_spans_by_resource_and_scope;
+        let resource = Resource::builder_empty().with_service_name("s").build();
+        let body = resource_body(&resource);
+        let rounds = 200;
+        let n = 512;
+        for _ in 0..3 {
+            let mut ours = Duration::ZERO;
+            let mut theirs = Duration::ZERO;
+            for _ in 0..rounds {
+                let b = batch(n);
+                let t = std::time::Instant::now();
+                std::hint::black_box(encode(&body, "", &b));
+                ours += t.elapsed();
+                let b = batch(n);
+                let t = std::time::Instant::now();
+                let req = ExportTraceServiceRequest {
+                    resource_spans: group_spans_by_resource_and_scope(b, &(&resource).into()),
+                };
+                std::hint::black_box(req.encode_to_vec());
+                theirs += t.elapsed();
+            }
+            let per = |d: Duration| d.as_secs_f64() * 1e9 / (rounds * n) as f64;
+            println!(
+                "per span: ours {:.0} ns, the exporter's conversion + encoding {:.0} ns",
+                per(ours),
+                per(theirs)
+            );
+        }
+    }
+}
