@@ -37,7 +37,8 @@
 //!   (default 500/s, `PROC_LOAD_SECONDS` each) and of the 64-client closed loop, medians of
 //!   three with the per-run values. The tracing-off mesh's `iop_edge_gateway_overhead_seconds`
 //!   (scraped before and after each round) is set beside the added latency measured here:
-//!   the mean of the histogram against the mean added latency of the same requests.
+//!   the mean of the histogram against the mean added latency of the same requests, over the
+//!   direct upstream and over the mTLS relay floor (measured in the same round).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -643,6 +644,8 @@ fn tracing_cost(dir: &Path) {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
+    // The mTLS relay floor in front of the tracing-off mesh's upstream (its certificates).
+    let (_r1, _r2, floor_port) = relays(&dir.join("trace0"), meshes[0].upstream, true);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -691,15 +694,23 @@ fn tracing_cost(dir: &Path) {
                 let a99 = percentile(&y, 0.99).saturating_sub(percentile(&x, 0.99));
                 added[i].push((a50.as_secs_f64() * 1e3, a99.as_secs_f64() * 1e3));
                 if i == 0 {
+                    let floor = Path2 {
+                        name: "TLS relays",
+                        port: floor_port,
+                    };
+                    let (fx, fy) = paired(d, floor, rate, seconds, false, false).await;
+                    let floor_added = (mean(&fy) - mean(&fx)) * 1e3;
                     let key = "iop_edge_gateway_overhead_seconds";
                     let label = "{endpoint=\"chat_completions\"}";
                     let sum = metric(&after, &format!("{key}_sum{label}"))
                         - metric(&before, &format!("{key}_sum{label}"));
                     let count = metric(&after, &format!("{key}_count{label}"))
                         - metric(&before, &format!("{key}_count{label}"));
+                    let added = (mean(&y) - mean(&x)) * 1e3;
                     overhead.push((
                         round,
-                        (mean(&y) - mean(&x)) * 1e3,
+                        added,
+                        added - floor_added,
                         sum / count.max(1.0) * 1e3,
                         count,
                     ));
@@ -743,10 +754,13 @@ fn tracing_cost(dir: &Path) {
         println!(
             "\n**The gateway overhead histogram against the measured added latency** (tracing off, the same {rate}/s requests):\n"
         );
-        println!("| round | mean added latency (mesh − direct, measured by the client) | mean `iop_edge_gateway_overhead_seconds` (Edge time − Node's provider time) | requests in the histogram |");
-        println!("|---:|---:|---:|---:|");
-        for (round, measured, histogram, count) in overhead {
-            println!("| {} | {measured:.3} ms | {histogram:.3} ms | {count:.0} |", round + 1);
+        println!("| round | mean added latency (mesh − direct, client) | mean mesh − TLS relay floor (client) | mean `iop_edge_gateway_overhead_seconds` (Edge time − Node's provider time) | requests in the histogram |");
+        println!("|---:|---:|---:|---:|---:|");
+        for (round, measured, over_floor, histogram, count) in overhead {
+            println!(
+                "| {} | {measured:.3} ms | {over_floor:.3} ms | {histogram:.3} ms | {count:.0} |",
+                round + 1
+            );
         }
         for (i, m) in meshes.iter().enumerate().skip(1) {
             let text = scrape(m.http).await;
