@@ -359,6 +359,9 @@ async fn run(args: Args) -> Result<(), String> {
     }
     node_telemetry.flush().await;
     edge.shutdown().await;
+    if let Some(m) = &managed {
+        m.telemetry.flush().await;
+    }
     drop(managed);
     println!("iop-mesh: stopped");
     Ok(())
@@ -393,6 +396,8 @@ mod managed {
         pub(super) admin_addr: SocketAddr,
         pub(super) cp: server::ControlPlane,
         issuer: IssuerPublicKey,
+        /// The Control Plane's tracer (flushed before the mesh exits).
+        pub(super) telemetry: iop_telemetry::Telemetry,
     }
 
     impl Drop for Managed {
@@ -480,6 +485,7 @@ mod managed {
         config.telemetry =
             iop_telemetry::Telemetry::start(&super::telemetry(args, "iop-cp"), "iop-cp")
                 .map_err(|e| format!("telemetry: {e}"))?;
+        let telemetry = config.telemetry.clone();
         let (cp, _task) = server::serve(config, admin.clone(), Some(Arc::new(leases)))
             .await
             .map_err(|e| fail("listener", &e))?;
@@ -507,6 +513,7 @@ mod managed {
             admin_addr,
             cp,
             issuer,
+            telemetry,
         })
     }
 }
