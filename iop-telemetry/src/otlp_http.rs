@@ -1,4 +1,4 @@
-//! The OTLP/HTTP protobuf exporter: each batch encoded straight from the SDK's `SpanData` into
+//! The OTLP/HTTP protobuf exporter: each batch encoded straight from our span records into
 //! one `ExportTraceServiceRequest` (no intermediate `opentelemetry-proto` structs), posted with
 //! our reqwest client.
 //!
@@ -19,11 +19,11 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use opentelemetry::trace::{SpanKind, Status};
+use opentelemetry::trace::SpanKind;
 use opentelemetry::{Array, KeyValue, Value};
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
-use opentelemetry_sdk::trace::{SpanData, SpanExporter};
+
+use crate::record::Record;
 
 // === Protobuf encoding (wire types: 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32) ===
 
@@ -62,13 +62,19 @@ fn fixed64_field(out: &mut Vec<u8>, field: u32, v: u64) {
     }
 }
 
-/// A length-delimited sub-message written by `body`: the length is known only after, so the
-/// body is written in place and the length inserted before it (a shift of a few bytes).
+/// A length-delimited sub-message written by `body`: the length is known only after, so one
+/// byte is kept for it and, in the rare case of a body of 128 bytes or more, the rest of the
+/// length inserted after it (a shift of the body).
 fn message(out: &mut Vec<u8>, field: u32, body: impl FnOnce(&mut Vec<u8>)) {
     key(out, field, 2);
     let at = out.len();
+    out.push(0);
     body(out);
-    let mut v = (out.len() - at) as u64;
+    let mut v = (out.len() - at - 1) as u64;
+    if v < 0x80 {
+        out[at] = v as u8;
+        return;
+    }
     let mut buf = [0u8; 10];
     let mut n = 0;
     while v >= 0x80 {
@@ -78,7 +84,8 @@ fn message(out: &mut Vec<u8>, field: u32, body: impl FnOnce(&mut Vec<u8>)) {
     }
     buf[n] = v as u8;
     n += 1;
-    out.splice(at..at, buf[..n].iter().copied());
+    out[at] = buf[0];
+    out.splice(at + 1..at + 1, buf[1..n].iter().copied());
 }
 
 fn unix_nanos(t: SystemTime) -> u64 {
@@ -156,65 +163,42 @@ fn kind(k: &SpanKind) -> u64 {
 }
 
 /// One `Span` (opentelemetry/proto/trace/v1/trace.proto).
-fn span(out: &mut Vec<u8>, s: &SpanData) {
-    let cx = &s.span_context;
-    bytes_field(out, 1, &cx.trace_id().to_bytes());
-    bytes_field(out, 2, &cx.span_id().to_bytes());
-    let state = cx.trace_state().header();
-    bytes_field(out, 3, state.as_bytes());
-    if s.parent_span_id != opentelemetry::trace::SpanId::INVALID {
-        bytes_field(out, 4, &s.parent_span_id.to_bytes());
+fn span(out: &mut Vec<u8>, s: &Record) {
+    bytes_field(out, 1, &s.trace_id);
+    bytes_field(out, 2, &s.span_id);
+    bytes_field(out, 3, s.state.as_deref().unwrap_or_default().as_bytes());
+    if s.parent_span_id != [0; 8] {
+        bytes_field(out, 4, &s.parent_span_id);
     }
     bytes_field(out, 5, s.name.as_bytes());
-    varint_field(out, 6, kind(&s.span_kind));
-    fixed64_field(out, 7, unix_nanos(s.start_time));
-    fixed64_field(out, 8, unix_nanos(s.end_time));
+    varint_field(out, 6, kind(&s.kind));
+    fixed64_field(out, 7, unix_nanos(s.start));
+    fixed64_field(out, 8, unix_nanos(s.end));
     attributes(out, 9, &s.attributes);
-    varint_field(out, 10, u64::from(s.dropped_attributes_count));
-    for e in &s.events.events {
+    varint_field(out, 10, u64::from(s.dropped_attributes));
+    for e in &s.events {
         message(out, 11, |out| {
-            fixed64_field(out, 1, unix_nanos(e.timestamp));
+            fixed64_field(out, 1, unix_nanos(e.time));
             bytes_field(out, 2, e.name.as_bytes());
             attributes(out, 3, &e.attributes);
-            varint_field(out, 4, u64::from(e.dropped_attributes_count));
+            varint_field(out, 4, u64::from(e.dropped_attributes));
         });
     }
-    varint_field(out, 12, u64::from(s.events.dropped_count));
-    for l in &s.links.links {
-        message(out, 13, |out| {
-            bytes_field(out, 1, &l.span_context.trace_id().to_bytes());
-            bytes_field(out, 2, &l.span_context.span_id().to_bytes());
-            bytes_field(out, 3, l.span_context.trace_state().header().as_bytes());
-            attributes(out, 4, &l.attributes);
-            varint_field(out, 5, u64::from(l.dropped_attributes_count));
-            key(out, 6, 5);
-            out.extend_from_slice(
-                &span_flags(
-                    l.span_context.trace_flags().to_u8(),
-                    l.span_context.is_remote(),
-                )
-                .to_le_bytes(),
-            );
-        });
-    }
-    varint_field(out, 14, u64::from(s.links.dropped_count));
+    varint_field(out, 12, u64::from(s.dropped_events));
     // Always present (as the OpenTelemetry exporter writes it), empty when unset.
-    match &s.status {
-        Status::Unset => message(out, 15, |_| {}),
-        Status::Ok => message(out, 15, |out| varint_field(out, 3, 1)),
-        Status::Error { description } => message(out, 15, |out| {
+    match s.error {
+        None => message(out, 15, |_| {}),
+        Some(description) => message(out, 15, |out| {
             bytes_field(out, 2, description.as_bytes());
             varint_field(out, 3, 2);
         }),
     }
     key(out, 16, 5);
-    out.extend_from_slice(
-        &span_flags(cx.trace_flags().to_u8(), s.parent_span_is_remote).to_le_bytes(),
-    );
+    out.extend_from_slice(&span_flags(s.flags, s.parent_remote).to_le_bytes());
 }
 
-/// Span and link `flags`: the W3C trace flags, that the parent's remoteness is known (bit 8)
-/// and whether it was remote (bit 9).
+/// Span `flags`: the W3C trace flags, that the parent's remoteness is known (bit 8) and
+/// whether it was remote (bit 9).
 fn span_flags(trace_flags: u8, remote: bool) -> u32 {
     u32::from(trace_flags) | 0x100 | if remote { 0x200 } else { 0 }
 }
@@ -228,31 +212,18 @@ fn resource_body(r: &Resource) -> Vec<u8> {
     out
 }
 
-/// One `ExportTraceServiceRequest` for `spans`: one `ResourceSpans`, one `ScopeSpans` per
-/// instrumentation scope (in order of first appearance).
-pub(crate) fn encode(resource: &[u8], schema_url: &str, spans: &[SpanData]) -> Vec<u8> {
+/// One `ExportTraceServiceRequest` for `spans`: one `ResourceSpans` with one `ScopeSpans`
+/// (every span of ours has the one instrumentation scope, `iop-mesh`).
+pub(crate) fn encode(resource: &[u8], schema_url: &str, spans: &[Box<Record>]) -> Vec<u8> {
     let mut out = Vec::with_capacity(256 + spans.len() * 384);
     message(&mut out, 1, |out| {
         message(out, 1, |out| out.extend_from_slice(resource));
-        let mut done = vec![false; spans.len()];
-        for i in 0..spans.len() {
-            if done[i] {
-                continue;
-            }
-            let scope = &spans[i].instrumentation_scope;
+        if !spans.is_empty() {
             message(out, 2, |out| {
-                message(out, 1, |out| {
-                    bytes_field(out, 1, scope.name().as_bytes());
-                    bytes_field(out, 2, scope.version().unwrap_or_default().as_bytes());
-                    attributes(out, 3, &scope.attributes().cloned().collect::<Vec<_>>());
-                });
-                for (j, s) in spans.iter().enumerate().skip(i) {
-                    if !done[j] && &s.instrumentation_scope == scope {
-                        done[j] = true;
-                        message(out, 2, |out| span(out, s));
-                    }
+                message(out, 1, |out| bytes_field(out, 1, crate::SCOPE.as_bytes()));
+                for s in spans {
+                    message(out, 2, |out| span(out, s));
                 }
-                bytes_field(out, 3, scope.schema_url().unwrap_or_default().as_bytes());
             });
         }
         bytes_field(out, 3, schema_url.as_bytes());
@@ -317,6 +288,7 @@ impl HttpExporter {
         client: reqwest::Client,
         base: Option<&str>,
         env: &dyn Fn(&str) -> Option<String>,
+        resource: &Resource,
     ) -> Result<Self, crate::Error> {
         let set = |k: &str| env(k).filter(|v| !v.trim().is_empty());
         let url = match (base, set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) {
@@ -351,16 +323,17 @@ impl HttpExporter {
             url,
             headers,
             timeout,
-            resource: Vec::new(),
-            schema_url: String::new(),
+            resource: resource_body(resource),
+            schema_url: resource.schema_url().unwrap_or_default().to_owned(),
         })
     }
-}
 
-impl SpanExporter for HttpExporter {
-    fn export(&self, batch: Vec<SpanData>) -> impl Future<Output = OTelSdkResult> + Send {
-        let body = encode(&self.resource, &self.schema_url, &batch);
-        drop(batch);
+    /// Posts one batch; the error names what failed, never the collector's answer body.
+    pub(crate) fn send(
+        &self,
+        batch: &[Box<Record>],
+    ) -> impl Future<Output = Result<(), String>> + Send + use<> {
+        let body = encode(&self.resource, &self.schema_url, batch);
         let request = self
             .client
             .post(&self.url)
@@ -372,24 +345,16 @@ impl SpanExporter for HttpExporter {
             match request.send().await {
                 Ok(r) if r.status().is_success() => Ok(()),
                 // The status only: a collector's error body may echo what it was sent.
-                Ok(r) => Err(OTelSdkError::InternalFailure(format!(
-                    "the collector answered {}",
-                    r.status()
-                ))),
-                Err(e) => Err(OTelSdkError::InternalFailure(if e.is_timeout() {
+                Ok(r) => Err(format!("the collector answered {}", r.status())),
+                Err(e) => Err(if e.is_timeout() {
                     "the collector did not answer in time".to_owned()
                 } else if e.is_connect() {
                     "the collector is unreachable".to_owned()
                 } else {
                     "the request to the collector failed".to_owned()
-                })),
+                }),
             }
         }
-    }
-
-    fn set_resource(&mut self, resource: &Resource) {
-        self.resource = resource_body(resource);
-        self.schema_url = resource.schema_url().unwrap_or_default().to_owned();
     }
 }
 
@@ -411,51 +376,23 @@ mod tests {
         }
     }
 
-    /// The same bytes, decoded, as the OpenTelemetry project's own conversion gives.
-    #[test]
-    fn encodes_what_the_opentelemetry_exporter_encodes() {
-        use opentelemetry::trace::{Link, SpanContext, SpanId, TraceFlags, TraceId, TraceState};
-        use opentelemetry::{InstrumentationScope, KeyValue, StringValue};
-        use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-        use opentelemetry_proto::transform::trace::tonic::group_spans_by_resource_and_scope;
-        use opentelemetry_sdk::trace::{SpanEvents, SpanLinks};
-        use prost::Message as _;
-
-        let resource = Resource::builder_empty()
-            .with_service_name("iop-edge")
-            .with_attribute(KeyValue::new("host.name", "h1"))
-            .build();
-        let scope = InstrumentationScope::builder("iop-mesh").build();
+    /// A record with every field set, and one with none.
+    pub(crate) fn records() -> Vec<Box<Record>> {
+        use opentelemetry::StringValue;
         let t0 = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
-        let cx = |t: u128, s: u64, remote: bool| {
-            SpanContext::new(
-                TraceId::from(t),
-                SpanId::from(s),
-                TraceFlags::SAMPLED,
-                remote,
-                "congo=t61rcWkgMzE".parse::<TraceState>().unwrap(),
-            )
-        };
-        let mut events = SpanEvents::default();
-        events.events.push(opentelemetry::trace::Event::new(
-            "response_stalled",
-            t0 + Duration::from_millis(5),
-            vec![KeyValue::new("idle_ms", 5_i64)],
-            0,
-        ));
-        let mut links = SpanLinks::default();
-        links
-            .links
-            .push(Link::new(cx(9, 8, true), vec![KeyValue::new("k", "v")], 1));
-        let spans = vec![
-            SpanData {
-                span_context: cx(0x4bf9_2f35, 0x00f0_67aa, false),
-                parent_span_id: SpanId::from(7),
-                parent_span_is_remote: true,
-                span_kind: SpanKind::Server,
+        let trace_id = 0x4bf9_2f35_u128.to_be_bytes();
+        vec![
+            Box::new(Record {
+                trace_id,
+                span_id: 0x00f0_67aa_u64.to_be_bytes(),
+                parent_span_id: 7_u64.to_be_bytes(),
+                parent_remote: true,
+                flags: 1,
+                state: Some("congo=t61rcWkgMzE".into()),
                 name: "POST /v1/chat/completions".into(),
-                start_time: t0,
-                end_time: t0 + Duration::from_millis(12),
+                kind: SpanKind::Server,
+                start: t0,
+                end: t0 + Duration::from_millis(12),
                 attributes: vec![
                     KeyValue::new("gen_ai.request.model", "m"),
                     KeyValue::new("empty", ""),
@@ -468,33 +405,61 @@ mod tests {
                         Value::Array(Array::String(vec![StringValue::from("a"), "b".into()])),
                     ),
                     KeyValue::new("ints", Value::Array(Array::I64(vec![1, -2]))),
+                    // Long enough that its length takes two bytes.
+                    KeyValue::new("long", "x".repeat(300)),
                 ],
-                dropped_attributes_count: 2,
-                events,
-                links,
-                status: Status::error("timeout"),
-                instrumentation_scope: scope.clone(),
-            },
-            SpanData {
-                span_context: cx(0x4bf9_2f35, 0x11, false),
-                parent_span_id: SpanId::INVALID,
-                parent_span_is_remote: false,
-                span_kind: SpanKind::Client,
+                dropped_attributes: 2,
+                events: vec![crate::record::Event {
+                    name: "response_stalled",
+                    time: t0 + Duration::from_millis(5),
+                    attributes: vec![KeyValue::new("idle_ms", 5_i64)],
+                    dropped_attributes: 1,
+                }],
+                dropped_events: 3,
+                error: Some("timeout"),
+            }),
+            Box::new(Record {
+                trace_id,
+                span_id: 0x11_u64.to_be_bytes(),
+                parent_span_id: [0; 8],
+                parent_remote: false,
+                flags: 1,
+                state: None,
                 name: "dispatch".into(),
-                start_time: t0,
-                end_time: t0 + Duration::from_micros(3),
+                kind: SpanKind::Client,
+                start: t0,
+                end: t0 + Duration::from_micros(3),
                 attributes: Vec::new(),
-                dropped_attributes_count: 0,
-                events: SpanEvents::default(),
-                links: SpanLinks::default(),
-                status: Status::Unset,
-                instrumentation_scope: scope,
-            },
-        ];
-        let ours = encode(&resource_body(&resource), "", &spans);
+                dropped_attributes: 0,
+                events: Vec::new(),
+                dropped_events: 0,
+                error: None,
+            }),
+        ]
+    }
+
+    /// The same bytes as the OpenTelemetry project's own conversion gives for the same spans
+    /// in the SDK's form (which is also what the gRPC exporter is given).
+    #[test]
+    fn encodes_what_the_opentelemetry_exporter_encodes() {
+        use opentelemetry::InstrumentationScope;
+        use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+        use opentelemetry_proto::transform::trace::tonic::group_spans_by_resource_and_scope;
+        use prost::Message as _;
+
+        let resource = Resource::builder_empty()
+            .with_service_name("iop-edge")
+            .with_attribute(KeyValue::new("host.name", "h1"))
+            .build();
+        let scope = InstrumentationScope::builder(crate::SCOPE).build();
+        let ours = encode(&resource_body(&resource), "", &records());
         let decoded = ExportTraceServiceRequest::decode(ours.as_slice()).unwrap();
+        let sdk = records()
+            .into_iter()
+            .map(|r| crate::record::to_span_data(*r, &scope))
+            .collect();
         let theirs = ExportTraceServiceRequest {
-            resource_spans: group_spans_by_resource_and_scope(spans, &(&resource).into()),
+            resource_spans: group_spans_by_resource_and_scope(sdk, &(&resource).into()),
         };
         assert_eq!(decoded, theirs);
         assert_eq!(ours, theirs.encode_to_vec(), "byte for byte");
@@ -516,42 +481,36 @@ mod tests {
 mod speed {
     use super::*;
     use opentelemetry::InstrumentationScope;
-    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
-    use opentelemetry_sdk::trace::{SpanEvents, SpanLinks};
-    use prost::Message as _;
 
-    fn batch(n: usize) -> Vec<SpanData> {
-        let scope = InstrumentationScope::builder("iop-mesh").build();
+    fn batch(n: usize) -> Vec<Box<Record>> {
         (0..n)
-            .map(|i| SpanData {
-                span_context: SpanContext::new(
-                    TraceId::from(i as u128 + 1),
-                    SpanId::from(i as u64 + 1),
-                    TraceFlags::SAMPLED,
-                    false,
-                    TraceState::default(),
-                ),
-                parent_span_id: SpanId::from(7),
-                parent_span_is_remote: false,
-                span_kind: SpanKind::Client,
-                name: "dispatch".into(),
-                start_time: SystemTime::now(),
-                end_time: SystemTime::now(),
-                attributes: vec![
-                    KeyValue::new("gen_ai.operation.name", "chat"),
-                    KeyValue::new("iop.attempt", 1_i64),
-                    KeyValue::new("iop.attempt.reason", "first"),
-                    KeyValue::new("iop.node.id", "node-1".to_owned()),
-                    KeyValue::new("iop.adapter", "upstream".to_owned()),
-                    KeyValue::new("gen_ai.response.model", "fake-model".to_owned()),
-                    KeyValue::new("gen_ai.usage.input_tokens", 11_i64),
-                    KeyValue::new("gen_ai.usage.output_tokens", 3_i64),
-                ],
-                dropped_attributes_count: 0,
-                events: SpanEvents::default(),
-                links: SpanLinks::default(),
-                status: Status::Unset,
-                instrumentation_scope: scope.clone(),
+            .map(|i| {
+                Box::new(Record {
+                    trace_id: (i as u128 + 1).to_be_bytes(),
+                    span_id: (i as u64 + 1).to_be_bytes(),
+                    parent_span_id: 7_u64.to_be_bytes(),
+                    parent_remote: false,
+                    flags: 1,
+                    state: None,
+                    name: "dispatch".into(),
+                    kind: SpanKind::Client,
+                    start: SystemTime::now(),
+                    end: SystemTime::now(),
+                    attributes: vec![
+                        KeyValue::new("gen_ai.operation.name", "chat"),
+                        KeyValue::new("iop.attempt", 1_i64),
+                        KeyValue::new("iop.attempt.reason", "first"),
+                        KeyValue::new("iop.node.id", "node-1".to_owned()),
+                        KeyValue::new("iop.adapter", "upstream".to_owned()),
+                        KeyValue::new("gen_ai.response.model", "fake-model".to_owned()),
+                        KeyValue::new("gen_ai.usage.input_tokens", 11_i64),
+                        KeyValue::new("gen_ai.usage.output_tokens", 3_i64),
+                    ],
+                    dropped_attributes: 0,
+                    events: Vec::new(),
+                    dropped_events: 0,
+                    error: None,
+                })
             })
             .collect()
     }
@@ -561,7 +520,9 @@ mod speed {
     fn encoding_speed() {
         use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
         use opentelemetry_proto::transform::trace::tonic::group_spans_by_resource_and_scope;
+        use prost::Message as _;
         let resource = Resource::builder_empty().with_service_name("s").build();
+        let scope = InstrumentationScope::builder(crate::SCOPE).build();
         let body = resource_body(&resource);
         let rounds = 200;
         let n = 512;
@@ -573,7 +534,10 @@ mod speed {
                 let t = std::time::Instant::now();
                 std::hint::black_box(encode(&body, "", &b));
                 ours += t.elapsed();
-                let b = batch(n);
+                let b: Vec<_> = batch(n)
+                    .into_iter()
+                    .map(|r| crate::record::to_span_data(*r, &scope))
+                    .collect();
                 let t = std::time::Instant::now();
                 let req = ExportTraceServiceRequest {
                     resource_spans: group_spans_by_resource_and_scope(b, &(&resource).into()),
