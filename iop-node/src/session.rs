@@ -497,18 +497,22 @@ fn node_spans(
         let provider = t.child(&exec, "provider", SpanKind::Client, Vec::new());
         return (exec, provider);
     }
-    let model = iop_telemetry::KeyValue::new("gen_ai.request.model", target.to_owned());
+    // Shared by both spans: one allocation for the name.
+    let model = iop_telemetry::KeyValue::new(
+        "gen_ai.request.model",
+        iop_telemetry::StringValue::from(Arc::<str>::from(target)),
+    );
     let exec = t.span(
         "execute",
         SpanKind::Server,
         parent,
-        vec![
+        iop_telemetry::attributes([
             attr::run_id(run_id.to_owned()),
             instance.trace.adapter.clone(),
             model.clone(),
-        ],
+        ]),
     );
-    let mut attributes = Vec::with_capacity(3 + instance.trace.server.len());
+    let mut attributes = Vec::with_capacity(7 + instance.trace.server.len());
     attributes.extend([
         attr::operation(operation),
         instance.trace.provider.clone(),

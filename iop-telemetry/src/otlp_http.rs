@@ -174,7 +174,9 @@ fn span(out: &mut Vec<u8>, s: &Record) {
     varint_field(out, 6, kind(&s.kind));
     fixed64_field(out, 7, unix_nanos(s.start));
     fixed64_field(out, 8, unix_nanos(s.end));
-    attributes(out, 9, &s.attributes);
+    for kv in crate::record::latest(&s.attributes) {
+        attribute(out, 9, kv.key.as_str(), &kv.value);
+    }
     varint_field(out, 10, u64::from(s.dropped_attributes));
     for e in &s.events {
         message(out, 11, |out| {
@@ -407,6 +409,8 @@ mod tests {
                     KeyValue::new("ints", Value::Array(Array::I64(vec![1, -2]))),
                     // Long enough that its length takes two bytes.
                     KeyValue::new("long", "x".repeat(300)),
+                    // Set again: the last value is the one exported.
+                    KeyValue::new("gen_ai.usage.input_tokens", 12_i64),
                 ],
                 dropped_attributes: 2,
                 events: vec![crate::record::Event {

@@ -56,11 +56,10 @@ pub(crate) struct Event {
 }
 
 impl Record {
+    /// Adds an attribute; setting a key again replaces its value, which the export task sorts
+    /// out ([`latest`]), off the request path.
     pub(crate) fn set(&mut self, kv: KeyValue) {
-        // As the SDK: setting a key again replaces its value.
-        if let Some(old) = self.attributes.iter_mut().find(|a| a.key == kv.key) {
-            *old = kv;
-        } else if self.attributes.len() < MAX_ATTRIBUTES {
+        if self.attributes.len() < MAX_ATTRIBUTES {
             self.attributes.push(kv);
         } else {
             self.dropped_attributes = self.dropped_attributes.saturating_add(1);
@@ -81,6 +80,15 @@ impl Record {
             dropped_attributes: u32::try_from(dropped).unwrap_or(u32::MAX),
         });
     }
+}
+
+/// The attributes as exported: the last value of each key, in the order of those last values.
+pub(crate) fn latest(attributes: &[KeyValue]) -> impl Iterator<Item = &KeyValue> {
+    attributes
+        .iter()
+        .enumerate()
+        .filter(|(i, a)| !attributes[i + 1..].iter().any(|b| b.key == a.key))
+        .map(|(_, a)| a)
 }
 
 /// Caps a new span's attributes at [`MAX_ATTRIBUTES`]; the count of the rest.
@@ -253,7 +261,7 @@ pub(crate) fn to_span_data(
         name: r.name,
         start_time: r.start,
         end_time: r.end,
-        attributes: r.attributes,
+        attributes: latest(&r.attributes).cloned().collect(),
         dropped_attributes_count: r.dropped_attributes,
         events,
         links: opentelemetry_sdk::trace::SpanLinks::default(),
@@ -369,13 +377,22 @@ mod tests {
             r.set(KeyValue::new(format!("k{i}"), i));
             r.event("e", vec![KeyValue::new("i", i); 130]);
         }
-        r.set(KeyValue::new("k0", "again"));
         assert_eq!(r.attributes.len(), MAX_ATTRIBUTES);
         assert_eq!(r.dropped_attributes, 72);
-        assert_eq!(r.attributes[0].value.as_str(), "again");
         assert_eq!(r.events.len(), MAX_EVENTS);
         assert_eq!(r.dropped_events, 72);
         assert_eq!(r.events[0].dropped_attributes, 2);
+        let set_twice = [
+            KeyValue::new("a", 1_i64),
+            KeyValue::new("b", 2_i64),
+            KeyValue::new("a", 3_i64),
+        ];
+        let kept: Vec<_> = latest(&set_twice).collect();
+        assert_eq!(
+            kept,
+            [&set_twice[1], &set_twice[2]],
+            "the last value of each key"
+        );
         let (kept, dropped) = capped(vec![KeyValue::new("a", 1_i64); 129]);
         assert_eq!((kept.len(), dropped), (MAX_ATTRIBUTES, 1));
     }

@@ -674,10 +674,17 @@ fn tracing_cost(dir: &Path) {
         // [variant][round] = (added p50, added p99) in ms; closed loop rps.
         let mut added = vec![Vec::new(); 3];
         let mut rps = vec![Vec::new(); 3];
+        // [variant][round] = Edge + Node CPU µs per request in the closed loop.
+        let mut closed_cpu = vec![Vec::new(); 3];
         // [variant][round] = (Edge, Node) CPU µs per request over the open loop.
         let mut cpus = vec![Vec::new(); 3];
         let mut overhead = Vec::new();
-        for round in 0..3 {
+        // More rounds than three (`PROC_LOAD_ROUNDS`) when the machine is noisy.
+        let rounds: usize = std::env::var("PROC_LOAD_ROUNDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(3);
+        for round in 0..rounds {
             for (i, m) in meshes.iter().enumerate() {
                 let (d, p) = path(m);
                 let before = scrape(m.http).await;
@@ -717,16 +724,20 @@ fn tracing_cost(dir: &Path) {
                 }
             }
             for (i, m) in meshes.iter().enumerate() {
-                rps[i].push(closed_loop(m.http, 64, Duration::from_secs(4)).await);
+                let (e0, n0) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
+                let r = closed_loop(m.http, 64, Duration::from_secs(4)).await;
+                let (e1, n1) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
+                rps[i].push(r);
+                closed_cpu[i].push(((e1 - e0) + (n1 - n0)).as_secs_f64() * 1e6 / (r * 4.0));
             }
         }
         println!(
-            "\n**Tracing cost** ({rate}/s open loop for {seconds} s and a 64-client closed loop for 4 s per variant, three interleaved rounds; medians of three, per-run values in brackets):\n"
+            "\n**Tracing cost** ({rate}/s open loop for {seconds} s and a 64-client closed loop for 4 s per variant, {rounds} interleaved rounds; medians, per-run values in brackets):\n"
         );
         println!(
-            "| tracing | added p50 | added p99 | Edge CPU/req | Node CPU/req | closed loop req/s | ÷ off |"
+            "| tracing | added p50 | added p99 | Edge CPU/req | Node CPU/req | closed loop req/s | ÷ off | ÷ off, same round | closed loop Edge + Node CPU/req |"
         );
-        println!("|---|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         let off_rps = median3(&rps[0]);
         for (i, (name, _)) in variants.iter().enumerate() {
             let p50: Vec<f64> = added[i].iter().map(|a| a.0).collect();
@@ -736,8 +747,9 @@ fn tracing_cost(dir: &Path) {
             };
             let ecpu: Vec<f64> = cpus[i].iter().map(|c| c.0).collect();
             let ncpu: Vec<f64> = cpus[i].iter().map(|c| c.1).collect();
+            let same_round: Vec<f64> = rps[i].iter().zip(&rps[0]).map(|(x, o)| x / o).collect();
             println!(
-                "| {name} | {:.3} ms [{}] | {:.3} ms [{}] | {:.1} µs [{}] | {:.1} µs [{}] | {:.0} [{}] | {:.2}× |",
+                "| {name} | {:.3} ms [{}] | {:.3} ms [{}] | {:.1} µs [{}] | {:.1} µs [{}] | {:.0} [{}] | {:.2}× | {:.2}× [{}] | {:.1} µs [{}] |",
                 median3(&p50),
                 runs(&p50, 3),
                 median3(&p99),
@@ -748,7 +760,11 @@ fn tracing_cost(dir: &Path) {
                 runs(&ncpu, 1),
                 median3(&rps[i]),
                 runs(&rps[i], 0),
-                median3(&rps[i]) / off_rps
+                median3(&rps[i]) / off_rps,
+                median3(&same_round),
+                runs(&same_round, 2),
+                median3(&closed_cpu[i]),
+                runs(&closed_cpu[i], 1),
             );
         }
         println!(

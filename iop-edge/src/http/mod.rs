@@ -959,14 +959,14 @@ fn attempt_span(
         server,
         "dispatch",
         iop_telemetry::SpanKind::Client,
-        vec![
+        iop_telemetry::attributes([
             iop_telemetry::attr::operation("chat"),
             iop_telemetry::attr::attempt(number),
             iop_telemetry::attr::attempt_reason(reason),
             iop_telemetry::attr::node_id(lease.key.node_id.clone()),
             iop_telemetry::attr::adapter(lease.adapter.clone()),
             iop_telemetry::attr::response_model(lease.target.clone()),
-        ],
+        ]),
     )
 }
 
@@ -1218,11 +1218,11 @@ async fn serve_route(
             span_name,
             iop_telemetry::SpanKind::Server,
             client.as_ref(),
-            vec![
+            iop_telemetry::attributes([
                 iop_telemetry::attr::http_method("POST"),
                 iop_telemetry::attr::http_route(http_route),
                 iop_telemetry::attr::operation("chat"),
-            ],
+            ]),
         )
     } else {
         telemetry.span(
