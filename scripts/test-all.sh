@@ -37,6 +37,24 @@ if ! python3 -c "import grpc, grpc_health.v1.health_pb2, grpc_reflection.v1alpha
     python3 -m pip install --quiet grpcio grpcio-health-checking grpcio-reflection
 fi
 
+# The status page tests drive Debian's chromium with Playwright from PyPI (Playwright's own
+# browser download is not used: it cannot be fetched everywhere, and the system browser is
+# the one operators have).
+if ! python3 -c "import playwright.sync_api" >/dev/null 2>&1; then
+    echo "installing Playwright for the browser tests (python3 -m pip install playwright)"
+    python3 -m pip install --quiet playwright
+fi
+if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing Debian's chromium for the browser tests (apt-get install chromium)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    fi
+fi
+if [ ! -x /usr/bin/chromium ]; then
+    echo "error: /usr/bin/chromium is required for the browser tests: run 'apt-get install chromium'" >&2
+    exit 1
+fi
+
 # A clean build of every test target takes several GiB; with full debug info it once filled a
 # CI machine's disk (see [profile.dev] in Cargo.toml). Incremental state is of no use to a
 # clean clone and doubles the workspace crates' footprint.

@@ -612,6 +612,7 @@ impl EdgeBuilder {
             auth: None,
             usage: None,
             telemetry: iop_telemetry::TelemetryToml::default(),
+            admin: None,
             prices: BTreeMap::new(),
             pool: self.pool,
             limits: self.limits,

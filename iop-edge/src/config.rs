@@ -215,6 +215,33 @@ pub struct EdgeConfigFile {
     /// variables fill what it leaves out, and tracing is off when neither names a collector.
     #[serde(default)]
     pub telemetry: iop_telemetry::TelemetryToml,
+    /// `[admin]`: the status page's listener ([`crate::admin`]).
+    pub admin: Option<AdminToml>,
+}
+
+/// `[admin]`: the status page for operators, on its own listener.
+///
+/// ```toml
+/// [admin]
+/// listen = "127.0.0.1:9180"          # never the public API port
+/// token_file = "/etc/iop/admin.token" # one line, at least 16 printable characters
+/// ```
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminToml {
+    /// `admin.listen`.
+    pub listen: SocketAddr,
+    /// `admin.token_file`: the admin token (Bearer, or the Basic password in a browser).
+    pub token_file: PathBuf,
+}
+
+/// The status page's listener and credential ([`EdgeConfig::admin`]).
+#[derive(Clone, Debug)]
+pub struct AdminConfig {
+    /// Where to serve [`crate::Edge::status_page`].
+    pub listen: SocketAddr,
+    /// The credential every request to it needs.
+    pub token: crate::admin::AdminToken,
 }
 
 /// `[usage]` ([`crate::usage`]).
@@ -823,6 +850,9 @@ pub struct EdgeConfig {
     /// Tracing settings; [`crate::Edge::start`] starts the exporter (unless
     /// [`HttpConfig::telemetry`] is already on).
     pub telemetry: iop_telemetry::TelemetryConfig,
+    /// The status page's listener (`[admin]`); the embedder serves
+    /// [`crate::Edge::status_page`] there (the `iop-edge` binary does).
+    pub admin: Option<AdminConfig>,
 }
 
 impl EdgeConfigFile {
@@ -1101,6 +1131,33 @@ impl EdgeConfigFile {
             providers,
             max_queue: self.pool.max_queue,
         });
+        let admin = match &self.admin {
+            None => None,
+            Some(a) => {
+                if a.listen == self.listen.http {
+                    return Err(invalid(
+                        "admin.listen",
+                        "the status page needs its own listener, not the API's",
+                    ));
+                }
+                let text = std::fs::read_to_string(&a.token_file).map_err(|e| {
+                    invalid(
+                        "admin.token_file",
+                        format!("{}: {}", a.token_file.display(), e.kind()),
+                    )
+                })?;
+                let token = crate::admin::AdminToken::new(&text).ok_or_else(|| {
+                    invalid(
+                        "admin.token_file",
+                        "the token must be one line of at least 16 printable characters",
+                    )
+                })?;
+                Some(AdminConfig {
+                    listen: a.listen,
+                    token,
+                })
+            }
+        };
         let telemetry = self
             .telemetry
             .to_config()
@@ -1178,6 +1235,7 @@ impl EdgeConfigFile {
             tls,
             tls_files,
             telemetry,
+            admin,
         })
     }
 }

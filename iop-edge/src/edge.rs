@@ -198,6 +198,12 @@ impl Edge {
         http::ops_router(self.handle.clone(), self.http.clone())
     }
 
+    /// The status page for operators ([`crate::admin`]): serve it on an admin listener, never
+    /// on the public API port. Every path needs `token`.
+    pub fn status_page(&self, token: crate::admin::AdminToken) -> Router {
+        crate::admin::router(self.handle.clone(), self.control.clone(), token)
+    }
+
     /// The whole surface with the Edge's own fallback, as the `iop-edge` binary serves it
     /// ([`http::router`]).
     pub fn router(&self) -> Router {

@@ -108,6 +108,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod builder;
 pub mod config;
 pub mod control;

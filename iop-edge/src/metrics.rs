@@ -364,6 +364,20 @@ struct GenAi {
     spans_seen: std::sync::Mutex<[u64; 3]>,
 }
 
+/// Request counters since start ([`Metrics::traffic`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Traffic {
+    /// Model API requests answered successfully.
+    pub requests_ok: u64,
+    /// Model API requests that failed.
+    pub requests_failed: u64,
+    /// Streams cut because their client read too slowly.
+    pub slow_consumer_cuts: u64,
+    /// HTTP connections refused over the connection cap.
+    pub connections_refused: u64,
+}
+
 /// The Edge's metrics. Cheap to share (`Arc`).
 #[derive(Debug)]
 pub struct Metrics {
@@ -661,6 +675,21 @@ impl Metrics {
     /// An HTTP connection closed at once over the connection cap.
     pub fn http_connection_refused(&self) {
         self.http_refused.inc();
+    }
+
+    /// Request counters since start, for the status page ([`crate::admin`]).
+    pub fn traffic(&self) -> Traffic {
+        let (mut ok, mut failed) = (0, 0);
+        for [o, f] in &self.requests {
+            ok += o.get();
+            failed += f.get();
+        }
+        Traffic {
+            requests_ok: ok,
+            requests_failed: failed,
+            slow_consumer_cuts: self.slow_consumers.get(),
+            connections_refused: self.http_refused.get(),
+        }
     }
 
     /// One HTTP request's outcome and duration.

@@ -54,6 +54,9 @@ for usage on chat streams) and trace_propagation (true: the Node sends the upstr
 traceparent header), [[models]], [telemetry] otlp_endpoint, otlp_protocol (http/protobuf | \
 grpc), service_name, sample_ratio, queue_max (OpenTelemetry tracing, off unless a collector is \
 named here or in OTEL_EXPORTER_OTLP_ENDPOINT), \
+[admin] listen, token_file (the status page for operators on its own listener: live Nodes, \
+providers, queue, traffic and the Control Plane; every request needs the token, as Bearer or \
+as the Basic password a browser asks for), \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
 slow_consumer_timeout_sec (30), http_max_connections (4096), http_header_timeout_sec (30, also \
@@ -142,6 +145,7 @@ async fn main() {
         return;
     }
     let http_listen = built.http_listen;
+    let admin = built.admin.clone();
     let edge = Edge::start(built).await.unwrap_or_else(|e| {
         eprintln!("iop-edge: {e}");
         std::process::exit(match e {
@@ -160,6 +164,25 @@ async fn main() {
         "iop-edge: HTTP API on http://{}/v1",
         listener.local_addr().map_or(http_listen, |a| a)
     );
+    let admin_task = match admin {
+        None => None,
+        Some(a) => {
+            let listener = tokio::net::TcpListener::bind(a.listen)
+                .await
+                .unwrap_or_else(|e| {
+                    eprintln!("iop-edge: admin listener {}: {e}", a.listen);
+                    std::process::exit(1);
+                });
+            println!(
+                "iop-edge: status page on http://{}/ (the admin token from admin.token_file)",
+                listener.local_addr().map_or(a.listen, |l| l)
+            );
+            let page = edge.status_page(a.token);
+            Some(tokio::spawn(async move {
+                let _ = axum::serve(listener, page).await;
+            }))
+        }
+    };
     let http = edge.http_config();
     if http.telemetry.is_on() {
         println!("iop-edge: exporting spans over OTLP");
@@ -187,6 +210,9 @@ async fn main() {
     if let Err(e) = edge.serve(listener, edge.router(), shutdown).await {
         eprintln!("iop-edge: http: {e}");
         std::process::exit(1);
+    }
+    if let Some(t) = admin_task {
+        t.abort();
     }
     edge.shutdown().await;
     println!("iop-edge: stopped");

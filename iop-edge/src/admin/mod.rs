@@ -1,0 +1,543 @@
+//! The Edge's status page: live Nodes, providers, the queue, traffic and the Control Plane, in
+//! the browser, for operators. Serve [`Edge::status_page`](crate::Edge::status_page) on an
+//! admin listener (never the public API port): the `iop-edge` binary does so on
+//! `[admin] listen` and logs its address at startup.
+//!
+//! | path | what |
+//! |---|---|
+//! | `GET /` | the page (HTML; its script, style and icon are `app.js`, `app.css` and `favicon.svg` beside it) |
+//! | `GET /api/status` | the [`StatusView`] as JSON |
+//! | `GET /api/events` | the same view as server-sent events: one `status` event at once, then one each time it changes (checked every 500 ms), a comment every 15 s otherwise |
+//!
+//! # Safe by construction
+//!
+//! - **Authenticated**: every path needs the admin token, as `Authorization: Bearer <token>` or
+//!   as the password of HTTP Basic authentication (any user name; a browser asks for it once
+//!   and sends it with the event stream too). The comparison takes the same time whatever the
+//!   guess. A request without it gets `401` and no page.
+//! - **Same origin, strict CSP**: `default-src 'none'`, the script and the style from the page's
+//!   own origin only, no inline script or style, `connect-src 'self'`, `frame-ancestors
+//!   'none'`, `form-action 'none'`; `X-Content-Type-Options: nosniff`, `Referrer-Policy:
+//!   no-referrer`, `Cache-Control: no-store`. The page builds its tables with DOM text nodes,
+//!   never HTML from data.
+//! - **Nothing secret in it**: the view has ids, states, counts, figures and fixed reason
+//!   words; no key, token, lease, credential or certificate (the tests search every response
+//!   for the test's secrets). The page changes nothing: it has no action.
+//! - **Bounded**: at most [`MAX_EVENT_STREAMS`] event streams at once (more get `503`); the
+//!   Node history it keeps for Nodes that went away is capped at [`MAX_GONE_NODES`].
+//!
+//! The assets are compiled into the binary (`include_str!`); the page loads nothing from
+//! anywhere else, so it works with no internet access.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Serialize;
+
+use crate::EdgeHandle;
+use crate::control::{ControlConnector, SessionState};
+
+/// Event streams served at once; more are refused with `503`.
+pub const MAX_EVENT_STREAMS: usize = 32;
+/// Nodes that went away kept on the page (as down, with since when); the oldest go first.
+pub const MAX_GONE_NODES: usize = 1024;
+
+const PAGE: &str = include_str!("page.html");
+const SCRIPT: &str = include_str!("app.js");
+const STYLE: &str = include_str!("app.css");
+const ICON: &str = include_str!("favicon.svg");
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+                   img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// The admin credential: compared in constant time, never printed.
+#[derive(Clone)]
+pub struct AdminToken(Arc<str>);
+
+impl AdminToken {
+    /// A token; it must be at least 16 characters (`None` otherwise).
+    pub fn new(token: &str) -> Option<Self> {
+        let t = token.trim();
+        (t.len() >= 16 && t.bytes().all(|b| b.is_ascii_graphic())).then(|| Self(Arc::from(t)))
+    }
+
+    fn matches(&self, presented: &[u8]) -> bool {
+        let want = self.0.as_bytes();
+        // Constant time in the token's content; the length is not a secret worth hiding.
+        presented.len() == want.len()
+            && presented
+                .iter()
+                .zip(want)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(redacted)")
+    }
+}
+
+/// What the page shows, as of `now_ms`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StatusView {
+    /// This Edge's version.
+    pub version: &'static str,
+    /// Nodes, configured or seen, by id.
+    pub nodes: Vec<NodeView>,
+    /// Every provider of the pool.
+    pub providers: Vec<ProviderView>,
+    /// The admission queue.
+    pub queue: QueueView,
+    /// Request counters since start (the page turns them into rates).
+    pub traffic: TrafficView,
+    /// The Control Plane session (`None`: legacy mode, no Control Plane).
+    pub control: Option<ControlView>,
+}
+
+/// One Node.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct NodeView {
+    /// Node id.
+    pub id: String,
+    /// `ready`, `down` (its connection ended), `pending` (configured, not connected),
+    /// `refused` (its registration was refused) or `warned` (ready, with a warning).
+    pub state: &'static str,
+    /// Why, for `refused` and `warned` (the Edge's own words, no secret).
+    pub reason: String,
+    /// The generation of its current (or last) connection.
+    pub generation: Option<u64>,
+    /// Since when (Unix ms) it has been in this state, when the page saw it change.
+    pub since_ms: Option<u64>,
+    /// Leases held on its providers (runs and tunnels in flight).
+    pub in_flight: u32,
+}
+
+/// One provider of the pool (the seed's snapshot figures).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProviderView {
+    /// Provider id.
+    pub id: String,
+    /// Owning Node.
+    pub node_id: String,
+    /// Adapter instance.
+    pub adapter: String,
+    /// Target (the provider's model).
+    pub target: String,
+    /// `available` / `unavailable`.
+    pub status: String,
+    /// `healthy` / `unavailable` (the runtime-unavailable overlay) / `offline`.
+    pub health: String,
+    /// Effective capacity.
+    pub capacity: u32,
+    /// Leases held.
+    pub in_flight: u32,
+    /// Requests waiting that this provider could take.
+    pub queued: u32,
+    /// Long-context capacity, leases and waiting requests.
+    pub long_capacity: u32,
+    /// Long-context leases held.
+    pub long_in_flight: u32,
+    /// Long-context requests waiting.
+    pub long_queued: u32,
+    /// Configured enabled.
+    pub enabled: bool,
+}
+
+/// The admission queue.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct QueueView {
+    /// Requests waiting for a provider.
+    pub depth: usize,
+    /// Provider leases held.
+    pub leases: u64,
+}
+
+/// Request counters since start.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrafficView {
+    /// Model API requests answered successfully.
+    pub requests_ok: u64,
+    /// Model API requests that failed (any error answer).
+    pub requests_failed: u64,
+    /// Streams ended because the client read slower than the provider wrote.
+    pub slow_consumer_cuts: u64,
+    /// HTTP connections refused over the connection cap.
+    pub connections_refused: u64,
+}
+
+/// The Control Plane session.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ControlView {
+    /// `connecting`, `connected`, `rejected`, `missing_projection` or `failed`.
+    pub state: &'static str,
+    /// Managed mode (the projection decides who may call and with which credential).
+    pub managed: bool,
+    /// Why the Edge is not ready, if it is not.
+    pub unready: Option<String>,
+}
+
+/// A Node's last seen lifecycle.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    generation: u64,
+    up: bool,
+    since_ms: u64,
+}
+
+/// Shared by the router's handlers.
+struct Shared {
+    edge: EdgeHandle,
+    control: Option<ControlConnector>,
+    token: AdminToken,
+    seen: std::sync::Mutex<BTreeMap<String, Seen>>,
+    streams: AtomicUsize,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Shared {
+    fn record(&self, node_id: &str, generation: u64, up: bool) {
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        seen.insert(
+            node_id.to_owned(),
+            Seen {
+                generation,
+                up,
+                since_ms: unix_ms(SystemTime::now()),
+            },
+        );
+        if seen.len() > MAX_GONE_NODES {
+            let oldest = seen
+                .iter()
+                .filter(|(_, s)| !s.up)
+                .min_by_key(|(_, s)| s.since_ms)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                seen.remove(&k);
+            }
+        }
+    }
+
+    fn view(&self) -> StatusView {
+        let edge = &self.edge;
+        let snapshots = edge.snapshot();
+        let ready: BTreeMap<String, u64> = edge
+            .ready_nodes()
+            .into_iter()
+            .map(|(n, g)| (n, g.0))
+            .collect();
+        let seen = self.seen.lock().map(|s| s.clone()).unwrap_or_default();
+        let mut ids: Vec<String> = edge
+            .configured_nodes()
+            .iter()
+            .map(|(id, _)| id.clone())
+            .chain(ready.keys().cloned())
+            .chain(seen.keys().cloned())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        let nodes = ids
+            .into_iter()
+            .map(|id| {
+                let s = seen.get(&id).copied();
+                let refused = edge.refused(&id).filter(|r| !r.is_empty());
+                let warning = edge.warning(&id).filter(|w| !w.is_empty());
+                let (state, reason) = match (ready.get(&id), &refused, &warning, s) {
+                    (Some(_), _, Some(w), _) => ("warned", w.clone()),
+                    (Some(_), _, None, _) => ("ready", String::new()),
+                    (None, Some(r), _, _) => ("refused", r.clone()),
+                    (None, None, _, Some(s)) if !s.up => ("down", String::new()),
+                    _ => ("pending", String::new()),
+                };
+                let in_flight = snapshots
+                    .iter()
+                    .filter(|p| p.node_id == id)
+                    .map(|p| p.in_flight + p.long_in_flight)
+                    .sum();
+                NodeView {
+                    generation: ready.get(&id).copied().or(s.map(|s| s.generation)),
+                    since_ms: s.map(|s| s.since_ms),
+                    id,
+                    state,
+                    reason,
+                    in_flight,
+                }
+            })
+            .collect();
+        let providers = snapshots
+            .into_iter()
+            .map(|p| ProviderView {
+                id: p.provider_id,
+                node_id: p.node_id,
+                adapter: p.adapter,
+                target: p.target,
+                status: p.status,
+                health: p.health,
+                capacity: p.capacity,
+                in_flight: p.in_flight,
+                queued: p.queued,
+                long_capacity: p.long_context_capacity,
+                long_in_flight: p.long_in_flight,
+                long_queued: p.long_queued,
+                enabled: p.enabled,
+            })
+            .collect();
+        let (depth, leases) = edge.pool_stats();
+        let t = edge.metrics().traffic();
+        StatusView {
+            version: env!("CARGO_PKG_VERSION"),
+            nodes,
+            providers,
+            queue: QueueView { depth, leases },
+            traffic: TrafficView {
+                requests_ok: t.requests_ok,
+                requests_failed: t.requests_failed,
+                slow_consumer_cuts: t.slow_consumer_cuts,
+                connections_refused: t.connections_refused,
+            },
+            control: self.control.as_ref().map(|c| ControlView {
+                state: match &*c.state().borrow() {
+                    SessionState::Connecting => "connecting",
+                    SessionState::Connected => "connected",
+                    SessionState::Rejected(_) => "rejected",
+                    SessionState::MissingProjection => "missing_projection",
+                    SessionState::Failed(_) => "failed",
+                },
+                managed: c.managed(),
+                unready: c.unready_reason(),
+            }),
+        }
+    }
+}
+
+/// The page's router (see the module docs); `control` is the Edge's Control Plane connector,
+/// if it has one. Spawns the task that follows Node connections: call it inside a tokio
+/// runtime.
+pub fn router(edge: EdgeHandle, control: Option<ControlConnector>, token: AdminToken) -> Router {
+    let shared = Arc::new(Shared {
+        edge: edge.clone(),
+        control,
+        token,
+        seen: std::sync::Mutex::new(BTreeMap::new()),
+        streams: AtomicUsize::new(0),
+    });
+    let mut events = edge.subscribe();
+    let weak = Arc::downgrade(&shared);
+    tokio::spawn(async move {
+        use iop_edge_core::Lifecycle;
+        use tokio::sync::broadcast::error::RecvError;
+        loop {
+            let event = events.recv().await;
+            let Some(shared) = weak.upgrade() else { return };
+            match event {
+                Ok(Lifecycle::Connected {
+                    node_id,
+                    generation,
+                }) => shared.record(&node_id, generation.0, true),
+                Ok(Lifecycle::Disconnected {
+                    node_id,
+                    generation,
+                }) => shared.record(&node_id, generation.0, false),
+                // Missed events: the ready set is still right; the times are lost.
+                Err(RecvError::Lagged(_)) => {}
+                Err(RecvError::Closed) => return,
+            }
+        }
+    });
+    Router::new()
+        .route("/", get(page))
+        .route("/app.js", get(script))
+        .route("/app.css", get(style))
+        .route("/favicon.svg", get(icon))
+        .route("/api/status", get(status))
+        .route("/api/events", get(events_stream))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            authenticate,
+        ))
+        .layer(axum::middleware::from_fn(secure_headers))
+        .with_state(shared)
+}
+
+/// The token from `Authorization: Bearer` or Basic (the password), if any.
+fn presented(headers: &HeaderMap) -> Option<Vec<u8>> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    if let Some(t) = v.strip_prefix("Bearer ") {
+        return Some(t.trim().as_bytes().to_vec());
+    }
+    let b64 = v.strip_prefix("Basic ")?;
+    let raw = base64_decode(b64.trim())?;
+    let colon = raw.iter().position(|b| *b == b':')?;
+    Some(raw[colon + 1..].to_vec())
+}
+
+/// Standard base64, at most 1 KiB of input (a Basic credential is short).
+fn base64_decode(s: &str) -> Option<Vec<u8>> {
+    use base64::Engine as _;
+    if s.len() > 1024 {
+        return None;
+    }
+    base64::engine::general_purpose::STANDARD.decode(s).ok()
+}
+
+async fn authenticate(
+    State(shared): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match presented(request.headers()) {
+        Some(t) if shared.token.matches(&t) => next.run(request).await,
+        _ => (
+            StatusCode::UNAUTHORIZED,
+            [(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"iop-edge admin\", charset=\"UTF-8\""),
+            )],
+            "the admin token is required (Authorization: Bearer, or Basic with the token as the password)\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn secure_headers(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let mut r = next.run(request).await;
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+}
+
+async fn page() -> Response {
+    asset("text/html; charset=utf-8", PAGE)
+}
+
+async fn script() -> Response {
+    asset("text/javascript; charset=utf-8", SCRIPT)
+}
+
+async fn style() -> Response {
+    asset("text/css; charset=utf-8", STYLE)
+}
+
+async fn icon() -> Response {
+    asset("image/svg+xml", ICON)
+}
+
+async fn status(State(shared): State<Arc<Shared>>) -> Response {
+    axum::Json(shared.view()).into_response()
+}
+
+/// Releases an event stream's slot when the stream is dropped.
+struct Slot(Arc<Shared>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+async fn events_stream(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.streams.fetch_add(1, Ordering::AcqRel) >= MAX_EVENT_STREAMS {
+        shared.streams.fetch_sub(1, Ordering::AcqRel);
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many status pages open\n",
+        )
+            .into_response();
+    }
+    let slot = Slot(shared);
+    let stream = futures_util::stream::unfold(
+        (slot, None::<StatusView>, true),
+        |(slot, last, first)| async move {
+            if !first {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let mut last = last;
+            loop {
+                let view = slot.0.view();
+                if last.as_ref() != Some(&view) {
+                    let event = Event::default()
+                        .event("status")
+                        .json_data(&view)
+                        .unwrap_or_else(|_| Event::default().comment("unencodable"));
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(event),
+                        (slot, Some(view), false),
+                    ));
+                }
+                last = Some(view);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        },
+    );
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_short_checked_and_never_printed() {
+        assert!(AdminToken::new("short").is_none());
+        assert!(AdminToken::new("has a space in it!!").is_none());
+        let t = AdminToken::new("0123456789abcdefXYZ").unwrap();
+        assert!(t.matches(b"0123456789abcdefXYZ"));
+        assert!(!t.matches(b"0123456789abcdefXYz"));
+        assert!(!t.matches(b"0123456789abcdefXY"));
+        assert_eq!(format!("{t:?}"), "AdminToken(redacted)");
+    }
+
+    #[test]
+    fn bearer_and_basic_present_the_token() {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+        assert_eq!(presented(&h).unwrap(), b"abc");
+        // "admin:s3cret:x" — the password is everything after the first colon.
+        h.insert(
+            header::AUTHORIZATION,
+            "Basic YWRtaW46czNjcmV0Ong=".parse().unwrap(),
+        );
+        assert_eq!(presented(&h).unwrap(), b"s3cret:x");
+        h.insert(header::AUTHORIZATION, "Basic !!!!".parse().unwrap());
+        assert_eq!(presented(&h), None);
+        h.insert(header::AUTHORIZATION, "Basic YQ==".parse().unwrap());
+        assert_eq!(presented(&h), None, "no colon");
+        assert_eq!(base64_decode("YWI=").unwrap(), b"ab");
+        assert_eq!(base64_decode("YWJj").unwrap(), b"abc");
+        assert_eq!(base64_decode("Y==="), None);
+    }
+}
