@@ -174,9 +174,13 @@ async fn the_status_page_in_a_real_browser() {
     for _ in 0..1500 {
         if let Ok(r) = client.get(&status).bearer_auth(ADMIN_TOKEN).send().await
             && let Ok(v) = r.json::<Value>().await
-            && v["nodes"]
-                .as_array()
-                .is_some_and(|n| n.iter().filter(|n| n["state"] == "ready").count() == 2)
+            && v["nodes"].as_array().is_some_and(|n| {
+                // Ready, and since when (the Edge follows connections from its start).
+                n.iter()
+                    .filter(|n| n["state"] == "ready" && n["since_ms"].as_u64().is_some())
+                    .count()
+                    == 2
+            })
         {
             ready = true;
             break;

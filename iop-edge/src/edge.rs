@@ -73,6 +73,8 @@ pub struct Edge {
     http_listen: SocketAddr,
     stop: CancellationToken,
     accept: Option<JoinHandle<()>>,
+    /// Node connections since the start, for the status page.
+    nodes: crate::admin::NodeLog,
 }
 
 impl Edge {
@@ -98,6 +100,7 @@ impl Edge {
         config: EdgeConfig,
     ) -> Result<Self, StartError> {
         let stop = CancellationToken::new();
+        let nodes = crate::admin::NodeLog::follow(&handle);
         let EdgeConfig {
             mut http,
             serve,
@@ -157,6 +160,7 @@ impl Edge {
             http_listen,
             stop,
             accept,
+            nodes,
         })
     }
 
@@ -201,7 +205,12 @@ impl Edge {
     /// The status page for operators ([`crate::admin`]): serve it on an admin listener, never
     /// on the public API port. Every path needs `token`.
     pub fn status_page(&self, token: crate::admin::AdminToken) -> Router {
-        crate::admin::router(self.handle.clone(), self.control.clone(), token)
+        crate::admin::router_with(
+            self.handle.clone(),
+            self.control.clone(),
+            token,
+            self.nodes.clone(),
+        )
     }
 
     /// The whole surface with the Edge's own fallback, as the `iop-edge` binary serves it

@@ -94,6 +94,10 @@ struct Args {
     /// cancelled upstream.
     #[arg(long, default_value_t = iop_edge::transport::DEFAULT_MAX_STREAM_BUFFER)]
     stream_buffer_bytes: usize,
+    /// The status page's listener (port 0: any free port). Its admin token is made at start
+    /// and printed with the address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    admin_listen: SocketAddr,
     /// A response with unread bytes whose client reads nothing for this long is ended and
     /// cancelled upstream.
     #[arg(long, default_value_t = iop_edge::transport::DEFAULT_SLOW_CONSUMER_TIMEOUT.as_secs())]
@@ -344,6 +348,26 @@ async fn run(args: Args) -> Result<(), String> {
         "\n  curl -N {base}/chat/completions -H 'content-type: application/json'{auth} \\\n    -d '{{\"model\":\"{}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello mesh\"}}]}}'\n",
         args.model
     );
+    let admin_token = {
+        let mut raw = [0u8; 18];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw)
+            .map_err(|_| "no randomness for the admin token".to_owned())?;
+        raw.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let admin_listener = tokio::net::TcpListener::bind(args.admin_listen)
+        .await
+        .map_err(|e| format!("--admin-listen {}: {e}", args.admin_listen))?;
+    let admin_addr = admin_listener.local_addr().map_err(|e| e.to_string())?;
+    let page = edge.status_page(
+        iop_edge::admin::AdminToken::new(&admin_token)
+            .ok_or_else(|| "the admin token is malformed".to_owned())?,
+    );
+    let admin_task = tokio::spawn(async move {
+        let _ = axum::serve(admin_listener, page).await;
+    });
+    println!(
+        "iop-mesh: status page on http://{admin_addr}/ (user: anything, password: the admin token {admin_token})"
+    );
     println!("iop-mesh: Ctrl-C to stop");
     let stop = shutdown.clone();
     let signal = iop_bins::shutdown_signal();
@@ -354,6 +378,7 @@ async fn run(args: Args) -> Result<(), String> {
     .await
     .map_err(|e| format!("http server: {e}"))?;
     shutdown.cancel();
+    admin_task.abort();
     for t in node_tasks {
         let _ = t.await;
     }

@@ -198,18 +198,49 @@ struct Shared {
     edge: EdgeHandle,
     control: Option<ControlConnector>,
     token: AdminToken,
-    seen: std::sync::Mutex<BTreeMap<String, Seen>>,
+    log: NodeLog,
     streams: AtomicUsize,
 }
 
-fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+/// When each Node last connected or went away, followed from the Edge's lifecycle events
+/// (the Edge starts following at its own start, so the page knows since when a Node is up).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct NodeLog(Arc<std::sync::Mutex<BTreeMap<String, Seen>>>);
 
-impl Shared {
+impl NodeLog {
+    /// Follows `edge`'s Node connections from now on (a task that ends with the Edge or when
+    /// the log is dropped). Call it inside a tokio runtime.
+    pub(crate) fn follow(edge: &EdgeHandle) -> Self {
+        let log = Self::default();
+        let mut events = edge.subscribe();
+        let weak = Arc::downgrade(&log.0);
+        tokio::spawn(async move {
+            use iop_edge_core::Lifecycle;
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                let event = events.recv().await;
+                let Some(map) = weak.upgrade() else { return };
+                let log = Self(map);
+                match event {
+                    Ok(Lifecycle::Connected {
+                        node_id,
+                        generation,
+                    }) => log.record(&node_id, generation.0, true),
+                    Ok(Lifecycle::Disconnected {
+                        node_id,
+                        generation,
+                    }) => log.record(&node_id, generation.0, false),
+                    // Missed events: the ready set is still right; those times are lost.
+                    Err(RecvError::Lagged(_)) => {}
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        });
+        log
+    }
+
     fn record(&self, node_id: &str, generation: u64, up: bool) {
-        let Ok(mut seen) = self.seen.lock() else {
+        let Ok(mut seen) = self.0.lock() else {
             return;
         };
         seen.insert(
@@ -232,6 +263,17 @@ impl Shared {
         }
     }
 
+    fn snapshot(&self) -> BTreeMap<String, Seen> {
+        self.0.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Shared {
     fn view(&self) -> StatusView {
         let edge = &self.edge;
         let snapshots = edge.snapshot();
@@ -240,7 +282,7 @@ impl Shared {
             .into_iter()
             .map(|(n, g)| (n, g.0))
             .collect();
-        let seen = self.seen.lock().map(|s| s.clone()).unwrap_or_default();
+        let seen = self.log.snapshot();
         let mut ids: Vec<String> = edge
             .configured_nodes()
             .iter()
@@ -325,38 +367,27 @@ impl Shared {
 }
 
 /// The page's router (see the module docs); `control` is the Edge's Control Plane connector,
-/// if it has one. Spawns the task that follows Node connections: call it inside a tokio
-/// runtime.
+/// if it has one. It follows Node connections from now on (a task: call it inside a tokio
+/// runtime); [`Edge::status_page`](crate::Edge::status_page) knows them since the Edge's
+/// start.
 pub fn router(edge: EdgeHandle, control: Option<ControlConnector>, token: AdminToken) -> Router {
+    let log = NodeLog::follow(&edge);
+    router_with(edge, control, token, log)
+}
+
+/// [`router`] with the Node log the Edge has kept since its start.
+pub(crate) fn router_with(
+    edge: EdgeHandle,
+    control: Option<ControlConnector>,
+    token: AdminToken,
+    log: NodeLog,
+) -> Router {
     let shared = Arc::new(Shared {
-        edge: edge.clone(),
+        edge,
         control,
         token,
-        seen: std::sync::Mutex::new(BTreeMap::new()),
+        log,
         streams: AtomicUsize::new(0),
-    });
-    let mut events = edge.subscribe();
-    let weak = Arc::downgrade(&shared);
-    tokio::spawn(async move {
-        use iop_edge_core::Lifecycle;
-        use tokio::sync::broadcast::error::RecvError;
-        loop {
-            let event = events.recv().await;
-            let Some(shared) = weak.upgrade() else { return };
-            match event {
-                Ok(Lifecycle::Connected {
-                    node_id,
-                    generation,
-                }) => shared.record(&node_id, generation.0, true),
-                Ok(Lifecycle::Disconnected {
-                    node_id,
-                    generation,
-                }) => shared.record(&node_id, generation.0, false),
-                // Missed events: the ready set is still right; the times are lost.
-                Err(RecvError::Lagged(_)) => {}
-                Err(RecvError::Closed) => return,
-            }
-        }
     });
     Router::new()
         .route("/", get(page))
