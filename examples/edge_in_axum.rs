@@ -24,8 +24,12 @@
 //! (the only files this example ever writes, and only when asked) and the Edge serves model
 //! `reverse` on it.
 //!
+//! The Edge's status page (live Nodes, providers, queue, traffic) is served on its own
+//! listener when `--admin-token-file FILE` names a token (`--admin-listen ADDR`, default any
+//! free loopback port; printed at start): open it in a browser with the token as the password.
+//!
 //! Flags: `--listen ADDR` (default `127.0.0.1:3000`), `--rotate-secs N` (default 300),
-//! `--export-node-tls DIR`.
+//! `--export-node-tls DIR`, `--admin-token-file FILE`, `--admin-listen ADDR`.
 #![allow(clippy::print_stdout, reason = "an example prints what it does")]
 
 use std::net::SocketAddr;
@@ -112,6 +116,8 @@ struct Args {
     listen: SocketAddr,
     rotate: Duration,
     export: Option<std::path::PathBuf>,
+    admin_token_file: Option<std::path::PathBuf>,
+    admin_listen: SocketAddr,
 }
 
 fn args() -> Result<Args, String> {
@@ -119,6 +125,8 @@ fn args() -> Result<Args, String> {
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         rotate: Duration::from_secs(300),
         export: None,
+        admin_token_file: None,
+        admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -132,6 +140,12 @@ fn args() -> Result<Args, String> {
                 out.rotate = Duration::from_secs(secs.max(1));
             }
             "--export-node-tls" => out.export = Some(value()?.into()),
+            "--admin-token-file" => out.admin_token_file = Some(value()?.into()),
+            "--admin-listen" => {
+                out.admin_listen = value()?
+                    .parse()
+                    .map_err(|e| format!("--admin-listen: {e}"))?;
+            }
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -220,6 +234,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .nest("/ops", edge.ops())
         .fallback(|| async { (StatusCode::NOT_FOUND, "no such page in my app\n") });
 
+    // The status page for operators, on its own listener (never the app's), when a token is
+    // given: every request needs it (Bearer, or the Basic password a browser asks for).
+    let admin = match &args.admin_token_file {
+        None => None,
+        Some(path) => {
+            let token = iop_edge::admin::AdminToken::new(&std::fs::read_to_string(path)?)
+                .ok_or("the admin token must be at least 16 printable characters")?;
+            let listener = tokio::net::TcpListener::bind(args.admin_listen).await?;
+            println!("status page on http://{}/", listener.local_addr()?);
+            let page = edge.status_page(token);
+            Some(tokio::spawn(async move {
+                let _ = axum::serve(listener, page).await;
+            }))
+        }
+    };
+
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let at = listener.local_addr()?;
     println!("nodes on {nodes_at}");
@@ -235,6 +265,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
 
     rotation.abort();
+    if let Some(a) = admin {
+        a.abort();
+    }
     for node in nodes {
         node.stop().await;
     }

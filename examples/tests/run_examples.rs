@@ -91,10 +91,16 @@ async fn edge_in_axum_and_a_custom_adapter_node_serve_real_clients() {
     let dir = std::env::temp_dir().join(format!("iop-examples-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let dir_arg = dir.to_str().expect("utf-8 temp dir").to_owned();
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let token_file = dir.join("admin.token");
+    std::fs::write(&token_file, "example-admin-token-0123\n").expect("token file");
+    let token_arg = token_file.to_str().expect("utf-8").to_owned();
 
     let mut a = Proc::spawn(
         env!("CARGO_BIN_EXE_edge-in-axum"),
         &[
+            "--admin-token-file",
+            &token_arg,
             "--listen",
             "127.0.0.1:0",
             "--rotate-secs",
@@ -103,10 +109,40 @@ async fn edge_in_axum_and_a_custom_adapter_node_serve_real_clients() {
             &dir_arg,
         ],
     );
+    let page = a.wait_for("status page on ");
     let nodes = a.wait_for("nodes on ");
     let app = a.wait_for("app on ");
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
+
+    // The status page: the token opens it, nothing else does, and it knows the Nodes.
+    let status = format!("{page}api/status");
+    let denied = http.get(&status).send().await.expect("status page");
+    assert_eq!(denied.status(), 401);
+    let mut seen = serde_json::Value::Null;
+    for _ in 0..500 {
+        seen = http
+            .get(&status)
+            .bearer_auth("example-admin-token-0123")
+            .send()
+            .await
+            .expect("status page")
+            .json()
+            .await
+            .expect("json");
+        if seen["nodes"].as_array().is_some_and(|n| n.len() >= 2) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        seen["nodes"].as_array().is_some_and(|n| n
+            .iter()
+            .filter(|n| n["state"] == "ready")
+            .count()
+            >= 2),
+        "{seen}"
+    );
 
     // The connection limits of `[limits]` (header timeout 10 s) hold on the app's listener:
     // a connection that never sends a request is closed by the server.

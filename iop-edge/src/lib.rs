@@ -62,6 +62,11 @@
 //! overhead (the Edge's time minus the provider call's time the Node reports on the terminal)
 //! are on `/metrics` ([`metrics`]).
 //!
+//! [`admin`] is the status page for operators ([`Edge::status_page`], on its own listener:
+//! `[admin]` in the file): live Nodes, providers, the queue, traffic with the gateway's own
+//! overhead and time to first token, and the Control Plane session, pushed over server-sent
+//! events, token-authenticated, with a strict Content-Security-Policy.
+//!
 //! [`config`] reads the Edge's TOML file (the `iop-edge` binary's format) into a
 //! [`TransportConfig`], an [`http::HttpConfig`], an optional [`control::ControlConfig`] and the
 //! hot-reloadable TLS material (`workload_identity::WorkloadTls`).

@@ -376,6 +376,43 @@ pub struct Traffic {
     pub slow_consumer_cuts: u64,
     /// HTTP connections refused over the connection cap.
     pub connections_refused: u64,
+    /// The gateway's own overhead (the Edge's time minus the provider call's time at the
+    /// Node) over the last [`RECENT`] model requests that had both: p50 and p99.
+    pub overhead: Option<(Duration, Duration)>,
+    /// Time to first content over the last [`RECENT`] model requests that had any: p50 and
+    /// p99.
+    pub ttft: Option<(Duration, Duration)>,
+}
+
+/// Model requests the status page's percentiles are taken over ([`Metrics::traffic`]).
+pub const RECENT: usize = 1024;
+
+/// The last [`RECENT`] figures of each kind, in microseconds.
+#[derive(Debug, Default)]
+struct Recent {
+    overhead: std::collections::VecDeque<u32>,
+    ttft: std::collections::VecDeque<u32>,
+}
+
+fn push_recent(q: &mut std::collections::VecDeque<u32>, d: Duration) {
+    if q.len() == RECENT {
+        q.pop_front();
+    }
+    q.push_back(u32::try_from(d.as_micros()).unwrap_or(u32::MAX));
+}
+
+/// p50 and p99 of `q` (nearest rank).
+fn percentiles(q: &std::collections::VecDeque<u32>) -> Option<(Duration, Duration)> {
+    if q.is_empty() {
+        return None;
+    }
+    let mut v: Vec<u32> = q.iter().copied().collect();
+    v.sort_unstable();
+    let at = |p: usize| {
+        let rank = (v.len() * p).div_ceil(100).max(1);
+        Duration::from_micros(u64::from(v[rank - 1]))
+    };
+    Some((at(50), at(99)))
 }
 
 /// The Edge's metrics. Cheap to share (`Arc`).
@@ -397,6 +434,7 @@ pub struct Metrics {
     queue_depth: Gauge,
     in_flight: Gauge,
     genai: GenAi,
+    recent: std::sync::Mutex<Recent>,
 }
 
 fn histogram_family<
@@ -588,6 +626,7 @@ impl Default for Metrics {
         Self {
             registry: r,
             genai,
+            recent: std::sync::Mutex::default(),
             evidence,
             transitions,
             eligibility,
@@ -684,11 +723,16 @@ impl Metrics {
             ok += o.get();
             failed += f.get();
         }
+        let (overhead, ttft) = self.recent.lock().map_or((None, None), |r| {
+            (percentiles(&r.overhead), percentiles(&r.ttft))
+        });
         Traffic {
             requests_ok: ok,
             requests_failed: failed,
             slow_consumer_cuts: self.slow_consumers.get(),
             connections_refused: self.http_refused.get(),
+            overhead,
+            ttft,
         }
     }
 
@@ -735,6 +779,14 @@ impl Metrics {
         if let Some(p) = m.provider {
             g.overhead[index_of(&Endpoint::ALL, &endpoint)]
                 .observe(m.duration.saturating_sub(p).as_secs_f64());
+        }
+        if let Ok(mut r) = self.recent.lock() {
+            if let Some(p) = m.provider {
+                push_recent(&mut r.overhead, m.duration.saturating_sub(p));
+            }
+            if let Some(first) = m.first_content {
+                push_recent(&mut r.ttft, first);
+            }
         }
     }
 
@@ -918,5 +970,31 @@ mod tests {
             )));
         }
         assert!(!text.contains("cause=\"closed\""));
+    }
+}
+
+#[cfg(test)]
+mod recent_tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank_over_the_last_window() {
+        let mut q = std::collections::VecDeque::new();
+        assert_eq!(percentiles(&q), None);
+        for us in 1..=100 {
+            push_recent(&mut q, Duration::from_micros(us));
+        }
+        assert_eq!(
+            percentiles(&q),
+            Some((Duration::from_micros(50), Duration::from_micros(99)))
+        );
+        for _ in 0..RECENT {
+            push_recent(&mut q, Duration::from_micros(7));
+        }
+        assert_eq!(q.len(), RECENT, "bounded");
+        assert_eq!(
+            percentiles(&q),
+            Some((Duration::from_micros(7), Duration::from_micros(7)))
+        );
     }
 }

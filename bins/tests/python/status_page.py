@@ -103,6 +103,14 @@ with sync_playwright() as p:
         timeout=10000,
     )
     summary["requests_answered"] = traffic(page, "Requests answered")
+    # The gateway's own overhead and time to first content, from those requests.
+    page.wait_for_function(
+        "() => document.getElementById('overhead').innerText.endsWith(' ms')"
+        " && document.getElementById('ttft').innerText.endsWith(' ms')",
+        timeout=10000,
+    )
+    summary["overhead"] = page.inner_text("#overhead")
+    summary["ttft"] = page.inner_text("#ttft")
     page.screenshot(path=os.path.join(shots, "edge-1280x800.png"), full_page=True)
 
     # A stalled provider shows its overlay: the upstream never answers "stall".

@@ -87,6 +87,9 @@ function renderTraffic(v) {
     document.getElementById("eps").textContent = eps.toFixed(1);
   }
   previous = { at: now, t };
+  const pair = (p) => (p ? p[0].toFixed(2) + " / " + p[1].toFixed(2) + " ms" : "–");
+  document.getElementById("overhead").textContent = pair(t.overhead_ms);
+  document.getElementById("ttft").textContent = pair(t.ttft_ms);
   const dl = document.getElementById("traffic");
   dl.replaceChildren();
   const pairs = [

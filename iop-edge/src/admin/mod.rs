@@ -172,6 +172,11 @@ pub struct TrafficView {
     pub slow_consumer_cuts: u64,
     /// HTTP connections refused over the connection cap.
     pub connections_refused: u64,
+    /// The gateway's own overhead (the Edge's time minus the provider call's time at the
+    /// Node), p50 and p99 in ms over the last 1024 model requests.
+    pub overhead_ms: Option<(f64, f64)>,
+    /// Time to first content, p50 and p99 in ms over the last 1024 model requests.
+    pub ttft_ms: Option<(f64, f64)>,
 }
 
 /// The Control Plane session.
@@ -268,6 +273,10 @@ impl NodeLog {
     }
 }
 
+fn ms_pair((a, b): (Duration, Duration)) -> (f64, f64) {
+    (a.as_secs_f64() * 1e3, b.as_secs_f64() * 1e3)
+}
+
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -350,6 +359,8 @@ impl Shared {
                 requests_failed: t.requests_failed,
                 slow_consumer_cuts: t.slow_consumer_cuts,
                 connections_refused: t.connections_refused,
+                overhead_ms: t.overhead.map(ms_pair),
+                ttft_ms: t.ttft.map(ms_pair),
             },
             control: self.control.as_ref().map(|c| ControlView {
                 state: match &*c.state().borrow() {
