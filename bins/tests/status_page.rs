@@ -196,7 +196,15 @@ async fn the_status_page_in_a_real_browser() {
     );
 
     // Unauthenticated, or with a wrong token: 401 on every path, no page.
-    for path in ["", "app.js", "app.css", "api/status", "api/events"] {
+    for path in [
+        "",
+        "app.js",
+        "page.css",
+        "common.js",
+        "favicon.svg",
+        "api/status",
+        "api/events",
+    ] {
         let r = client.get(format!("{page}{path}")).send().await.unwrap();
         assert_eq!(r.status(), 401, "{path}");
         let r = client
@@ -266,7 +274,7 @@ async fn the_status_page_in_a_real_browser() {
         secrets.len()
     );
     let mut bodies = Vec::new();
-    for path in ["", "app.js", "app.css", "api/status"] {
+    for path in ["", "app.js", "page.css", "common.js", "api/status"] {
         let r = client
             .get(format!("{page}{path}"))
             .bearer_auth(ADMIN_TOKEN)

@@ -11,6 +11,9 @@
 //! and a graceful stop that finishes open requests. A request body deadline belongs to the
 //! router (the Edge's reads the whole body within its own limit).
 //!
+//! [`admin`] is the guard of the operators' pages (an admin token, a strict
+//! Content-Security-Policy and the headers that go with it).
+//!
 //! With feature `tls`, [`tls::TlsAccept`] is the one bounded TLS accept loop of the workspace's
 //! mTLS listeners (the Edge's Node listener, the Control Plane's Edge listener, the proxy-pool
 //! controller's worker listener): handshake caps in total and per address, a handshake
@@ -35,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 
+pub mod admin;
 #[cfg(feature = "tls")]
 pub mod tls;
 

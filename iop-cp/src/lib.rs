@@ -7,6 +7,7 @@
 //! | [`seal`] | AES-256-GCM at-rest sealing of slot credentials with the Control Plane's master key |
 //! | [`admin`] | the admin operations behind the CLI and the loopback HTTP admin API: create principals, tokens (the raw token is returned once, only its SHA-256 digest is stored), slots and routes |
 //! | [`admin_http`] | the HTTP admin API (axum), meant for loopback |
+//! | [`status_page`] | the operators' page on the admin listener (`/status/`): principals and routes, token ids, slots and their rotations, connected Edges, issuer keys, the last mutations; live over server-sent events, behind the admin token |
 //! | [`projection`] | the secret-free `PrincipalProjection` built from one store snapshot |
 //! | [`lease`] | the lease service: re-read durable state, check the binding exactly, decrypt, issue a signed lease sealed to the Node's X25519 key |
 //! | [`server`] | the Edge wire server: TLS (mTLS in managed mode), hello checks, the live Edge view, projection pushes after every mutation, lease requests, status/command correlation, Node events |
@@ -84,5 +85,6 @@ pub mod lease;
 pub mod projection;
 pub mod seal;
 pub mod server;
+pub mod status_page;
 pub mod store;
 pub mod usage;

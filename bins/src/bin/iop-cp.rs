@@ -935,7 +935,24 @@ async fn serve(dir: &Path, admin: Admin, args: &ServeArgs) -> Result<(), Failure
         args.usage_retention_days,
         prune_stop.clone(),
     ));
-    let app = iop_cp::admin_http::router(admin, Some(cp.clone()), args.admin_token.clone());
+    let mut app =
+        iop_cp::admin_http::router(admin.clone(), Some(cp.clone()), args.admin_token.clone());
+    // The status page needs the admin token (it is never served open, even on loopback).
+    match args
+        .admin_token
+        .as_deref()
+        .and_then(bounded_http::admin::AdminToken::new)
+    {
+        Some(token) => {
+            app = app.merge(iop_cp::status_page::router(admin, Some(cp.clone()), token));
+            println!(
+                "iop-cp: status page on http://{admin_addr}/status/ (the admin token as the password)"
+            );
+        }
+        None => println!(
+            "iop-cp: status page off: it needs --admin-token / IOP_CP_ADMIN_TOKEN (at least 16 characters)"
+        ),
+    }
     let shutdown = iop_bins::shutdown_signal();
     // The hardened server: connection cap, header deadline, rate-limited refusal logs.
     bounded_http::serve_with(

@@ -1,45 +1,9 @@
-// The Edge's status page: one EventSource, tables built from text nodes (never HTML from data).
+// The Edge's status page (the helpers el, pill, ago, row, live are common.js's).
 "use strict";
 
 let selectedNode = null;
 let last = null;
 let previous = null; // { at: ms, traffic } for rates
-
-function el(tag, text, cls) {
-  const e = document.createElement(tag);
-  if (text !== undefined && text !== null) e.textContent = String(text);
-  if (cls) e.className = cls;
-  return e;
-}
-
-function pill(word) {
-  return el("span", word, "pill pill-" + word.replace(/[^a-z_]/g, ""));
-}
-
-function ago(ms) {
-  if (!ms) return "–";
-  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
-  const when = new Date(ms).toLocaleTimeString();
-  if (s < 60) return when + " (" + s + " s ago)";
-  if (s < 3600) return when + " (" + Math.round(s / 60) + " min ago)";
-  return when + " (" + Math.round(s / 3600) + " h ago)";
-}
-
-function row(cells, cls) {
-  const tr = el("tr", null, cls);
-  for (const c of cells) {
-    if (c instanceof Node) {
-      const td = el("td");
-      td.appendChild(c);
-      tr.appendChild(td);
-    } else if (typeof c === "number") {
-      tr.appendChild(el("td", c, "num"));
-    } else {
-      tr.appendChild(el("td", c === undefined || c === null || c === "" ? "–" : c));
-    }
-  }
-  return tr;
-}
 
 function renderNodes(v) {
   const body = document.querySelector("#nodes tbody");
@@ -121,18 +85,4 @@ function select(node) {
   if (last) render(last);
 }
 
-function connect() {
-  const live = document.getElementById("live");
-  const source = new EventSource("api/events");
-  source.addEventListener("status", (e) => {
-    live.textContent = "live";
-    live.className = "pill pill-live";
-    render(JSON.parse(e.data));
-  });
-  source.addEventListener("error", () => {
-    live.textContent = "reconnecting…";
-    live.className = "pill pill-down";
-  });
-}
-
-document.addEventListener("DOMContentLoaded", connect);
+document.addEventListener("DOMContentLoaded", () => live(render));

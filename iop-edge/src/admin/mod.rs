@@ -5,16 +5,17 @@
 //!
 //! | path | what |
 //! |---|---|
-//! | `GET /` | the page (HTML; its script, style and icon are `app.js`, `app.css` and `favicon.svg` beside it) |
+//! | `GET /` | the page (HTML; its script is `app.js`, and `page.css`, `common.js` and `favicon.svg` are [`bounded_http::admin::page_assets`]) |
 //! | `GET /api/status` | the [`StatusView`] as JSON |
 //! | `GET /api/events` | the same view as server-sent events: one `status` event at once, then one each time it changes (checked every 500 ms), a comment every 15 s otherwise |
 //!
 //! # Safe by construction
 //!
-//! - **Authenticated**: every path needs the admin token, as `Authorization: Bearer <token>` or
-//!   as the password of HTTP Basic authentication (any user name; a browser asks for it once
-//!   and sends it with the event stream too). The comparison takes the same time whatever the
-//!   guess. A request without it gets `401` and no page.
+//! - **Authenticated** ([`bounded_http::admin::guard`], shared with `iop-cp`'s page): every
+//!   path needs the admin token, as `Authorization: Bearer <token>` or as the password of HTTP
+//!   Basic authentication (any user name; a browser asks for it once and sends it with the
+//!   event stream too). The comparison takes the same time whatever the guess. A request
+//!   without it gets `401` and no page.
 //! - **Same origin, strict CSP**: `default-src 'none'`, the script and the style from the page's
 //!   own origin only, no inline script or style, `connect-src 'self'`, `frame-ancestors
 //!   'none'`, `form-action 'none'`; `X-Content-Type-Options: nosniff`, `Referrer-Policy:
@@ -36,10 +37,11 @@ use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use bounded_http::admin::asset;
 use serde::Serialize;
 
 use crate::EdgeHandle;
@@ -52,39 +54,8 @@ pub const MAX_GONE_NODES: usize = 1024;
 
 const PAGE: &str = include_str!("page.html");
 const SCRIPT: &str = include_str!("app.js");
-const STYLE: &str = include_str!("app.css");
-const ICON: &str = include_str!("favicon.svg");
-const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
-                   img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
-/// The admin credential: compared in constant time, never printed.
-#[derive(Clone)]
-pub struct AdminToken(Arc<str>);
-
-impl AdminToken {
-    /// A token; it must be at least 16 characters (`None` otherwise).
-    pub fn new(token: &str) -> Option<Self> {
-        let t = token.trim();
-        (t.len() >= 16 && t.bytes().all(|b| b.is_ascii_graphic())).then(|| Self(Arc::from(t)))
-    }
-
-    fn matches(&self, presented: &[u8]) -> bool {
-        let want = self.0.as_bytes();
-        // Constant time in the token's content; the length is not a secret worth hiding.
-        presented.len() == want.len()
-            && presented
-                .iter()
-                .zip(want)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-    }
-}
-
-impl std::fmt::Debug for AdminToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AdminToken(redacted)")
-    }
-}
+pub use bounded_http::admin::AdminToken;
 
 /// What the page shows, as of `now_ms`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -202,7 +173,6 @@ struct Seen {
 struct Shared {
     edge: EdgeHandle,
     control: Option<ControlConnector>,
-    token: AdminToken,
     log: NodeLog,
     streams: AtomicUsize,
 }
@@ -396,87 +366,17 @@ pub(crate) fn router_with(
     let shared = Arc::new(Shared {
         edge,
         control,
-        token,
         log,
         streams: AtomicUsize::new(0),
     });
-    Router::new()
+    let page = Router::new()
         .route("/", get(page))
         .route("/app.js", get(script))
-        .route("/app.css", get(style))
-        .route("/favicon.svg", get(icon))
         .route("/api/status", get(status))
         .route("/api/events", get(events_stream))
-        .layer(axum::middleware::from_fn_with_state(
-            shared.clone(),
-            authenticate,
-        ))
-        .layer(axum::middleware::from_fn(secure_headers))
         .with_state(shared)
-}
-
-/// The token from `Authorization: Bearer` or Basic (the password), if any.
-fn presented(headers: &HeaderMap) -> Option<Vec<u8>> {
-    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    if let Some(t) = v.strip_prefix("Bearer ") {
-        return Some(t.trim().as_bytes().to_vec());
-    }
-    let b64 = v.strip_prefix("Basic ")?;
-    let raw = base64_decode(b64.trim())?;
-    let colon = raw.iter().position(|b| *b == b':')?;
-    Some(raw[colon + 1..].to_vec())
-}
-
-/// Standard base64, at most 1 KiB of input (a Basic credential is short).
-fn base64_decode(s: &str) -> Option<Vec<u8>> {
-    use base64::Engine as _;
-    if s.len() > 1024 {
-        return None;
-    }
-    base64::engine::general_purpose::STANDARD.decode(s).ok()
-}
-
-async fn authenticate(
-    State(shared): State<Arc<Shared>>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    match presented(request.headers()) {
-        Some(t) if shared.token.matches(&t) => next.run(request).await,
-        _ => (
-            StatusCode::UNAUTHORIZED,
-            [(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Basic realm=\"iop-edge admin\", charset=\"UTF-8\""),
-            )],
-            "the admin token is required (Authorization: Bearer, or Basic with the token as the password)\n",
-        )
-            .into_response(),
-    }
-}
-
-async fn secure_headers(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    let mut r = next.run(request).await;
-    let h = r.headers_mut();
-    h.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(CSP),
-    );
-    h.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
-    h.insert(
-        header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
-    );
-    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    r
-}
-
-fn asset(content_type: &'static str, body: &'static str) -> Response {
-    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+        .merge(bounded_http::admin::page_assets());
+    bounded_http::admin::guard(page, token, "iop-edge status")
 }
 
 async fn page() -> Response {
@@ -485,14 +385,6 @@ async fn page() -> Response {
 
 async fn script() -> Response {
     asset("text/javascript; charset=utf-8", SCRIPT)
-}
-
-async fn style() -> Response {
-    asset("text/css; charset=utf-8", STYLE)
-}
-
-async fn icon() -> Response {
-    asset("image/svg+xml", ICON)
 }
 
 async fn status(State(shared): State<Arc<Shared>>) -> Response {
@@ -545,41 +437,4 @@ async fn events_stream(State(shared): State<Arc<Shared>>) -> Response {
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used, reason = "tests")]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tokens_are_short_checked_and_never_printed() {
-        assert!(AdminToken::new("short").is_none());
-        assert!(AdminToken::new("has a space in it!!").is_none());
-        let t = AdminToken::new("0123456789abcdefXYZ").unwrap();
-        assert!(t.matches(b"0123456789abcdefXYZ"));
-        assert!(!t.matches(b"0123456789abcdefXYz"));
-        assert!(!t.matches(b"0123456789abcdefXY"));
-        assert_eq!(format!("{t:?}"), "AdminToken(redacted)");
-    }
-
-    #[test]
-    fn bearer_and_basic_present_the_token() {
-        let mut h = HeaderMap::new();
-        h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
-        assert_eq!(presented(&h).unwrap(), b"abc");
-        // "admin:s3cret:x" — the password is everything after the first colon.
-        h.insert(
-            header::AUTHORIZATION,
-            "Basic YWRtaW46czNjcmV0Ong=".parse().unwrap(),
-        );
-        assert_eq!(presented(&h).unwrap(), b"s3cret:x");
-        h.insert(header::AUTHORIZATION, "Basic !!!!".parse().unwrap());
-        assert_eq!(presented(&h), None);
-        h.insert(header::AUTHORIZATION, "Basic YQ==".parse().unwrap());
-        assert_eq!(presented(&h), None, "no colon");
-        assert_eq!(base64_decode("YWI=").unwrap(), b"ab");
-        assert_eq!(base64_decode("YWJj").unwrap(), b"abc");
-        assert_eq!(base64_decode("Y==="), None);
-    }
 }

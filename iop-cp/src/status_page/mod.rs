@@ -1,0 +1,355 @@
+//! `iop-cp`'s status page for operators, on the admin listener under `/status/`: principals
+//! and their routes, tokens (ids, never the secret), credential slots (ids and rotations, never
+//! the credential), connected Edges with the projection generation each acknowledged, the
+//! issuer keys with a pending rotation, and the last mutations.
+//!
+//! | path | what |
+//! |---|---|
+//! | `GET /status/` | the page (`app.js` beside it; `page.css`, `common.js`, `favicon.svg` are [`bounded_http::admin::page_assets`]) |
+//! | `GET /status/api/status` | the [`CpStatusView`] as JSON |
+//! | `GET /status/api/events` | the same view as server-sent events: at once, then on each change (checked every 500 ms) |
+//!
+//! Behind [`bounded_http::admin::guard`]: the admin token as Bearer or as the Basic password,
+//! `401` otherwise; a strict Content-Security-Policy; nothing secret in any response (the
+//! store's snapshot carries no sealed bytes, and the view has no token digest). The binary
+//! serves it only when an admin token is set (`--admin-token` / `IOP_CP_ADMIN_TOKEN`).
+//!
+//! The store records the generation of each change, not a wall-clock time: a token's
+//! "created" and a slot's "last put" are the generations of those mutations (older than
+//! [`CREATED_WINDOW`] generations: none shown); a slot's revision counts its rotations.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::get;
+use bounded_http::admin::{AdminToken, asset};
+use serde::Serialize;
+
+use crate::admin::Admin;
+use crate::server::ControlPlane;
+
+/// Event streams served at once; more are refused with `503`.
+pub const MAX_EVENT_STREAMS: usize = 32;
+/// How many generations back the page looks for tokens' creations.
+pub const CREATED_WINDOW: u64 = 1000;
+/// Mutations listed.
+pub const LAST_MUTATIONS: u64 = 20;
+
+const PAGE: &str = include_str!("page.html");
+const SCRIPT: &str = include_str!("app.js");
+
+/// What the page shows.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CpStatusView {
+    /// The projection generation of the store.
+    pub generation: u64,
+    /// Principals with their routes.
+    pub principals: Vec<PrincipalView>,
+    /// Tokens (revoked included).
+    pub tokens: Vec<TokenView>,
+    /// Credential slots.
+    pub slots: Vec<SlotView>,
+    /// Connected Edges.
+    pub edges: Vec<EdgeView>,
+    /// Lease issuer keys: the active one, and a staged one with its activation time.
+    pub issuer_keys: Vec<IssuerKeyView>,
+    /// The last mutations, newest first.
+    pub mutations: Vec<MutationView>,
+}
+
+/// A principal and its routes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PrincipalView {
+    /// Id.
+    pub id: String,
+    /// Display name.
+    pub display_name: String,
+    /// Enabled.
+    pub enabled: bool,
+    /// Whether it has rate limits or budgets.
+    pub limited: bool,
+    /// Its routes.
+    pub routes: Vec<RouteView>,
+}
+
+/// A route.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RouteView {
+    /// Id.
+    pub id: String,
+    /// The model the principal calls.
+    pub model: String,
+    /// The credential slot it uses.
+    pub slot_id: String,
+    /// The provider's model.
+    pub upstream_target: String,
+    /// Enabled.
+    pub enabled: bool,
+}
+
+/// A token: its id, never the secret or its digest.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TokenView {
+    /// Id.
+    pub id: String,
+    /// Owner.
+    pub principal_id: String,
+    /// Revoked.
+    pub revoked: bool,
+    /// The generation that created it, if within the last [`CREATED_WINDOW`].
+    pub created_generation: Option<u64>,
+}
+
+/// A credential slot: never the credential.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SlotView {
+    /// Id.
+    pub id: String,
+    /// Protocol profile.
+    pub profile: String,
+    /// The header the credential goes in.
+    pub header_name: String,
+    /// The slot's revision: 1 when first put, one more at each rotation.
+    pub revision: u64,
+    /// The generation of its last put (creation or rotation), if within the last
+    /// [`CREATED_WINDOW`].
+    pub rotated_generation: Option<u64>,
+    /// Enabled.
+    pub enabled: bool,
+}
+
+/// A connected Edge.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EdgeView {
+    /// Id.
+    pub id: String,
+    /// The projection generation it last acknowledged.
+    pub projection_generation: u64,
+}
+
+/// A lease issuer key (its id and state, never the key).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IssuerKeyView {
+    /// Key id.
+    pub id: String,
+    /// Active (signing now) or staged.
+    pub active: bool,
+    /// When a staged key becomes active (Unix ms; 0 for the active one).
+    pub activates_at_unix_ms: i64,
+}
+
+/// One mutation.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MutationView {
+    /// Its generation.
+    pub generation: u64,
+    /// What it was (`create_token`, `put_slot`, …).
+    pub kind: String,
+    /// The object's id.
+    pub object_id: String,
+}
+
+struct Shared {
+    admin: Admin,
+    cp: Option<ControlPlane>,
+    streams: AtomicUsize,
+}
+
+impl Shared {
+    async fn view(&self) -> Result<CpStatusView, crate::store::StoreError> {
+        let store = self.admin.store();
+        let snap = store.snapshot().await?;
+        let generation = snap.generation;
+        let window = store
+            .revisions(generation.saturating_sub(CREATED_WINDOW), 1000)
+            .await?;
+        let last_of = |kind: &str| -> BTreeMap<&str, u64> {
+            // Ascending: a later revision of the same object replaces an earlier one.
+            window
+                .iter()
+                .filter(|r| r.kind == kind)
+                .map(|r| (r.object_id.as_str(), r.generation))
+                .collect()
+        };
+        let created = last_of("create_token");
+        let put = last_of("put_slot");
+        let mut routes: BTreeMap<&str, Vec<RouteView>> = BTreeMap::new();
+        for r in &snap.routes {
+            routes
+                .entry(r.principal_id.as_str())
+                .or_default()
+                .push(RouteView {
+                    id: r.id.clone(),
+                    model: r.model.clone(),
+                    slot_id: r.slot_id.clone(),
+                    upstream_target: r.upstream_target.clone(),
+                    enabled: r.enabled,
+                });
+        }
+        let principals = snap
+            .principals
+            .iter()
+            .map(|p| PrincipalView {
+                id: p.id.clone(),
+                display_name: p.display_name.clone(),
+                enabled: p.enabled,
+                limited: p.limits.is_some(),
+                routes: routes.remove(p.id.as_str()).unwrap_or_default(),
+            })
+            .collect();
+        let tokens = snap
+            .tokens
+            .iter()
+            .map(|t| TokenView {
+                id: t.id.clone(),
+                principal_id: t.principal_id.clone(),
+                revoked: t.revoked,
+                created_generation: created.get(t.id.as_str()).copied(),
+            })
+            .collect();
+        let slots = snap
+            .slots
+            .iter()
+            .map(|s| SlotView {
+                id: s.id.clone(),
+                profile: s.profile.clone(),
+                header_name: s.header_name.clone(),
+                revision: s.revision,
+                rotated_generation: put.get(s.id.as_str()).copied(),
+                enabled: s.enabled,
+            })
+            .collect();
+        let edges = self
+            .cp
+            .as_ref()
+            .map(ControlPlane::edges)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| EdgeView {
+                id: e.edge_id,
+                projection_generation: e.projection_generation,
+            })
+            .collect();
+        let issuer_keys = snap
+            .issuer_keys
+            .iter()
+            .map(|k| IssuerKeyView {
+                id: k.id.clone(),
+                active: k.active,
+                activates_at_unix_ms: k.activates_at_unix_ms,
+            })
+            .collect();
+        let mutations = window
+            .iter()
+            .rev()
+            .take(usize::try_from(LAST_MUTATIONS).unwrap_or(usize::MAX))
+            .map(|r| MutationView {
+                generation: r.generation,
+                kind: r.kind.clone(),
+                object_id: r.object_id.clone(),
+            })
+            .collect();
+        Ok(CpStatusView {
+            generation,
+            principals,
+            tokens,
+            slots,
+            edges,
+            issuer_keys,
+            mutations,
+        })
+    }
+}
+
+/// The page's router, its paths under `/status/` (merge it into the admin router).
+pub fn router(admin: Admin, cp: Option<ControlPlane>, token: AdminToken) -> Router {
+    let shared = Arc::new(Shared {
+        admin,
+        cp,
+        streams: AtomicUsize::new(0),
+    });
+    let page = Router::new()
+        .route("/status", get(|| async { Redirect::permanent("/status/") }))
+        .route("/status/", get(page))
+        .route("/status/app.js", get(script))
+        .route("/status/api/status", get(status))
+        .route("/status/api/events", get(events_stream))
+        .with_state(shared)
+        .nest("/status", bounded_http::admin::page_assets());
+    bounded_http::admin::guard(page, token, "iop-cp status")
+}
+
+async fn page() -> Response {
+    asset("text/html; charset=utf-8", PAGE)
+}
+
+async fn script() -> Response {
+    asset("text/javascript; charset=utf-8", SCRIPT)
+}
+
+async fn status(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.view().await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the store is unavailable\n",
+        )
+            .into_response(),
+    }
+}
+
+/// Releases an event stream's slot when the stream is dropped.
+struct Slot(Arc<Shared>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+async fn events_stream(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.streams.fetch_add(1, Ordering::AcqRel) >= MAX_EVENT_STREAMS {
+        shared.streams.fetch_sub(1, Ordering::AcqRel);
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many status pages open\n",
+        )
+            .into_response();
+    }
+    let slot = Slot(shared);
+    let stream = futures_util::stream::unfold(
+        (slot, None::<CpStatusView>, true),
+        |(slot, last, first)| async move {
+            if !first {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let last = last;
+            loop {
+                // A store that is briefly unavailable: keep the last view, try again.
+                if let Ok(view) = slot.0.view().await
+                    && last.as_ref() != Some(&view)
+                {
+                    let event = Event::default()
+                        .event("status")
+                        .json_data(&view)
+                        .unwrap_or_else(|_| Event::default().comment("unencodable"));
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(event),
+                        (slot, Some(view), false),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        },
+    );
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
