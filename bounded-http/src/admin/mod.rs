@@ -9,6 +9,7 @@
 //!   challenge and no page. Every response, `401` included, carries [`PAGE_CSP`],
 //!   `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer`, `X-Frame-Options:
 //!   DENY` and `Cache-Control: no-store`.
+//! - [`status_events`]: a page's live view as server-sent events, capped by [`EventStreams`].
 //! - [`asset`]: a compiled-in file with its content type; [`page_assets`]: the files every
 //!   page shares (`page.css`, `common.js` with the DOM helpers that build from text nodes only
 //!   and the event-stream connection, `favicon.svg`), compiled in: a page loads nothing from
@@ -142,6 +143,81 @@ pub fn page_assets() -> Router {
             "/favicon.svg",
             get(|| async { asset("image/svg+xml", include_str!("favicon.svg")) }),
         )
+}
+
+/// How often [`status_events`] looks for a change.
+pub const EVENT_CHECK: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A page's open event streams, capped ([`status_events`]).
+#[derive(Debug)]
+pub struct EventStreams {
+    open: std::sync::atomic::AtomicUsize,
+    max: usize,
+}
+
+impl EventStreams {
+    /// At most `max` streams open at once.
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            open: std::sync::atomic::AtomicUsize::new(0),
+            max,
+        })
+    }
+}
+
+/// Releases a stream's place when the stream is dropped.
+struct Place(Arc<EventStreams>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0
+            .open
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// A page's server-sent events: one `status` event with `view()` as JSON at once, then one each
+/// time it changes (checked every [`EVENT_CHECK`]; a `None` view, a source briefly
+/// unavailable, is skipped), a comment every 15 s otherwise. Over `streams`' cap: `503`.
+pub fn status_events<V, F, Fut>(streams: &Arc<EventStreams>, view: F) -> Response
+where
+    V: serde::Serialize + PartialEq + Send + 'static,
+    F: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = Option<V>> + Send,
+{
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    use std::sync::atomic::Ordering;
+    if streams.open.fetch_add(1, Ordering::AcqRel) >= streams.max {
+        streams.open.fetch_sub(1, Ordering::AcqRel);
+        return (StatusCode::SERVICE_UNAVAILABLE, "too many pages open\n").into_response();
+    }
+    let place = Place(streams.clone());
+    let stream = futures_util::stream::unfold(
+        (place, view, None::<V>, true),
+        |(place, view, last, first)| async move {
+            if !first {
+                tokio::time::sleep(EVENT_CHECK).await;
+            }
+            loop {
+                if let Some(v) = view().await
+                    && last.as_ref() != Some(&v)
+                {
+                    let event = Event::default()
+                        .event("status")
+                        .json_data(&v)
+                        .unwrap_or_else(|_| Event::default().comment("unencodable"));
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(event),
+                        (place, view, Some(v), false),
+                    ));
+                }
+                tokio::time::sleep(EVENT_CHECK).await;
+            }
+        },
+    );
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
+        .into_response()
 }
 
 /// A compiled-in file served with `content_type`.

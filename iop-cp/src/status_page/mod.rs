@@ -20,13 +20,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use bounded_http::admin::{AdminToken, asset};
@@ -159,7 +156,7 @@ pub struct MutationView {
 struct Shared {
     admin: Admin,
     cp: Option<ControlPlane>,
-    streams: AtomicUsize,
+    streams: Arc<bounded_http::admin::EventStreams>,
 }
 
 impl Shared {
@@ -273,7 +270,7 @@ pub fn router(admin: Admin, cp: Option<ControlPlane>, token: AdminToken) -> Rout
     let shared = Arc::new(Shared {
         admin,
         cp,
-        streams: AtomicUsize::new(0),
+        streams: bounded_http::admin::EventStreams::new(MAX_EVENT_STREAMS),
     });
     let page = Router::new()
         .route("/status", get(|| async { Redirect::permanent("/status/") }))
@@ -305,51 +302,10 @@ async fn status(State(shared): State<Arc<Shared>>) -> Response {
     }
 }
 
-/// Releases an event stream's slot when the stream is dropped.
-struct Slot(Arc<Shared>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.streams.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 async fn events_stream(State(shared): State<Arc<Shared>>) -> Response {
-    if shared.streams.fetch_add(1, Ordering::AcqRel) >= MAX_EVENT_STREAMS {
-        shared.streams.fetch_sub(1, Ordering::AcqRel);
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many status pages open\n",
-        )
-            .into_response();
-    }
-    let slot = Slot(shared);
-    let stream = futures_util::stream::unfold(
-        (slot, None::<CpStatusView>, true),
-        |(slot, last, first)| async move {
-            if !first {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            let last = last;
-            loop {
-                // A store that is briefly unavailable: keep the last view, try again.
-                if let Ok(view) = slot.0.view().await
-                    && last.as_ref() != Some(&view)
-                {
-                    let event = Event::default()
-                        .event("status")
-                        .json_data(&view)
-                        .unwrap_or_else(|_| Event::default().comment("unencodable"));
-                    return Some((
-                        Ok::<_, std::convert::Infallible>(event),
-                        (slot, Some(view), false),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        },
-    );
-    Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
+    let streams = shared.streams.clone();
+    bounded_http::admin::status_events(&streams, move || {
+        let shared = shared.clone();
+        async move { shared.view().await.ok() }
+    })
 }

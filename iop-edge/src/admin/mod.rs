@@ -32,13 +32,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bounded_http::admin::asset;
@@ -174,7 +171,7 @@ struct Shared {
     edge: EdgeHandle,
     control: Option<ControlConnector>,
     log: NodeLog,
-    streams: AtomicUsize,
+    streams: Arc<bounded_http::admin::EventStreams>,
 }
 
 /// When each Node last connected or went away, followed from the Edge's lifecycle events
@@ -367,7 +364,7 @@ pub(crate) fn router_with(
         edge,
         control,
         log,
-        streams: AtomicUsize::new(0),
+        streams: bounded_http::admin::EventStreams::new(MAX_EVENT_STREAMS),
     });
     let page = Router::new()
         .route("/", get(page))
@@ -391,50 +388,10 @@ async fn status(State(shared): State<Arc<Shared>>) -> Response {
     axum::Json(shared.view()).into_response()
 }
 
-/// Releases an event stream's slot when the stream is dropped.
-struct Slot(Arc<Shared>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.streams.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 async fn events_stream(State(shared): State<Arc<Shared>>) -> Response {
-    if shared.streams.fetch_add(1, Ordering::AcqRel) >= MAX_EVENT_STREAMS {
-        shared.streams.fetch_sub(1, Ordering::AcqRel);
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many status pages open\n",
-        )
-            .into_response();
-    }
-    let slot = Slot(shared);
-    let stream = futures_util::stream::unfold(
-        (slot, None::<StatusView>, true),
-        |(slot, last, first)| async move {
-            if !first {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            let mut last = last;
-            loop {
-                let view = slot.0.view();
-                if last.as_ref() != Some(&view) {
-                    let event = Event::default()
-                        .event("status")
-                        .json_data(&view)
-                        .unwrap_or_else(|_| Event::default().comment("unencodable"));
-                    return Some((
-                        Ok::<_, std::convert::Infallible>(event),
-                        (slot, Some(view), false),
-                    ));
-                }
-                last = Some(view);
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        },
-    );
-    Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
+    let streams = shared.streams.clone();
+    bounded_http::admin::status_events(&streams, move || {
+        let shared = shared.clone();
+        async move { Some(shared.view()) }
+    })
 }
