@@ -68,7 +68,7 @@ async fn upstream() -> String {
 
 fn edge_toml(dir: &std::path::Path, nodes: u16, http: u16, admin: u16, bases: &[String]) {
     let d = dir.display();
-    std::fs::write(dir.join("api-keys"), format!("{KEY}\n")).unwrap();
+    std::fs::write(dir.join("api-keys"), format!("{KEY} team-a\n")).unwrap();
     support::set_mode(&dir.join("api-keys"), 0o600);
     std::fs::write(dir.join("admin.token"), format!("{ADMIN_TOKEN}\n")).unwrap();
     support::set_mode(&dir.join("admin.token"), 0o600);
@@ -87,6 +87,14 @@ cert = "{d}/edge.pem"
 key = "{d}/edge.key"
 [auth]
 keys_file = "{d}/api-keys"
+[auth.limits]
+requests_per_minute = 12
+tokens_per_minute = 1000000
+concurrent = 8
+budget_usd_per_day = 5.0
+[prices."mesh-model"]
+input = 1.0
+output = 2.0
 [pool]
 queue_wait_sec = 10
 "#
@@ -216,6 +224,45 @@ async fn the_status_page_in_a_real_browser() {
         assert_eq!(r.status(), 401, "{path} with a wrong token");
         assert!(!r.text().await.unwrap().contains("<table"));
     }
+    // The one action (a recovery probe) needs the operator's confirmation header, and is
+    // refused from another origin even with the token.
+    let probe = format!("{page}api/nodes/node-1/probe");
+    let r = client.post(&probe).send().await.unwrap();
+    assert_eq!(r.status(), 401, "the probe without the token");
+    let r = client
+        .post(&probe)
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "the probe without the confirmation");
+    let r = client
+        .post(&probe)
+        .bearer_auth(ADMIN_TOKEN)
+        .header("x-iop-confirm", "confirmed")
+        .header("sec-fetch-site", "cross-site")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "the probe from another site");
+    let r = client
+        .post(&probe)
+        .bearer_auth(ADMIN_TOKEN)
+        .header("x-iop-confirm", "confirmed")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the confirmed probe");
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"cleared": 0}));
+    let r = client
+        .post(format!("{page}api/nodes/no-such-node/probe"))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("x-iop-confirm", "confirmed")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409, "a Node that is not ready");
+
     // The public API port does not serve it.
     let r = client
         .get(format!("http://127.0.0.1:{http_port}/api/status"))
@@ -240,6 +287,22 @@ async fn the_status_page_in_a_real_browser() {
     let summary: Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
     println!("status page: {summary}");
     assert!(summary["requests_answered"].as_u64().unwrap() >= 5);
+    // 12 a minute refill one every 5 s: of the 5 requests, at least 4 still count.
+    assert!(summary["key_requests"].as_u64().unwrap() >= 4, "{summary}");
+    assert!(
+        summary["stalled_cause"]
+            .as_str()
+            .unwrap()
+            .contains("stalled"),
+        "{summary}"
+    );
+    assert!(
+        summary["probe"]
+            .as_str()
+            .unwrap()
+            .starts_with("unavailable"),
+        "{summary}"
+    );
     println!(
         "a killed Node turned red on the page {} s after SIGKILL",
         summary["red_after_s"]
@@ -247,6 +310,7 @@ async fn the_status_page_in_a_real_browser() {
     for name in [
         "edge-1280x800.png",
         "edge-stalled-1280x800.png",
+        "edge-provider-1280x800.png",
         "edge-node-down-1280x800.png",
         "edge-390x844.png",
     ] {

@@ -1068,7 +1068,7 @@ impl EdgeConfigFile {
                     enabled: true,
                     capacity: a.capacity,
                     long_context_capacity: a.long_context_capacity,
-                    targets: a.targets.clone(),
+                    targets: adapter_targets(&a.targets, &self.models, &n.node_id, &a.name),
                     settings,
                 });
             }
@@ -1238,6 +1238,27 @@ impl EdgeConfigFile {
             admin,
         })
     }
+}
+
+/// The targets an adapter is told: those `[[nodes.adapters]] targets` lists, then every
+/// `[[models.providers]]` target bound to it that the list lacks. The Node probes exactly
+/// these on a recovery probe (seed 000's CAPABILITIES), and an adapter with a list serves no
+/// other target, so a provider's own target must be on it: without this, an adapter declared
+/// without `targets` was never probed, and an overlay on it could only clear when its Node
+/// reconnected.
+fn adapter_targets(
+    declared: &[String],
+    models: &[Model],
+    node_id: &str,
+    adapter: &str,
+) -> Vec<String> {
+    let mut targets = declared.to_vec();
+    for p in models.iter().flat_map(|m| &m.providers) {
+        if p.node_id == node_id && p.adapter == adapter && !targets.contains(&p.target) {
+            targets.push(p.target.clone());
+        }
+    }
+    targets
 }
 
 /// An adapter's settings and dispatch kind.

@@ -208,6 +208,7 @@ impl Edge {
         crate::admin::router_with(
             self.handle.clone(),
             self.control.clone(),
+            self.http.limiter.clone(),
             token,
             self.nodes.clone(),
         )

@@ -9,6 +9,8 @@
 //! | `iop_edge_liveness_recovery_results_total` | `result` = cleared, unchanged |
 //! | `iop_edge_requests_total` | `endpoint` = models, chat_completions, responses, messages, count_tokens; `outcome` = ok, error |
 //! | `iop_edge_request_duration_seconds` (histogram) | `endpoint` |
+//! | `iop_edge_http_errors_total` | `kind` = bad_request, unauthorized, forbidden, not_found, request_timeout, payload_too_large, rate_limited, client_error, provider_failed, unavailable, gateway_timeout, server_error (the answer's status, as the spans' `error.type`) |
+//! | `iop_edge_pool_wait_timeouts_total` | — (requests whose wait for a provider ran out) |
 //! | `iop_edge_pool_queue_depth`, `iop_edge_pool_in_flight` (gauges, at scrape) | — |
 //! | `iop_edge_node_connections_refused_total` | `reason` = capacity (kept for dashboards: the global handshake cap now pauses accepting instead of refusing, so it stays 0), per_ip, handshake_timeout, handshake_failed |
 //! | `iop_edge_node_connections_closed_total` | `cause` = superseded, protocol_violation (e.g. a frame on a superseded connection), rejected, heartbeat_timeout, handshake_timeout, not_reading, local (closes the Edge decided; a peer closing its own transport is not counted) |
@@ -200,7 +202,48 @@ label_enum!(CloseCause {
     Local => "local",
 });
 
+label_enum!(ErrorKind {
+    BadRequest => "bad_request",
+    Unauthorized => "unauthorized",
+    Forbidden => "forbidden",
+    NotFound => "not_found",
+    RequestTimeout => "request_timeout",
+    PayloadTooLarge => "payload_too_large",
+    RateLimited => "rate_limited",
+    ClientError => "client_error",
+    ProviderFailed => "provider_failed",
+    Unavailable => "unavailable",
+    GatewayTimeout => "gateway_timeout",
+    ServerError => "server_error",
+});
+
+impl ErrorKind {
+    fn of(status: u16) -> Self {
+        match status {
+            400 => Self::BadRequest,
+            401 => Self::Unauthorized,
+            403 => Self::Forbidden,
+            404 => Self::NotFound,
+            408 => Self::RequestTimeout,
+            413 => Self::PayloadTooLarge,
+            429 => Self::RateLimited,
+            502 => Self::ProviderFailed,
+            503 => Self::Unavailable,
+            504 => Self::GatewayTimeout,
+            402 | 405..=407 | 409..=412 | 414..=428 | 430..=499 => Self::ClientError,
+            _ => Self::ServerError,
+        }
+    }
+}
+
+/// A fixed `error.type` word for an error answer's status (the spans' `error.type`, the
+/// `kind` label of `iop_edge_http_errors_total`, the status page's errors by kind).
+pub fn error_kind(status: u16) -> &'static str {
+    ErrorKind::of(status).as_str()
+}
+
 label_values!(
+    ErrorKind,
     Endpoint,
     Refusal,
     ProviderHealth,
@@ -251,6 +294,11 @@ struct ReasonLabels {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ListenerLabels {
     listener: Listener,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KindLabels {
+    kind: ErrorKind,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -365,7 +413,7 @@ struct GenAi {
 }
 
 /// Request counters since start ([`Metrics::traffic`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Traffic {
     /// Model API requests answered successfully.
@@ -382,6 +430,53 @@ pub struct Traffic {
     /// Time to first content over the last [`RECENT`] model requests that had any: p50 and
     /// p99.
     pub ttft: Option<(Duration, Duration)>,
+    /// Error answers since start by kind (the `kind` words of `iop_edge_http_errors_total`),
+    /// only the kinds seen.
+    pub errors: Vec<(&'static str, u64)>,
+    /// Requests whose wait for a provider ran out, since start.
+    pub wait_timeouts: u64,
+    /// The same, in the last minute.
+    pub wait_timeouts_last_minute: u64,
+}
+
+/// Events counted per second over the last minute (60 one-second buckets, each stamped with
+/// its second so a stale one counts as empty).
+#[derive(Debug)]
+struct MinuteWindow {
+    start: std::time::Instant,
+    buckets: [(u64, u64); 60],
+}
+
+impl MinuteWindow {
+    fn new() -> Self {
+        Self {
+            start: std::time::Instant::now(),
+            buckets: [(u64::MAX, 0); 60],
+        }
+    }
+
+    fn second(&self, now: std::time::Instant) -> u64 {
+        now.saturating_duration_since(self.start).as_secs()
+    }
+
+    fn add(&mut self, now: std::time::Instant) {
+        let sec = self.second(now);
+        let b = &mut self.buckets[(sec % 60) as usize];
+        if b.0 != sec {
+            *b = (sec, 0);
+        }
+        b.1 += 1;
+    }
+
+    /// Events in the 60 seconds up to `now` (this second included).
+    fn sum(&self, now: std::time::Instant) -> u64 {
+        let sec = self.second(now);
+        self.buckets
+            .iter()
+            .filter(|(s, _)| *s != u64::MAX && *s <= sec && sec - *s < 60)
+            .map(|(_, n)| n)
+            .sum()
+    }
 }
 
 /// Model requests the status page's percentiles are taken over ([`Metrics::traffic`]).
@@ -392,6 +487,7 @@ pub const RECENT: usize = 1024;
 struct Recent {
     overhead: std::collections::VecDeque<u32>,
     ttft: std::collections::VecDeque<u32>,
+    wait_timeouts: Option<MinuteWindow>,
 }
 
 fn push_recent(q: &mut std::collections::VecDeque<u32>, d: Duration) {
@@ -431,6 +527,8 @@ pub struct Metrics {
     accept_errors: Vec<Counter>,
     slow_consumers: Counter,
     http_refused: Counter,
+    errors: Vec<Counter>,
+    wait_timeouts: Counter,
     queue_depth: Gauge,
     in_flight: Gauge,
     genai: GenAi,
@@ -610,6 +708,19 @@ impl Default for Metrics {
             "HTTP connections closed over the connection cap",
             http_refused.clone(),
         );
+        let errors = counters(
+            &mut r,
+            "iop_edge_http_errors",
+            "Error answers by kind",
+            ErrorKind::ALL,
+            |kind| KindLabels { kind },
+        );
+        let wait_timeouts = Counter::default();
+        r.register(
+            "iop_edge_pool_wait_timeouts",
+            "Requests whose wait for a provider ran out",
+            wait_timeouts.clone(),
+        );
         let queue_depth = Gauge::default();
         r.register(
             "iop_edge_pool_queue_depth",
@@ -638,6 +749,8 @@ impl Default for Metrics {
             accept_errors,
             slow_consumers,
             http_refused,
+            errors,
+            wait_timeouts,
             queue_depth,
             in_flight,
         }
@@ -711,6 +824,16 @@ impl Metrics {
         self.slow_consumers.inc();
     }
 
+    /// A queued request's wait for a provider ran out.
+    pub(crate) fn count_wait_timeout(&self) {
+        self.wait_timeouts.inc();
+        if let Ok(mut r) = self.recent.lock() {
+            r.wait_timeouts
+                .get_or_insert_with(MinuteWindow::new)
+                .add(std::time::Instant::now());
+        }
+    }
+
     /// An HTTP connection closed at once over the connection cap.
     pub fn http_connection_refused(&self) {
         self.http_refused.inc();
@@ -723,8 +846,14 @@ impl Metrics {
             ok += o.get();
             failed += f.get();
         }
-        let (overhead, ttft) = self.recent.lock().map_or((None, None), |r| {
-            (percentiles(&r.overhead), percentiles(&r.ttft))
+        let (overhead, ttft, last_minute) = self.recent.lock().map_or((None, None, 0), |r| {
+            (
+                percentiles(&r.overhead),
+                percentiles(&r.ttft),
+                r.wait_timeouts
+                    .as_ref()
+                    .map_or(0, |w| w.sum(std::time::Instant::now())),
+            )
         });
         Traffic {
             requests_ok: ok,
@@ -733,7 +862,24 @@ impl Metrics {
             connections_refused: self.http_refused.get(),
             overhead,
             ttft,
+            errors: ErrorKind::ALL
+                .iter()
+                .zip(&self.errors)
+                .map(|(k, c)| (k.as_str(), c.get()))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+            wait_timeouts: self.wait_timeouts.get(),
+            wait_timeouts_last_minute: last_minute,
         }
+    }
+
+    /// One HTTP request's answer: [`Metrics::request`], and an error answer counted by kind.
+    pub fn answered(&self, endpoint: Endpoint, status: u16, duration: Duration) {
+        let ok = (200..300).contains(&status);
+        if !ok {
+            self.errors[index_of(ErrorKind::ALL, &ErrorKind::of(status))].inc();
+        }
+        self.request(endpoint, ok, duration);
     }
 
     /// One HTTP request's outcome and duration.
@@ -836,6 +982,40 @@ impl bounded_http::ServeEvents for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_minute_window_counts_the_last_sixty_seconds() {
+        let mut w = MinuteWindow::new();
+        let t0 = w.start;
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        w.add(at(0));
+        w.add(at(0));
+        w.add(at(30));
+        assert_eq!(w.sum(at(59)), 3);
+        assert_eq!(w.sum(at(60)), 1, "second 0 is a minute old");
+        // Second 60 reuses second 0's bucket.
+        w.add(at(60));
+        assert_eq!(w.sum(at(60)), 2);
+        assert_eq!(w.sum(at(89)), 2);
+        assert_eq!(w.sum(at(90)), 1);
+        assert_eq!(w.sum(at(500)), 0);
+    }
+
+    #[test]
+    fn errors_are_counted_by_kind() {
+        let m = Metrics::default();
+        m.answered(Endpoint::ChatCompletions, 200, Duration::from_millis(1));
+        m.answered(Endpoint::ChatCompletions, 429, Duration::from_millis(1));
+        m.answered(Endpoint::Messages, 429, Duration::from_millis(1));
+        m.answered(Endpoint::Messages, 529, Duration::from_millis(1));
+        let t = m.traffic();
+        assert_eq!((t.requests_ok, t.requests_failed), (1, 3));
+        assert_eq!(t.errors, [("rate_limited", 2), ("server_error", 1)]);
+        assert!(
+            m.render(0, 0)
+                .contains("iop_edge_http_errors_total{kind=\"rate_limited\"} 2")
+        );
+    }
 
     #[test]
     fn exposition_has_every_series_with_bounded_labels() {

@@ -562,6 +562,10 @@ impl Observer for Metrics {
     fn health_transition(&self, to_unavailable: bool) {
         self.count_health_transition(to_unavailable);
     }
+
+    fn wait_timeout(&self) {
+        self.count_wait_timeout();
+    }
 }
 
 /// What the Edge tells a connection task: write this frame, or close after what is queued.
@@ -1039,6 +1043,12 @@ impl EdgeHandle {
             core.refresh(now, node_id, config)
         })?;
         rx.await.map_err(|_| DispatchError::Stopped)?
+    }
+
+    /// Everything the status page shows of the machine (Nodes, providers with their overlay
+    /// causes and probe answers, the queue, the issuer keys), taken in one locked step.
+    pub fn status(&self) -> iop_edge_core::CoreStatus {
+        self.shared.lock().core.status(now())
     }
 
     /// The dispatch-ready Nodes and their generations.

@@ -67,6 +67,11 @@ impl Liveness {
         self.last_received = self.last_received.max(now);
     }
 
+    /// When something was last received from the peer (its last heartbeat, or any frame).
+    pub fn last_received(&self) -> Instant {
+        self.last_received
+    }
+
     /// When the next ping is due.
     pub fn ping_at(&self) -> Instant {
         self.last_sent

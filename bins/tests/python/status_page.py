@@ -21,8 +21,8 @@ kill_pid = int(kill_pid)
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
 
-def chat(content, timeout=30):
-    body = json.dumps({"model": "mesh-model", "messages": [{"role": "user", "content": content}]})
+def chat(content, timeout=30, model="mesh-model"):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}]})
     req = urllib.request.Request(
         api_url + "/chat/completions",
         data=body.encode(),
@@ -39,6 +39,21 @@ def chat(content, timeout=30):
 
 def node_state(page, node):
     return page.locator(f'#nodes tr[data-node="{node}"] td:nth-child(2)').inner_text(timeout=5000)
+
+
+def pairs_of(page, dl):
+    dts = page.locator(dl + " dt").all_inner_texts()
+    dds = page.locator(dl + " dd").all_inner_texts()
+    return dict(zip(dts, dds))
+
+
+def wait_js(page, expr, arg=None, timeout=10000):
+    try:
+        page.wait_for_function(expr, arg=arg, timeout=timeout)
+    except Exception:
+        # What the page was showing, for the failure's message.
+        view = page.evaluate("() => fetch('api/status').then((r) => r.text())")
+        raise AssertionError(f"waited for {expr}\nthe status view: {view}") from None
 
 
 def traffic(page, label):
@@ -91,6 +106,13 @@ with sync_playwright() as p:
             timeout=10000,
         )
 
+    # Each Node's version (from its registration) and when it was last heard from.
+    for node in ("node-1", "node-2"):
+        cells = page.locator(f'#nodes tr[data-node="{node}"] td').all_inner_texts()
+        assert cells[3] not in ("", "–"), cells
+        assert "s ago" in cells[5], cells
+    summary["node_row"] = page.locator('#nodes tr[data-node="node-1"]').inner_text()
+
     # Requests move the traffic figures.
     before = traffic(page, "Requests answered")
     for _ in range(5):
@@ -103,6 +125,19 @@ with sync_playwright() as p:
         timeout=10000,
     )
     summary["requests_answered"] = traffic(page, "Requests answered")
+    # ... and the key's use of its limits (12 requests a minute: one back every 5 s).
+    wait_js(
+        page,
+        "() => { const c = document.querySelector('#keys tr[data-key=\"team-a\"] td:nth-child(2)');"
+        " return c && Number(c.innerText.split(' / ')[0]) >= 4 && c.innerText.endsWith(' / 12'); }",
+    )
+    summary["key_requests"] = int(
+        page.locator('#keys tr[data-key="team-a"] td:nth-child(2)').inner_text().split(" / ")[0]
+    )
+    summary["key_row"] = page.locator('#keys tr[data-key="team-a"]').inner_text()
+    # An error answer shows under its kind.
+    assert chat("hello", model="no-such-model") == 404
+    wait_js(page, "() => [...document.querySelectorAll('#traffic dt')].some(d => d.innerText === 'Errors: not found')")
     # The gateway's own overhead and time to first content, from those requests.
     page.wait_for_function(
         "() => document.getElementById('overhead').innerText.endsWith(' ms')"
@@ -117,9 +152,37 @@ with sync_playwright() as p:
     t = threading.Thread(target=chat, args=("stall", 15), daemon=True)
     t.start()
     page.wait_for_selector('#providers tr td .pill-unavailable', timeout=15000)
-    stalled = page.locator("#providers tr:has(.pill-unavailable)").first.inner_text()
-    summary["stalled_row"] = stalled
+    stalled = page.locator("#providers tr:has(.pill-unavailable)").first
+    summary["stalled_row"] = stalled.inner_text()
+    # Its cause and since when.
+    summary["stalled_cause"] = stalled.locator("td:nth-child(5)").inner_text()
+    assert "stalled" in summary["stalled_cause"] and "since" in summary["stalled_cause"], summary
+    stalled_node = stalled.get_attribute("data-node")
     page.screenshot(path=os.path.join(shots, "edge-stalled-1280x800.png"), full_page=True)
+
+    # Drill-down on that provider, then the one action: its Node probes its providers, after
+    # the operator confirms. Its upstream still fails, so the overlay stays and the probe's
+    # answer shows.
+    stalled.click()
+    page.wait_for_selector("#provider-detail:not([hidden])", timeout=5000)
+    assert "ago" in pairs_of(page, "#provider-detail-pairs")["Unavailable since"]
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.accept()))
+    page.click(f'#nodes tr[data-node="{stalled_node}"]')
+    page.wait_for_selector("#node-actions:not([hidden])", timeout=5000)
+    page.click("#probe")
+    wait_js(page, "() => document.getElementById('probe-result').innerText.startsWith('probed')", timeout=15000)
+    assert dialogs and stalled_node in dialogs[0], dialogs
+    wait_js(
+        page,
+        "() => [...document.querySelectorAll('#provider-detail-pairs dt')].some((d) => d.innerText === 'Last recovery probe'"
+        " && d.nextElementSibling.innerText.startsWith('unavailable'))",
+        timeout=10000,
+    )
+    summary["probe"] = pairs_of(page, "#provider-detail-pairs")["Last recovery probe"]
+    assert summary["probe"].startswith("unavailable"), summary
+    page.screenshot(path=os.path.join(shots, "edge-provider-1280x800.png"), full_page=True)
+    page.click(f'#nodes tr[data-node="{stalled_node}"]')  # back to all Nodes
 
     # Drill-down: one Node's providers.
     page.click('#nodes tr[data-node="node-1"]')

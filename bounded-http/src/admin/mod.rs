@@ -9,6 +9,11 @@
 //!   challenge and no page. Every response, `401` included, carries [`PAGE_CSP`],
 //!   `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer`, `X-Frame-Options:
 //!   DENY` and `Cache-Control: no-store`.
+//! - [`confirmed_action`]: what a request that changes state needs besides the token: the
+//!   [`ACTION_HEADER`] a page's script sets after the operator confirmed (a custom header: a
+//!   page of another origin cannot send it without a CORS preflight, which is never
+//!   answered, so a browser holding the Basic credential cannot be made to act from
+//!   elsewhere), and no `Sec-Fetch-Site` other than `same-origin` or `none`.
 //! - [`status_events`]: a page's live view as server-sent events, capped by [`EventStreams`].
 //! - [`asset`]: a compiled-in file with its content type; [`page_assets`]: the files every
 //!   page shares (`page.css`, `common.js` with the DOM helpers that build from text nodes only
@@ -28,6 +33,35 @@ use axum::response::{IntoResponse, Response};
 pub const PAGE_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
                             connect-src 'self'; img-src 'self'; base-uri 'none'; \
                             form-action 'none'; frame-ancestors 'none'";
+
+/// The header a state-changing request carries once the operator confirmed it
+/// ([`confirmed_action`]); its value is `confirmed`.
+pub const ACTION_HEADER: &str = "x-iop-confirm";
+
+/// Whether a state-changing request may go ahead (the token is [`guard`]'s): it carries
+/// [`ACTION_HEADER`]` = confirmed`, and a browser's `Sec-Fetch-Site` (if sent) says it came
+/// from the page's own origin. `Err` is the answer to send: `403` with why.
+#[expect(clippy::result_large_err, reason = "the error is the response to send")]
+pub fn confirmed_action(headers: &HeaderMap) -> Result<(), Response> {
+    let site = headers
+        .get("sec-fetch-site")
+        .map(|v| v.as_bytes().to_ascii_lowercase());
+    if site.is_some_and(|s| s != b"same-origin" && s != b"none") {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "actions are taken from the page's own origin only\n",
+        )
+            .into_response());
+    }
+    if headers.get(ACTION_HEADER).map(HeaderValue::as_bytes) != Some(b"confirmed") {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "an action needs the operator's confirmation (header x-iop-confirm: confirmed)\n",
+        )
+            .into_response());
+    }
+    Ok(())
+}
 
 /// The admin credential: compared in constant time, never printed.
 #[derive(Clone)]

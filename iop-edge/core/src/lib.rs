@@ -105,7 +105,7 @@ pub mod ratelimit;
 pub mod registry;
 
 pub use machine::{
-    Admit, Admitted, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,
-    NODE_DISCONNECTED, NoObserver, Observer, Open, Opened, SLOW_CONSUMER, Sinks, StreamSink,
-    TunnelEvent,
+    Admit, Admitted, Answer, CoreConfig, CoreStatus, DispatchError, EdgeCore, Event, HealthNote,
+    Issuers, Level, Lifecycle, NODE_DISCONNECTED, NoObserver, NodeStatus, Observer, Open, Opened,
+    OverlayNote, ProbeNote, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
 };

@@ -366,6 +366,19 @@ impl KeyState {
         copy.admit(limits, now_us, estimate).map(|_| ())
     }
 
+    /// What could still be admitted at `now_us`, changing nothing: requests and tokens
+    /// (`None` for a quantity `limits` does not limit).
+    pub fn remaining(&self, limits: &Limits, now_us: u64) -> (Option<u64>, Option<u64>) {
+        (
+            limits
+                .requests
+                .map(|r| self.requests.check(&r, now_us, 0).remaining),
+            limits
+                .tokens
+                .map(|r| self.tokens.check(&r, now_us, 0).remaining),
+        )
+    }
+
     /// Whether this state is at rest: nothing in flight and every rate fully replenished at
     /// `now_us`, so forgetting it changes no later decision.
     pub fn is_idle(&self, now_us: u64) -> bool {

@@ -1433,6 +1433,102 @@ fn a_validated_stall_sets_the_overlay_and_only_a_fresher_probe_clears_it() {
     assert_eq!(p.counts.cleared.load(Ordering::Relaxed), 1);
 }
 
+/// The status view ([`EdgeCore::status`]) in virtual time: why and since when an overlay is
+/// set, the waiter's age, the last probe answer (stale, then clearing), the Node's version,
+/// last heard and streams in flight.
+#[test]
+fn the_status_view_shows_the_overlay_cause_the_oldest_wait_and_the_last_probe() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let status = p.edge.status(p.now);
+    let node = status.nodes.iter().find(|n| n.node_id == "node-1").unwrap();
+    assert!(node.ready);
+    assert_eq!(node.version.as_deref(), Some(""));
+    assert_eq!((node.runs, node.tunnels), (0, 0));
+    assert!(status.health.iter().all(|h| h.overlay.is_none()));
+    // A stall with `unavailable` evidence on p1 (node-1's only provider for "m").
+    let (_, buf, stream_id) = tunnel_on_lease(&mut p, "s1");
+    assert_eq!(
+        p.edge.status(p.now).nodes[0].tunnels,
+        1,
+        "a tunnel in flight"
+    );
+    p.advance(Duration::from_secs(2));
+    p.node_send(
+        n1,
+        tunnel_frame(
+            stream_id,
+            1,
+            TunnelPayload::Error {
+                error: "stalled".into(),
+                execution_failure: Some(stall_evidence("p1-adapter", "p1-target", 5)),
+            },
+        ),
+    );
+    drop(buf.read_all());
+    let heard_at = p.now;
+    let Ok(Admit::Queued(_)) =
+        p.edge
+            .admit(p.now, "m", ContextSize::Standard, Duration::from_secs(30))
+    else {
+        panic!("the overlaid provider is not selected")
+    };
+    p.advance(Duration::from_secs(3));
+    let status = p.edge.status(p.now);
+    let i = status
+        .providers
+        .iter()
+        .position(|s| s.provider_id == "p1")
+        .unwrap();
+    assert_eq!(status.providers[i].health, "unavailable");
+    let overlay = status.health[i].overlay.expect("the overlay's cause");
+    assert_eq!(overlay.age, Duration::from_secs(3));
+    assert_eq!(overlay.idle, Duration::from_secs(120));
+    assert_eq!(overlay.fence, Fence::Unconfirmed);
+    assert_eq!(status.health[i].last_probe, None);
+    assert_eq!(status.queue_depth, 1);
+    assert_eq!(status.oldest_wait, Some(Duration::from_secs(3)));
+    let node = &status.nodes[0];
+    assert_eq!(node.tunnels, 0, "the stalled tunnel ended");
+    // The Node's heartbeats keep it heard within an interval, whatever the page's age.
+    assert!(node.last_heard.unwrap() <= p.now - heard_at);
+    // Probes: a stale answer is shown and changes nothing; a fresher one clears.
+    for (seq, fresh) in [(5, false), (6, true)] {
+        p.edge.recover(p.now, "node-1").unwrap();
+        p.settle();
+        let probe = p.inbox(n1).pop().unwrap();
+        p.take_events();
+        p.node_send(
+            n1,
+            RuntimeFrame::correlated(
+                probe.correlation_id,
+                RuntimeMessage::NodeCommandResponse(NodeCommandResponse {
+                    ok: true,
+                    error: String::new(),
+                    capabilities: vec![Capability {
+                        adapter_key: "p1-adapter".into(),
+                        target: "p1-target".into(),
+                        provider_status: ProviderStatus::Available,
+                        health_observation_seq: seq,
+                        adapter: "openai_compat".into(),
+                        instance_key: "p1".into(),
+                    }],
+                    result: BTreeMap::new(),
+                }),
+            ),
+        );
+        p.advance(Duration::from_secs(1));
+        let status = p.edge.status(p.now);
+        let probe = status.health[i].last_probe.expect("the probe's answer");
+        assert_eq!(probe.age, Duration::from_secs(1));
+        assert_eq!(probe.provider_status, "available");
+        assert_eq!((probe.fresh, probe.cleared), (fresh, fresh), "seq {seq}");
+        assert_eq!(status.health[i].overlay.is_none(), fresh, "seq {seq}");
+    }
+    // The waiter got the cleared provider.
+    assert_eq!(p.edge.status(p.now).oldest_wait, None);
+}
+
 /// Opens a tunnel on a fresh lease for model `m`; the lease, its sink and the stream id.
 fn tunnel_on_lease(
     p: &mut Pair,

@@ -1500,11 +1500,10 @@ fn measured<'a>(
     use futures_util::FutureExt as _;
     let started = std::time::Instant::now();
     response.map(move |response| {
-        let ok = response.status().is_success();
         state
             .edge
             .metrics()
-            .request(endpoint, ok, started.elapsed());
+            .answered(endpoint, response.status().as_u16(), started.elapsed());
         response
     })
 }

@@ -38,20 +38,7 @@ pub(super) fn model_attr(model: &str) -> String {
 
 /// A fixed `error.type` word for a response status.
 pub(super) fn status_error(status: u16) -> &'static str {
-    match status {
-        400 => "bad_request",
-        401 => "unauthorized",
-        403 => "forbidden",
-        404 => "not_found",
-        408 => "request_timeout",
-        413 => "payload_too_large",
-        429 => "rate_limited",
-        502 => "provider_failed",
-        503 => "unavailable",
-        504 => "gateway_timeout",
-        402 | 405..=407 | 409..=412 | 414..=428 | 430..=499 => "client_error",
-        _ => "server_error",
-    }
+    crate::metrics::error_kind(status)
 }
 
 /// The watch every dispatched model request's stream carries: it forwards to the request's

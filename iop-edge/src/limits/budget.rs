@@ -179,6 +179,18 @@ struct Spend {
 }
 
 impl Spend {
+    /// What was spent in `p`'s day and month, without rolling.
+    fn now(&self, p: &Period) -> (u64, u64) {
+        (
+            if self.day == p.day { self.day_spent } else { 0 },
+            if self.month == p.month {
+                self.month_spent
+            } else {
+                0
+            },
+        )
+    }
+
     fn roll(&mut self, p: &Period) {
         if self.day != p.day {
             self.day = p.day;
@@ -604,14 +616,31 @@ impl Budgets {
         }
     }
 
-    /// What `key` has spent this UTC day and month (pico-dollars), as this Edge counts it.
+    /// What `key` has spent this UTC day and month (pico-dollars), as this Edge counts it
+    /// (a period that has ended since its last request counts as nothing spent).
     pub fn spent(&self, key: &str) -> (u64, u64) {
+        let p = period_now();
         let all = self
             .spend
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        all.get(key)
-            .map_or((0, 0), |s| (s.day_spent, s.month_spent))
+        all.get(key).map_or((0, 0), |s| s.now(&p))
+    }
+
+    /// Every key with spend this UTC day or month: `(key, day, month)` in pico-dollars.
+    pub fn spenders(&self) -> Vec<(String, u64, u64)> {
+        let p = period_now();
+        let all = self
+            .spend
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        all.iter()
+            .map(|(k, s)| {
+                let (day, month) = s.now(&p);
+                (k.clone(), day, month)
+            })
+            .filter(|(_, d, m)| *d > 0 || *m > 0)
+            .collect()
     }
 }
 

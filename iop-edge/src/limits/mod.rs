@@ -585,6 +585,99 @@ impl Limiter {
         }
     }
 
+    /// The keys nearest their limits now, at most `max` of them, for the status page: each
+    /// limited key this Edge holds state for, each configured key and each principal with
+    /// limits, and each key with spend this period, ranked by the largest share of any of
+    /// its limits it has used (requests, tokens, in flight, day and month budget), then by
+    /// id. In shared mode the rates are what the store last said plus this Edge's credit, and
+    /// in flight and spend are this Edge's own. Costs one pass over the tracked keys (at most
+    /// [`MAX_TRACKED_KEYS`]) under the limiter's lock, keeping only the top `max`.
+    pub fn usage(&self, max: usize) -> UsageView {
+        let spend: HashMap<String, (u64, u64)> = self
+            .budgets
+            .spenders()
+            .into_iter()
+            .map(|(k, d, m)| (k, (d, m)))
+            .collect();
+        let budget = |key: &str, limits: &KeyLimits| {
+            let (day, month) = spend.get(key).copied().unwrap_or_default();
+            (
+                limits.budget.per_day_pusd.map(|l| (day, l)),
+                limits.budget.per_month_pusd.map(|l| (month, l)),
+            )
+        };
+        let mut top = TopKeys::new(max);
+        let mut seen = std::collections::HashSet::new();
+        let now = self.now_us();
+        {
+            let keys = self.lock();
+            for (id, entry) in keys.iter() {
+                let limits = self.limits_of(id);
+                let used = |quantity: Option<u64>, slot: Slot, rate: Option<Rate>| {
+                    let rate = rate?;
+                    let shown = entry.own.shown(slot).filter(|_| self.store.is_some());
+                    let (limit, remaining) = match shown {
+                        Some(s) => (s.limit, s.remaining),
+                        None => (rate.limit(), quantity.unwrap_or(rate.limit())),
+                    };
+                    Some((limit.saturating_sub(remaining), limit))
+                };
+                let (requests, tokens) = entry.own.rule.remaining(&limits.limits, now);
+                let (budget_day, budget_month) = budget(id, &limits);
+                top.push(KeyUsage {
+                    key: id.clone(),
+                    requests: used(
+                        requests,
+                        Slot::Requests { per_model: false },
+                        limits.limits.requests,
+                    ),
+                    tokens: used(
+                        tokens,
+                        Slot::Tokens { per_model: false },
+                        limits.limits.tokens,
+                    ),
+                    in_flight: entry.own.rule.in_flight(),
+                    concurrent: limits.limits.concurrent,
+                    budget_day,
+                    budget_month,
+                });
+                seen.insert(id.clone());
+            }
+        }
+        let principals = Arc::clone(
+            &self
+                .principals
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        let others = self
+            .configured
+            .keys()
+            .chain(principals.limits.keys())
+            .chain(spend.keys());
+        for id in others {
+            if !seen.insert(id.clone()) {
+                continue;
+            }
+            let limits = self.limits_of(id);
+            if limits.is_unlimited() {
+                continue;
+            }
+            let (budget_day, budget_month) = budget(id, &limits);
+            let unused = |r: Option<Rate>| r.map(|r| (0, r.limit()));
+            top.push(KeyUsage {
+                key: id.clone(),
+                requests: unused(limits.limits.requests),
+                tokens: unused(limits.limits.tokens),
+                in_flight: 0,
+                concurrent: limits.limits.concurrent,
+                budget_day,
+                budget_month,
+            });
+        }
+        top.finish()
+    }
+
     /// What it enforces.
     pub fn config(&self) -> &LimitsConfig {
         &self.config
@@ -908,6 +1001,110 @@ impl Limiter {
     }
 }
 
+/// One key's use of its limits ([`Limiter::usage`]). Rates are `(used, limit)` over the
+/// rate's period (a minute); budgets `(spent, limit)` in pico-dollars.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyUsage {
+    /// Key (or principal) id.
+    pub key: String,
+    /// Requests per minute.
+    pub requests: Option<(u64, u64)>,
+    /// Tokens per minute.
+    pub tokens: Option<(u64, u64)>,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// The most requests in flight at once.
+    pub concurrent: Option<u32>,
+    /// This UTC day's budget.
+    pub budget_day: Option<(u64, u64)>,
+    /// This UTC month's budget.
+    pub budget_month: Option<(u64, u64)>,
+}
+
+impl KeyUsage {
+    /// The largest share of any of its limits used, in `[0, ∞)` (over 1: past a budget by what
+    /// requests in flight settled to).
+    pub fn share(&self) -> f64 {
+        #[allow(
+            clippy::cast_precision_loss,
+            reason = "a ratio for ranking and display"
+        )]
+        let ratio = |(used, limit): (u64, u64)| {
+            if limit == 0 {
+                0.0
+            } else {
+                used as f64 / limit as f64
+            }
+        };
+        [
+            self.requests,
+            self.tokens,
+            self.concurrent
+                .map(|c| (u64::from(self.in_flight), u64::from(c))),
+            self.budget_day,
+            self.budget_month,
+        ]
+        .into_iter()
+        .flatten()
+        .map(ratio)
+        .fold(0.0, f64::max)
+    }
+}
+
+/// The keys nearest their limits ([`Limiter::usage`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct UsageView {
+    /// At most the asked number, the highest [`KeyUsage::share`] first.
+    pub keys: Vec<KeyUsage>,
+    /// Keys with limits looked at (the rows left out are those using less).
+    pub total: usize,
+}
+
+/// The `max` highest shares seen, kept in a buffer of at most `2 × max` that is cut back
+/// when full (so a pass over many keys holds little and sorts rarely).
+struct TopKeys {
+    max: usize,
+    keys: Vec<(f64, KeyUsage)>,
+    total: usize,
+}
+
+impl TopKeys {
+    fn new(max: usize) -> Self {
+        Self {
+            max,
+            keys: Vec::new(),
+            total: 0,
+        }
+    }
+
+    fn push(&mut self, usage: KeyUsage) {
+        self.total += 1;
+        if self.max == 0 {
+            return;
+        }
+        self.keys.push((usage.share(), usage));
+        if self.keys.len() >= 2 * self.max {
+            self.cut();
+        }
+    }
+
+    fn cut(&mut self) {
+        self.keys
+            .sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.key.cmp(&b.1.key)));
+        self.keys.truncate(self.max);
+    }
+
+    fn finish(mut self) -> UsageView {
+        self.cut();
+        UsageView {
+            keys: self.keys.into_iter().map(|(_, k)| k).collect(),
+            total: self.total,
+        }
+    }
+}
+
 /// The shared part of a hold: the tokens reserved, and which token quantities they came from.
 #[derive(Debug)]
 struct SharedHold {
@@ -1130,6 +1327,69 @@ mod tests {
         let h = l.admit("k", "m", 0).await.unwrap();
         assert_eq!(h.quota().tokens.unwrap().remaining, 600);
         assert_eq!(h.quota().requests.unwrap().remaining, 96);
+    }
+
+    /// The status page's view: keys ranked by the largest share of a limit used, configured
+    /// keys shown before their first request, the top `max` kept of many.
+    #[tokio::test(start_paused = true)]
+    async fn usage_ranks_keys_by_the_largest_share_of_a_limit_used() {
+        let mut keys = BTreeMap::new();
+        keys.insert(
+            "quiet".to_owned(),
+            KeyLimits {
+                limits: Limits {
+                    concurrent: Some(4),
+                    ..per_minute(10, 1000)
+                },
+                ..KeyLimits::default()
+            },
+        );
+        let config = LimitsConfig {
+            default: KeyLimits {
+                limits: per_minute(100, 1000),
+                ..KeyLimits::default()
+            },
+            keys,
+            ..LimitsConfig::default()
+        };
+        let l = Arc::new(Limiter::new(config).unwrap());
+        let view = l.usage(10);
+        assert_eq!(view.total, 1);
+        assert_eq!(view.keys[0].key, "quiet");
+        assert_eq!(view.keys[0].requests, Some((0, 10)));
+        assert_eq!(view.keys[0].concurrent, Some(4));
+        // "busy": 3 requests of 100, 600 tokens of 1000 reserved (held in flight).
+        let mut holds = Vec::new();
+        for _ in 0..3 {
+            holds.push(l.admit("busy", "m", 200).await.unwrap());
+        }
+        // "light": 1 request, 10 tokens.
+        drop(l.admit("light", "m", 10).await.unwrap());
+        let held = l.admit("quiet", "m", 1).await.unwrap();
+        let view = l.usage(10);
+        let keys: Vec<&str> = view.keys.iter().map(|k| k.key.as_str()).collect();
+        assert_eq!(keys, ["busy", "quiet", "light"], "{view:?}");
+        let busy = &view.keys[0];
+        assert_eq!(busy.requests, Some((3, 100)));
+        assert_eq!(busy.tokens, Some((600, 1000)));
+        assert_eq!(busy.in_flight, 3);
+        assert!((busy.share() - 0.6).abs() < 1e-9, "{}", busy.share());
+        assert_eq!(view.keys[1].in_flight, 1);
+        // Half a minute later 500 of the 600 tokens are back (the rule refills at 1000 a
+        // minute), and "quiet" (1 of 4 in flight) is nearer a limit than "busy".
+        tokio::time::advance(Duration::from_secs(30)).await;
+        let view = l.usage(10);
+        assert_eq!(view.keys[0].key, "quiet");
+        assert_eq!(view.keys[1].tokens, Some((100, 1000)));
+        // Only the top ones are kept, and all are counted.
+        for i in 0..50_u64 {
+            drop(l.admit(&format!("k{i:02}"), "m", i).await.unwrap());
+        }
+        let view = l.usage(2);
+        assert_eq!(view.total, 53);
+        let keys: Vec<&str> = view.keys.iter().map(|k| k.key.as_str()).collect();
+        assert_eq!(keys, ["quiet", "busy"]);
+        drop((holds, held));
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,6 +14,7 @@ impl<S: Sinks> EdgeCore<S> {
     /// either way. Never adds `recovery_eligible`.
     pub(super) fn handoff(
         &mut self,
+        now: Instant,
         lease: Option<LeaseId>,
         generation: Generation,
         evidence: &FailureEvidence,
@@ -48,6 +49,10 @@ impl<S: Sinks> EdgeCore<S> {
                 && pool.set_unavailable(&lease.key, generation)
             {
                 self.observer.health_transition(true);
+                let log = self.health.entry(lease.key.clone()).or_default();
+                if log.overlay.is_none_or(|(g, ..)| g != generation) {
+                    log.overlay = Some((generation, now, f.idle_duration, f.fence));
+                }
             }
         }
         tracing::info!(
@@ -64,6 +69,7 @@ impl<S: Sinks> EdgeCore<S> {
     /// binding, and matching exactly one provider of the Node.
     pub(super) fn apply_recovery(
         &mut self,
+        now: Instant,
         node_id: &str,
         generation: Generation,
         resp: &NodeCommandResponse,
@@ -84,14 +90,18 @@ impl<S: Sinks> EdgeCore<S> {
                 .collect();
             let [key] = matches.as_slice() else { continue }; // none or ambiguous
             let last = self.observed.entry((key.clone(), generation)).or_insert(0);
+            let log = self.health.entry(key.clone()).or_default();
             if cap.health_observation_seq <= *last {
+                log.probe = Some((now, cap.provider_status.as_str(), false, false));
                 continue; // stale
             }
             *last = cap.health_observation_seq;
             let ok = cap.provider_status == ProviderStatus::Available
                 && pool.clear_unavailable(key, generation);
+            log.probe = Some((now, cap.provider_status.as_str(), true, ok));
             self.observer.recovery_result(ok);
             if ok {
+                log.overlay = None;
                 self.observer.health_transition(false);
                 cleared += 1;
             }

@@ -228,6 +228,19 @@ struct Registration {
     recipient: Option<RecipientKey>,
     /// The lease issuer key ids it pins (managed mode; empty: not checked).
     pins: Vec<String>,
+    /// The software version it announced (diagnostic, bounded by the registry).
+    version: String,
+}
+
+/// What the status view keeps of a provider's health besides the pool's overlay flag: why and
+/// since when the overlay was set, and the last recovery probe answer. One per configured
+/// provider at most (keys come from leases and bindings).
+#[derive(Clone, Debug, Default)]
+struct HealthLog {
+    /// The overlay's generation, when it was set, the silence that set it, and the fence.
+    overlay: Option<(Generation, Instant, Duration, iop_wire::runtime::Fence)>,
+    /// When the last probe answer was applied, its status, freshness and whether it cleared.
+    probe: Option<(Instant, &'static str, bool, bool)>,
 }
 
 /// Why a Node is refused or not selected: typed, so each rule clears only its own refusal.
@@ -262,6 +275,8 @@ pub struct EdgeCore<S: Sinks> {
     pool: Option<Pool>,
     /// Last `health_observation_seq` seen per provider binding and generation.
     observed: BTreeMap<(ProviderKey, Generation), u64>,
+    /// Why each overlay was set and the last probe answers, for the status view.
+    health: BTreeMap<ProviderKey, HealthLog>,
     pending: BTreeMap<u64, (String, Generation, Pending)>,
     next_stream: u64,
     next_correlation: u64,
@@ -307,6 +322,7 @@ where
             waiting: self.waiting.clone(),
             pool: self.pool.clone(),
             observed: self.observed.clone(),
+            health: self.health.clone(),
             pending: self.pending.clone(),
             next_stream: self.next_stream,
             next_correlation: self.next_correlation,
@@ -321,7 +337,8 @@ where
     }
 }
 
-/// [`EdgeCore::state`]: every field but the sinks' contents and the observer. The fields are
+/// [`EdgeCore::state`]: every field but the sinks' contents, the observer and the status
+/// view's health log. The fields are
 /// taken by an exhaustive destructuring, so a field added to [`EdgeCore`] does not compile here
 /// until it is printed (or said to be left out, as the observer is).
 struct StateDebug<'a, S: Sinks>(&'a EdgeCore<S>);
@@ -336,6 +353,9 @@ impl<S: Sinks> std::fmt::Debug for StateDebug<'_, S> {
             waiting,
             pool,
             observed,
+            // What the status view shows of overlays and probes: observation only (no rule
+            // reads it), and its times would split otherwise equal states.
+            health: _,
             pending,
             next_stream,
             next_correlation,
@@ -369,8 +389,8 @@ impl<S: Sinks> std::fmt::Debug for StateDebug<'_, S> {
 }
 
 impl<S: Sinks> EdgeCore<S> {
-    /// The machine's whole state in `Debug` form (every field but what its sinks hold and the
-    /// observer). Its maps are ordered, so equal states print equally whatever history built
+    /// The machine's whole state in `Debug` form (every field but what its sinks hold, the
+    /// observer, and the overlay causes and probe answers kept for [`EdgeCore::status`]). Its maps are ordered, so equal states print equally whatever history built
     /// them (up to the layout of the registry's timer heap): the model checker
     /// (`tests/model.rs`) fingerprints states with it. Long; not for logs.
     pub fn state(&self) -> impl std::fmt::Debug + '_ {
@@ -392,6 +412,7 @@ impl<S: Sinks> EdgeCore<S> {
             waiting: BTreeMap::new(),
             pool,
             observed: BTreeMap::new(),
+            health: BTreeMap::new(),
             pending: BTreeMap::new(),
             next_stream: 1,
             next_correlation: 1,
@@ -490,6 +511,95 @@ impl<S: Sinks> EdgeCore<S> {
         self.routes.len()
     }
 
+    /// Everything an operator's status view shows, taken in one step at `now` (see
+    /// [`CoreStatus`]).
+    pub fn status(&self, now: Instant) -> CoreStatus {
+        let providers = self.snapshot();
+        let health = providers
+            .iter()
+            .map(|p| {
+                let key = ProviderKey {
+                    node_id: p.node_id.clone(),
+                    provider_id: p.provider_id.clone(),
+                };
+                let Some(log) = self.health.get(&key) else {
+                    return HealthNote::default();
+                };
+                let current = self.registry.ready_generation(&p.node_id).map(|(_, g)| g);
+                let overlay = log
+                    .overlay
+                    .filter(|(g, ..)| Some(*g) == current && p.health == "unavailable")
+                    .map(|(_, since, idle, fence)| OverlayNote {
+                        age: now.saturating_duration_since(since),
+                        idle,
+                        fence,
+                    });
+                let last_probe = log
+                    .probe
+                    .map(|(at, provider_status, fresh, cleared)| ProbeNote {
+                        age: now.saturating_duration_since(at),
+                        provider_status,
+                        fresh,
+                        cleared,
+                    });
+                HealthNote {
+                    overlay,
+                    last_probe,
+                }
+            })
+            .collect();
+        let mut streams: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
+        for route in self.routes.values() {
+            let e = streams.entry(route.node_id.as_str()).or_default();
+            match route.sink {
+                Sink::Run(_) => e.0 += 1,
+                Sink::Tunnel(_) => e.1 += 1,
+            }
+        }
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|(id, entry)| {
+                let ready = self.registry.ready_generation(id).map(|(_, g)| g);
+                let pending = self.registry.pending_generation(id).map(|(_, g)| g);
+                let (runs, tunnels) = streams.get(id.as_str()).copied().unwrap_or_default();
+                NodeStatus {
+                    node_id: id.clone(),
+                    generation: ready.or(pending),
+                    ready: ready.is_some(),
+                    version: entry.registration.as_ref().map(|r| r.version.clone()),
+                    last_heard: self
+                        .registry
+                        .last_heard(id)
+                        .map(|at| now.saturating_duration_since(at)),
+                    runs,
+                    tunnels,
+                    refused: entry.refusal.as_ref().map(|r| r.reason().to_owned()),
+                    warning: entry.warning.clone(),
+                }
+            })
+            .collect();
+        let (queue_depth, leases) = self.pool_stats();
+        CoreStatus {
+            providers,
+            health,
+            nodes,
+            queue_depth,
+            oldest_wait: self
+                .pool
+                .as_ref()
+                .and_then(Pool::oldest_wait_since)
+                .map(|at| now.saturating_duration_since(at)),
+            leases,
+            issuers: self.issuers.clone(),
+        }
+    }
+
+    /// The lease issuer keys Nodes are held to ([`EdgeCore::set_issuers`]).
+    pub fn issuers(&self) -> &Issuers {
+        &self.issuers
+    }
+
     /// The registry (read only).
     pub fn registry(&self) -> &Registry {
         &self.registry
@@ -521,6 +631,7 @@ impl<S: Sinks> EdgeCore<S> {
                         });
                     }
                     PoolEvent::WaitTimedOut { request } => {
+                        self.observer.wait_timeout();
                         self.events.push_back(Event::Admitted {
                             request,
                             result: Err(DispatchError::WaitTimeout),
@@ -541,12 +652,14 @@ impl<S: Sinks> EdgeCore<S> {
                 generation,
                 recipient,
                 issuer_key_ids,
+                version,
                 ..
             } => {
                 self.nodes.entry(node_id).or_default().registration = Some(Registration {
                     generation,
                     recipient,
                     pins: issuer_key_ids,
+                    version,
                 });
             }
             RegistryEvent::NodeReady {

@@ -326,7 +326,7 @@ impl<S: Sinks> EdgeCore<S> {
                 if ev.kind == RunEventKind::Error
                     && let Some(evidence) = ev.execution_failure.clone()
                 {
-                    self.handoff(lease, generation, &evidence, &mut ev.metadata);
+                    self.handoff(now, lease, generation, &evidence, &mut ev.metadata);
                 }
                 let Some(Route {
                     sink: Sink::Run(tx),
@@ -374,7 +374,7 @@ impl<S: Sinks> EdgeCore<S> {
                 }) = &mut event
                 {
                     let evidence = evidence.clone();
-                    self.handoff(lease, generation, &evidence, metadata);
+                    self.handoff(now, lease, generation, &evidence, metadata);
                 }
                 let Some(Route {
                     sink: Sink::Tunnel(tx),
@@ -415,7 +415,7 @@ impl<S: Sinks> EdgeCore<S> {
                         answer: Answer::Command(Ok(resp)),
                     }),
                     Some(Pending::Recovery) => {
-                        let cleared = self.apply_recovery(node_id, generation, &resp);
+                        let cleared = self.apply_recovery(now, node_id, generation, &resp);
                         self.events.push_back(Event::Answered {
                             ticket,
                             answer: Answer::Recovered(Ok(cleared)),

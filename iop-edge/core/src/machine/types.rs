@@ -61,6 +61,8 @@ pub trait Observer: Send + Sync {
     fn recovery_result(&self, _cleared: bool) {}
     /// A runtime-unavailable overlay was set (`true`) or cleared.
     fn health_transition(&self, _to_unavailable: bool) {}
+    /// A queued request's wait for a provider ran out.
+    fn wait_timeout(&self) {}
 }
 
 /// An observer that counts nothing.
@@ -263,4 +265,89 @@ impl Default for CoreConfig {
             slow_consumer_timeout: Duration::from_secs(30),
         }
     }
+}
+
+/// Everything the machine knows for an operator's status view, in one step
+/// ([`EdgeCore::status`]); times are ages at the `now` it was taken at.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CoreStatus {
+    /// The pool's provider snapshots, in configuration order (empty without a pool).
+    pub providers: Vec<iop_wire::runtime::ProviderSnapshot>,
+    /// What the status page adds to each provider's snapshot, same order.
+    pub health: Vec<HealthNote>,
+    /// Every Node the machine knows of (registered, ready, or refused), by id.
+    pub nodes: Vec<NodeStatus>,
+    /// Requests waiting for a provider.
+    pub queue_depth: usize,
+    /// How long the oldest waiting request has waited.
+    pub oldest_wait: Option<Duration>,
+    /// Provider leases held.
+    pub leases: u64,
+    /// The lease issuer keys Nodes are held to (managed mode).
+    pub issuers: Issuers,
+}
+
+/// One Node, as [`CoreStatus`] shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NodeStatus {
+    /// Node id.
+    pub node_id: String,
+    /// Its current generation (pending or ready), if it has one.
+    pub generation: Option<Generation>,
+    /// Whether that generation is dispatch-ready.
+    pub ready: bool,
+    /// The software version it announced when it registered (the peer's words, cut at
+    /// [`crate::registry::MAX_VERSION_LEN`] bytes).
+    pub version: Option<String>,
+    /// How long since anything (a heartbeat or any frame) was received on its connection.
+    pub last_heard: Option<Duration>,
+    /// Runs in flight on it.
+    pub runs: u32,
+    /// Provider tunnels in flight on it.
+    pub tunnels: u32,
+    /// Why it is refused or not selected ([`EdgeCore::refused`]).
+    pub refused: Option<String>,
+    /// What will stop it being selected ([`EdgeCore::warning`]).
+    pub warning: Option<String>,
+}
+
+/// A provider's health beyond the pool's snapshot: why its runtime-unavailable overlay is set
+/// and since when, and the last recovery probe's answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HealthNote {
+    /// The overlay of the provider's current generation, while it is set.
+    pub overlay: Option<OverlayNote>,
+    /// The last recovery probe answer that named this provider, in any generation.
+    pub last_probe: Option<ProbeNote>,
+}
+
+/// Why a runtime-unavailable overlay was set: a stall terminal whose exact-target probe said
+/// `unavailable` (seed 000's validated current bound stall).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OverlayNote {
+    /// How long it has been set.
+    pub age: Duration,
+    /// How long the provider had been silent when the Node's watchdog fired.
+    pub idle: Duration,
+    /// Whether the stalled call returned within the close grace.
+    pub fence: iop_wire::runtime::Fence,
+}
+
+/// A recovery probe's answer for one provider.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProbeNote {
+    /// How long ago it was applied.
+    pub age: Duration,
+    /// What the Node said of the provider (`available`, `unavailable`, ...).
+    pub provider_status: &'static str,
+    /// Whether it was fresher than anything seen before for the binding (a stale answer
+    /// changes nothing).
+    pub fresh: bool,
+    /// Whether it cleared the overlay.
+    pub cleared: bool,
 }

@@ -190,6 +190,8 @@ struct Waiter {
     model: String,
     long: bool,
     deadline: Instant,
+    /// When it started waiting.
+    since: Instant,
 }
 
 /// Pool settings.
@@ -264,6 +266,11 @@ impl Pool {
         self.queue.len()
     }
 
+    /// When the longest-waiting request started waiting (waiters are kept in arrival order).
+    pub fn oldest_wait_since(&self) -> Option<Instant> {
+        self.queue.front().map(|w| w.since)
+    }
+
     /// The lease, if still held.
     pub fn lease(&self, id: LeaseId) -> Option<&Lease> {
         self.leases.get(&id)
@@ -299,6 +306,7 @@ impl Pool {
             model: model.to_owned(),
             long,
             deadline,
+            since: now,
         });
         // Behind earlier waiters it may still fit (e.g. they need long-context room it doesn't).
         self.pump();

@@ -96,6 +96,24 @@ use iop_wire::runtime::{
     RuntimeFrame, RuntimeMessage,
 };
 
+/// The longest Node version kept from a registration ([`RegistryEvent::Registered`]); a longer
+/// one is cut at a character boundary (the wire allows far longer text, and the Edge keeps it
+/// for every Node for as long as it is registered).
+pub const MAX_VERSION_LEN: usize = 64;
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn truncated(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.shrink_to_fit();
+    }
+    s
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     Pending,
@@ -236,6 +254,15 @@ impl Registry {
             .collect();
         out.sort();
         out
+    }
+
+    /// When something was last received on `node_id`'s current connection (pending or
+    /// ready): its last heartbeat, or any later frame.
+    pub fn last_heard(&self, node_id: &str) -> Option<Instant> {
+        let owner = self.owners.get(node_id)?;
+        self.conns
+            .get(&owner.conn)
+            .map(|c| c.liveness.last_received())
     }
 
     /// Number of open connections.
@@ -474,6 +501,7 @@ impl Registry {
         let node_id = req.node_id;
         let recipient = req.recipient;
         let issuer_key_ids = req.issuer_key_ids;
+        let version = truncated(req.version, MAX_VERSION_LEN);
         let previous = self.owners.insert(
             node_id.clone(),
             Owner {
@@ -514,6 +542,7 @@ impl Registry {
             generation,
             recipient,
             issuer_key_ids,
+            version,
         });
         let accepted = RegisterResponse::Accepted {
             node_id,

@@ -85,10 +85,6 @@ impl FenceCause {
 /// What the registry tells its driver.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "events are moved once through a queue; boxing would allocate per frame"
-)]
 pub enum RegistryEvent {
     /// A registration was accepted: `node_id` is claimed as *pending* on `conn`. Not
     /// dispatch-ready; no connected availability or event follows from this.
@@ -104,6 +100,9 @@ pub enum RegistryEvent {
         recipient: Option<RecipientKey>,
         /// The lease issuer key ids the Node pins (empty: not announced, not checked).
         issuer_key_ids: Vec<String>,
+        /// The Node's software version, as it announced it (diagnostic; the peer's words, at
+        /// most [`crate::registry::MAX_VERSION_LEN`] bytes).
+        version: String,
     },
     /// First ready transition of the current owner: activate the generation's provider
     /// resources, pump stranded waiters, publish `node.connected`.
