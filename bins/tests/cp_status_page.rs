@@ -1,6 +1,8 @@
 //! `iop-cp`'s status page (issue #31) against the real binary, in a real browser (Playwright
-//! driving Debian's chromium, `bins/tests/python/cp_status_page.py`): a token created and a
-//! slot rotated by the CLI show on the page (the rotation while it is open, without a reload);
+//! driving Debian's chromium, `bins/tests/python/cp_status_page.py`): a managed `iop-edge`
+//! connected to it shows with the projection generation it acknowledged; a token created and
+//! a slot rotated by the CLI show on the page (the rotation while it is open, without a
+//! reload, with the time it was put, and the Edge catching up with the new generation);
 //! an unauthenticated request gets `401` and no page; no console error; the CSP header is
 //! there; no response of the page carries a secret (the slot credentials, the raw token, the
 //! admin token). Screenshots at 1280×800 and 390×844 under
@@ -8,13 +10,13 @@
 
 #![allow(clippy::unwrap_used, reason = "tests")]
 
+mod support;
+
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use iop_tests::pki::Ca;
 use tokio::io::AsyncBufReadExt as _;
-use workload_identity::role;
 
 const ADMIN_TOKEN: &str = "cp-admin-token-0123456789";
 const SECRET: &str = "sk-live-cp-page-secret-0123";
@@ -97,25 +99,33 @@ async fn the_control_planes_status_page_in_a_real_browser() {
         &[],
     );
 
-    let ca = Ca::new("cp page CA");
-    let leaf = ca.workload(role::CONTROL_PLANE, "cp-1", true);
-    let write = |name: &str, text: &str| {
-        let p = dir.join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
+    support::pki(&dir, &["node-1"]);
+    support::iop_ca(&[
+        "issue",
+        "--dir",
+        dir.join("ca").to_str().unwrap(),
+        "--role",
+        "control-plane",
+        "--name",
+        "cp-1",
+        "--dns",
+        "localhost",
+        "--out",
+        dir.join("cp").to_str().unwrap(),
+    ]);
     let (ca_pem, cert, key) = (
-        write("ca.pem", &ca.pem()),
-        write("cp.pem", &leaf.cert_pem),
-        write("cp.key", &leaf.key_pem),
+        dir.join("ca/ca.pem"),
+        dir.join("cp.pem"),
+        dir.join("cp.key"),
     );
+    let cp_port = support::free_port();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_iop-cp"))
         .arg("--data-dir")
         .arg(&data)
         .args([
             "serve",
             "--listen",
-            "127.0.0.1:0",
+            &format!("127.0.0.1:{cp_port}"),
             "--admin-listen",
             "127.0.0.1:0",
         ])
@@ -125,7 +135,7 @@ async fn the_control_planes_status_page_in_a_real_browser() {
         .arg(&cert)
         .arg("--tls-key")
         .arg(&key)
-        .args(["--trust-domain", iop_tests::pki::TRUST_DOMAIN])
+        .args(["--trust-domain", "iop.test", "--credential-plane"])
         .env("IOP_CP_ADMIN_TOKEN", ADMIN_TOKEN)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -148,6 +158,55 @@ async fn the_control_planes_status_page_in_a_real_browser() {
     .await
     .unwrap();
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+
+    // A managed Edge connected to it (no Node is needed for the page).
+    let d = dir.display();
+    std::fs::write(
+        dir.join("edge.toml"),
+        format!(
+            r#"edge_id = "edge-1"
+[listen]
+nodes = "127.0.0.1:{nodes}"
+http = "127.0.0.1:{http}"
+[tls]
+trust_domain = "iop.test"
+ca = "{d}/ca/ca.pem"
+cert = "{d}/edge.pem"
+key = "{d}/edge.key"
+[control_plane]
+address = "127.0.0.1:{cp_port}"
+server_name = "localhost"
+name = "cp-1"
+credential_plane = true
+[[models]]
+name = "m"
+[[models.providers]]
+node_id = "node-1"
+provider_id = "upstream-1"
+adapter = "upstream"
+target = "m"
+capacity = 4
+[[nodes]]
+node_id = "node-1"
+[[nodes.adapters]]
+name = "upstream"
+type = "openai_compat"
+base_url = "http://127.0.0.1:9/v1"
+profile = "openai"
+capacity = 4
+"#,
+            nodes = support::free_port(),
+            http = support::free_port(),
+        ),
+    )
+    .unwrap();
+    let edge = support::Proc::spawn(
+        env!("CARGO_BIN_EXE_iop-edge"),
+        &["--config", dir.join("edge.toml").to_str().unwrap()],
+        &[],
+        &dir,
+        "edge",
+    );
 
     let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-page-screenshots");
     std::fs::create_dir_all(&shots).unwrap();
@@ -175,8 +234,9 @@ async fn the_control_planes_status_page_in_a_real_browser() {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        "{stdout}\n{}\nthe Edge's log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        edge.log_text()
     );
     println!("iop-cp status page: {}", stdout.lines().last().unwrap());
 
@@ -223,6 +283,16 @@ async fn the_control_planes_status_page_in_a_real_browser() {
                 .starts_with(b"\x89PNG")
         );
     }
+    assert!(
+        status["edges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["id"] == "edge-1" && e["projection_generation"] == status["generation"]),
+        "the Edge, caught up: {status}\n{}",
+        edge.log_text()
+    );
+    drop(edge);
     child.kill().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }

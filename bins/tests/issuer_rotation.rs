@@ -26,6 +26,7 @@ use support::{Proc, TempDir, iop_ca, wait_until};
 
 const KEY: &str = "sk-rotation-upstream-key";
 const LIMIT: Duration = Duration::from_secs(30);
+const PAGE_TOKEN: &str = "edge-page-token-0123456789";
 
 /// `iop-cp` on `data`; (stdout, stderr).
 fn cli(data: &Path, args: &[&str]) -> (String, String) {
@@ -141,12 +142,15 @@ fn an_issuer_key_rotation_with_overlap_fails_no_request() {
         .unwrap()
         .to_owned();
 
-    let (cp_port, admin, nodes, http) = (
+    let (cp_port, admin, nodes, http, page) = (
+        support::free_port(),
         support::free_port(),
         support::free_port(),
         support::free_port(),
         support::free_port(),
     );
+    std::fs::write(d.join("admin.token"), format!("{PAGE_TOKEN}\n")).unwrap();
+    support::set_mode(&d.join("admin.token"), 0o600);
     let dd = d.display();
     let mut cp = Proc::spawn(
         env!("CARGO_BIN_EXE_iop-cp"),
@@ -194,6 +198,9 @@ fn an_issuer_key_rotation_with_overlap_fails_no_request() {
 [listen]
 nodes = "127.0.0.1:{nodes}"
 http = "127.0.0.1:{http}"
+[admin]
+listen = "127.0.0.1:{page}"
+token_file = "{dd}/admin.token"
 [tls]
 trust_domain = "iop.test"
 ca = "{dd}/ca/ca.pem"
@@ -250,6 +257,33 @@ name = "fake-model"
     );
     assert_eq!(text(&status(admin, 1), "refused"), "");
     assert_eq!(support::chat(http, &token, "hi").0, 200);
+    // The Edge's status page says the same: both keys, and the Nodes warned.
+    let mut control = serde_json::Value::Null;
+    wait_until("the Edge's page to show the staged key", LIMIT, || {
+        let (code, body) = support::http_get(
+            &format!("http://127.0.0.1:{page}/api/status"),
+            &[("authorization", &format!("Bearer {PAGE_TOKEN}"))],
+        );
+        control =
+            serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default()["control"].clone();
+        code == 200 && control["issuer_staged"][0] == new_id.as_str()
+    });
+    assert_eq!(control["state"], "connected", "{control}");
+    assert_eq!(control["managed"], true, "{control}");
+    assert_eq!(control["issuer_active"], old_id.as_str(), "{control}");
+    assert!(
+        control["issuer_staged"][1].as_i64().unwrap() > 0,
+        "{control}"
+    );
+    assert_eq!(
+        control["warned_nodes"],
+        serde_json::json!(["node-1", "node-2"]),
+        "{control}"
+    );
+    assert!(
+        control["projection_generation"].as_u64().unwrap() >= 1,
+        "{control}"
+    );
 
     // node-2 pins both keys.
     assert_eq!(n2.stop(), Some(0), "{}", n2.log_text());

@@ -185,7 +185,8 @@ pub enum RequestError {
 pub struct EdgeInfo {
     /// Edge id (the certificate name in managed mode).
     pub edge_id: String,
-    /// Projection generation the Edge last acknowledged (managed).
+    /// Projection generation the Edge holds (managed): its hello's, or the last push it
+    /// acknowledged.
     pub projection_generation: u64,
 }
 
@@ -602,10 +603,14 @@ async fn connection<S>(
                     ControlPlaneEvent::Hello(hello) => {
                         // Before the hello's snapshot: a mutation while it is read is pushed.
                         generations.mark_unchanged();
-                        if let Some(id) =
+                        if let Some((id, generation)) =
                             hello_accepted(&mut s, &hello, identity.as_ref(), &config, &admin).await
                         {
                             drop(handshake_slot.take());
+                            // The Edge installs the hello's projection before anything else (or
+                            // holds a newer one), and a session that goes on has it: it counts
+                            // as acknowledged, as a push's answer does.
+                            acked.fetch_max(generation, Ordering::Relaxed);
                             registered = Some((id.clone(), register(&cp, &id, &req_tx, &acked)));
                             tracing::info!(target: "iop_cp", event = "cp_edge_connected", edge_id = %id, managed = config.managed, "edge connected");
                         }
@@ -897,14 +902,15 @@ async fn activate_due_issuer(admin: &Admin, clock: &UnixClock, log: &mut RateLim
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Decides a hello the machine found consistent: the mode and certificate checks, then (managed)
-/// the current projection from the store. `Some(edge_id)` when accepted.
+/// the current projection from the store. `Some((edge_id, the projection's generation, 0
+/// without one))` when accepted.
 async fn hello_accepted(
     s: &mut ControlPlaneSession,
     hello: &EdgeHelloRequest,
     identity: Option<&workload_identity::WorkloadId>,
     config: &ServerConfig,
     admin: &Admin,
-) -> Option<String> {
+) -> Option<(String, u64)> {
     if let Err(reason) = check_hello(config, identity, &hello.edge_id, hello.managed) {
         tracing::info!(target: "iop_cp", event = "cp_edge_hello_refused", reason, "edge hello refused");
         s.reject(now(), reason);
@@ -925,8 +931,9 @@ async fn hello_accepted(
     if config.managed {
         s.accept_usage();
     }
+    let generation = projection.as_ref().map_or(0, |p| p.generation);
     s.accept(now(), projection);
-    Some(hello.edge_id.clone())
+    Some((hello.edge_id.clone(), generation))
 }
 
 /// Makes this connection the one of `edge_id` in the live view (a later connection of the same

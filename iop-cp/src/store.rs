@@ -593,6 +593,8 @@ pub struct Revision {
     pub kind: String,
     /// The mutated object's id.
     pub object_id: String,
+    /// When it was applied (Unix ms, the applying process's clock).
+    pub at_unix_ms: i64,
 }
 
 /// Store failures. None carries stored values or backend text.
@@ -698,6 +700,29 @@ pub trait Store: Send + Sync + 'static {
         after_generation: u64,
         limit: u32,
     ) -> Result<Vec<Revision>, StoreError>;
+    /// The latest revision of each object that mutations of `kind` touched (when each token
+    /// was created, each slot last put), at most `limit` objects, by object id. The backends
+    /// answer from an index on `(kind, object_id, generation)`; this default pages through
+    /// [`Store::revisions`] (for wrappers).
+    async fn last_revisions(&self, kind: &str, limit: u32) -> Result<Vec<Revision>, StoreError> {
+        let mut last: std::collections::BTreeMap<String, Revision> =
+            std::collections::BTreeMap::new();
+        let mut after = 0;
+        loop {
+            let page = self.revisions(after, 1000).await?;
+            let Some(end) = page.last().map(|r| r.generation) else {
+                break;
+            };
+            for r in page.into_iter().filter(|r| r.kind == kind) {
+                last.insert(r.object_id.clone(), r);
+            }
+            after = end;
+        }
+        Ok(last
+            .into_values()
+            .take(usize::try_from(limit).unwrap_or(usize::MAX))
+            .collect())
+    }
     /// Stores usage records sent by Edge `edge_id`, in one transaction: each record once
     /// (by request id; a replay counts as a duplicate and changes nothing), added to the
     /// daily rollup ([`Store::usage_daily`]) when stored. Not a mutation: the projection

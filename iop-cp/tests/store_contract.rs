@@ -250,6 +250,43 @@ async fn tokens_slots_routes_and_revisions<B: Backend>() {
             .unwrap_err(),
         StoreError::ProfileMismatch
     );
+    // The latest revision of each object of a kind, with its time.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let puts = s.last_revisions("put_slot", 10).await.unwrap();
+    assert_eq!(puts.len(), 1, "{puts:?}");
+    assert_eq!(puts[0].object_id, "slot-1");
+    let all = s.revisions(0, 1000).await.unwrap();
+    let last_put = all.iter().rfind(|r| r.kind == "put_slot").unwrap();
+    assert_eq!(&puts[0], last_put, "the second put, not the first");
+    assert!(
+        (now - 60_000..=now + 1000).contains(&puts[0].at_unix_ms),
+        "{puts:?}"
+    );
+    let routes = s.last_revisions("put_route", 10).await.unwrap();
+    assert_eq!(
+        routes
+            .iter()
+            .map(|r| r.object_id.as_str())
+            .collect::<Vec<_>>(),
+        ["r1"]
+    );
+    assert_eq!(
+        routes[0].generation,
+        all.iter()
+            .rfind(|r| r.kind == "put_route")
+            .unwrap()
+            .generation
+    );
+    assert_eq!(s.last_revisions("create_token", 10).await.unwrap().len(), 1);
+    assert!(
+        s.last_revisions("no_such_kind", 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     let snap = s.snapshot().await.unwrap();
     assert_eq!(snap.slots.len(), 1);
     assert_eq!(snap.slots[0].revision, 2);

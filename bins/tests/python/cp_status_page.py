@@ -16,6 +16,15 @@ from playwright.sync_api import sync_playwright
 page_url, admin_token, iop_cp, data_dir, token_id, shots = sys.argv[1:7]
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
+def wait_js(page, expr, arg=None, timeout=10000):
+    try:
+        page.wait_for_function(expr, arg=arg, timeout=timeout)
+    except Exception:
+        # What the page was showing, for the failure's message.
+        view = page.evaluate("() => fetch('api/status').then((r) => r.text())")
+        raise AssertionError(f"waited for {expr}\nthe status view: {view}") from None
+
+
 summary = {}
 with sync_playwright() as p:
     browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -40,6 +49,15 @@ with sync_playwright() as p:
     assert "default-src 'none'" in csp, csp
     page.wait_for_selector("#live.pill-live", timeout=10000)
 
+    # The connected Edge, with the generation it acknowledged: the store's.
+    wait_js(
+        page,
+        "() => { const r = document.querySelector('#edges tr[data-edge=\"edge-1\"]');"
+        " return r && r.children[1].innerText === document.getElementById('generation').innerText; }",
+        timeout=30000,
+    )
+    summary["edge_row"] = page.inner_text('#edges tr[data-edge="edge-1"]')
+
     # The token the CLI created, by id.
     page.wait_for_selector(f'#tokens tr[data-token="{token_id}"]', timeout=10000)
     summary["token_row"] = page.inner_text(f'#tokens tr[data-token="{token_id}"]')
@@ -58,7 +76,18 @@ with sync_playwright() as p:
         timeout=10000,
     )
     summary["slot_revision"] = [before, int(page.inner_text('#slots tr[data-slot="openai-prod"] td:nth-child(4)'))]
-    summary["slot_last_put_generation"] = page.inner_text('#slots tr[data-slot="openai-prod"] td:nth-child(5)')
+    summary["slot_last_put"] = page.inner_text('#slots tr[data-slot="openai-prod"] td:nth-child(5)')
+    # When it was put: a time a few seconds ago, and its generation.
+    assert "s ago" in summary["slot_last_put"] and "generation" in summary["slot_last_put"], summary
+    created = page.inner_text(f'#tokens tr[data-token="{token_id}"] td:nth-child(4)')
+    assert "ago" in created and "generation" in created, created
+    # The Edge follows the new generation (behind by 0 again).
+    wait_js(
+        page,
+        "() => { const r = document.querySelector('#edges tr[data-edge=\"edge-1\"]');"
+        " return r && r.children[1].innerText === document.getElementById('generation').innerText; }",
+        timeout=30000,
+    )
     page.wait_for_function(
         "() => [...document.querySelectorAll('#mutations td')].some(td => td.innerText === 'put_slot')",
         timeout=10000,

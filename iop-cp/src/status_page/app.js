@@ -1,6 +1,13 @@
 // iop-cp's status page (the helpers el, pill, row, fill, live are common.js's).
 "use strict";
 
+// "10:02:03 AM (5 s ago), generation 12", or what is known of it.
+function when(ms, generation) {
+  if (!ms && !generation) return "–";
+  const g = generation ? "generation " + generation : "";
+  return ms ? ago(ms) + (g ? ", " + g : "") : g;
+}
+
 function render(v) {
   document.getElementById("generation").textContent = v.generation;
   document.getElementById("edge-count").textContent = v.edges.length;
@@ -36,7 +43,8 @@ function render(v) {
 
   fill(document.querySelector("#tokens tbody"),
     v.tokens.map((t) => {
-      const tr = row([t.id, t.principal_id, pill(t.revoked ? "revoked" : "active"), t.created_generation],
+      const tr = row([t.id, t.principal_id, pill(t.revoked ? "revoked" : "active"),
+        when(t.created_at_ms, t.created_generation)],
         "state-" + (t.revoked ? "down" : "ready"));
       tr.dataset.token = t.id;
       return tr;
@@ -44,7 +52,7 @@ function render(v) {
 
   fill(document.querySelector("#slots tbody"),
     v.slots.map((s) => {
-      const tr = row([s.id, s.profile, s.header_name, s.revision, s.rotated_generation,
+      const tr = row([s.id, s.profile, s.header_name, s.revision, when(s.rotated_at_ms, s.rotated_generation),
         pill(s.enabled ? "enabled" : "disabled")]);
       tr.dataset.slot = s.id;
       return tr;
@@ -55,7 +63,7 @@ function render(v) {
       k.active ? "–" : new Date(k.activates_at_unix_ms).toLocaleString()])), "no issuer key", 3);
 
   fill(document.querySelector("#mutations tbody"),
-    v.mutations.map((m) => row([m.generation, m.kind, m.object_id])), "no mutation yet", 3);
+    v.mutations.map((m) => row([m.generation, m.kind, m.object_id, ago(m.at_ms)])), "no mutation yet", 4);
 }
 
 document.addEventListener("DOMContentLoaded", () => live(render));

@@ -14,9 +14,11 @@
 //! store's snapshot carries no sealed bytes, and the view has no token digest). The binary
 //! serves it only when an admin token is set (`--admin-token` / `IOP_CP_ADMIN_TOKEN`).
 //!
-//! The store records the generation of each change, not a wall-clock time: a token's
-//! "created" and a slot's "last put" are the generations of those mutations (older than
-//! [`CREATED_WINDOW`] generations: none shown); a slot's revision counts its rotations.
+//! A token's creation and a slot's last put (its creation or last rotation) are read from the
+//! store's mutation log ([`crate::store::Store::last_revisions`]): their generation and the
+//! time the applying process's clock gave them; a slot's revision counts its puts. One view
+//! serves every request and event stream for [`VIEW_TTL`], so the store is read at most
+//! about four times a second however many pages are open.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -34,8 +36,10 @@ use crate::server::ControlPlane;
 
 /// Event streams served at once; more are refused with `503`.
 pub const MAX_EVENT_STREAMS: usize = 32;
-/// How many generations back the page looks for tokens' creations.
-pub const CREATED_WINDOW: u64 = 1000;
+/// The most tokens (and slots) whose creation (last put) the view looks up.
+pub const MAX_OBJECTS: u32 = 100_000;
+/// How long one view serves every request and event stream.
+pub const VIEW_TTL: std::time::Duration = std::time::Duration::from_millis(250);
 /// Mutations listed.
 pub const LAST_MUTATIONS: u64 = 20;
 
@@ -100,8 +104,10 @@ pub struct TokenView {
     pub principal_id: String,
     /// Revoked.
     pub revoked: bool,
-    /// The generation that created it, if within the last [`CREATED_WINDOW`].
+    /// The generation that created it.
     pub created_generation: Option<u64>,
+    /// When it was created (Unix ms).
+    pub created_at_ms: Option<i64>,
 }
 
 /// A credential slot: never the credential.
@@ -115,9 +121,10 @@ pub struct SlotView {
     pub header_name: String,
     /// The slot's revision: 1 when first put, one more at each rotation.
     pub revision: u64,
-    /// The generation of its last put (creation or rotation), if within the last
-    /// [`CREATED_WINDOW`].
+    /// The generation of its last put (creation or rotation).
     pub rotated_generation: Option<u64>,
+    /// When it was last put (Unix ms).
+    pub rotated_at_ms: Option<i64>,
     /// Enabled.
     pub enabled: bool,
 }
@@ -127,7 +134,7 @@ pub struct SlotView {
 pub struct EdgeView {
     /// Id.
     pub id: String,
-    /// The projection generation it last acknowledged.
+    /// The projection generation it holds: its hello's, or the last push it acknowledged.
     pub projection_generation: u64,
 }
 
@@ -151,32 +158,48 @@ pub struct MutationView {
     pub kind: String,
     /// The object's id.
     pub object_id: String,
+    /// When (Unix ms).
+    pub at_ms: i64,
 }
 
 struct Shared {
     admin: Admin,
     cp: Option<ControlPlane>,
     streams: Arc<bounded_http::admin::EventStreams>,
+    /// The last view and when it was taken (see [`VIEW_TTL`]); the lock is held while a view
+    /// is taken, so concurrent readers wait for one read of the store instead of each making
+    /// their own.
+    cached: tokio::sync::Mutex<Option<(std::time::Instant, Arc<CpStatusView>)>>,
 }
 
 impl Shared {
-    async fn view(&self) -> Result<CpStatusView, crate::store::StoreError> {
+    async fn view(&self) -> Result<Arc<CpStatusView>, crate::store::StoreError> {
+        let mut cached = self.cached.lock().await;
+        if let Some((at, view)) = cached.as_ref()
+            && at.elapsed() < VIEW_TTL
+        {
+            return Ok(Arc::clone(view));
+        }
+        let view = Arc::new(self.take_view().await?);
+        *cached = Some((std::time::Instant::now(), Arc::clone(&view)));
+        Ok(view)
+    }
+
+    async fn take_view(&self) -> Result<CpStatusView, crate::store::StoreError> {
         let store = self.admin.store();
         let snap = store.snapshot().await?;
         let generation = snap.generation;
         let window = store
-            .revisions(generation.saturating_sub(CREATED_WINDOW), 1000)
+            .revisions(generation.saturating_sub(LAST_MUTATIONS), 1000)
             .await?;
-        let last_of = |kind: &str| -> BTreeMap<&str, u64> {
-            // Ascending: a later revision of the same object replaces an earlier one.
-            window
-                .iter()
-                .filter(|r| r.kind == kind)
-                .map(|r| (r.object_id.as_str(), r.generation))
+        let last_of = |revisions: Vec<crate::store::Revision>| -> BTreeMap<String, (u64, i64)> {
+            revisions
+                .into_iter()
+                .map(|r| (r.object_id, (r.generation, r.at_unix_ms)))
                 .collect()
         };
-        let created = last_of("create_token");
-        let put = last_of("put_slot");
+        let created = last_of(store.last_revisions("create_token", MAX_OBJECTS).await?);
+        let put = last_of(store.last_revisions("put_slot", MAX_OBJECTS).await?);
         let mut routes: BTreeMap<&str, Vec<RouteView>> = BTreeMap::new();
         for r in &snap.routes {
             routes
@@ -208,7 +231,8 @@ impl Shared {
                 id: t.id.clone(),
                 principal_id: t.principal_id.clone(),
                 revoked: t.revoked,
-                created_generation: created.get(t.id.as_str()).copied(),
+                created_generation: created.get(t.id.as_str()).map(|c| c.0),
+                created_at_ms: created.get(t.id.as_str()).map(|c| c.1),
             })
             .collect();
         let slots = snap
@@ -219,7 +243,8 @@ impl Shared {
                 profile: s.profile.clone(),
                 header_name: s.header_name.clone(),
                 revision: s.revision,
-                rotated_generation: put.get(s.id.as_str()).copied(),
+                rotated_generation: put.get(s.id.as_str()).map(|p| p.0),
+                rotated_at_ms: put.get(s.id.as_str()).map(|p| p.1),
                 enabled: s.enabled,
             })
             .collect();
@@ -251,6 +276,7 @@ impl Shared {
                 generation: r.generation,
                 kind: r.kind.clone(),
                 object_id: r.object_id.clone(),
+                at_ms: r.at_unix_ms,
             })
             .collect();
         Ok(CpStatusView {
@@ -271,6 +297,7 @@ pub fn router(admin: Admin, cp: Option<ControlPlane>, token: AdminToken) -> Rout
         admin,
         cp,
         streams: bounded_http::admin::EventStreams::new(MAX_EVENT_STREAMS),
+        cached: tokio::sync::Mutex::new(None),
     });
     let page = Router::new()
         .route("/status", get(|| async { Redirect::permanent("/status/") }))

@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS usage_records (
   cost_pico_usd BIGINT NOT NULL, outcome TEXT NOT NULL, duration_us BIGINT NOT NULL,
   first_byte_us BIGINT NOT NULL, added_us BIGINT NOT NULL);
 CREATE INDEX IF NOT EXISTS usage_records_at ON usage_records(at_unix_ms);
+CREATE INDEX IF NOT EXISTS revisions_object ON revisions(kind, object_id, generation);
 CREATE TABLE IF NOT EXISTS usage_daily (
   day TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL, outcome TEXT NOT NULL,
   requests BIGINT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
@@ -513,6 +514,15 @@ async fn generation(tx: &Transaction<'_>) -> Result<u64, StoreError> {
         .map_err(|e| backend(&e))
 }
 
+fn revision(r: &Row) -> Revision {
+    Revision {
+        generation: to_u64(r.get(0)),
+        kind: r.get(1),
+        object_id: r.get(2),
+        at_unix_ms: r.get(3),
+    }
+}
+
 #[async_trait]
 impl Store for PgStore {
     async fn apply(&self, mutation: Mutation) -> Result<u64, StoreError> {
@@ -819,19 +829,25 @@ impl Store for PgStore {
         let client = self.client.lock().await;
         let rows = client
             .query(
-                "SELECT generation, kind, object_id FROM revisions WHERE generation > $1 \
-                 ORDER BY generation LIMIT $2",
+                "SELECT generation, kind, object_id, at_unix_ms FROM revisions \
+                 WHERE generation > $1 ORDER BY generation LIMIT $2",
                 &[&to_i64(after_generation), &i64::from(limit)],
             )
             .await
             .map_err(|e| backend(&e))?;
-        Ok(rows
-            .iter()
-            .map(|r| Revision {
-                generation: to_u64(r.get(0)),
-                kind: r.get(1),
-                object_id: r.get(2),
-            })
-            .collect())
+        Ok(rows.iter().map(revision).collect())
+    }
+
+    async fn last_revisions(&self, kind: &str, limit: u32) -> Result<Vec<Revision>, StoreError> {
+        let client = self.client.lock().await;
+        let rows = client
+            .query(
+                "SELECT DISTINCT ON (object_id) generation, kind, object_id, at_unix_ms \
+                 FROM revisions WHERE kind = $1 ORDER BY object_id, generation DESC LIMIT $2",
+                &[&kind, &i64::from(limit)],
+            )
+            .await
+            .map_err(|e| backend(&e))?;
+        Ok(rows.iter().map(revision).collect())
     }
 }

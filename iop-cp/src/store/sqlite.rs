@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS issuer_keys (
 CREATE TABLE IF NOT EXISTS revisions (
   generation INTEGER PRIMARY KEY, kind TEXT NOT NULL, object_id TEXT NOT NULL,
   at_unix_ms INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS revisions_object ON revisions(kind, object_id, generation);
 CREATE TABLE IF NOT EXISTS usage_records (
   request_id TEXT PRIMARY KEY, at_unix_ms INTEGER NOT NULL, day TEXT NOT NULL,
   edge_id TEXT NOT NULL, principal_id TEXT NOT NULL, model TEXT NOT NULL,
@@ -155,6 +156,15 @@ fn migrate(conn: &Connection) -> Result<(), StoreError> {
             .map_err(|e| backend(&e))?;
     }
     Ok(())
+}
+
+fn revision(r: &rusqlite::Row<'_>) -> rusqlite::Result<Revision> {
+    Ok(Revision {
+        generation: to_u64(r.get(0)?),
+        kind: r.get(1)?,
+        object_id: r.get(2)?,
+        at_unix_ms: r.get(3)?,
+    })
 }
 
 fn exists(tx: &rusqlite::Transaction<'_>, sql: &str, id: &str) -> Result<bool, StoreError> {
@@ -777,20 +787,33 @@ impl Store for SqliteStore {
         self.with(move |conn| {
             let mut st = conn
                 .prepare(
-                    "SELECT generation, kind, object_id FROM revisions WHERE generation > ?1 \
-                     ORDER BY generation LIMIT ?2",
+                    "SELECT generation, kind, object_id, at_unix_ms FROM revisions \
+                     WHERE generation > ?1 ORDER BY generation LIMIT ?2",
                 )
                 .map_err(|e| backend(&e))?;
-            st.query_map(params![to_i64(after_generation), limit], |r| {
-                Ok(Revision {
-                    generation: to_u64(r.get(0)?),
-                    kind: r.get(1)?,
-                    object_id: r.get(2)?,
-                })
-            })
-            .map_err(|e| backend(&e))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| backend(&e))
+            st.query_map(params![to_i64(after_generation), limit], revision)
+                .map_err(|e| backend(&e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| backend(&e))
+        })
+        .await
+    }
+
+    async fn last_revisions(&self, kind: &str, limit: u32) -> Result<Vec<Revision>, StoreError> {
+        let kind = kind.to_owned();
+        self.with(move |conn| {
+            // SQLite takes the bare columns of an aggregate query from the row holding the
+            // MAX: the latest revision of each object.
+            let mut st = conn
+                .prepare(
+                    "SELECT MAX(generation), kind, object_id, at_unix_ms FROM revisions \
+                     WHERE kind = ?1 GROUP BY object_id ORDER BY object_id LIMIT ?2",
+                )
+                .map_err(|e| backend(&e))?;
+            st.query_map(params![kind, limit], revision)
+                .map_err(|e| backend(&e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| backend(&e))
         })
         .await
     }
