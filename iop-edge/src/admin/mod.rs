@@ -10,6 +10,31 @@
 //! | `GET /api/events` | the same view as server-sent events: one `status` event at once, then one each time it changes (checked every 500 ms), a comment every 15 s otherwise |
 //! | `POST /api/nodes/{node}/probe` | asks a ready Node to probe its providers now (seed 000's CAPABILITIES recovery probe); `{"cleared": n}`, or `409` when the Node is not ready. The page's one action: it asks the operator to confirm, then sends [`bounded_http::admin::ACTION_HEADER`] |
 //!
+//! # What it shows
+//!
+//! - **Nodes**: state (ready, pending, refused or warned with the Edge's reason, down),
+//!   generation, the version the Node announced, since when, when it was last heard from (its
+//!   heartbeat or any frame), runs and tunnels in flight. Select one to see only its
+//!   providers, and to ask it to probe them.
+//! - **Providers**: health, and for the runtime-unavailable overlay its cause (the stall
+//!   terminal's silence and the Node's probe) and since when; for an excluded provider, why
+//!   its Node is not selected; the last recovery probe answer; capacity, in flight, queued,
+//!   long context. Select one for its details.
+//! - **Queue**: depth, the oldest wait, waits that ran out in the last minute.
+//! - **Traffic**: requests and errors per second (the page derives rates from counters),
+//!   errors by kind, slow readers cut, the gateway's overhead and time to first token p50/p99
+//!   ([`crate::metrics::Metrics::traffic`]).
+//! - **Keys** (when the Edge limits any): the [`MAX_KEY_ROWS`] keys or principals nearest a
+//!   limit, with requests and tokens held against each per-minute limit, in flight, and day
+//!   and month spend against their budgets ([`crate::limits::Limiter::usage`]).
+//! - **Control Plane** (when configured): the session, managed or not, why the Edge is not
+//!   ready, the projection generation, the issuer keys (active; staged with its activation
+//!   time) and the Nodes warned that they do not trust the staged key.
+//!
+//! One view serves every request and event stream for [`VIEW_TTL`], so what the page costs
+//! the Edge (one pass over its streams and limited keys under their locks) does not grow with
+//! the pages open.
+//!
 //! # Safe by construction
 //!
 //! - **Authenticated** ([`bounded_http::admin::guard`], shared with `iop-cp`'s page): every
