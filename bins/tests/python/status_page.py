@@ -155,7 +155,8 @@ with sync_playwright() as p:
     stalled = page.locator("#providers tr:has(.pill-unavailable)").first
     summary["stalled_row"] = stalled.inner_text()
     # Its cause and since when.
-    summary["stalled_cause"] = stalled.locator("td:nth-child(5)").inner_text()
+    summary["stalled_cause"] = stalled.locator("td:nth-child(6)").inner_text()
+    assert stalled.locator("td:nth-child(3)").inner_text() == "mesh-model", summary
     assert "stalled" in summary["stalled_cause"] and "since" in summary["stalled_cause"], summary
     stalled_node = stalled.get_attribute("data-node")
     page.screenshot(path=os.path.join(shots, "edge-stalled-1280x800.png"), full_page=True)

@@ -72,7 +72,7 @@ function renderProviders(v) {
   const shown = v.providers.filter((p) => selectedNode === null || p.node_id === selectedNode);
   const rows = shown.map((p) => {
     const key = p.node_id + "/" + p.id;
-    const tr = row([p.id, p.node_id, p.target, pill(p.health),
+    const tr = row([p.id, p.node_id, p.models.join(", "), p.target, pill(p.health),
       p.cause ? p.cause + (p.unavailable_since_ms ? " — since " + ago(p.unavailable_since_ms) : "") : "",
       p.capacity, p.in_flight, p.queued, p.long_capacity + " / " + p.long_in_flight + " / " + p.long_queued],
       "clickable state-" + (p.health === "healthy" ? "ready" : "down") + (key === selectedProvider ? " selected" : ""));
@@ -83,7 +83,7 @@ function renderProviders(v) {
     tr.addEventListener("keydown", (e) => { if (e.key === "Enter") selectProvider(key); });
     return tr;
   });
-  fill(document.querySelector("#providers tbody"), rows, "no provider", 9);
+  fill(document.querySelector("#providers tbody"), rows, "no provider", 10);
   document.getElementById("provider-filter").textContent =
     selectedNode === null ? "(all Nodes)" : "(Node " + selectedNode + ")";
 
@@ -97,6 +97,7 @@ function renderProviders(v) {
       " — " + ago(p.last_probe.at_ms)
     : "none yet";
   pairs(document.getElementById("provider-detail-pairs"), [
+    ["Models", p.models.join(", ")],
     ["Adapter", p.adapter],
     ["Target", p.target],
     ["Status", p.status],

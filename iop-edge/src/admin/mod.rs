@@ -142,6 +142,8 @@ pub struct ProviderView {
     pub id: String,
     /// Owning Node.
     pub node_id: String,
+    /// The models (as clients name them) it serves.
+    pub models: Vec<String>,
     /// Adapter instance.
     pub adapter: String,
     /// Target (the provider's model).
@@ -442,6 +444,15 @@ impl Shared {
                 }
             })
             .collect();
+        let mut models: BTreeMap<(&str, &str), Vec<String>> = BTreeMap::new();
+        for (model, keys) in edge.pool_config().map_or(&[][..], |c| &c.models[..]) {
+            for k in keys {
+                models
+                    .entry((k.node_id.as_str(), k.provider_id.as_str()))
+                    .or_default()
+                    .push(model.clone());
+            }
+        }
         let providers = core
             .providers
             .into_iter()
@@ -465,6 +476,10 @@ impl Shared {
                     _ => None,
                 };
                 ProviderView {
+                    models: models
+                        .get(&(p.node_id.as_str(), p.provider_id.as_str()))
+                        .cloned()
+                        .unwrap_or_default(),
                     cause,
                     unavailable_since_ms: h.overlay.map(|o| at(o.age)),
                     last_probe: h.last_probe.map(|pr| ProbeView {
