@@ -498,25 +498,51 @@ impl TunnelStream {
     /// Waits for the first event and tells whether the Node's connection ended before it sent
     /// anything (the stream then ended: nothing of the answer exists, so the request may go to
     /// another candidate). Otherwise the event stays first in line for [`TunnelStream::next`].
+    /// [`TunnelStream::unanswered`] also tells a capacity refusal.
     pub async fn lost_before_start(&mut self) -> bool {
-        if self.done || self.peeked.is_some() {
-            return false;
-        }
-        match self.events.recv().await {
-            Some(TunnelEvent::NodeDisconnected) => {
-                self.done = true;
-                if let Some(w) = self.watch.0.as_mut() {
-                    w.event("node_disconnected");
-                }
-                true
-            }
-            Some(ev) => {
-                self.peeked = Some(ev);
-                false
-            }
-            None => false,
-        }
+        self.unanswered().await.is_some()
     }
+
+    /// Waits for the first event and tells whether the Node never took the request: its
+    /// connection ended first, or it refused for capacity
+    /// ([`iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED`]: its gate was full, as it can be when
+    /// it serves several Edges). The stream has then ended and nothing reached the provider,
+    /// so the request may be sent again. Otherwise (`None`) the event stays first in line for
+    /// [`TunnelStream::next`].
+    pub async fn unanswered(&mut self) -> Option<Unanswered> {
+        if self.done || self.peeked.is_some() {
+            return None;
+        }
+        let (why, event) = match self.events.recv().await? {
+            TunnelEvent::NodeDisconnected => (Unanswered::NodeDisconnected, "node_disconnected"),
+            TunnelEvent::Frame(Delivery::Error {
+                error,
+                execution_failure: None,
+                ..
+            }) if error == iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED => {
+                (Unanswered::CapacityRefused, "capacity_refused")
+            }
+            ev => {
+                self.peeked = Some(ev);
+                return None;
+            }
+        };
+        self.done = true;
+        if let Some(w) = self.watch.0.as_mut() {
+            w.event(event);
+        }
+        Some(why)
+    }
+}
+
+/// Why a Node never took a tunnel request ([`TunnelStream::unanswered`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unanswered {
+    /// Its connection ended before it sent anything.
+    NodeDisconnected,
+    /// It refused: the adapter's capacity gate was full.
+    CapacityRefused,
 }
 
 /// The stream buffers of this driver.

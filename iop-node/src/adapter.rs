@@ -10,7 +10,7 @@
 //! owns.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -141,7 +141,7 @@ pub struct TunnelSink {
     tx: mpsc::Sender<Budgeted<TunnelPayload>>,
     budget: Arc<Semaphore>,
     fence: CancellationToken,
-    credential: Arc<std::sync::Mutex<Option<Injection>>>,
+    credential: Arc<Mutex<Option<Injection>>>,
 }
 
 /// The credential a tunnel's provider request carries: a lease opened for this dispatch
@@ -171,7 +171,7 @@ impl TunnelSink {
             tx,
             budget,
             fence,
-            credential: Arc::new(std::sync::Mutex::new(credential)),
+            credential: Arc::new(Mutex::new(credential)),
         }
     }
 
@@ -374,6 +374,7 @@ impl AdapterRegistry {
         &self,
         configs: &[AdapterConfig],
         keys: &HashMap<String, LocalKey>,
+        gates: &Gates,
     ) -> Result<Instances, String> {
         let mut by_key = HashMap::new();
         for c in configs.iter().filter(|c| c.enabled) {
@@ -383,7 +384,17 @@ impl AdapterRegistry {
                     c.adapter_type
                 )
             })?;
-            let adapter = factory(c).map_err(|e| format!("adapter `{}`: {e}", c.instance_key()))?;
+            // Another Edge's session built this instance from the same config: share it (and
+            // with it the provider connections).
+            let adapter = match gates.adapter(c) {
+                Some(a) => a,
+                None => {
+                    let a =
+                        factory(c).map_err(|e| format!("adapter `{}`: {e}", c.instance_key()))?;
+                    gates.keep(c, &a);
+                    a
+                }
+            };
             let credential = match keys.get(c.instance_key()) {
                 None => None,
                 Some(key) => {
@@ -399,13 +410,15 @@ impl AdapterRegistry {
                     )
                 }
             };
+            let gate = gates.gate(c.instance_key());
             by_key.insert(
                 c.instance_key().to_owned(),
                 Arc::new(Instance {
                     trace: TraceAttrs::of(c),
                     config: c.clone(),
                     adapter,
-                    gate: CapacityGate::new(c.capacity),
+                    declared: gate.declare(c.capacity),
+                    gate,
                     credential,
                 }),
             );
@@ -418,7 +431,12 @@ impl AdapterRegistry {
 pub(crate) struct Instance {
     pub(crate) config: AdapterConfig,
     pub(crate) adapter: Arc<dyn Adapter>,
-    pub(crate) gate: CapacityGate,
+    /// The Node's gate for this instance name, shared by every Edge session's instance of it.
+    pub(crate) gate: Arc<CapacityGate>,
+    /// This instance's capacity, counted in the gate's until the instance is dropped (after a
+    /// refresh replaced it and its executions ended, or when its session ended).
+    #[expect(dead_code, reason = "held for its drop")]
+    declared: Declaration,
     /// The Node's own key for this instance (legacy mode).
     pub(crate) credential: Option<UpstreamCredential>,
     /// The span attributes every execution on it carries, made once.
@@ -480,12 +498,31 @@ impl Instances {
 /// A per-adapter-instance capacity gate, shared by normalized runs and provider tunnels.
 ///
 /// Defense in depth: the Edge's provider leases are the admission authority; this gate only
-/// protects the backend from executions that bypassed the Edge queue. A zero capacity admits
-/// nothing.
+/// protects the backend from executions that bypassed the Edge queue, and from two Edges
+/// whose leases do not see each other. A zero capacity admits nothing.
+///
+/// A Node keeps one gate per adapter instance name for all its Edge sessions (each session
+/// builds its own instances from its own Edge's payload; see the crate docs). Each instance
+/// declares the capacity its Edge gave it while it lives, and the gate admits up to the
+/// **smallest** capacity declared: no Edge's view of the backend is exceeded, however many
+/// Edges admit at once. A lowered capacity never cuts an execution already admitted: it
+/// takes effect as executions end.
 #[derive(Debug)]
 pub struct CapacityGate {
     permits: Arc<Semaphore>,
+    limits: Mutex<GateLimits>,
+}
+
+#[derive(Debug, Default)]
+struct GateLimits {
+    /// The capacity admitted up to now.
     capacity: u32,
+    /// Permits to take out of the semaphore as executions return them (a lowered capacity
+    /// with executions holding the permits).
+    debt: usize,
+    /// Capacities declared by live instances, by declaration.
+    declared: BTreeMap<u64, u32>,
+    next: u64,
 }
 
 impl CapacityGate {
@@ -493,24 +530,144 @@ impl CapacityGate {
     pub fn new(capacity: u32) -> Self {
         Self {
             permits: Arc::new(Semaphore::new(capacity as usize)),
-            capacity,
+            limits: Mutex::new(GateLimits {
+                capacity,
+                ..GateLimits::default()
+            }),
         }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateLimits> {
+        self.limits
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Admits one execution now, or refuses (never waits: the Edge already queued).
     pub fn try_admit(&self) -> Option<OwnedSemaphorePermit> {
+        let mut l = self.lock();
+        if l.debt > 0 {
+            l.debt -= self.permits.forget_permits(l.debt);
+        }
         self.permits.clone().try_acquire_owned().ok()
     }
 
     /// Executions currently admitted.
     pub fn in_flight(&self) -> u32 {
-        let available = u32::try_from(self.permits.available_permits()).unwrap_or(u32::MAX);
-        self.capacity.saturating_sub(available)
+        let l = self.lock();
+        let total = (l.capacity as usize).saturating_add(l.debt);
+        u32::try_from(total.saturating_sub(self.permits.available_permits())).unwrap_or(u32::MAX)
     }
 
-    /// The configured capacity.
+    /// The capacity it admits up to.
     pub fn capacity(&self) -> u32 {
-        self.capacity
+        self.lock().capacity
+    }
+
+    /// Counts `capacity` among the declared ones until the returned guard is dropped.
+    fn declare(self: &Arc<Self>, capacity: u32) -> Declaration {
+        let mut l = self.lock();
+        let id = l.next;
+        l.next += 1;
+        l.declared.insert(id, capacity);
+        self.settle(&mut l);
+        Declaration {
+            gate: Arc::clone(self),
+            id,
+        }
+    }
+
+    /// Moves the admitted capacity to the smallest declared one (unchanged when none is).
+    fn settle(&self, l: &mut GateLimits) {
+        let Some(&target) = l.declared.values().min() else {
+            return;
+        };
+        if target > l.capacity {
+            let mut more = (target - l.capacity) as usize;
+            let repaid = more.min(l.debt);
+            l.debt -= repaid;
+            more -= repaid;
+            self.permits.add_permits(more);
+        } else if target < l.capacity {
+            let less = (l.capacity - target) as usize;
+            l.debt += less - self.permits.forget_permits(less);
+        }
+        l.capacity = target;
+    }
+}
+
+/// A live instance's declared capacity ([`CapacityGate`]): removed when dropped.
+#[derive(Debug)]
+pub(crate) struct Declaration {
+    gate: Arc<CapacityGate>,
+    id: u64,
+}
+
+impl Drop for Declaration {
+    fn drop(&mut self) {
+        let mut l = self.gate.lock();
+        l.declared.remove(&self.id);
+        self.gate.settle(&mut l);
+    }
+}
+
+/// An adapter built from a config, while an instance holds it.
+type Built = (AdapterConfig, std::sync::Weak<dyn Adapter>);
+
+/// What a Node's Edge sessions share (made once per run of the Node): the gates by adapter
+/// instance name, and the adapters built, by instance name and config, so that two sessions
+/// given the same config use one adapter (one pool of provider connections). Both live while
+/// an instance holds them.
+#[derive(Default)]
+pub(crate) struct Gates {
+    gates: Mutex<HashMap<String, std::sync::Weak<CapacityGate>>>,
+    adapters: Mutex<HashMap<String, Built>>,
+}
+
+impl std::fmt::Debug for Gates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gates").finish_non_exhaustive()
+    }
+}
+
+impl Gates {
+    /// The live adapter built from exactly `config`, if a session holds one.
+    fn adapter(&self, config: &AdapterConfig) -> Option<Arc<dyn Adapter>> {
+        let adapters = self
+            .adapters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (c, a) = adapters.get(config.instance_key())?;
+        (c == config).then(|| a.upgrade()).flatten()
+    }
+
+    /// Remembers `adapter` as the one built from `config` (replacing another config's).
+    fn keep(&self, config: &AdapterConfig, adapter: &Arc<dyn Adapter>) {
+        let mut adapters = self
+            .adapters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        adapters.retain(|_, (_, a)| a.strong_count() > 0);
+        adapters.insert(
+            config.instance_key().to_owned(),
+            (config.clone(), Arc::downgrade(adapter)),
+        );
+    }
+
+    /// The gate of instance name `name`, made (admitting nothing until an instance declares
+    /// its capacity) if no live instance holds one.
+    pub(crate) fn gate(&self, name: &str) -> Arc<CapacityGate> {
+        let mut gates = self
+            .gates
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(g) = gates.get(name).and_then(std::sync::Weak::upgrade) {
+            return g;
+        }
+        gates.retain(|_, g| g.strong_count() > 0);
+        let g = Arc::new(CapacityGate::new(0));
+        gates.insert(name.to_owned(), Arc::downgrade(&g));
+        g
     }
 }
 
@@ -534,6 +691,51 @@ pub fn trace_headers(headers: &mut http::HeaderMap, trace: Option<&iop_wire::tra
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two sessions' instances of one name share the gate at the smaller capacity; a lowered
+    /// capacity cuts nothing admitted and takes effect as executions end; the last
+    /// declaration gone, the name gets a fresh gate.
+    #[test]
+    fn a_shared_gate_admits_up_to_the_smallest_declared_capacity() {
+        let gates = Gates::default();
+        let g = gates.gate("openai");
+        let a = g.declare(4);
+        assert!(Arc::ptr_eq(&g, &gates.gate("openai")));
+        let held: Vec<_> = (0..4).map(|_| g.try_admit().unwrap()).collect();
+        assert!(g.try_admit().is_none(), "4 admitted");
+        // A second Edge's instance declares 2: nothing admitted is cut.
+        let b = g.declare(2);
+        assert_eq!((g.capacity(), g.in_flight()), (2, 4));
+        assert!(g.try_admit().is_none());
+        let mut held = held.into_iter();
+        drop(held.next());
+        drop(held.next());
+        assert_eq!(g.in_flight(), 2);
+        assert!(
+            g.try_admit().is_none(),
+            "still at the smaller capacity (2 in flight)"
+        );
+        drop(held.next());
+        assert_eq!(g.in_flight(), 1);
+        let c = g.try_admit().unwrap();
+        assert!(g.try_admit().is_none());
+        // The smaller declaration gone: back to 4.
+        drop(b);
+        assert_eq!((g.capacity(), g.in_flight()), (4, 2));
+        let more: Vec<_> = (0..2).map(|_| g.try_admit().unwrap()).collect();
+        assert!(g.try_admit().is_none());
+        assert_eq!(g.in_flight(), 4);
+        drop((a, c, more, held));
+        assert_eq!(g.in_flight(), 0);
+        drop(g);
+        let fresh = gates.gate("openai");
+        assert_eq!(
+            fresh.capacity(),
+            0,
+            "no instance holds it: a new gate admitting nothing"
+        );
+        assert!(fresh.try_admit().is_none());
+    }
 
     #[test]
     fn gate_admits_up_to_capacity_and_releases_on_drop() {

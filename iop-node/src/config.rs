@@ -8,6 +8,16 @@
 //! server_name = "edge.internal" # DNS name or IP the Edge certificate must carry
 //! name = "edge-1"               # the Edge's workload name (spiffe://<trust_domain>/edge/<name>)
 //!
+//! # or, to serve several Edges at once (one session each; see the crate docs), instead of [edge]:
+//! # [[edges]]
+//! # address = "edge-1.internal:7443"
+//! # server_name = "edge-1.internal"
+//! # name = "edge-1"
+//! # [[edges]]
+//! # address = "edge-2.internal:7443"
+//! # server_name = "edge-2.internal"
+//! # name = "edge-2"
+//!
 //! [tls]
 //! trust_domain = "iop.local"
 //! ca = "/etc/iop/ca.pem"        # PEM bundle of the workload CA
@@ -63,8 +73,12 @@ use crate::{AdapterRegistry, NodeOptions};
 pub struct NodeConfigFile {
     /// `node_id`.
     pub node_id: String,
-    /// `[edge]`.
-    pub edge: EdgeSection,
+    /// `[edge]`: the one Edge (or use [`NodeConfigFile::edges`]).
+    #[serde(default)]
+    pub edge: Option<EdgeSection>,
+    /// `[[edges]]`: several Edges, served at once.
+    #[serde(default)]
+    pub edges: Vec<EdgeSection>,
     /// `[tls]`.
     pub tls: TlsSection,
     /// `[reconnect]`.
@@ -383,7 +397,22 @@ impl NodeConfigFile {
 
     /// Parses TOML text.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))
+        let file: Self = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        match (&file.edge, file.edges.is_empty()) {
+            (None, true) => Err(ConfigError::Syntax(
+                "missing [edge] (or [[edges]]): the Edge this Node serves".to_owned(),
+            )),
+            (Some(_), false) => Err(ConfigError::Syntax(
+                "[edge] and [[edges]] together: write the one Edge as [edge], or every Edge as [[edges]]"
+                    .to_owned(),
+            )),
+            _ => Ok(file),
+        }
+    }
+
+    /// Every Edge the file names, the first first.
+    fn edge_sections(&self) -> Vec<&EdgeSection> {
+        self.edge.iter().chain(&self.edges).collect()
     }
 
     /// Validates every key and builds the Node's options (reads the TLS files).
@@ -412,8 +441,32 @@ impl NodeConfigFile {
                     };
                     invalid(key, e.to_string())
                 })?;
-        let expected = ExpectedPeer::exact(&self.tls.trust_domain, role::EDGE, &self.edge.name)
-            .map_err(|e| invalid("edge.name", e.to_string()))?;
+        let sections = self.edge_sections();
+        let (name_key, server_key) = if self.edge.is_some() {
+            ("edge.name", "edge.server_name")
+        } else {
+            ("edges.name", "edges.server_name")
+        };
+        let (mut names, mut addresses) = (
+            std::collections::HashSet::new(),
+            std::collections::HashSet::new(),
+        );
+        for e in &sections {
+            if !names.insert(e.name.as_str()) || !addresses.insert(e.address.as_str()) {
+                return Err(invalid(
+                    "edges",
+                    format!("edge `{}` ({}) is named twice", e.name, e.address),
+                ));
+            }
+        }
+        let first = sections
+            .first()
+            .ok_or_else(|| invalid("edge", "missing [edge] (or [[edges]])"))?;
+        let expected = |e: &EdgeSection| {
+            ExpectedPeer::exact(&self.tls.trust_domain, role::EDGE, &e.name)
+                .map_err(|err| invalid(name_key, err.to_string()))
+        };
+        let first_expected = expected(first)?;
         let ca = read("tls.ca", &self.tls.ca)?;
         let cert = read("tls.cert", &self.tls.cert)?;
         let key = read("tls.key", &self.tls.key)?;
@@ -439,24 +492,31 @@ impl NodeConfigFile {
             ));
         }
         let tls = material
-            .client_config(expected)
+            .client_config(first_expected)
             .map_err(|e| invalid("tls.ca", e.to_string()))?;
+        let server_name_error = || invalid(server_key, "not a valid DNS name or IP address");
         let mut opts = NodeOptions::new(
             &self.node_id,
-            &self.edge.address,
-            &self.edge.server_name,
+            &first.address,
+            &first.server_name,
             Arc::new(tls),
         )
         .map_err(|e| match e {
             crate::OptionsError::NodeId => {
                 invalid("node_id", "must be 1-128 characters of A-Z a-z 0-9 . _ -")
             }
-            crate::OptionsError::ServerName => {
-                invalid("edge.server_name", "not a valid DNS name or IP address")
-            }
+            crate::OptionsError::ServerName => server_name_error(),
         })?
         .with_adapters(adapters)
         .with_reconnect(reconnect);
+        for e in sections.iter().skip(1) {
+            let tls = material
+                .client_config(expected(e)?)
+                .map_err(|err| invalid("tls.ca", err.to_string()))?;
+            opts = opts
+                .with_edge(&e.address, &e.server_name, Arc::new(tls))
+                .map_err(|_| server_name_error())?;
+        }
         if let Some(ms) = self.runtime.close_grace_ms {
             opts.close_grace = Duration::from_millis(ms);
         }
@@ -492,7 +552,48 @@ mod tests {
         let e = NodeConfigFile::parse("node_id = \"n\"\n")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("edge"), "{e}");
+        assert!(e.contains("tls"), "{e}");
+        let e = NodeConfigFile::parse(
+            "node_id = \"n\"\n[tls]\ntrust_domain = \"t\"\nca = \"/c\"\ncert = \"/x\"\nkey = \"/y\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("[edge]"), "{e}");
+    }
+
+    /// `[[edges]]` names several Edges; `[edge]` with it, or an Edge named twice, is an error.
+    #[test]
+    fn several_edges_are_written_as_edges_tables() {
+        let tls =
+            "[tls]\ntrust_domain = \"t\"\nca = \"/nonexistent\"\ncert = \"/x\"\nkey = \"/y\"\n";
+        let edge = |name: &str, port: u16| {
+            format!(
+                "[[edges]]\naddress = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nname = \"{name}\"\n"
+            )
+        };
+        let two = format!("node_id = \"n\"\n{}{}{tls}", edge("e1", 1), edge("e2", 2));
+        let file = NodeConfigFile::parse(&two).unwrap();
+        assert!(file.edge.is_none());
+        assert_eq!(file.edges.len(), 2);
+        // Past parsing, the first file read is the CA: the Edges were accepted.
+        let e = file
+            .into_options(AdapterRegistry::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tls.ca"), "{e}");
+        let both = format!(
+            "node_id = \"n\"\n[edge]\naddress = \"a:1\"\nserver_name = \"localhost\"\nname = \"e\"\n{}{tls}",
+            edge("e1", 1)
+        );
+        let e = NodeConfigFile::parse(&both).unwrap_err().to_string();
+        assert!(e.contains("[edge] and [[edges]]"), "{e}");
+        let twice = format!("node_id = \"n\"\n{}{}{tls}", edge("e1", 1), edge("e1", 2));
+        let e = NodeConfigFile::parse(&twice)
+            .unwrap()
+            .into_options(AdapterRegistry::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("edges") && e.contains("named twice"), "{e}");
     }
 
     #[test]

@@ -69,6 +69,29 @@
 //!   Both go through `iop_lease::HeaderSpec::inject`; neither ever reaches the Edge, a log line
 //!   or a metric, and a Node refuses to hold both.
 //!
+//! # Several Edges
+//!
+//! A Node may serve several Edges at once ([`NodeOptions::with_edge`]; `[[edges]]` in the
+//! config file, where the single `[edge]` stays valid). Each Edge gets a session of its own
+//! that follows seed 000 on its own: its own registration, generation, config, ready state,
+//! supervisor, backoff and jitter, so an Edge that dies costs the Node nothing but that
+//! session (it is dialled again under its own policy, and a budget that runs out while
+//! another Edge is served starts over after its interval). What the sessions share:
+//!
+//! - **the capacity gates**, one per adapter instance name ([`CapacityGate`]): two Edges
+//!   admitting at once cannot push an adapter past its capacity. A run or tunnel over it is
+//!   refused with [`iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED`], and the Edge sends the
+//!   request again (to another candidate, or after a pause) instead of failing it;
+//! - **the adapters**: a session whose Edge sends an instance config equal to one another
+//!   session already runs uses that adapter (and its pool of provider connections);
+//! - **the credential plane**: the recipient key, the issuer pins and the replay guard.
+//!
+//! Two Edges may send different payloads for the same Node: each session runs the instances
+//! its own Edge configured (one instance set per Edge; a config refresh from one Edge changes
+//! what that Edge's session runs and nothing else). Instances of the same name share the
+//! gate, which admits up to the **smallest** capacity any live instance of that name was
+//! given: no Edge's view of the backend is exceeded.
+//!
 //! # Embedding: [`Node`]
 //!
 //! [`Node::start`] runs the supervisor on a task of its own; [`Node::run_until`] is what a
@@ -138,18 +161,40 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
+/// Another Edge a Node serves besides its first ([`NodeOptions::with_edge`]).
+#[derive(Clone)]
+pub struct EdgeTarget {
+    /// The Edge's `host:port`.
+    pub address: String,
+    /// The TLS server name to verify its certificate against (DNS or IP SAN).
+    pub server_name: ServerName<'static>,
+    /// The TLS client configuration for it: the Node's identity and the verifier of this
+    /// Edge's role/name.
+    pub tls: Arc<rustls::ClientConfig>,
+}
+
+impl std::fmt::Debug for EdgeTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EdgeTarget")
+            .field("address", &self.address)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Everything a Node needs to run.
 #[derive(Clone)]
 pub struct NodeOptions {
     /// The Node id; must equal the name in the Node's workload certificate.
     pub node_id: String,
-    /// The Edge's `host:port`.
+    /// The (first) Edge's `host:port`.
     pub edge_address: String,
     /// The TLS server name to verify the Edge certificate against (DNS or IP SAN).
     pub server_name: ServerName<'static>,
     /// The TLS client configuration: the Node's identity and the verifier of the Edge's
     /// role/name (build it with `workload_identity`).
     pub tls: Arc<rustls::ClientConfig>,
+    /// More Edges to serve at once, each in a session of its own ([`NodeOptions::with_edge`]).
+    pub more_edges: Vec<EdgeTarget>,
     /// Initial dial and reconnect policy.
     pub reconnect: ReconnectPolicy,
     /// Heartbeat and handshake timeouts.
@@ -186,6 +231,7 @@ impl std::fmt::Debug for NodeOptions {
         f.debug_struct("NodeOptions")
             .field("node_id", &self.node_id)
             .field("edge_address", &self.edge_address)
+            .field("more_edges", &self.more_edges)
             .field("reconnect", &self.reconnect)
             .field("adapters", &self.adapters)
             .finish_non_exhaustive()
@@ -230,6 +276,7 @@ impl NodeOptions {
             edge_address: edge_address.to_owned(),
             server_name,
             tls,
+            more_edges: Vec::new(),
             reconnect: ReconnectPolicy::default(),
             session: NodeSessionConfig::default(),
             adapters: AdapterRegistry::new(),
@@ -274,6 +321,38 @@ impl NodeOptions {
         self
     }
 
+    /// Serves one more Edge, at `address`, verified as `server_name` by `tls` (its expected
+    /// peer is that Edge): the Node keeps one session per Edge, each registering, getting its
+    /// own generation and config, and reconnecting under its own supervisor (see the crate
+    /// docs: [several Edges](crate#several-edges)).
+    pub fn with_edge(
+        mut self,
+        address: &str,
+        server_name: &str,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> Result<Self, OptionsError> {
+        let server_name =
+            ServerName::try_from(server_name.to_owned()).map_err(|_| OptionsError::ServerName)?;
+        self.more_edges.push(EdgeTarget {
+            address: address.to_owned(),
+            server_name,
+            tls,
+        });
+        Ok(self)
+    }
+
+    /// Every Edge this Node serves, the first one first.
+    pub fn edges(&self) -> Vec<EdgeTarget> {
+        let first = EdgeTarget {
+            address: self.edge_address.clone(),
+            server_name: self.server_name.clone(),
+            tls: self.tls.clone(),
+        };
+        std::iter::once(first)
+            .chain(self.more_edges.iter().cloned())
+            .collect()
+    }
+
     /// Sets the reconnect policy.
     pub fn with_reconnect(mut self, reconnect: ReconnectPolicy) -> Self {
         self.reconnect = reconnect;
@@ -304,16 +383,112 @@ impl Jitter {
 
 /// Runs the Node until `shutdown` is cancelled, the reconnect budget is exhausted, or a fatal
 /// local error. Returns the outcome; [`Exit::exit_code`] maps it to a process exit code.
+///
+/// With several Edges ([`NodeOptions::with_edge`]) each has its own supervisor, and the Node
+/// runs until `shutdown`, a fatal local error, or until every Edge's budget is exhausted at
+/// once: an Edge whose budget runs out while another session lives is dialled again after
+/// its reconnect interval, with a fresh budget (the Node is still serving, and that Edge may
+/// come back).
 pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
-    let address = opts.edge_address.clone();
-    run_node_with(opts, shutdown, move || dial_tcp(address.clone())).await
+    if opts.more_edges.is_empty() {
+        let address = opts.edge_address.clone();
+        return run_node_with(opts, shutdown, move || dial_tcp(address.clone())).await;
+    }
+    if opts.credentials.is_some() && !opts.local_keys.is_empty() {
+        tracing::error!(
+            target: "iop_node",
+            "local upstream keys are not allowed with the credential plane enabled"
+        );
+        return Exit::Fatal;
+    }
+    let gates = Arc::new(adapter::Gates::default());
+    let targets = opts.edges();
+    let count = targets.len();
+    // Supervisors not exhausted now; the one that brings it to zero ends the Node.
+    let alive = Arc::new(std::sync::atomic::AtomicUsize::new(count));
+    let all_down = shutdown.child_token();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, target) in targets.into_iter().enumerate() {
+        let mut o = opts.clone();
+        o.edge_address = target.address;
+        o.server_name = target.server_name;
+        o.tls = target.tls;
+        o.more_edges = Vec::new();
+        o.jitter_seed = o.jitter_seed.map(|s| s.wrapping_add(i as u64));
+        let (gates, alive, all_down) = (gates.clone(), alive.clone(), all_down.clone());
+        tasks.spawn(async move {
+            use std::sync::atomic::Ordering;
+            let address = o.edge_address.clone();
+            loop {
+                let dial = {
+                    let address = address.clone();
+                    move || dial_tcp(address.clone())
+                };
+                let exit = supervise(&o, &gates, all_down.clone(), dial).await;
+                if !matches!(exit, Exit::Exhausted { .. }) {
+                    all_down.cancel();
+                    return exit;
+                }
+                if alive.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    tracing::warn!(target: "iop_node", edge = %address, "every Edge's reconnect budget is exhausted");
+                    all_down.cancel();
+                    return exit;
+                }
+                tracing::warn!(target: "iop_node", edge = %address, "reconnect budget exhausted while other Edges are served; trying again after the interval");
+                tokio::select! {
+                    () = all_down.cancelled() => return exit,
+                    () = tokio::time::sleep(o.reconnect.interval()) => {}
+                }
+                alive.fetch_add(1, Ordering::AcqRel);
+            }
+        });
+    }
+    let mut exits = Vec::with_capacity(count);
+    while let Some(r) = tasks.join_next().await {
+        exits.push(r.unwrap_or(Exit::Fatal));
+    }
+    if shutdown.is_cancelled() {
+        Exit::Shutdown
+    } else if exits.contains(&Exit::Fatal) {
+        Exit::Fatal
+    } else {
+        exits
+            .into_iter()
+            .find(|e| matches!(e, Exit::Exhausted { .. }))
+            .unwrap_or(Exit::Fatal)
+    }
 }
 
 /// [`run_node`] over connections `dial` opens (another transport, a simulated network): each
 /// attempt calls it for a byte stream to the Edge, then does the TLS handshake with
-/// `opts.tls` and runs the session on it, under the same supervisor. `edge_address` is not
-/// used. [`NodeOptions::jitter_seed`] makes the reconnect jitter a seeded sequence.
+/// `opts.tls` and runs the session on it, under the same supervisor. `edge_address` and
+/// [`NodeOptions::more_edges`] are not used (one Edge). [`NodeOptions::jitter_seed`] makes
+/// the reconnect jitter a seeded sequence.
 pub async fn run_node_with<D, F, S>(opts: NodeOptions, shutdown: CancellationToken, dial: D) -> Exit
+where
+    D: Fn() -> F,
+    F: Future<Output = std::io::Result<S>>,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
+{
+    if opts.credentials.is_some() && !opts.local_keys.is_empty() {
+        // One source of truth: a managed Node takes credentials only from leases.
+        tracing::error!(
+            target: "iop_node",
+            "local upstream keys are not allowed with the credential plane enabled"
+        );
+        return Exit::Fatal;
+    }
+    supervise(&opts, &adapter::Gates::default(), shutdown, dial).await
+}
+
+/// One Edge's supervisor: dials, runs sessions and reconnects under `opts.reconnect` until
+/// `shutdown`, exhaustion or a fatal error. `gates` are the Node's, shared by all its Edges.
+async fn supervise<D, F, S>(
+    opts: &NodeOptions,
+    gates: &adapter::Gates,
+    shutdown: CancellationToken,
+    dial: D,
+) -> Exit
 where
     D: Fn() -> F,
     F: Future<Output = std::io::Result<S>>,
@@ -327,14 +502,6 @@ where
         let name = opts.server_name.clone();
         async move { tls.connect(name, tcp.await?).await }
     };
-    if opts.credentials.is_some() && !opts.local_keys.is_empty() {
-        // One source of truth: a managed Node takes credentials only from leases.
-        tracing::error!(
-            target: "iop_node",
-            "local upstream keys are not allowed with the credential plane enabled"
-        );
-        return Exit::Fatal;
-    }
     let mut supervisor = Supervisor::new(opts.reconnect);
     loop {
         match supervisor.poll_action() {
@@ -350,7 +517,7 @@ where
                 match dialed {
                     Ok(Ok(stream)) => {
                         tracing::debug!(attempt, "connected to edge");
-                        let outcome = session::run_session(stream, &opts, &shutdown).await;
+                        let outcome = session::run_session(stream, opts, gates, &shutdown).await;
                         if outcome.reached_ready {
                             supervisor.handle_ready();
                         }

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::NodeOptions;
 use crate::adapter::{
-    Budgeted, Injection, Instance, Instances, RunEvents, TunnelSink, stream_budget,
+    Budgeted, Gates, Injection, Instance, Instances, RunEvents, TunnelSink, stream_budget,
 };
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel_order::TunnelWriter;
@@ -72,6 +72,7 @@ fn now() -> std::time::Instant {
 pub(crate) async fn run_session<S>(
     stream: S,
     opts: &NodeOptions,
+    gates: &Gates,
     shutdown: &CancellationToken,
 ) -> SessionOutcome
 where
@@ -117,7 +118,10 @@ where
                 progressed = true;
                 match event {
                     NodeEvent::ApplyConfig { config, .. } => {
-                        match opts.adapters.build(&config.adapters, &opts.local_keys) {
+                        match opts
+                            .adapters
+                            .build(&config.adapters, &opts.local_keys, gates)
+                        {
                             Ok(built) => {
                                 instances = built;
                                 // Handlers are the arms of this loop: installed once it runs.
@@ -140,6 +144,7 @@ where
                         &session_token,
                         &out_tx,
                         opts,
+                        gates,
                         &mut session,
                     ),
                     NodeEvent::Closed(reason) => {
@@ -231,6 +236,7 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
+#[allow(clippy::too_many_arguments, reason = "the session loop's state, borrowed apart")]
 fn handle_frame(
     frame: RuntimeFrame,
     instances: &mut Instances,
@@ -238,6 +244,7 @@ fn handle_frame(
     session_token: &CancellationToken,
     out_tx: &mpsc::Sender<Outbound>,
     opts: &NodeOptions,
+    gates: &Gates,
     session: &mut NodeSession,
 ) {
     let RuntimeFrame {
@@ -286,7 +293,7 @@ fn handle_frame(
             );
         }
         RuntimeMessage::NodeConfigRefreshRequest(config) => {
-            let resp = refresh(&config, instances, opts);
+            let resp = refresh(&config, instances, opts, gates);
             let _ = session.send(
                 now(),
                 RuntimeFrame::correlated(
@@ -349,7 +356,7 @@ fn admit(
     })?;
     let Some(permit) = instance.gate.try_admit() else {
         session.run_finished(run_id);
-        return Err("adapter capacity exhausted");
+        return Err(iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED);
     };
     let token = session_token.child_token();
     runs.insert(run_id.to_owned(), token.clone());
@@ -363,8 +370,12 @@ fn refresh(
     config: &NodeConfigPayload,
     instances: &mut Instances,
     opts: &NodeOptions,
+    gates: &Gates,
 ) -> NodeConfigRefreshResponse {
-    match opts.adapters.build(&config.adapters, &opts.local_keys) {
+    match opts
+        .adapters
+        .build(&config.adapters, &opts.local_keys, gates)
+    {
         Ok(built) => {
             // Runs in flight keep their `Arc<Instance>` until they finish.
             *instances = built;

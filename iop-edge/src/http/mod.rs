@@ -970,10 +970,26 @@ fn attempt_span(
     )
 }
 
-/// Sends a tunnel request and, when the Node's connection ends before it sent anything (the
-/// Node died or was fenced with the request in flight), admits the request once more and sends
-/// it to the new candidate, if that provider takes the request as built (same kind, target and
-/// protocol profile). The provider behind the lost Node may have received the first request.
+/// The first pause before a request a Node refused for capacity is sent again; it doubles up
+/// to [`CAPACITY_PAUSE_MAX`], each drawn from 50–100 % of it (`iop_wire::backoff`, the
+/// workspace's one retry policy).
+const CAPACITY_PAUSE_MIN: Duration = Duration::from_millis(10);
+/// The longest pause between capacity refusals.
+const CAPACITY_PAUSE_MAX: Duration = Duration::from_millis(400);
+
+/// Sends a tunnel request, and sends it again when the Node never took it:
+///
+/// - **its connection ended before it sent anything** (the Node died or was fenced with the
+///   request in flight): the request is admitted once more and sent to the new candidate, if
+///   that provider takes the request as built (same kind, target and protocol profile); the
+///   provider behind the lost Node may have received the first request. At most
+///   [`MAX_ATTEMPTS`] in all.
+/// - **it refused for capacity** ([`iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED`]: a Node
+///   serving several Edges is full while this Edge's own leases say it is not; nothing reached
+///   the provider): after a pause (10 ms doubling to 400 ms, jittered) the request is admitted
+///   again, to whichever candidate has room, as often as fits in the pool's queue wait (then
+///   503, as a wait that ran out).
+///
 /// Each attempt is its own span.
 #[allow(clippy::too_many_arguments, reason = "one request's whole context")]
 async fn dispatch_tunnel(
@@ -986,40 +1002,30 @@ async fn dispatch_tunnel(
     request: PoolRequest,
     server: Option<&iop_telemetry::Span>,
 ) -> Result<(crate::transport::TunnelStream, iop_telemetry::Span), Response> {
+    use crate::transport::Unanswered;
     let shape = |a: &Admission| {
         let l = a.lease();
         (l.kind, l.target.clone(), state.catalog.profile_arc(a))
     };
     let mut number = 1;
     let mut reason = "first";
-    let mut request = Some(request);
-    // A fallback needs another Node serving the group; only then is the request kept.
-    let attempts = if state.catalog.models.get(group).is_some_and(|c| c.nodes > 1) {
-        MAX_ATTEMPTS
+    // A fallback after a lost connection needs another Node serving the group.
+    let fallbacks = if state.catalog.models.get(group).is_some_and(|c| c.nodes > 1) {
+        MAX_ATTEMPTS - 1
     } else {
-        1
+        0
     };
+    let mut lost = 0;
+    let deadline = tokio::time::Instant::now() + state.config.queue_wait;
+    let policy = || iop_wire::backoff::Backoff::exponential(CAPACITY_PAUSE_MIN, CAPACITY_PAUSE_MAX);
+    let mut pauses =
+        iop_wire::backoff::Retries::new(policy().with_jitter(0.5).unwrap_or_else(|_| policy()));
     loop {
         let mut attempt = attempt_span(state, server, number, reason, admission.lease());
-        let this = match request.take() {
-            Some(r) if number < attempts => {
-                request = Some(r.clone());
-                r
-            }
-            Some(r) => r,
-            None => {
-                return Err(render::error(
-                    dialect,
-                    StatusCode::BAD_GATEWAY,
-                    render::PROVIDER_FAILED,
-                ));
-            }
-        };
-        // What the fallback compares and logs, only when there can be one.
-        let before = request
-            .is_some()
-            .then(|| (shape(&admission), admission.lease().key.node_id.clone()));
-        match send(
+        // Kept for a second attempt: a refusal for capacity can come whatever the group.
+        let this = request.clone();
+        let before = (shape(&admission), admission.lease().key.node_id.clone());
+        let mut s = match send(
             state,
             dialect,
             caller,
@@ -1031,34 +1037,7 @@ async fn dispatch_tunnel(
         )
         .await?
         {
-            Dispatched::Tunnel(mut s) => {
-                let Some((before, before_node)) = before else {
-                    return Ok((s, attempt));
-                };
-                if !s.lost_before_start().await {
-                    return Ok((s, attempt));
-                }
-                tracing::warn!(
-                    node_id = %before_node,
-                    trace_id = %server.and_then(iop_telemetry::Span::trace_id).unwrap_or_default(),
-                    "the Node's connection ended before it answered; sending the request to another candidate"
-                );
-                attempt.event("node_disconnected", Vec::new());
-                attempt.fail("node_disconnected");
-                drop(attempt);
-                drop(s);
-                let next = admit(state, dialect, group, model).await?;
-                if shape(&next) != before {
-                    return Err(render::error(
-                        dialect,
-                        StatusCode::BAD_GATEWAY,
-                        render::PROVIDER_FAILED,
-                    ));
-                }
-                admission = next;
-                number += 1;
-                reason = "fallback";
-            }
+            Dispatched::Tunnel(s) => s,
             Dispatched::Run(_) => {
                 return Err(render::error(
                     dialect,
@@ -1066,7 +1045,74 @@ async fn dispatch_tunnel(
                     render::PROVIDER_FAILED,
                 ));
             }
+        };
+        let Some(why) = s.unanswered().await else {
+            return Ok((s, attempt));
+        };
+        let (before, before_node) = before;
+        let trace_id = server
+            .and_then(iop_telemetry::Span::trace_id)
+            .unwrap_or_default();
+        match why {
+            Unanswered::NodeDisconnected => {
+                attempt.event("node_disconnected", Vec::new());
+                attempt.fail("node_disconnected");
+                if lost >= fallbacks {
+                    return Err(render::error(
+                        dialect,
+                        StatusCode::BAD_GATEWAY,
+                        render::PROVIDER_FAILED,
+                    ));
+                }
+                lost += 1;
+                tracing::warn!(
+                    node_id = %before_node,
+                    %trace_id,
+                    "the Node's connection ended before it answered; sending the request to another candidate"
+                );
+                reason = "fallback";
+            }
+            _ => {
+                attempt.event("capacity_refused", Vec::new());
+                attempt.fail("capacity_refused");
+                let mut random = [0u8; 4];
+                let _ =
+                    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+                let wait = pauses.next_delay(u32::from_le_bytes(random));
+                if tokio::time::Instant::now() + wait >= deadline {
+                    tracing::info!(node_id = %before_node, %trace_id, "the Node refused for capacity until the queue wait ran out");
+                    return Err(render::dispatch_error(
+                        dialect,
+                        crate::DispatchError::WaitTimeout,
+                        model,
+                    ));
+                }
+                tracing::debug!(node_id = %before_node, %trace_id, "the Node refused for capacity; sending the request again after a pause");
+                tokio::time::sleep(wait).await;
+                reason = "capacity";
+            }
         }
+        drop(attempt);
+        drop(s);
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let next = state
+            .edge
+            .admit(
+                group,
+                ContextSize::Standard,
+                left.max(Duration::from_millis(1)),
+            )
+            .await
+            .map_err(|e| render::dispatch_error(dialect, e, model))?;
+        if shape(&next) != before {
+            return Err(render::error(
+                dialect,
+                StatusCode::BAD_GATEWAY,
+                render::PROVIDER_FAILED,
+            ));
+        }
+        admission = next;
+        number += 1;
     }
 }
 

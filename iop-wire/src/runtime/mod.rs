@@ -52,6 +52,12 @@ pub use tunnel::*;
 /// subtracts it from its own time to get what the mesh added.
 pub const METADATA_PROVIDER_US: &str = "provider_us";
 
+/// The error text of a Node's refusal of a run or tunnel because the adapter instance's
+/// capacity gate is full (a Node serving several Edges can be full while each Edge's own
+/// leases say otherwise). Nothing reached the provider: the Edge may send the request again,
+/// to another candidate or after a pause (`iop_edge`'s dispatch does).
+pub const REFUSED_CAPACITY_EXHAUSTED: &str = "adapter capacity exhausted";
+
 #[cfg(test)]
 mod tests {
     use prost::Message as _;
