@@ -55,6 +55,18 @@ if [ ! -x /usr/bin/chromium ]; then
     exit 1
 fi
 
+# The Edge tier test (bins/tests/edge_tier.rs) puts two Edges behind Debian's HAProxy.
+if [ ! -x /usr/sbin/haproxy ]; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing Debian's haproxy for the Edge tier test (apt-get install haproxy)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null
+    fi
+fi
+if [ ! -x /usr/sbin/haproxy ]; then
+    echo "error: /usr/sbin/haproxy is required for the Edge tier test: run 'apt-get install haproxy'" >&2
+    exit 1
+fi
+
 # A clean build of every test target takes several GiB; with full debug info it once filled a
 # CI machine's disk (see [profile.dev] in Cargo.toml). Incremental state is of no use to a
 # clean clone and doubles the workspace crates' footprint.

@@ -64,6 +64,10 @@ pub struct ServeLimits {
     pub h2_keep_alive: Duration,
     /// HTTP/2: concurrent streams per connection.
     pub h2_max_streams: u32,
+    /// After `shutdown`, how long the requests in flight (a streamed answer included) may
+    /// take to finish; then [`serve_with`] returns, and the connections still open end with
+    /// their tasks (at the latest when the runtime stops).
+    pub drain_timeout: Duration,
 }
 
 impl Default for ServeLimits {
@@ -73,6 +77,7 @@ impl Default for ServeLimits {
             header_timeout: Duration::from_secs(30),
             h2_keep_alive: Duration::from_secs(30),
             h2_max_streams: 256,
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -99,7 +104,8 @@ pub async fn serve(
 /// has [`ServeLimits::header_timeout`] to send its first byte and then each request's headers,
 /// and gets `TCP_NODELAY`. An `accept` error (e.g. out of file descriptors) backs off 50 ms and is
 /// logged at most once per 10 s. On `shutdown` no new connection is accepted and the ones
-/// open finish their requests.
+/// open finish their requests, for at most [`ServeLimits::drain_timeout`] (HTTP/1.1
+/// connections close after their request in flight; HTTP/2 ones get a GOAWAY).
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     router: Router,
@@ -174,7 +180,21 @@ pub async fn serve_with(
             drop(permit);
         });
     }
-    graceful.shutdown().await;
+    let open = limits.max_connections - permits.available_permits();
+    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        let left = limits.max_connections - permits.available_permits();
+        tracing::warn!(
+            open_at_shutdown = open,
+            left,
+            drain_timeout_ms = u64::try_from(limits.drain_timeout.as_millis()).unwrap_or(u64::MAX),
+            "http: the drain bound was reached with connections still open; they end now"
+        );
+    } else {
+        tracing::info!(open_at_shutdown = open, "http: drained");
+    }
     Ok(())
 }
 

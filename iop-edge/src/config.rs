@@ -69,6 +69,10 @@
 //! http_max_connections = 4096        # HTTP connections (more: closed at once)
 //! http_header_timeout_sec = 30       # to send request headers; also the keep-alive idle limit
 //! http_body_timeout_sec = 60         # to send the whole request body (then 408)
+//! drain_notice_sec = 0               # on SIGTERM: /readyz answers 503 this long, still serving,
+//!                                    #   before the listener closes (give a load balancer's
+//!                                    #   health check time to see it: interval × fall)
+//! drain_timeout_sec = 30             # then requests and streams in flight may finish this long
 //!
 //! [[nodes]]
 //! node_id = "node-1"
@@ -632,6 +636,11 @@ pub struct Limits {
     pub http_header_timeout_sec: u64,
     /// `limits.http_body_timeout_sec`.
     pub http_body_timeout_sec: u64,
+    /// `limits.drain_notice_sec`: on a graceful stop, how long `/readyz` answers 503 while the
+    /// Edge still serves, before its listener closes (may be 0).
+    pub drain_notice_sec: u64,
+    /// `limits.drain_timeout_sec`: then how long the requests in flight may take to finish.
+    pub drain_timeout_sec: u64,
 }
 
 impl Default for Limits {
@@ -647,6 +656,8 @@ impl Default for Limits {
             http_max_connections: serve.max_connections,
             http_header_timeout_sec: serve.header_timeout.as_secs(),
             http_body_timeout_sec: crate::http::DEFAULT_BODY_TIMEOUT.as_secs(),
+            drain_notice_sec: 0,
+            drain_timeout_sec: serve.drain_timeout.as_secs(),
         }
     }
 }
@@ -682,6 +693,7 @@ impl Limits {
                 "limits.http_body_timeout_sec",
                 self.http_body_timeout_sec as usize,
             ),
+            ("limits.drain_timeout_sec", self.drain_timeout_sec as usize),
         ];
         for (key, value) in positive {
             if value == 0 {
@@ -836,8 +848,12 @@ pub struct EdgeConfig {
     pub http_listen: SocketAddr,
     /// The HTTP surface.
     pub http: HttpConfig,
-    /// Connection limits of the HTTP listener (for [`crate::http::serve_with`]).
+    /// Connection limits of the HTTP listener (for [`crate::http::serve_with`]), the drain
+    /// bound included.
     pub serve: ServeLimits,
+    /// On a graceful stop, how long `/readyz` answers 503 while the Edge still serves, before
+    /// its listener closes ([`crate::Edge::draining`]).
+    pub drain_notice: Duration,
     /// The Control Plane connector, when configured.
     pub control: Option<ControlConfig>,
     /// The TLS material every listener and dialer reads at each handshake; [`crate::Edge`]
@@ -1229,8 +1245,10 @@ impl EdgeConfigFile {
             serve: ServeLimits {
                 max_connections: self.limits.http_max_connections,
                 header_timeout: Duration::from_secs(self.limits.http_header_timeout_sec),
+                drain_timeout: Duration::from_secs(self.limits.drain_timeout_sec),
                 ..ServeLimits::default()
             },
+            drain_notice: Duration::from_secs(self.limits.drain_notice_sec),
             control,
             tls,
             tls_files,

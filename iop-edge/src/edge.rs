@@ -69,6 +69,7 @@ pub struct Edge {
     handle: EdgeHandle,
     http: HttpConfig,
     serve: ServeLimits,
+    drain_notice: Duration,
     control: Option<ControlConnector>,
     http_listen: SocketAddr,
     stop: CancellationToken,
@@ -109,6 +110,7 @@ impl Edge {
             tls_files,
             http_listen,
             telemetry,
+            drain_notice,
             ..
         } = config;
         if !http.telemetry.is_on() {
@@ -156,6 +158,7 @@ impl Edge {
             handle,
             http,
             serve,
+            drain_notice,
             control,
             http_listen,
             stop,
@@ -242,6 +245,31 @@ impl Edge {
         ))
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+    }
+
+    /// A shutdown future for [`Edge::serve`] that drains the Edge first: once `signal`
+    /// completes, `/readyz` answers `503 draining` ([`EdgeHandle::drain`]) while the Edge
+    /// still serves for the configured notice (`[limits] drain_notice_sec`, so a load
+    /// balancer's health check sees it), then it completes: the listener closes and the
+    /// requests and streams in flight finish within `[limits] drain_timeout_sec`. What the
+    /// `iop-edge` binary does on SIGTERM or Ctrl-C.
+    pub fn draining(
+        &self,
+        signal: impl Future<Output = ()> + Send + 'static,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let handle = self.handle.clone();
+        let notice = self.drain_notice;
+        async move {
+            signal.await;
+            handle.drain();
+            tracing::info!(
+                target: "iop_edge",
+                event = "edge_draining",
+                notice_ms = u64::try_from(notice.as_millis()).unwrap_or(u64::MAX),
+                "draining: /readyz answers 503; the listener closes after the notice"
+            );
+            tokio::time::sleep(notice).await;
+        }
     }
 
     /// Exports the spans still queued, then stops the Node listener, the TLS reload and the

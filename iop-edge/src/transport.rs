@@ -811,9 +811,25 @@ pub struct EdgeHandle {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
     limits: Arc<Handshakes>,
+    /// Set when the Edge starts draining ([`EdgeHandle::drain`]).
+    draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl EdgeHandle {
+    /// Starts draining: `/readyz` answers `503 draining` from now on, so a load balancer
+    /// stops sending new requests; everything else goes on (requests still arriving are
+    /// served). [`crate::Edge::serve`]'s shutdown then stops accepting and finishes the
+    /// streams in flight, within [`bounded_http::ServeLimits::drain_timeout`].
+    pub fn drain(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether [`EdgeHandle::drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Serves a Node connection accepted elsewhere ([`start_unbound`]), exactly as the
     /// Edge's own listener does: it waits for a handshake slot, applies the per-address cap,
     /// the TLS handshake and its timeout, then runs the session (spawned; this returns once
@@ -1189,6 +1205,7 @@ pub fn start_unbound(config: TransportConfig) -> EdgeHandle {
         shared,
         local_addr,
         limits: Arc::new(Handshakes::new(&config)),
+        draining: Arc::default(),
     }
 }
 

@@ -236,7 +236,10 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-#[allow(clippy::too_many_arguments, reason = "the session loop's state, borrowed apart")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the session loop's state, borrowed apart"
+)]
 fn handle_frame(
     frame: RuntimeFrame,
     instances: &mut Instances,

@@ -60,7 +60,9 @@ as the Basic password a browser asks for), \
 [control_plane], and [limits]: tls_handshake_timeout_sec (10), register_timeout_sec (10), \
 max_unauthenticated (256), max_unauthenticated_per_ip (32), stream_buffer_bytes (4 MiB), \
 slow_consumer_timeout_sec (30), http_max_connections (4096), http_header_timeout_sec (30, also \
-the keep-alive idle limit), http_body_timeout_sec (60)).\n\n\
+the keep-alive idle limit), http_body_timeout_sec (60), drain_notice_sec (0: on SIGTERM, /readyz \
+answers 503 this long while the Edge still serves, so a load balancer stops sending), \
+drain_timeout_sec (30: then what is in flight may finish this long)).\n\n\
 Environment: RUST_LOG (log filter, default info); TOKIO_WORKER_THREADS (runtime worker threads, \
 default one per core); OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL, \
 OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG, OTEL_BSP_* and the other \
@@ -207,7 +209,13 @@ async fn main() {
             c.keys.len()
         );
     }
-    if let Err(e) = edge.serve(listener, edge.router(), shutdown).await {
+    // On SIGTERM / Ctrl-C: /readyz turns 503 for [limits] drain_notice_sec while the Edge
+    // still serves, then the listener closes and what is in flight finishes within
+    // drain_timeout_sec.
+    if let Err(e) = edge
+        .serve(listener, edge.router(), edge.draining(shutdown))
+        .await
+    {
         eprintln!("iop-edge: http: {e}");
         std::process::exit(1);
     }

@@ -30,7 +30,9 @@
 //!
 //! `/healthz` is liveness only. `/readyz` is 200 when a Node is dispatch-ready and, in managed
 //! mode, the Edge holds a live Control Plane session and a projection; 503 with the reason
-//! otherwise, so a load balancer stops sending traffic an Edge would refuse.
+//! otherwise, so a load balancer stops sending traffic an Edge would refuse. It is also 503
+//! (`draining`) from the moment the Edge starts draining ([`crate::Edge::draining`]), while
+//! the Edge still serves what arrives and finishes what is in flight.
 //!
 //! What is built depends on the selected provider (`Plan`): each OpenAI-compatible adapter
 //! instance declares the operations its upstream serves (its protocol profile, pushed to the
@@ -198,7 +200,8 @@ pub fn api_router(edge: EdgeHandle, config: HttpConfig) -> Router {
 
 /// The operational routes alone: `/metrics` (Prometheus text), `/healthz` (liveness) and
 /// `/readyz` (200 when a Node is dispatch-ready and, in managed mode, the Control Plane
-/// session and projection are live; 503 with the reason otherwise). Put them where your
+/// session and projection are live; 503 with the reason otherwise, and `draining` once the
+/// Edge drains). Put them where your
 /// operators and load balancer expect them; they have no authentication of their own.
 pub fn ops_router(edge: EdgeHandle, config: HttpConfig) -> Router {
     ops_routes(&app_state(edge, config))
@@ -1617,6 +1620,10 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
+    // Draining: the load balancer must stop sending here while the streams in flight end.
+    if state.edge.is_draining() {
+        return render::error(Dialect::Chat, StatusCode::SERVICE_UNAVAILABLE, "draining");
+    }
     // Managed mode: no Control Plane session or no projection means every managed request
     // would be refused, so the Edge is not ready (a load balancer sends traffic elsewhere).
     if let Some(why) = state
