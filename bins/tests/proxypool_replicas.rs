@@ -326,19 +326,35 @@ async fn worker(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_under_load_loses_no_acknowledged_write() {
-    let url = redis_url();
-    let ns = format!("crash-{}", std::process::id());
-    let dir = std::env::temp_dir().join(format!("proxypool-crash-{}", std::process::id()));
+    crash_test(&redis_url(), false, "crash").await;
+}
+
+/// The same against the test run's Redis Cluster (3 masters, 3 replicas), the controller
+/// configured with `cluster = true` (keys per worker, the epoch in its own slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_under_load_loses_no_acknowledged_write_on_a_redis_cluster() {
+    let seeds = std::env::var("IOP_TEST_REDIS_CLUSTER_URL").expect(
+        "IOP_TEST_REDIS_CLUSTER_URL is not set: run scripts/test-all.sh (it starts a Redis \
+         Cluster on free loopback ports: scripts/redis-cluster.sh)",
+    );
+    crash_test(&seeds, true, "crash-cluster").await;
+}
+
+async fn crash_test(url: &str, cluster: bool, tag: &str) {
+    let ns = format!("{tag}-{}", std::process::id());
+    let dir = std::env::temp_dir().join(format!("proxypool-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("controller.toml");
     std::fs::write(
         &config,
         format!(
-            "[controlPlane]\nenabled = true\nlisten = \"127.0.0.1:0\"\nsessionTTL = \"60s\"\nmaxStaleAge = \"60s\"\n[redis]\nurl = \"{url}\"\nnamespace = \"{ns}\"\n"
+            "[controlPlane]\nenabled = true\nlisten = \"127.0.0.1:0\"\nsessionTTL = \"60s\"\nmaxStaleAge = \"60s\"\n[redis]\nurl = \"{url}\"\nnamespace = \"{ns}\"\ncluster = {cluster}\n"
         ),
     )
     .unwrap();
-    let store = Arc::new(RedisStore::connect(&url, &ns).await.unwrap());
+    let target = bounded_http::redis::Target::parse(url, cluster);
+    let store = Arc::new(RedisStore::connect_to(&target, &ns).await.unwrap());
+    assert_eq!(store.is_per_worker(), cluster);
     let model: Model = Arc::default();
     let (mut child, first) = spawn_controller(&config);
     let addr = Arc::new(Mutex::new(first));

@@ -14,6 +14,10 @@
 //! [`admin`] is the guard of the operators' pages (an admin token, a strict
 //! Content-Security-Policy and the headers that go with it).
 //!
+//! With feature `redis`, `redis::Connection` is one Redis server or a Redis Cluster behind
+//! one connection type with bounded calls (the Edge's shared rate limits and the proxy-pool
+//! controller's store use it).
+//!
 //! With feature `tls`, [`tls::TlsAccept`] is the one bounded TLS accept loop of the workspace's
 //! mTLS listeners (the Edge's Node listener, the Control Plane's Edge listener, the proxy-pool
 //! controller's worker listener): handshake caps in total and per address, a handshake
@@ -39,6 +43,8 @@ use std::time::{Duration, Instant};
 use axum::Router;
 
 pub mod admin;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "tls")]
 pub mod tls;
 

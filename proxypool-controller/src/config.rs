@@ -28,6 +28,10 @@
 //! [redis]                      # required when controlPlane.enabled
 //! url = "redis://127.0.0.1:6379/"
 //! namespace = "proxypool"
+//! cluster = false              # true: a Redis Cluster, url = seed URLs, comma-separated
+//!                              #   (keys per worker; see proxypool_controller::redis_store)
+//! waitReplicas = 0             # > 0: a write counts once this many replicas have it (WAIT);
+//! waitTimeout = "100ms"        #   past this it fails as unavailable and the worker retries
 //!
 //! [admin]                      # /healthz, /readyz (includes Redis), /metrics
 //! listen = "127.0.0.1:9464"
@@ -149,6 +153,25 @@ pub struct RedisSection {
     /// `redis.namespace`.
     #[serde(default = "default_namespace")]
     pub namespace: String,
+    /// `redis.cluster`.
+    #[serde(default)]
+    pub cluster: bool,
+    /// `redis.waitReplicas`.
+    #[serde(default)]
+    pub wait_replicas: u32,
+    /// `redis.waitTimeout`.
+    pub wait_timeout: Option<String>,
+}
+
+/// Where the store is, as validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// One server, or a cluster's seeds.
+    pub target: bounded_http::redis::Target,
+    /// Key namespace.
+    pub namespace: String,
+    /// Replicas a write waits for (`None`: the master's acknowledgement).
+    pub durability: Option<crate::redis_store::Durability>,
 }
 
 fn default_namespace() -> String {
@@ -222,8 +245,8 @@ pub struct Config {
     pub min_ping_interval: Option<Duration>,
     /// TLS.
     pub tls: TlsMode,
-    /// Redis URL and namespace (required when enabled).
-    pub redis: Option<(String, String)>,
+    /// The Redis store (required when enabled).
+    pub redis: Option<RedisConfig>,
     /// Admin listen address.
     pub admin: Option<SocketAddr>,
 }
@@ -376,7 +399,26 @@ impl File {
             _ => return Err(err("controlPlane.tls.mode", "must be disabled or mtls")),
         };
         let redis = match &self.redis {
-            Some(r) => Some((r.url.clone(), r.namespace.clone())),
+            Some(r) => {
+                let timeout = match &r.wait_timeout {
+                    Some(t) => parse_duration("redis.waitTimeout", t)?,
+                    None => Duration::from_millis(100),
+                };
+                if r.wait_replicas > 0 && timeout.is_zero() {
+                    return Err(err(
+                        "redis.waitTimeout",
+                        "must be positive (WAIT 0 would wait forever)",
+                    ));
+                }
+                Some(RedisConfig {
+                    target: bounded_http::redis::Target::parse(&r.url, r.cluster),
+                    namespace: r.namespace.clone(),
+                    durability: (r.wait_replicas > 0).then_some(crate::redis_store::Durability {
+                        replicas: r.wait_replicas,
+                        timeout,
+                    }),
+                })
+            }
             None if cp.enabled => {
                 return Err(err(
                     "redis.url",

@@ -1,7 +1,8 @@
-//! The Redis [`ControlStore`], shared by every Controller replica (seed 004 §3.3).
+//! The Redis [`ControlStore`], shared by every Controller replica (seed 004 §3.3), on one
+//! Redis server or on a Redis Cluster ([`RedisStore::connect_to`]).
 //!
-//! Keys (all with the `{activity}` hash tag, so one Redis Cluster slot holds them and one Lua
-//! script may touch several):
+//! Keys, on one server (all with the `{activity}` hash tag, so one slot holds them and one Lua
+//! script may touch several, the epoch included):
 //!
 //! | key | type | content |
 //! |---|---|---|
@@ -9,6 +10,27 @@
 //! | `<ns>:{activity}:session:<worker>` | hash | `sid` (hex), `inst`, `av`/`ae` (acked version/epoch, decimal), `ac` (acked checksum, hex), `rt` (runtime enabled `0`/`1`), `seq`/`dg` (report sequence fence and digest); TTL = session TTL |
 //! | `<ns>:{activity}:snapshot:<worker>` | hash | the published reference `v`, `e`, `c` |
 //! | `<ns>:{activity}:runtime:<worker>` | string | the last report: `seq\nobserved_at\n` + canonical counters; TTL = max stale age |
+//!
+//! On a **Redis Cluster** one slot would put every key on one master, and the cluster would add
+//! nothing. There each worker's keys carry the worker's own hash tag, and the epoch has its
+//! own: `<ns>:{w:<worker>}:session` (likewise `snapshot`, `runtime`) and `<ns>:{epoch}:epoch`.
+//! Worker ids are `[A-Za-z0-9._-]` (never a brace), so the tag is exactly the worker.
+//!
+//! **The epoch on a cluster.** Every check and write of an ACK or a report touches one
+//! worker's keys only, so it stays one script in that worker's slot; the epoch is read in a
+//! second call, after it (the epoch script, on the epoch's slot). That is as correct as the
+//! single-slot answer: no rule of seed 004 checks an ACK or a report against the global
+//! epoch (they are checked against the worker's session and its published reference, whose
+//! tuples carry their own epoch); the epoch only goes back to the worker in the answer, as
+//! the Controller's current epoch. And the epoch only moves forward, so the value read after
+//! the script is the one current when the script ran or a newer one — exactly what a reply
+//! sent a moment later would carry anyway. It costs one more round trip per ACK and report.
+//!
+//! **Durability** ([`RedisStore::with_durability`]): Redis replicates asynchronously, so a
+//! write a master acknowledged can be lost when it fails before its replica has it. With a
+//! durability setting each write script is followed by `WAIT <replicas> <timeout>` on the
+//! master that ran it, and the write counts as done only when that many replicas have it
+//! (otherwise the call fails as unavailable, and the worker retries).
 //!
 //! Every multi-key check-and-write (register, publish, ACK, report) is one Lua script, so a
 //! failed step writes nothing. Numbers are compared as decimal strings (exact for all of
@@ -19,8 +41,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bounded_http::redis::{Connection, Target};
 use redis::Script;
-use redis::aio::ConnectionManager;
 
 use crate::domain::{
     ControlStore, Counter, Counters, Report, Session, SnapshotAcknowledgement, SnapshotReference,
@@ -143,10 +165,23 @@ fn status_and_epoch(answer: &str) -> Result<(Result<(), StoreError>, u64), Store
     Ok((outcome, epoch.max(1)))
 }
 
+/// How many replicas must hold a write before the store counts it done
+/// ([`RedisStore::with_durability`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Durability {
+    /// Replicas that must acknowledge each write (`WAIT <replicas>`).
+    pub replicas: u32,
+    /// How long to wait for them; past it the write fails as unavailable.
+    pub timeout: Duration,
+}
+
 /// The Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Connection,
+    /// Per-worker hash tags (a cluster) instead of the one `{activity}` slot.
+    per_worker: bool,
+    durability: Option<Durability>,
     prefix: String,
     epoch: Script,
     open: Script,
@@ -219,26 +254,34 @@ fn valid_namespace(ns: &str) -> bool {
 }
 
 impl RedisStore {
-    /// Connects to `url` (`redis://host:port/db`) with keys under `namespace`.
+    /// Connects to one Redis server at `url` (`redis://host:port/db`) with keys under
+    /// `namespace`.
     pub async fn connect(url: &str, namespace: &str) -> Result<Self, StoreError> {
+        Self::connect_to(&Target::Single(url.to_owned()), namespace).await
+    }
+
+    /// Connects to one server or a Redis Cluster (keys laid out per worker there: see the
+    /// module docs), with keys under `namespace`. Every call is bounded (2 s): it fails as
+    /// unavailable rather than hang while Redis is down, and the connection recovers in the
+    /// background (the cluster client follows slot moves and failovers).
+    pub async fn connect_to(target: &Target, namespace: &str) -> Result<Self, StoreError> {
         if !valid_namespace(namespace) {
             return Err(StoreError::Unavailable);
         }
-        let client = redis::Client::open(url).map_err(|e| backend(&e))?;
-        // Bounded: a store call fails (Unavailable) rather than hang while Redis is down; the
-        // manager reconnects in the background.
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500))
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)));
-        let conn = ConnectionManager::new_with_config(client, config)
+        let conn = Connection::connect(target, Duration::from_secs(2))
             .await
             .map_err(|e| backend(&e))?;
+        let per_worker = conn.is_cluster();
         let script = |body: &str| Script::new(&format!("{LIB}{body}"));
         Ok(Self {
             conn,
-            prefix: format!("{namespace}:{{activity}}:"),
+            per_worker,
+            durability: None,
+            prefix: if per_worker {
+                format!("{namespace}:")
+            } else {
+                format!("{namespace}:{{activity}}:")
+            },
             epoch: script(EPOCH),
             open: script(OPEN),
             record: script(RECORD),
@@ -247,6 +290,60 @@ impl RedisStore {
             ack_epoch: Script::new(&with_epoch(ACK)),
             report_epoch: Script::new(&with_epoch(REPORT)),
         })
+    }
+
+    /// Each write counts as done only once `durability.replicas` replicas hold it (see the
+    /// module docs); `None` (the default): once the master has it.
+    pub fn with_durability(mut self, durability: Option<Durability>) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// Whether the keys are laid out per worker (a cluster).
+    pub fn is_per_worker(&self) -> bool {
+        self.per_worker
+    }
+
+    /// Runs a write script, then, with a durability setting, `WAIT`s on the master that ran
+    /// it (the one holding `key`) until enough replicas have it.
+    async fn run_write(
+        &self,
+        inv: &redis::ScriptInvocation<'_>,
+        key: &str,
+    ) -> Result<String, StoreError> {
+        let answer = self.run(inv).await?;
+        let Some(d) = self.durability else {
+            return Ok(answer);
+        };
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(d.replicas).arg(millis(d.timeout));
+        let acked: i64 = match &self.conn {
+            Connection::Cluster(c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                    Route::with_key(key, SlotAddr::Master),
+                ));
+                let v = c
+                    .clone()
+                    .route_command(wait, route)
+                    .await
+                    .map_err(|e| backend(&e))?;
+                redis::from_redis_value(v).map_err(|e| backend(&e.into()))?
+            }
+            Connection::Single(_) => {
+                let mut conn = self.conn.clone();
+                wait.query_async(&mut conn).await.map_err(|e| backend(&e))?
+            }
+        };
+        if acked < i64::from(d.replicas) {
+            tracing::debug!(
+                acked,
+                want = d.replicas,
+                "redis store: too few replicas acknowledged a write"
+            );
+            return Err(StoreError::Unavailable);
+        }
+        Ok(answer)
     }
 
     /// Runs a script: EVALSHA, loading it on `NOSCRIPT` (redis-rs does one reload); a second
@@ -271,11 +368,18 @@ impl RedisStore {
     }
 
     fn key(&self, kind: &str, worker_id: &str) -> String {
-        let mut key = String::with_capacity(self.prefix.len() + kind.len() + 1 + worker_id.len());
+        let mut key = String::with_capacity(self.prefix.len() + kind.len() + 5 + worker_id.len());
         key.push_str(&self.prefix);
-        key.push_str(kind);
-        key.push(':');
-        key.push_str(worker_id);
+        if self.per_worker {
+            key.push_str("{w:");
+            key.push_str(worker_id);
+            key.push_str("}:");
+            key.push_str(kind);
+        } else {
+            key.push_str(kind);
+            key.push(':');
+            key.push_str(worker_id);
+        }
         key
     }
 
@@ -287,11 +391,15 @@ impl RedisStore {
 
     /// The epoch key (tests: set a TTL on it to check that reads remove it).
     pub fn epoch_key(&self) -> String {
-        format!("{}epoch", self.prefix)
+        if self.per_worker {
+            format!("{}{{epoch}}:epoch", self.prefix)
+        } else {
+            format!("{}epoch", self.prefix)
+        }
     }
 
     /// A connection for tests and the load tool's raw baseline.
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> Connection {
         self.conn.clone()
     }
 
@@ -478,7 +586,11 @@ impl ControlStore for RedisStore {
             .arg(hex(&session.session_id))
             .arg(&session.instance_id)
             .arg(millis(ttl));
-        status(&self.run(&inv).await?)
+        status(
+            &self
+                .run_write(&inv, &self.key("session", &session.worker_id))
+                .await?,
+        )
     }
 
     async fn record_issued_snapshot(
@@ -493,7 +605,11 @@ impl ControlStore for RedisStore {
             .arg(reference.tuple.ownership_epoch)
             .arg(hex(&reference.checksum))
             .arg(millis(ttl));
-        status(&self.run(&inv).await?)
+        status(
+            &self
+                .run_write(&inv, &self.key("snapshot", worker_id))
+                .await?,
+        )
     }
 
     async fn acknowledge_snapshot(
@@ -502,7 +618,11 @@ impl ControlStore for RedisStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let inv = self.ack_invocation(&self.ack, ack, ttl);
-        status(&self.run(&inv).await?)
+        status(
+            &self
+                .run_write(&inv, &self.key("session", &ack.worker_id))
+                .await?,
+        )
     }
 
     async fn replace_runtime(
@@ -512,7 +632,11 @@ impl ControlStore for RedisStore {
         report_ttl: Duration,
     ) -> Result<(), StoreError> {
         let inv = self.report_invocation(report, session_ttl, report_ttl);
-        status(&self.run(&inv).await?)
+        status(
+            &self
+                .run_write(&inv, &self.key("session", &report.worker_id))
+                .await?,
+        )
     }
 
     async fn acknowledge_with_epoch(
@@ -520,9 +644,21 @@ impl ControlStore for RedisStore {
         ack: &SnapshotAcknowledgement,
         ttl: Duration,
     ) -> Result<(Result<(), StoreError>, u64), StoreError> {
+        if self.per_worker {
+            // The worker's slot, then the epoch's (see the module docs).
+            let outcome = self.acknowledge_snapshot(ack, ttl).await;
+            if outcome == Err(StoreError::Unavailable) {
+                return Err(StoreError::Unavailable);
+            }
+            return Ok((outcome, self.current_ownership_epoch().await?));
+        }
         let mut inv = self.ack_invocation(&self.ack_epoch, ack, ttl);
         inv.key(self.epoch_key());
-        status_and_epoch(&self.run(&inv).await?)
+        status_and_epoch(
+            &self
+                .run_write(&inv, &self.key("session", &ack.worker_id))
+                .await?,
+        )
     }
 
     async fn replace_runtime_with_epoch(
@@ -531,10 +667,21 @@ impl ControlStore for RedisStore {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> Result<(Result<(), StoreError>, u64), StoreError> {
+        if self.per_worker {
+            let outcome = self.replace_runtime(report, session_ttl, report_ttl).await;
+            if outcome == Err(StoreError::Unavailable) {
+                return Err(StoreError::Unavailable);
+            }
+            return Ok((outcome, self.current_ownership_epoch().await?));
+        }
         let mut inv =
             self.report_invocation_of(&self.report_epoch, report, session_ttl, report_ttl);
         inv.key(self.epoch_key());
-        status_and_epoch(&self.run(&inv).await?)
+        status_and_epoch(
+            &self
+                .run_write(&inv, &self.key("session", &report.worker_id))
+                .await?,
+        )
     }
 }
 

@@ -100,10 +100,11 @@ pub async fn start(
     if !config.enabled {
         return Err(StartError::Disabled);
     }
-    let (url, namespace) = config.redis.clone().ok_or(StartError::RedisUnavailable)?;
-    let store = RedisStore::connect(&url, &namespace)
+    let redis = config.redis.clone().ok_or(StartError::RedisUnavailable)?;
+    let store = RedisStore::connect_to(&redis.target, &redis.namespace)
         .await
-        .map_err(|_| StartError::RedisUnavailable)?;
+        .map_err(|_| StartError::RedisUnavailable)?
+        .with_durability(redis.durability);
     start_with(config, Arc::new(store), shutdown).await
 }
 

@@ -349,12 +349,30 @@ fn redis_scripts_answer_and_store_exactly_what_the_pure_rules_do() {
         "PROXYPOOL_TEST_REDIS_URL is not set: run scripts/test-all.sh (it starts redis-server \
          on a free loopback port), or set it to redis://127.0.0.1:PORT/",
     );
+    differential(&bounded_http::redis::Target::Single(url), cases());
+}
+
+/// The same on the test run's Redis Cluster (keys per worker, the epoch in its own slot), with
+/// a quarter of the cases (each step is a few more round trips there).
+#[test]
+fn on_a_redis_cluster_too() {
+    let seeds = std::env::var("IOP_TEST_REDIS_CLUSTER_URL").expect(
+        "IOP_TEST_REDIS_CLUSTER_URL is not set: run scripts/test-all.sh (it starts a Redis \
+         Cluster on free loopback ports: scripts/redis-cluster.sh)",
+    );
+    differential(
+        &bounded_http::redis::Target::parse(&seeds, true),
+        (cases() / 4).max(50),
+    );
+}
+
+fn differential(target: &bounded_http::redis::Target, cases: u32) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     let config = ProptestConfig {
-        cases: cases(),
+        cases,
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
             "tests/differential.proptest-regressions",
         ))),
@@ -364,7 +382,7 @@ fn redis_scripts_answer_and_store_exactly_what_the_pure_rules_do() {
     let accepted = std::sync::atomic::AtomicU64::new(0);
     proptest!(config, |(ops in prop::collection::vec(op(), 1..40))| {
         let ns = format!("diff-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let redis = rt.block_on(RedisStore::connect(&url, &ns)).unwrap();
+        let redis = rt.block_on(RedisStore::connect_to(target, &ns)).unwrap();
         let mut pure = StoreState::default();
         for (i, op) in ops.iter().enumerate() {
             steps.fetch_add(1, Ordering::Relaxed);
@@ -386,9 +404,8 @@ fn redis_scripts_answer_and_store_exactly_what_the_pure_rules_do() {
     });
     let (steps, accepted) = (steps.into_inner(), accepted.into_inner());
     eprintln!(
-        "differential: {} sequences, {steps} steps ({accepted} accepted ACKs and reports), every \
-         answer and state equal",
-        cases(),
+        "differential ({target:?}): {cases} sequences, {steps} steps ({accepted} accepted ACKs \
+         and reports), every answer and state equal",
     );
     // The comparison means something only if the sequences reach the accepted path: a broken
     // hint generator would make every step a refusal, and refusals alone agree trivially.

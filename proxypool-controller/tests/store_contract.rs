@@ -124,6 +124,24 @@ async fn redis() -> Box<dyn Backend> {
     })
 }
 
+/// The same store on the test run's Redis Cluster (3 masters, 3 replicas: scripts/redis-cluster.sh),
+/// keys laid out per worker.
+async fn redis_cluster() -> Box<dyn Backend> {
+    let seeds = std::env::var("IOP_TEST_REDIS_CLUSTER_URL").expect(
+        "IOP_TEST_REDIS_CLUSTER_URL is not set: run scripts/test-all.sh (it starts a Redis \
+         Cluster on free loopback ports: scripts/redis-cluster.sh)",
+    );
+    let ns = format!(
+        "contract-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let target = bounded_http::redis::Target::parse(&seeds, true);
+    let store = RedisStore::connect_to(&target, &ns).await.unwrap();
+    assert!(store.is_per_worker());
+    Box::new(Redis { store })
+}
+
 const TTL: Duration = Duration::from_secs(30);
 
 /// A remaining TTL within (ttl - 10 s, ttl]: generous for a slow machine, and far from the
@@ -548,6 +566,10 @@ macro_rules! contract {
         mod redis_store {
             $(#[tokio::test]
             async fn $name() { super::$name(super::redis().await).await })*
+        }
+        mod redis_cluster_store {
+            $(#[tokio::test]
+            async fn $name() { super::$name(super::redis_cluster().await).await })*
         }
     };
 }

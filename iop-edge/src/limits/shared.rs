@@ -126,43 +126,8 @@ enum Client {
     Cluster(Box<redis::cluster::ClusterClient>),
 }
 
-/// A connection to either.
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl redis::aio::ConnectionLike for Conn {
-    fn req_packed_command<'a>(
-        &'a mut self,
-        cmd: &'a redis::Cmd,
-    ) -> redis::RedisFuture<'a, redis::Value> {
-        match self {
-            Self::Single(c) => c.req_packed_command(cmd),
-            Self::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        match self {
-            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Single(c) => c.get_db(),
-            Self::Cluster(c) => c.get_db(),
-        }
-    }
-}
+// A connection to either (`bounded_http::redis`, shared with the proxy-pool store).
+use bounded_http::redis::Connection as Conn;
 
 #[derive(Default)]
 struct Connection {
