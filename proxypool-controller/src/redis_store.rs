@@ -38,10 +38,13 @@
 //! failover), which redis-rs's `Script::invoke_async` does. Nothing scans: every key is named.
 //! Backend errors are logged at `debug` and surface as [`StoreError::Unavailable`] only.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bounded_http::redis::{Connection, Target};
+use bounded_http::redis::Connection;
+/// Where the store's Redis is: one server, or a cluster's seeds.
+pub use bounded_http::redis::Target;
 use redis::Script;
 
 use crate::domain::{
@@ -178,7 +181,11 @@ pub struct Durability {
 /// The Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Connection,
+    conn: Arc<std::sync::RwLock<Connection>>,
+    /// Where it connects, for [`RedisStore::recover`].
+    target: Target,
+    /// When a cluster connection was last rebuilt.
+    rebuilt: Arc<tokio::sync::Mutex<Option<std::time::Instant>>>,
     /// Per-worker hash tags (a cluster) instead of the one `{activity}` slot.
     per_worker: bool,
     durability: Option<Durability>,
@@ -274,7 +281,9 @@ impl RedisStore {
         let per_worker = conn.is_cluster();
         let script = |body: &str| Script::new(&format!("{LIB}{body}"));
         Ok(Self {
-            conn,
+            conn: Arc::new(std::sync::RwLock::new(conn)),
+            target: target.clone(),
+            rebuilt: Arc::default(),
             per_worker,
             durability: None,
             prefix: if per_worker {
@@ -317,7 +326,7 @@ impl RedisStore {
         };
         let mut wait = redis::cmd("WAIT");
         wait.arg(d.replicas).arg(millis(d.timeout));
-        let acked: i64 = match &self.conn {
+        let acked: i64 = match &self.conn() {
             Connection::Cluster(c) => {
                 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
                 let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
@@ -331,7 +340,7 @@ impl RedisStore {
                 redis::from_redis_value(v).map_err(|e| backend(&e.into()))?
             }
             Connection::Single(_) => {
-                let mut conn = self.conn.clone();
+                let mut conn = self.conn();
                 wait.query_async(&mut conn).await.map_err(|e| backend(&e))?
             }
         };
@@ -350,7 +359,7 @@ impl RedisStore {
     /// `NOSCRIPT` in a row (the cache flushed again in between, e.g. during a failover) is
     /// retried, at most twice more.
     async fn run(&self, inv: &redis::ScriptInvocation<'_>) -> Result<String, StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let mut attempts = 0;
         loop {
             match inv.invoke_async::<String>(&mut conn).await {
@@ -362,8 +371,45 @@ impl RedisStore {
                 {
                     attempts += 1;
                 }
-                Err(e) => return Err(backend(&e)),
+                Err(e) => {
+                    self.recover().await;
+                    return Err(backend(&e));
+                }
             }
+        }
+    }
+
+    /// The current connection.
+    fn conn(&self) -> Connection {
+        self.conn
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// After a failed call on a cluster: builds a new cluster connection (at most once a
+    /// second), so the next call starts from the cluster's topology as it is now. redis-rs's
+    /// cluster connection, left idle while a master died, was seen to keep failing long after
+    /// the failover ended (`redis_failover` found it: a fresh client read at once, the old one
+    /// not within 30 s); one server's connection manager reconnects on its own.
+    async fn recover(&self) {
+        if !self.per_worker {
+            return;
+        }
+        let mut last = self.rebuilt.lock().await;
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        *last = Some(std::time::Instant::now());
+        match Connection::connect(&self.target, Duration::from_secs(2)).await {
+            Ok(c) => {
+                *self
+                    .conn
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = c;
+                tracing::info!("redis store: cluster connection rebuilt after a failed call");
+            }
+            Err(e) => tracing::debug!(error = %e, "redis store: cluster reconnect failed"),
         }
     }
 
@@ -400,7 +446,7 @@ impl RedisStore {
 
     /// A connection for tests and the load tool's raw baseline.
     pub fn connection(&self) -> Connection {
-        self.conn.clone()
+        self.conn()
     }
 
     /// The SHA-1 `EVALSHA` names the report script by. The load tool's raw baseline sends the
@@ -487,13 +533,13 @@ impl RedisStore {
     /// Reads everything held for a worker (the differential test against the reference store):
     /// session, fence, published reference and runtime, in one `MULTI` so they agree.
     pub async fn record(&self, worker_id: &str) -> Result<WorkerRecord, StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         type Raw = (
             std::collections::HashMap<String, String>,
             std::collections::HashMap<String, String>,
             Option<Vec<u8>>,
         );
-        let (s, r, blob): Raw = redis::pipe()
+        let raw: Result<Raw, StoreError> = redis::pipe()
             .atomic()
             .cmd("HGETALL")
             .arg(self.key("session", worker_id))
@@ -503,7 +549,11 @@ impl RedisStore {
             .arg(self.key("runtime", worker_id))
             .query_async(&mut conn)
             .await
-            .map_err(|e| backend(&e))?;
+            .map_err(|e| backend(&e));
+        if raw.is_err() {
+            self.recover().await;
+        }
+        let (s, r, blob) = raw?;
         let field = |m: &std::collections::HashMap<String, String>, k: &str| {
             m.get(k).cloned().unwrap_or_default()
         };
