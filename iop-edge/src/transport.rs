@@ -359,6 +359,8 @@ pub struct RunStream {
     /// The generation the run was dispatched to.
     pub generation: Generation,
     events: StreamRx<RunEvent>,
+    /// The first event, read by [`RunStream::unanswered`].
+    peeked: Option<RunEvent>,
     done: bool,
     on_drop: DropNotice,
     watch: Watch,
@@ -376,12 +378,38 @@ impl Drop for RunStream {
 }
 
 impl RunStream {
+    /// Waits for the first event and tells whether the Node refused the run for capacity
+    /// ([`iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED`]: nothing reached the provider, so
+    /// it may be sent again); the stream has then ended. Otherwise (`None`) the event stays
+    /// first in line for [`RunStream::next`].
+    pub async fn unanswered(&mut self) -> Option<Unanswered> {
+        if self.done || self.peeked.is_some() {
+            return None;
+        }
+        let ev = self.events.recv().await?;
+        if ev.kind == RunEventKind::Error
+            && ev.execution_failure.is_none()
+            && ev.error == iop_wire::runtime::REFUSED_CAPACITY_EXHAUSTED
+        {
+            self.done = true;
+            if let Some(w) = self.watch.0.as_mut() {
+                w.event("capacity_refused");
+            }
+            return Some(Unanswered::CapacityRefused);
+        }
+        self.peeked = Some(ev);
+        None
+    }
+
     /// The next event; `None` after the terminal.
     pub async fn next(&mut self) -> Option<RunEvent> {
         if self.done {
             return None;
         }
-        let ev = self.events.recv().await?;
+        let ev = match self.peeked.take() {
+            Some(ev) => ev,
+            None => self.events.recv().await?,
+        };
         self.done = ev.kind.is_terminal();
         if let Some(w) = self.watch.0.as_mut() {
             if ev.kind == RunEventKind::Delta && !self.watch.1 {
@@ -883,6 +911,7 @@ impl EdgeHandle {
         Ok(RunStream {
             generation: opened.generation,
             events,
+            peeked: None,
             done: false,
             on_drop: self.drop_notice(opened.stream_id),
             watch: Watch(None, false),
@@ -999,6 +1028,7 @@ impl EdgeHandle {
                 Ok(Dispatched::Run(RunStream {
                     generation: opened.generation,
                     events,
+                    peeked: None,
                     done: false,
                     on_drop: self.drop_notice(opened.stream_id),
                     watch: Watch(None, false),

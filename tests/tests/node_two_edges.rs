@@ -54,16 +54,22 @@ async fn serve(app: Router) -> SocketAddr {
 }
 
 async fn edge(ca: &DevCa, name: &str, upstream: &str) -> (Edge, SocketAddr) {
+    edge_with(
+        ca,
+        name,
+        AdapterSpec::openai_compat("upstream", upstream)
+            .capacity(4)
+            .serves("fake-model"),
+    )
+    .await
+}
+
+/// An Edge named `name` whose `node-1` has `adapter`, and its HTTP API's address.
+async fn edge_with(ca: &DevCa, name: &str, adapter: AdapterSpec) -> (Edge, SocketAddr) {
     let config = EdgeBuilder::new(name)
         .listen_nodes(SocketAddr::from(([127, 0, 0, 1], 0)))
         .queue(Duration::from_secs(30), 1024)
-        .node(
-            NodeSpec::new("node-1").adapter(
-                AdapterSpec::openai_compat("upstream", upstream)
-                    .capacity(4)
-                    .serves("fake-model"),
-            ),
-        )
+        .node(NodeSpec::new("node-1").adapter(adapter))
         .build(EdgeTls::Material(ca.material(role::EDGE, name).unwrap()))
         .unwrap();
     let edge = Edge::start(config).await.unwrap();
@@ -152,6 +158,77 @@ async fn two_edges_admitting_onto_one_node_never_push_it_past_its_capacity() {
         "the Node ran {max} at once, over its capacity of 4"
     );
     assert_eq!(max, 4, "both Edges' load filled the Node's capacity");
+    node.stop().await;
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// The same for normalized runs (the `demo` adapter, capacity 2, 20 ms a word): refused runs
+/// are sent again, and every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_refused_for_capacity_are_sent_again() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = DevCa::new().unwrap();
+    let demo = || {
+        AdapterSpec::demo("demo")
+            .capacity(2)
+            .option("delay_ms", "20")
+            .serves("demo")
+    };
+    let (a, a_http) = edge_with(&ca, "edge-1", demo()).await;
+    let (b, b_http) = edge_with(&ca, "edge-2", demo()).await;
+    let node = Node::start(
+        NodeOptions::new(
+            "node-1",
+            &a.node_addr().to_string(),
+            "localhost",
+            ca.node_tls("node-1", "edge-1").unwrap(),
+        )
+        .unwrap()
+        .with_edge(
+            &b.node_addr().to_string(),
+            "localhost",
+            ca.node_tls("node-1", "edge-2").unwrap(),
+        )
+        .unwrap()
+        .with_adapters(AdapterRegistry::with_builtins()),
+    );
+    for e in [&a, &b] {
+        for _ in 0..500 {
+            if !e.handle().ready_nodes().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            !e.handle().ready_nodes().is_empty(),
+            "node-1 ready on both Edges"
+        );
+    }
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for http in [a_http, b_http] {
+        for _ in 0..8 {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let r = client
+                    .post(format!("http://{http}/v1/chat/completions"))
+                    .json(&json!({"model": "demo", "messages": [{"role": "user", "content": "one two three four"}]}))
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }));
+        }
+    }
+    let mut failed = Vec::new();
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        if status != 200 {
+            failed.push((status, body));
+        }
+    }
+    assert!(failed.is_empty(), "no run fails: {failed:?}");
     node.stop().await;
     a.shutdown().await;
     b.shutdown().await;

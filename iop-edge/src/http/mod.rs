@@ -1020,9 +1020,7 @@ async fn dispatch_tunnel(
     };
     let mut lost = 0;
     let deadline = tokio::time::Instant::now() + state.config.queue_wait;
-    let policy = || iop_wire::backoff::Backoff::exponential(CAPACITY_PAUSE_MIN, CAPACITY_PAUSE_MAX);
-    let mut pauses =
-        iop_wire::backoff::Retries::new(policy().with_jitter(0.5).unwrap_or_else(|_| policy()));
+    let mut pauses = capacity_pauses();
     loop {
         let mut attempt = attempt_span(state, server, number, reason, admission.lease());
         // Kept for a second attempt: a refusal for capacity can come whatever the group.
@@ -1078,20 +1076,7 @@ async fn dispatch_tunnel(
             _ => {
                 attempt.event("capacity_refused", Vec::new());
                 attempt.fail("capacity_refused");
-                let mut random = [0u8; 4];
-                let _ =
-                    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
-                let wait = pauses.next_delay(u32::from_le_bytes(random));
-                if tokio::time::Instant::now() + wait >= deadline {
-                    tracing::info!(node_id = %before_node, %trace_id, "the Node refused for capacity until the queue wait ran out");
-                    return Err(render::dispatch_error(
-                        dialect,
-                        crate::DispatchError::WaitTimeout,
-                        model,
-                    ));
-                }
-                tracing::debug!(node_id = %before_node, %trace_id, "the Node refused for capacity; sending the request again after a pause");
-                tokio::time::sleep(wait).await;
+                capacity_pause(&mut pauses, deadline, &before_node, dialect, model).await?;
                 reason = "capacity";
             }
         }
@@ -1117,6 +1102,101 @@ async fn dispatch_tunnel(
         admission = next;
         number += 1;
     }
+}
+
+/// Sends a normalized run, and sends it again when the Node refused it for capacity, as
+/// [`dispatch_tunnel`] does (after a jittered pause, within the pool's queue wait, then 503).
+#[allow(clippy::too_many_arguments, reason = "one request's whole context")]
+async fn dispatch_run(
+    state: &AppState,
+    dialect: Dialect,
+    caller: &Caller,
+    group: &str,
+    model: &str,
+    mut admission: Admission,
+    request: PoolRequest,
+    server: Option<&iop_telemetry::Span>,
+) -> Result<(crate::transport::RunStream, iop_telemetry::Span), Response> {
+    let deadline = tokio::time::Instant::now() + state.config.queue_wait;
+    let mut pauses = capacity_pauses();
+    let mut number = 1;
+    let mut reason = "first";
+    loop {
+        let mut attempt = attempt_span(state, server, number, reason, admission.lease());
+        let node = admission.lease().key.node_id.clone();
+        let mut s = match send(
+            state,
+            dialect,
+            caller,
+            group,
+            model,
+            admission,
+            request.clone(),
+            &mut attempt,
+        )
+        .await?
+        {
+            Dispatched::Run(s) => s,
+            Dispatched::Tunnel(_) => {
+                return Err(render::error(
+                    dialect,
+                    StatusCode::BAD_GATEWAY,
+                    render::PROVIDER_FAILED,
+                ));
+            }
+        };
+        if s.unanswered().await.is_none() {
+            return Ok((s, attempt));
+        }
+        attempt.event("capacity_refused", Vec::new());
+        attempt.fail("capacity_refused");
+        capacity_pause(&mut pauses, deadline, &node, dialect, model).await?;
+        drop((attempt, s));
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        admission = state
+            .edge
+            .admit(
+                group,
+                ContextSize::Standard,
+                left.max(Duration::from_millis(1)),
+            )
+            .await
+            .map_err(|e| render::dispatch_error(dialect, e, model))?;
+        number += 1;
+        reason = "capacity";
+    }
+}
+
+/// The pauses between capacity refusals ([`CAPACITY_PAUSE_MIN`] doubling to
+/// [`CAPACITY_PAUSE_MAX`], each drawn from 50–100 % of it).
+fn capacity_pauses() -> iop_wire::backoff::Retries {
+    let policy = || iop_wire::backoff::Backoff::exponential(CAPACITY_PAUSE_MIN, CAPACITY_PAUSE_MAX);
+    iop_wire::backoff::Retries::new(policy().with_jitter(0.5).unwrap_or_else(|_| policy()))
+}
+
+/// Sleeps the next pause after Node `node` refused for capacity, or answers 503 (a wait that
+/// ran out) when it would end past `deadline`.
+async fn capacity_pause(
+    pauses: &mut iop_wire::backoff::Retries,
+    deadline: tokio::time::Instant,
+    node: &str,
+    dialect: Dialect,
+    model: &str,
+) -> Result<(), Response> {
+    let mut random = [0u8; 4];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+    let wait = pauses.next_delay(u32::from_le_bytes(random));
+    if tokio::time::Instant::now() + wait >= deadline {
+        tracing::info!(node_id = %node, "the Node refused for capacity until the queue wait ran out");
+        return Err(render::dispatch_error(
+            dialect,
+            crate::DispatchError::WaitTimeout,
+            model,
+        ));
+    }
+    tracing::debug!(node_id = %node, "the Node refused for capacity; sending the request again after a pause");
+    tokio::time::sleep(wait).await;
+    Ok(())
 }
 
 /// A managed request's refusal in the route's dialect (503s with `Retry-After` where the
@@ -1461,9 +1541,7 @@ async fn serve_admitted(
                         created: unix_now(),
                     };
                     let client = (route.client)(&parsed.json, meta, parsed.stream);
-                    let mut attempt =
-                        attempt_span(state, server.as_ref(), 1, "first", admission.lease());
-                    return match send(
+                    return match dispatch_run(
                         state,
                         dialect,
                         &caller,
@@ -1471,11 +1549,11 @@ async fn serve_admitted(
                         &parsed.model,
                         admission,
                         run,
-                        &mut attempt,
+                        server.as_ref(),
                     )
                     .await
                     {
-                        Ok(Dispatched::Run(mut s)) => {
+                        Ok((mut s, attempt)) => {
                             let inner: Option<Box<dyn crate::transport::StreamWatch>> =
                                 if hold.is_empty() {
                                     None
@@ -1486,9 +1564,6 @@ async fn serve_admitted(
                             s.watch(observed(inner, server, attempt));
                             let events = render::NativeEvents::new(tools, parsed.stream);
                             render::native(s, events, client).await
-                        }
-                        Ok(_) => {
-                            render::error(dialect, StatusCode::BAD_GATEWAY, render::PROVIDER_FAILED)
                         }
                         Err(r) => r,
                     };
