@@ -7,4 +7,5 @@ pub mod net;
 pub mod node;
 pub mod otlp;
 pub mod pki;
+pub mod redis_cluster;
 pub mod upstream;

@@ -28,178 +28,17 @@
 )]
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use iop_tests::redis_cluster::{Cluster, cli};
 use proxypool_controller::domain::{ControlStore, SnapshotReference, SnapshotTuple};
 use proxypool_controller::redis_store::{Durability, RedisStore, Target};
 
 const WORKERS: usize = 48;
 const WRITERS: usize = 16;
 const TTL: Duration = Duration::from_secs(600);
-
-struct Cluster {
-    servers: Vec<(u16, Child)>,
-    dir: std::path::PathBuf,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.servers {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let mut ports = Vec::new();
-    while ports.len() < n {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 55_000 && !ports.contains(&p) {
-            ports.push(p);
-        }
-    }
-    ports
-}
-
-fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
-        .arg("-p")
-        .arg(port.to_string())
-        .args(args)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn start_cluster(tag: &str) -> Cluster {
-    let dir = std::env::temp_dir().join(format!("iop-failover-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut servers = Vec::new();
-    for port in free_ports(6) {
-        let d = dir.join(port.to_string());
-        std::fs::create_dir_all(&d).unwrap();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "no", "--cluster-enabled", "yes"])
-            .args([
-                "--cluster-node-timeout",
-                "1000",
-                "--enable-debug-command",
-                "yes",
-            ])
-            .arg("--cluster-config-file")
-            .arg(d.join("nodes.conf"))
-            .arg("--dir")
-            .arg(&d)
-            .arg("--logfile")
-            .arg(d.join("redis.log"))
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server (apt-get install redis-server)");
-        servers.push((port, child));
-    }
-    for (port, _) in &servers {
-        while cli(*port, &["ping"]).trim() != "PONG" {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-    let nodes: Vec<String> = servers
-        .iter()
-        .map(|(p, _)| format!("127.0.0.1:{p}"))
-        .collect();
-    let out = Command::new("redis-cli")
-        .args(["--cluster", "create"])
-        .args(&nodes)
-        .args(["--cluster-replicas", "1", "--cluster-yes"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "cluster create failed");
-    let first = servers[0].0;
-    while !cli(first, &["cluster", "info"]).contains("cluster_state:ok") {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // Every replica attached and synced before the load starts.
-    loop {
-        let synced = servers
-            .iter()
-            .filter(|(p, _)| {
-                let info = cli(*p, &["info", "replication"]);
-                info.contains("role:slave") && info.contains("master_link_status:up")
-            })
-            .count();
-        if synced == 3 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Cluster { servers, dir }
-}
-
-/// The port of a replica of the master on `master_port`.
-fn replica_of(cluster: &Cluster, master_port: u16) -> u16 {
-    let nodes = cli(cluster.servers[0].0, &["cluster", "nodes"]);
-    let id = nodes
-        .lines()
-        .find(|l| {
-            l.split_whitespace()
-                .nth(1)
-                .is_some_and(|a| a.starts_with(&format!("127.0.0.1:{master_port}@")))
-        })
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap()
-        .to_owned();
-    let line = nodes
-        .lines()
-        .find(|l| l.split_whitespace().nth(3) == Some(id.as_str()))
-        .unwrap();
-    let addr = line
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .split('@')
-        .next()
-        .unwrap();
-    addr.rsplit(':').next().unwrap().parse().unwrap()
-}
-
-/// The port of the master serving `key`'s slot.
-fn master_of(cluster: &Cluster, key: &str) -> u16 {
-    let port = cluster.servers[0].0;
-    let slot: u16 = cli(port, &["cluster", "keyslot", key])
-        .trim()
-        .parse()
-        .unwrap();
-    for line in cli(port, &["cluster", "nodes"]).lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if !f.get(2).is_some_and(|flags| flags.contains("master")) {
-            continue;
-        }
-        let addr = f[1].split('@').next().unwrap();
-        let p: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
-        for range in &f[8..] {
-            let (a, b) = range.split_once('-').unwrap_or((range, range));
-            if let (Ok(a), Ok(b)) = (a.parse::<u16>(), b.parse::<u16>())
-                && (a..=b).contains(&slot)
-            {
-                return p;
-            }
-        }
-    }
-    panic!("no master for slot {slot}")
-}
 
 fn reference(version: u64) -> SnapshotReference {
     SnapshotReference {
@@ -221,12 +60,8 @@ struct Trial {
 }
 
 async fn trial(durability: Option<Durability>, lagging: bool, tag: &str) -> Trial {
-    let mut cluster = start_cluster(tag);
-    let seeds: Vec<String> = cluster
-        .servers
-        .iter()
-        .map(|(p, _)| format!("redis://127.0.0.1:{p}/"))
-        .collect();
+    let mut cluster = Cluster::start(tag);
+    let seeds = cluster.seeds(None);
     let store = Arc::new(
         RedisStore::connect_to(&Target::Cluster(seeds), "failover")
             .await
@@ -271,28 +106,18 @@ async fn trial(durability: Option<Durability>, lagging: bool, tag: &str) -> Tria
         }));
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let victim = master_of(&cluster, &store.key_of("snapshot", "w0"));
+    let victim = cluster.master_of(&store.key_of("snapshot", "w0"));
     if lagging {
-        let replica = replica_of(&cluster, victim);
+        let replica = cluster.replica_of(victim);
         std::thread::spawn(move || cli(replica, &["debug", "sleep", "2"]));
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let seeds_alive: Vec<String> = cluster
-        .servers
-        .iter()
-        .filter(|(p, _)| *p != victim)
-        .map(|(p, _)| format!("redis://127.0.0.1:{p}/"))
-        .collect();
+    let seeds_alive = cluster.seeds(Some(victim));
     // The writers stop with the kill: what was acknowledged by then is what must survive (a
     // write after the failover would overwrite a lost version and hide the loss).
     stop.store(true, Ordering::Relaxed);
     killed.store(true, Ordering::Relaxed);
-    for (p, c) in &mut cluster.servers {
-        if *p == victim {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+    cluster.kill(victim);
     let mut acked = HashMap::new();
     let mut steady = Vec::new();
     let mut failed_calls = 0;

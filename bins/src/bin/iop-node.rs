@@ -22,7 +22,8 @@ use iop_node::{AdapterRegistry, Node};
 #[derive(Debug, Parser)]
 #[command(name = "iop-node", version, about, long_about)]
 struct Args {
-    /// Path to the TOML config file. Keys: node_id; [edge] address, server_name, name;
+    /// Path to the TOML config file. Keys: node_id; [edge] address, server_name, name (or,
+    /// to serve several Edges at once, one session each: [[edges]] with the same keys);
     /// [tls] trust_domain, ca, cert, key, reload_sec (the files are re-read this often, 5 by
     /// default, so a rotated certificate needs no restart); [reconnect] interval_sec,
     /// max_attempts; [runtime] close_grace_ms; [credential_plane] enabled, recipient_key,
