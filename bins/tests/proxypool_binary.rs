@@ -93,17 +93,7 @@ struct Redis(std::process::Child);
 
 impl Redis {
     fn start(port: u16) -> Self {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let child = iop_tests::redis_cluster::server(port)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server is required (scripts/test-all.sh installs it: apt-get install redis-server)");

@@ -38,6 +38,15 @@ fn free_ports(n: usize) -> Vec<u16> {
     ports
 }
 
+/// A `redis-server` on loopback `port` keeping nothing on disk (no snapshots, no append-only
+/// file): the base every private server of the tests starts from.
+pub fn server(port: u16) -> Command {
+    let mut cmd = Command::new("redis-server");
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"]);
+    cmd
+}
+
 /// `redis-cli -p port args…`'s output.
 pub fn cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
@@ -58,16 +67,8 @@ impl Cluster {
         for port in free_ports(6) {
             let d = dir.join(port.to_string());
             std::fs::create_dir_all(&d).expect("cluster dir");
-            let child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                ])
-                .args(["--appendonly", "no", "--cluster-enabled", "yes"])
+            let child = server(port)
+                .args(["--cluster-enabled", "yes"])
                 .args([
                     "--cluster-node-timeout",
                     "1000",
