@@ -26,6 +26,11 @@
 //! the script is the one current when the script ran or a newer one — exactly what a reply
 //! sent a moment later would carry anyway. It costs one more round trip per ACK and report.
 //!
+//! **Moving from one server to a cluster** changes every key's name, so the new keyspace
+//! starts empty: workers register again (their sessions are gone either way), but the epoch
+//! must never go back. Copy it before the first controller starts on the cluster:
+//! `SET <ns>:{epoch}:epoch <the value of <ns>:{activity}:epoch>`.
+//!
 //! **Durability** ([`RedisStore::with_durability`]): Redis replicates asynchronously, so a
 //! write a master acknowledged can be lost when it fails before its replica has it. With a
 //! durability setting each write script is followed by `WAIT <replicas> <timeout>` on the
