@@ -43,7 +43,7 @@ use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
 use iop_wire::control::{
     AcquireLeaseResponse, ControlFrame, EdgeCommandEvent, EdgeCommandRequest, EdgeCommandResponse,
-    EdgeHelloRequest, EdgeNodeEvent, EdgeStatusResponse,
+    EdgeHelloRequest, EdgeNodeEvent, EdgeStatusResponse, PrincipalProjection,
 };
 use iop_wire::control_session::{
     ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionConfig,
@@ -56,7 +56,6 @@ use workload_identity::{peer_identity, role};
 
 use crate::admin::Admin;
 use crate::lease::LeaseService;
-use crate::projection;
 
 /// How long an Edge has to send its hello after the TLS handshake.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -802,9 +801,10 @@ async fn connection<S>(
             changed = generations.changed(), if config.managed && s.is_connected() => {
                 let latest = changed.map(|()| *generations.borrow_and_update()).unwrap_or(0);
                 if latest > s.pushed_generation() {
-                    match admin.store().snapshot().await {
-                        Ok(snap) => {
-                            let _ = s.push_projection(now(), projection::build(&snap));
+                    // Shared: every Edge's session asks for this one projection at once.
+                    match admin.projection(latest).await {
+                        Ok(p) => {
+                            let _ = s.push_projection(now(), PrincipalProjection::clone(&p));
                         }
                         Err(e) => tracing::warn!(error = %e, "projection snapshot failed"),
                     }
@@ -917,8 +917,11 @@ async fn hello_accepted(
         return None;
     }
     let projection = if config.managed {
-        match admin.store().snapshot().await {
-            Ok(snap) => Some(projection::build(&snap)),
+        // The store's own generation, not the one this process last noticed: a hello gets the
+        // newest state, as a fresh read would give (a reconnect storm still reads it once).
+        let current = admin.store().generation().await;
+        match async { admin.projection(current?).await }.await {
+            Ok(p) => Some(PrincipalProjection::clone(&p)),
             Err(_) => {
                 s.reject(now(), "store unavailable");
                 return None;

@@ -1,12 +1,14 @@
 //! The admin HTTP API's token check over a real loopback socket: the bearer scheme is
 //! case-insensitive (RFC 9110 §11.1), a wrong or missing token is 401 and changes nothing.
+//! And the admin's shared projection: one build per generation for every Edge session, never
+//! an older one than asked for.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::sync::Arc;
 
 use iop_cp::admin::Admin;
 use iop_cp::seal::MasterKey;
-use iop_cp::store::{SqliteStore, Store};
+use iop_cp::store::{Mutation, SqliteStore, Store};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const TOKEN: &str = "admin-secret-7c1e";
@@ -55,4 +57,46 @@ async fn the_admin_token_is_checked_and_its_scheme_is_case_insensitive() {
         assert!((200..300).contains(&status), "{scheme}: {status}");
     }
     assert_eq!(store.snapshot().await.unwrap().principals.len(), 3);
+}
+
+/// Every Edge session asks for the new projection at once after a mutation: they get one
+/// projection, built once (the same allocation), and a caller asking for a newer generation
+/// than the one cached (a mutation by another process or replica) gets the newer state.
+/// Checked against two breaks (made, run, reverted): building anew on every call fails the
+/// shared-allocation assertion; returning the cached projection whatever the generation asked
+/// for fails the newer-state one.
+#[tokio::test]
+async fn edge_sessions_share_one_projection_per_generation() {
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::in_memory().unwrap());
+    let (key, _) = MasterKey::generate().unwrap();
+    let admin = Admin::new(store.clone(), Arc::new(key), 1);
+    let g = admin.create_principal("team-a", "A").await.unwrap();
+    let calls = (0..16).map(|_| admin.projection(g));
+    let got: Vec<_> = futures_util::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(got[0].generation, g);
+    assert_eq!(got[0].principals.len(), 1);
+    assert!(
+        got.iter().all(|p| Arc::ptr_eq(p, &got[0])),
+        "16 sessions asking for generation {g} got more than one build"
+    );
+
+    // Another process's mutation, not made through this admin.
+    let newer = store
+        .apply(Mutation::CreatePrincipal {
+            id: "team-b".into(),
+            display_name: String::new(),
+        })
+        .await
+        .unwrap();
+    assert!(newer > g);
+    // Asked for what this process knew: the cached state is that generation's.
+    assert_eq!(admin.projection(g).await.unwrap().generation, g);
+    let p = admin.projection(newer).await.unwrap();
+    assert_eq!(p.generation, newer);
+    assert_eq!(p.principals.len(), 2);
+    assert!(Arc::ptr_eq(&p, &admin.projection(g).await.unwrap()));
 }

@@ -54,7 +54,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
 use workload_identity::{ExpectedPeer, client_cert_verifier, role};
 
-use iop_benches::load::{at_rate, edge_tls, ms, node_tls, percentile};
+use iop_benches::load::{at_rate, cpu, edge_tls, ms, node_tls, percentile};
 
 const SMALL_EVENTS: usize = 6;
 const BULK_BYTES: usize = 256 * 1024 * 1024;
@@ -389,6 +389,12 @@ async fn idle(ca: &Ca, nodes: usize) {
     let connect = t.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = rss_kib(pid);
+    // Idle cost: the Edge's CPU, and this process's (the Nodes'), over a window with every
+    // Node ready and nothing to run (heartbeats, and the timers behind them).
+    let window = Duration::from_secs(10);
+    let (edge0, nodes0) = (cpu(pid), cpu(std::process::id()));
+    tokio::time::sleep(window).await;
+    let (edge_idle, nodes_idle) = (cpu(pid) - edge0, cpu(std::process::id()) - nodes0);
     child.kill().ok();
     child.wait().ok();
     shutdown.cancel();
@@ -403,6 +409,16 @@ async fn idle(ca: &Ca, nodes: usize) {
     println!(
         "| **per connected Node** | **{:.1} KiB** |",
         (after.saturating_sub(before)) as f64 / nodes as f64
+    );
+    let per_node_s = |d: Duration| d.as_secs_f64() * 1e6 / nodes as f64 / window.as_secs_f64();
+    println!(
+        "| Edge CPU per idle Node, per second ({} s window) | {:.2} µs |",
+        window.as_secs(),
+        per_node_s(edge_idle)
+    );
+    println!(
+        "| a Node's CPU idle, per second (this process, all Nodes) | {:.2} µs |",
+        per_node_s(nodes_idle)
     );
     println!(
         "| time to connect + register + ready all | {:.2} s ({:.0} Nodes/s) |",

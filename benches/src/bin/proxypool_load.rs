@@ -47,8 +47,14 @@
 //! the worker's host in production, and here it would take CPU from the controller on the same
 //! two cores.
 //!
-//! `PROXYPOOL_ONLY=<part>` (`report1k`, `raw1k`, `mix`, `raw10`, `unary`, `open`) runs one part
-//! alone, for a profiler.
+//! Last, **what Redis holds and does per worker** (issue #32's capacity model), with nothing
+//! else running: the commands Redis executed, the bytes it read and wrote (`INFO commandstats`,
+//! `INFO stats`) per `ReportRuntime` of 1000 and of 10 counters and per publish + ACK, from
+//! one worker reporting `REDIS_COST_OPS` times; and Redis's `used_memory` per registered worker
+//! that acknowledged a snapshot and reported 1000 counters, over `REDIS_COST_WORKERS` workers.
+//!
+//! `PROXYPOOL_ONLY=<part>` (`report1k`, `raw1k`, `mix`, `raw10`, `unary`, `open`, `redis`) runs
+//! one part alone, for a profiler.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -76,6 +82,10 @@ const OPEN_LOOP: Duration = Duration::from_secs(6);
 const OPEN_LOOP_WORKERS: usize = 64;
 /// Session and report lifetimes: longer than the whole run.
 const TTL: Duration = Duration::from_secs(600);
+/// Operations per figure of the Redis cost part.
+const REDIS_COST_OPS: usize = 500;
+/// Workers registered for the Redis memory figure.
+const REDIS_COST_WORKERS: usize = 200;
 const REPORT_PATH: &str = "/controlplane.v1.WorkerControlPlane/ReportRuntime";
 
 fn redis() -> (String, Option<Killed>) {
@@ -746,6 +756,116 @@ async fn main() {
         );
         println!("{}", open.row());
     }
+    if wants("redis") {
+        redis_cost(&url, port, &store, &big).await;
+    }
     drop(controller_child);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Redis's counters that the cost part reads: commands by name, and the totals.
+#[derive(Default)]
+struct RedisCounters {
+    calls: std::collections::BTreeMap<String, u64>,
+    commands: u64,
+    input: u64,
+    output: u64,
+    memory: u64,
+}
+
+impl RedisCounters {
+    async fn read(con: &mut redis::aio::MultiplexedConnection) -> Self {
+        let info: String = redis::cmd("INFO")
+            .arg("everything")
+            .query_async(con)
+            .await
+            .unwrap();
+        let mut c = Self::default();
+        for line in info.lines() {
+            let Some((key, value)) = line.trim().split_once(':') else {
+                continue;
+            };
+            let num = || value.parse::<u64>().unwrap_or(0);
+            match key {
+                "total_commands_processed" => c.commands = num(),
+                "total_net_input_bytes" => c.input = num(),
+                "total_net_output_bytes" => c.output = num(),
+                "used_memory" => c.memory = num(),
+                _ => {
+                    if let Some(name) = key.strip_prefix("cmdstat_") {
+                        let calls = value
+                            .split(',')
+                            .find_map(|f| f.strip_prefix("calls="))
+                            .and_then(|v| v.parse().ok())
+                            .unwrap_or(0);
+                        c.calls.insert(name.to_owned(), calls);
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    /// `(commands, bytes in, bytes out, by command)` per operation since `before`, leaving
+    /// out the `INFO` calls that read them.
+    fn per_op(&self, before: &Self, ops: usize) -> (f64, f64, f64, String) {
+        let n = ops as f64;
+        let by_name: Vec<String> = self
+            .calls
+            .iter()
+            .filter(|(name, _)| name.as_str() != "info")
+            .filter_map(|(name, &calls)| {
+                let d = calls - before.calls.get(name).copied().unwrap_or(0);
+                (d > 0).then(|| format!("{name} {:.2}", d as f64 / n))
+            })
+            .collect();
+        (
+            (self.commands - before.commands - 1) as f64 / n,
+            (self.input - before.input) as f64 / n,
+            (self.output - before.output) as f64 / n,
+            by_name.join(", "),
+        )
+    }
+}
+
+/// What Redis executes, moves and holds per worker (see the module docs).
+async fn redis_cost(url: &str, port: u16, store: &RedisStore, big: &Bytes) {
+    let client = redis::Client::open(url).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let small = counters(10);
+    println!(
+        "\nWhat Redis does per operation ({REDIS_COST_OPS} from one worker, nothing else running; commands and bytes from `INFO`):\n"
+    );
+    println!("| operation | Redis commands | by command | bytes into Redis | bytes out of Redis |");
+    println!("|---|---:|---|---:|---:|");
+    let mut w = Worker::ready(port, store, "redis-cost".into()).await;
+    for (name, payload) in [
+        ("`ReportRuntime`, 1000 counters", Some(big)),
+        ("`ReportRuntime`, 10 counters", Some(&small)),
+        (
+            "publish (the issuer's record) + `AcknowledgeSnapshot`",
+            None,
+        ),
+    ] {
+        let before = RedisCounters::read(&mut con).await;
+        for _ in 0..REDIS_COST_OPS {
+            match payload {
+                Some(c) => w.report(c).await,
+                None => w.acknowledge_next(store).await,
+            }
+        }
+        let after = RedisCounters::read(&mut con).await;
+        let (commands, input, output, by) = after.per_op(&before, REDIS_COST_OPS);
+        println!("| {name} | {commands:.2} | {by} | {input:.0} B | {output:.0} B |");
+    }
+    let before = RedisCounters::read(&mut con).await;
+    for i in 0..REDIS_COST_WORKERS {
+        let mut w = Worker::ready(port, store, format!("redis-mem-{i}")).await;
+        w.report(big).await;
+    }
+    let after = RedisCounters::read(&mut con).await;
+    println!(
+        "\nRedis `used_memory` per worker registered, acknowledged and reporting 1000 counters ({REDIS_COST_WORKERS} workers): {:.1} KiB",
+        (after.memory.saturating_sub(before.memory)) as f64 / 1024.0 / REDIS_COST_WORKERS as f64
+    );
 }
