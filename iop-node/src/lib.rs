@@ -7,7 +7,9 @@
 //! # Design
 //!
 //! - [`run_node`] is the supervisor ([`run_node_with`] the same over connections the caller
-//!   dials: another transport, or `turmoil`'s simulated network in `tests/tests/mesh_sim.rs`): one task doing the initial dial and every reconnect under
+//!   dials: another transport, or `turmoil`'s simulated network in `tests/tests/mesh_sim.rs`;
+//!   [`run_node_dialing`] for a Node of several Edges): one task per Edge doing the initial
+//!   dial and every reconnect under
 //!   one `iop_wire::reconnect` policy. Startup does not need the Edge to be reachable. It ends
 //!   with an [`Exit`]: `Shutdown` (exit code 0) when the caller's token is cancelled,
 //!   `Exhausted` (1) when a finite budget runs out, `Fatal` (1) for local errors.
@@ -394,6 +396,25 @@ pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
         let address = opts.edge_address.clone();
         return run_node_with(opts, shutdown, move || dial_tcp(address.clone())).await;
     }
+    run_node_dialing(opts, shutdown, |address: &str| dial_tcp(address.to_owned())).await
+}
+
+/// [`run_node`] with every Edge ([`NodeOptions::edges`]) over connections `dial` opens: each
+/// attempt to an Edge calls `dial` with that Edge's address for a byte stream, then does the
+/// TLS handshake with that Edge's TLS configuration. One supervisor per Edge, sharing the
+/// Node's capacity gates and adapters, as [`run_node`] runs them (the deterministic simulation
+/// in `tests/tests/mesh_scale_sim.rs` runs many such Nodes on `turmoil`'s network).
+/// [`NodeOptions::jitter_seed`] seeds each Edge's jitter (the seed plus the Edge's index).
+pub async fn run_node_dialing<D, F, S>(
+    opts: NodeOptions,
+    shutdown: CancellationToken,
+    dial: D,
+) -> Exit
+where
+    D: Fn(&str) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = std::io::Result<S>> + Send + 'static,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     if opts.credentials.is_some() && !opts.local_keys.is_empty() {
         tracing::error!(
             target: "iop_node",
@@ -416,13 +437,14 @@ pub async fn run_node(opts: NodeOptions, shutdown: CancellationToken) -> Exit {
         o.more_edges = Vec::new();
         o.jitter_seed = o.jitter_seed.map(|s| s.wrapping_add(i as u64));
         let (gates, alive, all_down) = (gates.clone(), alive.clone(), all_down.clone());
+        let dial_edge = dial.clone();
         tasks.spawn(async move {
             use std::sync::atomic::Ordering;
             let address = o.edge_address.clone();
             loop {
                 let dial = {
-                    let address = address.clone();
-                    move || dial_tcp(address.clone())
+                    let (address, dial_edge) = (address.clone(), dial_edge.clone());
+                    move || dial_edge(&address)
                 };
                 let exit = supervise(&o, &gates, all_down.clone(), dial).await;
                 if !matches!(exit, Exit::Exhausted { .. }) {
