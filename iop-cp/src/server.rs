@@ -10,7 +10,9 @@
 //!    in legacy mode `managed=false`. A refusal is answered with a stable reason, then closed.
 //! 3. Accepted: the hello answer carries the current projection (managed mode). A later
 //!    connection of the same `edge_id` replaces the earlier one, which is closed.
-//! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed); the
+//! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed: one
+//!    projection per generation, read from the store and built once for every Edge,
+//!    [`Admin::projection`](crate::admin::Admin::projection)); the
 //!    Edge's `AcquireLeaseRequest`s go to the [`LeaseService`] (managed only: in legacy mode
 //!    they are refused and nothing is read from the store); status and command requests from
 //!    [`ControlPlane`] are correlated with their answers; `EdgeNodeEvent`s are published on

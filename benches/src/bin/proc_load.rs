@@ -30,6 +30,12 @@
 //!   and the Node's CPU time per request (from `/proc/PID/stat`) over the mesh requests.
 //! - **max**: closed loop, `C` concurrent connections (16 and 64) for 4 s, non-streaming:
 //!   direct, the relays, then the mesh: requests per second and the mesh's ratio to direct.
+//! - **held** (`proc_load held`, not in the default run; issue #32's capacity model): what an
+//!   open stream holds. `PROC_LOAD_HELD` (default 400) streaming requests whose upstream sends
+//!   its first event and then nothing for 120 s, opened at once and held while the Edge's and
+//!   the Node's resident memory and open descriptors are read from `/proc`, against their
+//!   values before. The same through the two mTLS relays (the floor) in the same run. Then the
+//!   clients go away and the figures are read again.
 //! - **tracing** (`proc_load tracing`, not in the default run): three meshes at once, tracing
 //!   off, on at 1 % sampling and on at 100 %, all exporting over OTLP/HTTP to a minimal
 //!   collector process (this binary as `proc_load collector`, which reads and discards the
@@ -89,6 +95,33 @@ fn sse() -> Bytes {
     Bytes::from(out)
 }
 
+/// A request whose body holds this is answered with its first SSE event, then nothing for
+/// [`HOLD_FOR`] (an open stream that costs only what it holds).
+const HOLD_MARK: &[u8] = b"HOLD-THIS-STREAM";
+const HOLD_FOR: Duration = Duration::from_secs(120);
+
+fn held_response(events: Bytes) -> Response {
+    let first = events.slice(..events.iter().position(|&b| b == b'\n').unwrap() + 2);
+    let rest = events.slice(first.len()..);
+    let body = futures_util::stream::unfold(0u8, move |state| {
+        let (first, rest) = (first.clone(), rest.clone());
+        async move {
+            match state {
+                0 => Some((Ok::<_, std::convert::Infallible>(first), 1)),
+                1 => {
+                    tokio::time::sleep(HOLD_FOR).await;
+                    Some((Ok(rest), 2))
+                }
+                _ => None,
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(body))
+        .unwrap()
+}
+
 fn upstream(port: u16) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -102,6 +135,9 @@ fn upstream(port: u16) {
                 let (json, events) = (json.clone(), events.clone());
                 async move {
                     let stream = body.windows(13).any(|w| w == b"\"stream\":true");
+                    if body.windows(HOLD_MARK.len()).any(|w| w == HOLD_MARK) {
+                        return held_response(events);
+                    }
                     let (ty, b) = if stream {
                         ("text/event-stream", events)
                     } else {
@@ -299,6 +335,95 @@ fn relays(dir: &Path, upstream: u16, tls: bool) -> (Killed, Killed, u16) {
     let a = spawn(first, second, m1);
     wait_port(first);
     (a, b, first)
+}
+
+// === What an open stream holds ===
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+}
+
+/// `n` streaming requests to `port` whose upstream holds them open, each read to its first
+/// event.
+async fn open_held(port: u16, n: usize) -> Vec<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let prompt = format!("{} {}", String::from_utf8_lossy(HOLD_MARK), "y".repeat(880));
+    let body = format!(
+        r#"{{"model":"{MODEL}","stream":true,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+    );
+    let request = post_json(port, "/v1/chat/completions", &body);
+    let mut open = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(&request).await.unwrap();
+        open.push(s);
+    }
+    for s in &mut open {
+        let mut seen = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !seen.windows(5).any(|w| w == b"data:") {
+            let got = s.read(&mut chunk).await.unwrap();
+            assert!(got > 0, "a held stream ended before its first event");
+            seen.extend_from_slice(&chunk[..got]);
+        }
+    }
+    open
+}
+
+async fn held(m: &Mesh, relays: u16, relay_pids: [u32; 2]) {
+    let n: usize = std::env::var("PROC_LOAD_HELD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    println!("\n## held: {n} open streams (first event sent, then the upstream is silent)\n");
+    println!(
+        "| process | RSS before | RSS with {n} open | per open stream | fds per open stream | RSS after the clients left |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (path, port, pids) in [
+        (
+            "mesh",
+            m.http,
+            [("Edge", m.edge.0.id()), ("Node", m.node.0.id())],
+        ),
+        (
+            "two mTLS relays",
+            relays,
+            [
+                ("relay at the Edge's place", relay_pids[0]),
+                ("relay at the Node's place", relay_pids[1]),
+            ],
+        ),
+    ] {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let before: Vec<(u64, usize)> = pids.iter().map(|(_, p)| (rss_kib(*p), fds(*p))).collect();
+        let open = open_held(port, n).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let during: Vec<(u64, usize)> = pids.iter().map(|(_, p)| (rss_kib(*p), fds(*p))).collect();
+        drop(open);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        for (i, (name, pid)) in pids.iter().enumerate() {
+            println!(
+                "| {path}: {name} | {:.1} MiB | {:.1} MiB | {:.1} KiB | {:.2} | {:.1} MiB |",
+                before[i].0 as f64 / 1024.0,
+                during[i].0 as f64 / 1024.0,
+                during[i].0.saturating_sub(before[i].0) as f64 / n as f64,
+                during[i].1.saturating_sub(before[i].1) as f64 / n as f64,
+                rss_kib(*pid) as f64 / 1024.0,
+            );
+        }
+    }
 }
 
 // === Load ===
@@ -946,6 +1071,9 @@ fn main() {
         }
         if part.is_empty() || part == "max" {
             max(&mesh, &floors).await;
+        }
+        if part == "held" {
+            held(&mesh, tls_port, [_tls1.0.id(), _tls2.0.id()]).await;
         }
     });
     drop(mesh);
