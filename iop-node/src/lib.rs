@@ -94,6 +94,13 @@
 //! gate, which admits up to the **smallest** capacity any live instance of that name was
 //! given: no Edge's view of the backend is exceeded.
 //!
+//! [`run_node`] dials every Edge over TCP; [`run_node_dialing`] does the same over
+//! connections the caller opens (`tests/tests/mesh_scale_sim.rs` runs hundreds of such Nodes,
+//! each on two Edges, on `turmoil`'s network). Each Edge's pool believes it has the Node's
+//! whole capacity, so near saturation the Edges together send more than the gate admits and
+//! the Node refuses the excess; `docs/capacity.md` measures that and says how to size the
+//! Edges' provider capacities to avoid it.
+//!
 //! # Embedding: [`Node`]
 //!
 //! [`Node::start`] runs the supervisor on a task of its own; [`Node::run_until`] is what a
