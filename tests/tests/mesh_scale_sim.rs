@@ -226,12 +226,10 @@ fn tunnel(id: String) -> ProviderTunnelRequest {
     }
 }
 
-/// Each Edge host's software as the clients find it: `None` while the host is down, and how
-/// many times it started.
+/// Each Edge host's software as the clients find it: `None` while the host is down.
 #[derive(Default)]
 struct EdgeSlot {
     handle: Option<EdgeHandle>,
-    starts: u32,
 }
 
 type Slots = Rc<RefCell<Vec<EdgeSlot>>>;
@@ -254,11 +252,7 @@ fn edge_host(
             cfg.pool = Some(pool(&nodes));
             let edge = start_unbound(cfg);
             let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
-            {
-                let mut s = slots.borrow_mut();
-                s[k].handle = Some(edge.clone());
-                s[k].starts += 1;
-            }
+            slots.borrow_mut()[k].handle = Some(edge.clone());
             while let Ok((stream, peer)) = listener.accept().await {
                 edge.serve_connection(stream, peer).await;
             }

@@ -34,7 +34,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use iop_benches::load::{self, Killed, RawHttp, ms, percentile};
+use iop_benches::load::{self, Killed, RawHttp, ms, percentile, rss_kib};
 use iop_edge::control::{ControlConfig, ControlConnector, SessionState};
 use iop_edge::{TransportConfig, bind};
 use tokio_util::sync::CancellationToken;
@@ -49,15 +49,6 @@ fn list(var: &str, default: &[usize]) -> Vec<usize> {
         |_| default.to_vec(),
         |v| v.split(',').map(|x| x.trim().parse().unwrap()).collect(),
     )
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// Bytes the process has written through `write`-like calls (`/proc/PID/io` `wchar`).

@@ -54,7 +54,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
 use workload_identity::{ExpectedPeer, client_cert_verifier, role};
 
-use iop_benches::load::{at_rate, cpu, edge_tls, ms, node_tls, percentile};
+use iop_benches::load::{at_rate, cpu, edge_tls, ms, node_tls, percentile, rss_kib};
 
 const SMALL_EVENTS: usize = 6;
 const BULK_BYTES: usize = 256 * 1024 * 1024;
@@ -349,15 +349,6 @@ async fn throughput(ca: &Ca) {
         mib(mesh),
         mesh / raw
     );
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
 }
 
 async fn idle(ca: &Ca, nodes: usize) {

@@ -32,19 +32,10 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use iop_benches::load::{Killed, bin, free_port};
+use iop_benches::load::{Killed, bin, free_port, rss_kib};
 use iop_tests::pki::{self, Ca};
 use iop_tests::upstream::{Kind, Upstream};
 use workload_identity::role;
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
 
 struct Mesh {
     edge: Killed,

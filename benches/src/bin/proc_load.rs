@@ -63,7 +63,7 @@ use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
 use iop_benches::load::{
-    Exchange, Killed, RawHttp, bin, cpu, free_port, percentile, post_json, wait_port,
+    Exchange, Killed, RawHttp, bin, cpu, fds, free_port, percentile, post_json, rss_kib, wait_port,
 };
 use iop_tests::pki::{self, Ca};
 use workload_identity::role;
@@ -338,19 +338,6 @@ fn relays(dir: &Path, upstream: u16, tls: bool) -> (Killed, Killed, u16) {
 }
 
 // === What an open stream holds ===
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-fn fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
-}
 
 /// `n` streaming requests to `port` whose upstream holds them open, each read to its first
 /// event.
