@@ -127,7 +127,8 @@ step "tests"
 # Tests write only under temporary directories: the work tree must look the same afterwards
 # (two stray configs were once committed from a run in the repository root).
 tree_before="$(git status --porcelain --untracked-files=all 2>/dev/null || true)"
-cargo test --workspace --locked 2>&1 | tee "$test_log"
+# --no-fail-fast: one failing test binary must not hide what the others would say.
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$test_log"
 tree_after="$(git status --porcelain --untracked-files=all 2>/dev/null || true)"
 if [ "$tree_before" != "$tree_after" ]; then
     echo "error: the test run changed the work tree (tests must write only under temporary directories):" >&2
