@@ -265,6 +265,7 @@ fn tunnel_request(run_id: &str, credential: Option<ManagedCredential>) -> Provid
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: credential.map(Box::new),
         trace: None,
+        credit_window: 0,
     }
 }
 

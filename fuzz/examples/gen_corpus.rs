@@ -28,8 +28,9 @@ use iop_wire::control::{
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, CancelRequest, ExecutionFailure, FailureEvidence, Fence,
     Header, HealthEvidence, NodeConfigPayload, NodeReadyRequest, NodeReadyResponse,
-    NodeRuntimeConfig, OpenAiCompatSettings, RegisterRequest, RegisterResponse, RunEvent,
-    RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage, TunnelFrame, TunnelPayload, Usage,
+    NodeRuntimeConfig, OpenAiCompatSettings, Operation, ProviderTunnelRequest, RegisterRequest,
+    RegisterResponse, RunEvent, RunEventKind, RunRequest, RuntimeFrame, RuntimeMessage,
+    TunnelFrame, TunnelPayload, Usage,
 };
 use iop_wire::validate::ResponseStallTimeout;
 
@@ -560,6 +561,47 @@ fn frame_seeds(dir: &Path) {
     };
     frame("cancel_request", &rt(RuntimeMessage::CancelRequest(cancel)));
     frame("ping", &RuntimeFrame::correlated(9, RuntimeMessage::Ping));
+    // Per-stream credit: a Node that announces it, a tunnel opened with a window, an update.
+    let credited = RegisterRequest {
+        node_id: "node-2".into(),
+        version: "0.1.0".into(),
+        stream_credit: true,
+        ..Default::default()
+    };
+    frame(
+        "register_request_stream_credit",
+        &rt(RuntimeMessage::RegisterRequest(credited)),
+    );
+    let tunnel = ProviderTunnelRequest {
+        run_id: "run-43".into(),
+        adapter: "openai-a".into(),
+        target: "gpt-4o-mini".into(),
+        method: "POST".into(),
+        path: String::new(),
+        headers: vec![Header {
+            name: "content-type".into(),
+            value: "application/json".into(),
+        }],
+        body: r#"{"model":"gpt-4o-mini","stream":true}"#.into(),
+        stream: true,
+        timeout: None,
+        metadata: BTreeMap::new(),
+        session_id: String::new(),
+        long_context: false,
+        operation: Some(Operation::ChatCompletions),
+        response_stall_timeout: ResponseStallTimeout::DEFAULT,
+        credential: None,
+        trace: None,
+        credit_window: 1 << 20,
+    };
+    frame(
+        "tunnel_request_credit_window",
+        &on_stream(RuntimeMessage::ProviderTunnelRequest(tunnel)),
+    );
+    frame(
+        "stream_window_update",
+        &on_stream(RuntimeMessage::StreamWindowUpdate(512 * 1024)),
+    );
 
     let hello = EdgeHelloRequest {
         edge_id: "edge-1".into(),

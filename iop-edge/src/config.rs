@@ -66,6 +66,9 @@
 //! max_unauthenticated_per_ip = 32    #   of which from one address (more: closed at once)
 //! stream_buffer_bytes = 4194304      # memory one response's unread events may hold (counted as held, not payload)
 //! slow_consumer_timeout_sec = 30     # unread bytes and no read this long: stream ended
+//! # stream_window_bytes = 1048576    # a tunnel body's credit window on Nodes that support it:
+//! #                                  # a slow reader slows its stream instead of being ended;
+//! #                                  # default a quarter of stream_buffer_bytes, at most half; 0 = off
 //! http_max_connections = 4096        # HTTP connections (more: closed at once)
 //! http_header_timeout_sec = 30       # to send request headers; also the keep-alive idle limit
 //! http_body_timeout_sec = 60         # to send the whole request body (then 408)
@@ -630,6 +633,11 @@ pub struct Limits {
     pub stream_buffer_bytes: usize,
     /// `limits.slow_consumer_timeout_sec`.
     pub slow_consumer_timeout_sec: u64,
+    /// `limits.stream_window_bytes`: a tunnel body's credit window
+    /// ([`crate::TransportConfig::stream_window`]); unset = a quarter of
+    /// `stream_buffer_bytes`, `0` = credit off, more than half of `stream_buffer_bytes` is an
+    /// error.
+    pub stream_window_bytes: Option<usize>,
     /// `limits.http_max_connections`.
     pub http_max_connections: usize,
     /// `limits.http_header_timeout_sec`.
@@ -653,6 +661,7 @@ impl Default for Limits {
             max_unauthenticated_per_ip: crate::transport::DEFAULT_MAX_UNAUTHENTICATED_PER_IP,
             stream_buffer_bytes: crate::transport::DEFAULT_MAX_STREAM_BUFFER,
             slow_consumer_timeout_sec: crate::transport::DEFAULT_SLOW_CONSUMER_TIMEOUT.as_secs(),
+            stream_window_bytes: None,
             http_max_connections: serve.max_connections,
             http_header_timeout_sec: serve.header_timeout.as_secs(),
             http_body_timeout_sec: crate::http::DEFAULT_BODY_TIMEOUT.as_secs(),
@@ -700,7 +709,22 @@ impl Limits {
                 return Err(invalid(key, "must be greater than 0"));
             }
         }
+        if self
+            .stream_window_bytes
+            .is_some_and(|w| w > self.stream_buffer_bytes / 2)
+        {
+            return Err(invalid(
+                "limits.stream_window_bytes",
+                "must be at most half of limits.stream_buffer_bytes (0 turns credit off)",
+            ));
+        }
         Ok(())
+    }
+
+    /// The credit window in effect.
+    pub fn stream_window(&self) -> usize {
+        self.stream_window_bytes
+            .unwrap_or(self.stream_buffer_bytes / 4)
     }
 }
 
@@ -1141,6 +1165,7 @@ impl EdgeConfigFile {
         transport.max_unauthenticated_per_ip = l.max_unauthenticated_per_ip;
         transport.max_stream_buffer = l.stream_buffer_bytes;
         transport.slow_consumer_timeout = Duration::from_secs(l.slow_consumer_timeout_sec);
+        transport.stream_window = l.stream_window();
         transport.node_configs = node_configs;
         transport.pool = Some(PoolConfig {
             models: models.clone(),

@@ -39,8 +39,15 @@
 //!   ended for its reader (the backlog is freed and replaced by one terminal:
 //!   [`TunnelEvent::SlowConsumer`], or a run `ERROR` "slow consumer") and `CancelRequest` goes
 //!   to the Node, as for a disconnect. Nothing ever waits for a reader, so the other streams of
-//!   the same Node connection keep flowing. The wire has no window frames: none are needed for
-//!   this.
+//!   the same Node connection keep flowing.
+//! - **Per tunnel, with credit** (Nodes that register with `stream_credit`): the tunnel is
+//!   opened with a window of [`TransportConfig::stream_window`] credit bytes (a body's length
+//!   plus [`iop_wire::runtime::TUNNEL_FRAME_CREDIT`] per frame), and [`TunnelStream::next`]
+//!   gives the credit back (`StreamWindowUpdate`) as its reader consumes the body. The Node
+//!   never sends more than the window ahead of the reader and stops reading its provider
+//!   meanwhile, so a slow reader slows its own stream instead of filling the byte bound; one
+//!   that stops reading is still ended by the slow-consumer timeout. The byte bound stays for
+//!   Nodes that do not honour credit (older ones, or a hostile peer).
 //! - **Per connection**: frames to a Node wait in a queue of
 //!   [`TransportConfig::outbound_frames`]; a Node that stops reading them (even only its
 //!   pongs) fills it and is disconnected ([`FenceCause::NotReading`]). Frames from a Node are
@@ -68,7 +75,7 @@ use std::time::Duration;
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_edge_core::registry::{ConnId, FenceCause, Generation, Registry, RegistryConfig};
 use iop_edge_core::{
-    Admit, Admitted, Answer, CoreConfig, EdgeCore, Event, Observer, Open, Sinks, StreamSink,
+    Admit, Admitted, Answer, CoreConfig, EdgeCore, Event, Observer, Open, Opened, Sinks, StreamSink,
 };
 use iop_wire::codec::{DEFAULT_MAX_FRAME_LEN, FrameCodec, TokioCodec};
 use iop_wire::runtime::{
@@ -125,6 +132,11 @@ pub struct TransportConfig {
     pub slow_consumer_timeout: Duration,
     /// Frames queued to one Node connection before it counts as not reading.
     pub outbound_frames: usize,
+    /// The credit window of a tunnel's body on Nodes that support it (`0`: off; at most half
+    /// of [`TransportConfig::max_stream_buffer`] is used). With it, a slow reader slows its
+    /// own stream down to its pace instead of being ended when the byte bound fills; a reader
+    /// that stops is still ended after [`TransportConfig::slow_consumer_timeout`].
+    pub stream_window: usize,
 }
 
 /// How long a connection being closed may take to write the frames queued before the close
@@ -173,6 +185,7 @@ impl TransportConfig {
             max_stream_buffer: DEFAULT_MAX_STREAM_BUFFER,
             slow_consumer_timeout: DEFAULT_SLOW_CONSUMER_TIMEOUT,
             outbound_frames: DEFAULT_OUTBOUND_FRAMES,
+            stream_window: iop_edge_core::DEFAULT_STREAM_WINDOW,
         }
     }
 }
@@ -261,6 +274,14 @@ impl DropNotice {
         if let Some(shared) = self.shared.upgrade() {
             let id = self.stream_id;
             shared.with(|core, now| core.end_stream(now, id, "caller_disconnected"));
+        }
+    }
+
+    /// Gives `bytes` of the stream's credit back to its Node.
+    fn grant(&self, bytes: u64) {
+        if let Some(shared) = self.shared.upgrade() {
+            let id = self.stream_id;
+            shared.with(|core, now| core.grant(now, id, bytes));
         }
     }
 }
@@ -464,6 +485,8 @@ pub struct TunnelStream {
     done: bool,
     on_drop: DropNotice,
     watch: Watch,
+    /// The tunnel's credit window (`0`: none) and the credit bytes read since the last grant.
+    credit: (u64, u64),
 }
 
 impl Drop for TunnelStream {
@@ -478,7 +501,23 @@ impl Drop for TunnelStream {
 }
 
 impl TunnelStream {
+    fn new(opened: Opened, events: StreamRx<TunnelEvent>, on_drop: DropNotice) -> Self {
+        Self {
+            generation: opened.generation,
+            events,
+            peeked: None,
+            done: false,
+            on_drop,
+            watch: Watch(None, false),
+            credit: (opened.credit_window, 0),
+        }
+    }
+
     /// The next event; `None` after the terminal.
+    ///
+    /// Reading a body gives its credit back to the Node (on a tunnel opened with a window):
+    /// once half the window was read, one `StreamWindowUpdate` returns it, so the Node sends
+    /// the body as fast as this reader reads it and never more than the window ahead.
     pub async fn next(&mut self) -> Option<TunnelEvent> {
         if self.done {
             return None;
@@ -488,6 +527,14 @@ impl TunnelStream {
             None => self.events.recv().await?,
         };
         self.done = ev.is_terminal();
+        if let (TunnelEvent::Frame(Delivery::Body(b)), (window @ 1.., read)) =
+            (&ev, &mut self.credit)
+        {
+            *read += b.len() as u64 + iop_wire::runtime::TUNNEL_FRAME_CREDIT;
+            if *read >= *window / 2 {
+                self.on_drop.grant(std::mem::take(read));
+            }
+        }
         if let (Some(w), Some(name)) = (self.watch.0.as_mut(), tunnel_event_name(&ev)) {
             w.event(name);
         }
@@ -948,14 +995,11 @@ impl EdgeHandle {
                 },
             )
         })?;
-        Ok(TunnelStream {
-            generation: opened.generation,
+        Ok(TunnelStream::new(
+            opened,
             events,
-            peeked: None,
-            done: false,
-            on_drop: self.drop_notice(opened.stream_id),
-            watch: Watch(None, false),
-        })
+            self.drop_notice(opened.stream_id),
+        ))
     }
 
     /// Dispatches through the provider pool: [`EdgeHandle::admit`], then
@@ -1047,14 +1091,11 @@ impl EdgeHandle {
                         },
                     )
                 })?;
-                Ok(Dispatched::Tunnel(TunnelStream {
-                    generation: opened.generation,
+                Ok(Dispatched::Tunnel(TunnelStream::new(
+                    opened,
                     events,
-                    peeked: None,
-                    done: false,
-                    on_drop: self.drop_notice(opened.stream_id),
-                    watch: Watch(None, false),
-                }))
+                    self.drop_notice(opened.stream_id),
+                )))
             }
         }
     }
@@ -1225,6 +1266,7 @@ pub fn start_unbound(config: TransportConfig) -> EdgeHandle {
         CoreConfig {
             max_stream_buffer: config.max_stream_buffer,
             slow_consumer_timeout: config.slow_consumer_timeout,
+            stream_window: config.stream_window,
         },
         config.metrics.clone(),
     );

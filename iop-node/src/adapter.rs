@@ -142,6 +142,8 @@ pub struct TunnelSink {
     budget: Arc<Semaphore>,
     fence: CancellationToken,
     credential: Arc<Mutex<Option<Injection>>>,
+    /// The Edge's per-stream credit, when it opened the tunnel with a window.
+    credit: Option<Arc<crate::credit::Credit>>,
 }
 
 /// The credential a tunnel's provider request carries: a lease opened for this dispatch
@@ -166,12 +168,14 @@ impl TunnelSink {
         budget: Arc<Semaphore>,
         fence: CancellationToken,
         credential: Option<Injection>,
+        credit: Option<Arc<crate::credit::Credit>>,
     ) -> Self {
         Self {
             tx,
             budget,
             fence,
             credential: Arc::new(Mutex::new(credential)),
+            credit,
         }
     }
 
@@ -212,13 +216,36 @@ impl TunnelSink {
     }
 
     /// Body bytes exactly as the provider sent them; waits while this tunnel already holds
-    /// [`STREAM_BUFFER`] bytes on their way to the Edge.
-    pub async fn body(&self, bytes: Bytes) -> bool {
-        let permit = reserve(&self.budget, bytes.len()).await;
-        self.tx
-            .send((TunnelPayload::Body(bytes), permit))
-            .await
-            .is_ok()
+    /// [`STREAM_BUFFER`] bytes on their way to the Edge, and, when the Edge gives the tunnel
+    /// credit, while the Edge's reader is a window behind (the bytes may then go out as
+    /// several frames). An adapter that awaits this before reading more from its provider is
+    /// paced by the reader at the other end.
+    pub async fn body(&self, mut bytes: Bytes) -> bool {
+        loop {
+            let chunk = match &self.credit {
+                None => std::mem::take(&mut bytes),
+                Some(credit) => {
+                    let n = credit.take(bytes.len()).await;
+                    if n >= bytes.len() {
+                        std::mem::take(&mut bytes)
+                    } else {
+                        bytes.split_to(n)
+                    }
+                }
+            };
+            let permit = reserve(&self.budget, chunk.len()).await;
+            if self
+                .tx
+                .send((TunnelPayload::Body(chunk), permit))
+                .await
+                .is_err()
+            {
+                return false;
+            }
+            if bytes.is_empty() {
+                return true;
+            }
+        }
     }
 
     /// A usage observation (never merged into the body).

@@ -13,7 +13,8 @@
 //!    `CANCELLED` (run) or `ERROR "cancelled"` (tunnel). No `ExecutionFailure`.
 //! 2. **Hard deadline** (`timeout_sec`): aborted; `ERROR "deadline exceeded"`.
 //! 3. **Response stall**: no provider activity (a delta or frame) for the request's
-//!    `response_stall_timeout` (0 → 300 s). The attempt is fenced (the adapter's
+//!    `response_stall_timeout` (0 → 300 s). Time a tunnel spends waiting for the Edge's credit
+//!    (its reader is behind) does not count: the provider was not asked for more. The attempt is fenced (the adapter's
 //!    `cancelled()` resolves), and then — concurrently, not one after the other — the bounded
 //!    close grace waits for the adapter to actually return while an
 //!    exact-target health probe runs. Exactly one `ERROR` terminal follows with failure code
@@ -91,6 +92,9 @@ pub(crate) struct Watch<'a> {
     pub(crate) stall_timeout: Duration,
     pub(crate) close_grace: Duration,
     pub(crate) probe_timeout: Duration,
+    /// A tunnel's credit: while it waits for the Edge's reader, the provider is not read, and
+    /// its silence is not a stall.
+    pub(crate) credit: Option<std::sync::Arc<crate::credit::Credit>>,
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
@@ -143,6 +147,10 @@ where
                 }
             }
             () = &mut stall => {
+                if watch.credit.as_ref().is_some_and(|c| c.excuse()) {
+                    // Paced by the Edge's reader: the provider was not asked for more.
+                    last_activity = Instant::now();
+                }
                 if let Some(at) = stall_at(last_activity)
                     && at > Instant::now()
                 {
@@ -217,6 +225,7 @@ mod tests {
             stall_timeout: STALL,
             close_grace: Duration::from_millis(50),
             probe_timeout: Duration::from_millis(50),
+            credit: None,
         }
     }
 

@@ -58,6 +58,13 @@
 //!   stream, and the execution must not block on the socket). Providers are called with
 //!   hyper-util's pooled client directly (`provider_http`): a provider's redirect is relayed to
 //!   the caller, never followed.
+//! - A tunnel's body is paced by the reader at the Edge when the Edge gives credit: the Node
+//!   registers with `stream_credit`, and a tunnel opened with a `credit_window` sends at most
+//!   that window ahead of what the Edge's reader consumed (`StreamWindowUpdate` gives it back).
+//!   [`TunnelSink::body`] waits for credit (splitting a body larger than what is left), so an
+//!   adapter that awaits it before reading on stops reading its provider, and TCP slows the
+//!   provider down. Waiting for credit is not a response stall. Without a window (older
+//!   Edges) the body flows as fast as the connection takes it, within [`STREAM_BUFFER`].
 //!
 //! - The built-in `ollama` adapter turns Ollama's native streaming chat into normalized
 //!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).
@@ -131,6 +138,7 @@
 mod adapter;
 pub mod config;
 pub mod credential;
+mod credit;
 mod demo;
 mod exec;
 mod node;

@@ -28,6 +28,7 @@ use crate::NodeOptions;
 use crate::adapter::{
     Budgeted, Gates, Injection, Instance, Instances, RunEvents, TunnelSink, stream_budget,
 };
+use crate::credit::Credit;
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel_order::TunnelWriter;
 
@@ -48,8 +49,8 @@ enum Outbound {
     Frame(Box<RuntimeFrame>),
     /// A stall terminal: the loop stamps its `health_observation_seq`, then sends it.
     Stamped(Box<RuntimeFrame>),
-    /// A run ended; forget its cancel handle.
-    RunDone(String),
+    /// A run or tunnel ended (its run id and stream id); forget its cancel handle and credit.
+    RunDone(String, u64),
     /// Probe results; the loop stamps each with the next `health_observation_seq`.
     Capabilities {
         correlation_id: u64,
@@ -90,6 +91,7 @@ where
             .as_ref()
             .map(|c| c.issuer_key_ids())
             .unwrap_or_default(),
+        stream_credit: true,
     };
     let mut session = NodeSession::new(opts.session, register, now());
     let session_token = CancellationToken::new();
@@ -98,6 +100,8 @@ where
     let (out_tx, mut out_rx) = mpsc::channel::<Outbound>(1024);
     let mut instances = Instances::default();
     let mut runs: HashMap<String, CancellationToken> = HashMap::new();
+    // The credit of tunnels the Edge opened with a window, by stream id.
+    let mut credits: HashMap<u64, Arc<Credit>> = HashMap::new();
     let mut reached_ready = false;
 
     loop {
@@ -141,6 +145,7 @@ where
                         frame,
                         &mut instances,
                         &mut runs,
+                        &mut credits,
                         &session_token,
                         &out_tx,
                         opts,
@@ -171,12 +176,12 @@ where
                 _ => session.handle_transport_closed(),
             },
             Some(out) = out_rx.recv() => {
-                outbound(out, &mut session, &mut runs);
+                outbound(out, &mut session, &mut runs, &mut credits);
                 // Whatever else is already queued goes out with it: one write and one flush for
                 // a burst (a tunnel's start, body and end), not one each.
                 for _ in 0..OUTBOUND_BURST {
                     match out_rx.try_recv() {
-                        Ok(out) => outbound(out, &mut session, &mut runs),
+                        Ok(out) => outbound(out, &mut session, &mut runs, &mut credits),
                         Err(_) => break,
                     }
                 }
@@ -194,6 +199,7 @@ fn outbound(
     out: Outbound,
     session: &mut NodeSession,
     runs: &mut HashMap<String, CancellationToken>,
+    credits: &mut HashMap<u64, Arc<Credit>>,
 ) {
     match out {
         Outbound::Frame(frame) => {
@@ -203,8 +209,9 @@ fn outbound(
         Outbound::Stamped(frame) => {
             let _ = session.send_stamped(now(), *frame);
         }
-        Outbound::RunDone(run_id) => {
+        Outbound::RunDone(run_id, stream_id) => {
             runs.remove(&run_id);
+            credits.remove(&stream_id);
             session.run_finished(&run_id);
         }
         Outbound::Capabilities {
@@ -244,6 +251,7 @@ fn handle_frame(
     frame: RuntimeFrame,
     instances: &mut Instances,
     runs: &mut HashMap<String, CancellationToken>,
+    credits: &mut HashMap<u64, Arc<Credit>>,
     session_token: &CancellationToken,
     out_tx: &mpsc::Sender<Outbound>,
     opts: &NodeOptions,
@@ -277,6 +285,12 @@ fn handle_frame(
                 Err(error) => {
                     let _ = session.refuse(now(), stream_id, StreamKind::Run, error);
                 }
+            }
+        }
+        RuntimeMessage::StreamWindowUpdate(bytes) => {
+            // An update may cross the tunnel's terminal: an unknown stream is no error.
+            if let Some(credit) = credits.get(&stream_id) {
+                credit.grant(bytes);
             }
         }
         RuntimeMessage::CancelRequest(cancel) => {
@@ -317,8 +331,13 @@ fn handle_frame(
             ) {
                 Ok((instance, permit, token)) => {
                     let out = out_tx.clone();
+                    let credit = (req.credit_window > 0).then(|| {
+                        let credit = Arc::new(Credit::new(req.credit_window));
+                        credits.insert(stream_id, credit.clone());
+                        credit
+                    });
                     tokio::spawn(Box::pin(tunnel_task(
-                        stream_id, req, instance, permit, token, out, settings,
+                        stream_id, req, instance, permit, token, out, settings, credit,
                     )));
                 }
                 Err(error) => {
@@ -630,6 +649,7 @@ async fn run_task(
         stall_timeout: req.response_stall_timeout.effective(),
         close_grace: settings.close_grace,
         probe_timeout: PROBE_TIMEOUT,
+        credit: None,
     };
     let event = |ev: RunEvent| RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunEvent(ev));
     let _ = out
@@ -717,10 +737,14 @@ async fn run_task(
         }
     };
     let _ = out.send(terminal).await;
-    let _ = out.send(Outbound::RunDone(run_id)).await;
+    let _ = out.send(Outbound::RunDone(run_id, stream_id)).await;
 }
 
 /// One provider tunnel: the adapter's frames, numbered, then exactly one terminal.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one call site: what the session loop hands each tunnel"
+)]
 async fn tunnel_task(
     stream_id: u64,
     req: ProviderTunnelRequest,
@@ -729,6 +753,7 @@ async fn tunnel_task(
     cancel: CancellationToken,
     out: mpsc::Sender<Outbound>,
     settings: ExecSettings,
+    credit: Option<Arc<Credit>>,
 ) {
     let run_id = req.run_id.clone();
     let ident = StallIdentity {
@@ -745,6 +770,7 @@ async fn tunnel_task(
         stall_timeout: req.response_stall_timeout.effective(),
         close_grace: settings.close_grace,
         probe_timeout: PROBE_TIMEOUT,
+        credit: credit.clone(),
     };
     let frame =
         |f: TunnelFrame| RuntimeFrame::on_stream(stream_id, RuntimeMessage::ProviderTunnelFrame(f));
@@ -785,7 +811,7 @@ async fn tunnel_task(
                     if let Some(f) = numbered(terminal) {
                         let _ = out.send(Outbound::frame(frame(f))).await;
                     }
-                    let _ = out.send(Outbound::RunDone(run_id)).await;
+                    let _ = out.send(Outbound::RunDone(run_id, stream_id)).await;
                     return;
                 }
             }
@@ -810,7 +836,7 @@ async fn tunnel_task(
         exec::work(async move {
             instance
                 .adapter
-                .tunnel(req, TunnelSink::new(ftx, budget, fence, credential))
+                .tunnel(req, TunnelSink::new(ftx, budget, fence, credential, credit))
                 .await
         })
     };
@@ -898,5 +924,5 @@ async fn tunnel_task(
             })
             .await;
     }
-    let _ = out.send(Outbound::RunDone(run_id)).await;
+    let _ = out.send(Outbound::RunDone(run_id, stream_id)).await;
 }

@@ -73,6 +73,23 @@
 //!   path segments); targets 1–256 bytes of visible ASCII. See [`validate`].
 //! - Reconnect: the attempt budget resets when a session reaches ready; `interval_sec = 0` is
 //!   allowed only with a finite budget; jitter takes up to 20 % off each wait.
+
+//! # Added to the wire after its first release
+//!
+//! Each is optional, and an older peer keeps its old behaviour:
+//!
+//! - `trace` on `RunRequest` and `ProviderTunnelRequest`: W3C trace context ([`trace`]).
+//! - Per-stream credit for tunnel bodies, negotiated because an older Node could not decode
+//!   the new message: a Node that honours it says so in
+//!   [`runtime::RegisterRequest::stream_credit`]; only then does the Edge open tunnels with a
+//!   window ([`runtime::ProviderTunnelRequest::credit_window`], in credit bytes: a `BODY`
+//!   frame costs its body length plus [`runtime::TUNNEL_FRAME_CREDIT`]) and give credit back
+//!   with [`runtime::RuntimeMessage::StreamWindowUpdate`] on the tunnel's stream as its reader
+//!   consumes the body. The Node never has more than the window outstanding and stops reading
+//!   its provider meanwhile. Without it (older Edges or Nodes), the body flows as fast as the
+//!   connection takes it and the Edge's per-stream byte bound ends a reader that falls
+//!   behind. An update for a stream the Node no longer has is ignored (it may cross the
+//!   terminal).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

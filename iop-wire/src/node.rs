@@ -287,7 +287,8 @@ impl NodeSession {
                 | RuntimeMessage::ProviderTunnelRequest(_)
                 | RuntimeMessage::CancelRequest(_)
                 | RuntimeMessage::NodeCommandRequest(_)
-                | RuntimeMessage::NodeConfigRefreshRequest(_)),
+                | RuntimeMessage::NodeConfigRefreshRequest(_)
+                | RuntimeMessage::StreamWindowUpdate(_)),
             ) => {
                 self.events
                     .push_back(NodeEvent::Frame(RuntimeFrame { message, ..frame }));

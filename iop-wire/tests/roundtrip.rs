@@ -184,6 +184,7 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
             )
             .unwrap(),
         )),
+        credit_window: 1 << 20,
     };
     let mut run_error = RunEvent::new(RunEventKind::Error);
     run_error.error = "response stalled".into();
@@ -211,6 +212,7 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
                 public_key: [9; 32],
             }),
             issuer_key_ids: vec!["p256:0011223344556677".into()],
+            stream_credit: true,
         })),
         RuntimeFrame::new(RuntimeMessage::RegisterResponse(
             RegisterResponse::Accepted {
@@ -314,6 +316,7 @@ fn runtime_messages() -> Vec<RuntimeFrame> {
         ),
         RuntimeFrame::correlated(6, RuntimeMessage::Ping),
         RuntimeFrame::correlated(6, RuntimeMessage::Pong),
+        RuntimeFrame::on_stream(7, RuntimeMessage::StreamWindowUpdate(512 * 1024)),
     ]
 }
 
@@ -323,8 +326,8 @@ fn every_runtime_message_round_trips() {
     let names: std::collections::BTreeSet<_> = frames.iter().map(|f| f.message.name()).collect();
     assert_eq!(
         names.len(),
-        15,
-        "one of each of the 15 runtime messages: {names:?}"
+        16,
+        "one of each of the 16 runtime messages: {names:?}"
     );
     for f in &frames {
         roundtrip(f);

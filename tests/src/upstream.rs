@@ -13,6 +13,9 @@
 //! nothing, `firehose` streams 16 KiB chunks
 //! as fast as its reader takes them and `trickle` 64 KiB every 100 ms, without end; they
 //! report when their client went away ([`Upstream::dropped`], [`Upstream::dropped_count`]).
+//! A streamed chat for a model named `bulk…` gets `max_tokens` MiB of 16 KiB chunks as fast as
+//! its reader takes them, then `data: [DONE]`; [`Upstream::bulk_sent`] tells how much of it
+//! left so far, and a reader that goes away before the end counts as dropped.
 //! On the Anthropic fake, the user message `redirect me` is answered `307` to `/v1/elsewhere`
 //! (which only records a request that followed it).
 
@@ -73,6 +76,8 @@ struct Shared {
     seen: Mutex<Vec<Seen>>,
     dropped: Notify,
     drops: std::sync::atomic::AtomicUsize,
+    /// Bytes of each `bulk…` model's body handed to the connection so far.
+    bulk: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// A running fake upstream.
@@ -93,6 +98,7 @@ impl Upstream {
             seen: Mutex::new(Vec::new()),
             dropped: Notify::new(),
             drops: std::sync::atomic::AtomicUsize::new(0),
+            bulk: Mutex::default(),
         });
         let app = match kind {
             Kind::ChatOnly => Router::new()
@@ -115,6 +121,18 @@ impl Upstream {
             let _ = axum::serve(listener, app).await;
         });
         Self { shared, addr }
+    }
+
+    /// Bytes of the `bulk…` body of `model` handed to the connection so far (0 before it
+    /// started).
+    pub fn bulk_sent(&self, model: &str) -> u64 {
+        self.shared
+            .bulk
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(model)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The base URL a Node points at (`http://127.0.0.1:<port>/v1`).
@@ -391,6 +409,62 @@ fn firehose(s: Arc<Shared>, size: usize, every: Option<Duration>) -> Response {
     r
 }
 
+/// `mib` MiB of 16 KiB chat chunks as fast as the reader takes them, then `[DONE]`; counted
+/// in `bulk` under `model`. A reader that goes away before the end counts as dropped.
+fn bulk(s: Arc<Shared>, model: String, mib: u64) -> Response {
+    let chunk = Bytes::from(format!(
+        "data: {}\n\n",
+        json!({ "choices": [{ "index": 0, "delta": { "content": "x".repeat(16 * 1024) } }] })
+    ));
+    let total = mib << 20;
+    struct Sent {
+        s: Arc<Shared>,
+        model: String,
+        sent: u64,
+        done: bool,
+    }
+    impl Drop for Sent {
+        fn drop(&mut self) {
+            if !self.done {
+                drop(OnDrop(self.s.clone()));
+            }
+        }
+    }
+    let state = Sent {
+        s,
+        model,
+        sent: 0,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(state, move |mut st| {
+        let chunk = chunk.clone();
+        async move {
+            if st.done {
+                return None;
+            }
+            let out = if st.sent >= total {
+                st.done = true;
+                Bytes::from_static(b"data: [DONE]\n\n")
+            } else {
+                chunk
+            };
+            st.sent += out.len() as u64;
+            st.s.bulk
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(st.model.clone(), st.sent);
+            tokio::task::yield_now().await;
+            Some((Ok::<_, Infallible>(out), st))
+        }
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("valid"),
+    );
+    r
+}
+
 async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
     record(&s, "/v1/chat/completions", &headers, &body);
     if let Err(r) = authorized(&s, &headers) {
@@ -403,6 +477,10 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
     let stream = req["stream"] == true;
     if model == "firehose" && stream {
         return firehose(s, 16 * 1024, None);
+    }
+    if model.starts_with("bulk") && stream {
+        let mib = req["max_tokens"].as_u64().unwrap_or(1);
+        return bulk(s.clone(), model.to_owned(), mib);
     }
     if model == "trickle" && stream {
         return firehose(s, 64 * 1024, Some(Duration::from_millis(100)));

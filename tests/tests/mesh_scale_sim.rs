@@ -223,6 +223,7 @@ fn tunnel(id: String) -> ProviderTunnelRequest {
             .unwrap(),
         credential: None,
         trace: None,
+        credit_window: 0,
     }
 }
 

@@ -190,6 +190,7 @@ fn tunnel_with(id: &str, body: &'static str) -> ProviderTunnelRequest {
         response_stall_timeout: ResponseStallTimeout::from_duration(STALL).unwrap(),
         credential: None,
         trace: None,
+        credit_window: 0,
     }
 }
 

@@ -138,6 +138,7 @@ fn tunnel_request(run_id: &str, adapter: &str, target: &str) -> ProviderTunnelRe
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
         trace: None,
+        credit_window: 0,
     }
 }
 

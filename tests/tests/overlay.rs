@@ -158,6 +158,7 @@ fn tunnel(path: &'static str) -> PoolRequest {
             response_stall_timeout: ResponseStallTimeout::DEFAULT, // replaced from the lease
             credential: None,
             trace: None,
+            credit_window: 0,
         })
     }
 }

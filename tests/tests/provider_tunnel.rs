@@ -295,6 +295,7 @@ fn chat(run_id: &str, operation: Option<Operation>, path: &str) -> ProviderTunne
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
         trace: None,
+        credit_window: 0,
     }
 }
 

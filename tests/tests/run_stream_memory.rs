@@ -251,6 +251,10 @@ async fn a_tunnel_nobody_reads() {
         let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
         cfg.max_stream_buffer = BOUND;
         cfg.slow_consumer_timeout = Duration::from_secs(3600);
+        // Credit off: the byte bound is what holds the Edge against a Node that does not
+        // honour credit (an older one, or a hostile peer). With credit the Node would stop at
+        // the window (`bins/tests/stream_credit.rs`).
+        cfg.stream_window = 0;
         cfg.node_configs = vec![(
             "node-1".into(),
             NodeConfigPayload {
@@ -315,6 +319,7 @@ async fn a_tunnel_nobody_reads() {
             response_stall_timeout: ResponseStallTimeout::DEFAULT,
             credential: None,
             trace: None,
+            credit_window: 0,
         };
         // Warm up: a stream read for a while, then dropped (its cancel settles).
         let mut warm = edge.tunnel("node-1", request("warm")).await.unwrap();

@@ -176,6 +176,7 @@ fn tunnel_request(id: u64, operation: Option<Operation>, path: &str) -> Provider
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
         trace: None,
+        credit_window: 0,
     }
 }
 

@@ -105,7 +105,8 @@ pub mod ratelimit;
 pub mod registry;
 
 pub use machine::{
-    Admit, Admitted, Answer, CoreConfig, CoreStatus, DispatchError, EdgeCore, Event, HealthNote,
-    Issuers, Level, Lifecycle, NODE_DISCONNECTED, NoObserver, NodeStatus, Observer, Open, Opened,
-    OverlayNote, ProbeNote, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
+    Admit, Admitted, Answer, CoreConfig, CoreStatus, DEFAULT_STREAM_WINDOW, DispatchError,
+    EdgeCore, Event, HealthNote, Issuers, Level, Lifecycle, MIN_STREAM_WINDOW, NODE_DISCONNECTED,
+    NoObserver, NodeStatus, Observer, Open, Opened, OverlayNote, ProbeNote, SLOW_CONSUMER, Sinks,
+    StreamSink, TunnelEvent,
 };

@@ -24,6 +24,8 @@
 //! - `Command(n)` / `AnswerCommand(l, c)`: the Edge sends a command to ready Node `n`; the
 //!   Node's application answers command `c` it received on `l`;
 //! - `CallerGone(s)`: the caller of stream `s` goes away (`end_stream`);
+//! - `Grant(s)`: the reader of tunnel `s` gives credit back (`grant`), before or after its
+//!   terminal (a grant may cross it);
 //! - `Tick`: virtual time jumps to the next timer of any machine (heartbeat silence,
 //!   handshake timeout, queue wait), which fires.
 //!
@@ -51,7 +53,15 @@
 //!   only when a newer connection of that Node exists or a timer fired (no handshake is lost
 //!   in an interleaving);
 //! - **no-stranded-waiter**: no request waits in the queue while a ready Node's provider has
-//!   free capacity (capacity counted from this model's own streams, not the pool's view).
+//!   free capacity (capacity counted from this model's own streams, not the pool's view);
+//! - **credit-only-when-announced**: a tunnel reaches a Node with a credit window, and a
+//!   `StreamWindowUpdate` reaches it at all, only if that Node registered with
+//!   `stream_credit` (Node 1 does, Node 2 is an older Node that does not); every tunnel to
+//!   Node 1 has a window;
+//! - **credit-on-its-stream**: an update reaches a Node only on the connection its tunnel went
+//!   to, for that tunnel;
+//! - **no-protocol-violation**: no Node session is ever closed for a protocol violation (an
+//!   update the Node did not expect would be one).
 //!
 //! States are fingerprinted by the machines' full `Debug` state ([`EdgeCore::state`]; the
 //! registry's, pool's and sessions' maps are ordered, so the same state prints the same) plus
@@ -74,7 +84,7 @@
 //! covers. The four run in parallel in ≈60 s on 2 cores.
 //! `EDGE_MODEL=large` runs [`Bounds::LARGE`] by hand (both Nodes dialling twice, three
 //! dispatches, two cuts, one timer jump: heartbeats, handshake and queue deadlines), and
-//! `EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts[,tunnels,commands]` any other size. Timer jumps multiply
+//! `EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts[,tunnels,commands,grants]` any other size. Timer jumps multiply
 //! the space most (every machine's pings become frames in flight).
 //!
 //! ## Does it catch bugs?
@@ -98,6 +108,9 @@
 
 mod common;
 use common::NODES;
+
+/// Which Nodes register with `stream_credit`: Node 1 does, Node 2 is an older Node.
+const STREAM_CREDIT: [bool; 2] = [true, false];
 use iop_edge_core::pool::ContextSize;
 
 use std::cell::RefCell;
@@ -112,7 +125,7 @@ use iop_edge_core::{
     Admit, Answer, CoreConfig, EdgeCore, Event, Level, NoObserver, Open, Sinks, StreamSink,
     TunnelEvent,
 };
-use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
+use iop_wire::node::{CloseReason, NodeEvent, NodeSession, NodeSessionConfig};
 use iop_wire::runtime::{
     NodeCommandKind, NodeCommandRequest, NodeCommandResponse, RegisterRequest, RunEvent,
     RunEventKind, RuntimeFrame, RuntimeMessage, TunnelPayload,
@@ -214,6 +227,8 @@ struct Bounds {
     tunnels: u8,
     /// Commands sent to a Node.
     commands: u8,
+    /// Credit grants by tunnel readers.
+    grants: u8,
     ticks: u8,
     cuts: u8,
 }
@@ -225,6 +240,7 @@ impl Bounds {
         dispatches: 2,
         tunnels: 0,
         commands: 0,
+        grants: 0,
         ticks: 0,
         cuts: 1,
     };
@@ -237,6 +253,7 @@ impl Bounds {
         dispatches: 2,
         tunnels: 0,
         commands: 0,
+        grants: 0,
         ticks: 1,
         cuts: 0,
     };
@@ -248,6 +265,7 @@ impl Bounds {
         dispatches: 1,
         tunnels: 1,
         commands: 1,
+        grants: 1,
         ticks: 1,
         cuts: 1,
     };
@@ -259,6 +277,7 @@ impl Bounds {
         dispatches: 1,
         tunnels: 1,
         commands: 1,
+        grants: 1,
         ticks: 0,
         cuts: 1,
     };
@@ -268,6 +287,7 @@ impl Bounds {
         dispatches: 3,
         tunnels: 1,
         commands: 1,
+        grants: 1,
         ticks: 1,
         cuts: 2,
     };
@@ -326,6 +346,7 @@ struct Mesh {
     opened: [u8; 2],
     dispatches: u8,
     tunnels: u8,
+    grants: u8,
     ticks: u8,
     cuts: u8,
     last_ready: [Option<Generation>; 2],
@@ -336,7 +357,7 @@ impl Mesh {
     /// Everything, in a form where equal states are equal (ordered maps throughout).
     fn key(&self) -> String {
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{:?}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{:?}|{:?}",
             self.now,
             self.edge.state(),
             self.links,
@@ -346,6 +367,7 @@ impl Mesh {
             self.opened,
             self.dispatches,
             self.tunnels,
+            self.grants,
             self.ticks,
             self.cuts,
             self.last_ready,
@@ -387,6 +409,7 @@ impl Mesh {
             opened: [0; 2],
             dispatches: 0,
             tunnels: 0,
+            grants: 0,
             ticks: 0,
             cuts: 0,
             last_ready: [None; 2],
@@ -506,15 +529,29 @@ impl Mesh {
                             RuntimeMessage::ProviderTunnelRequest(r)
                                 if l.session.admit_run(&r.run_id).is_ok() =>
                             {
+                                if (r.credit_window > 0) != STREAM_CREDIT[l.node] {
+                                    self.broken.get_or_insert("credit-only-when-announced");
+                                }
                                 l.runs
                                     .push((frame.stream_id, r.run_id.clone(), false, true));
+                            }
+                            RuntimeMessage::StreamWindowUpdate(_) => {
+                                if !STREAM_CREDIT[l.node] {
+                                    self.broken.get_or_insert("credit-only-when-announced");
+                                }
+                                if !l.runs.iter().any(|r| r.0 == frame.stream_id && r.3) {
+                                    self.broken.get_or_insert("credit-on-its-stream");
+                                }
                             }
                             RuntimeMessage::NodeCommandRequest(_) => {
                                 l.commands.push((frame.correlation_id, false));
                             }
                             _ => {}
                         },
-                        NodeEvent::Closed(_) => {
+                        NodeEvent::Closed(reason) => {
+                            if matches!(reason, CloseReason::ProtocolViolation(_)) {
+                                self.broken.get_or_insert("no-protocol-violation");
+                            }
                             l.node_up = false;
                             l.to_node.clear();
                         }
@@ -690,6 +727,7 @@ enum Action {
     AnswerCommand(usize, usize),
     Complete(usize, usize),
     CallerGone(usize),
+    Grant(usize),
     Tick,
 }
 
@@ -783,6 +821,9 @@ impl Model for MeshModel {
             if s.terminals == 0 && !s.caller_gone {
                 out.push(Action::CallerGone(i));
             }
+            if s.tunnel && !s.caller_gone && m.grants < self.bounds.grants {
+                out.push(Action::Grant(i));
+            }
         }
         if m.ticks < self.bounds.ticks && self.next_timer(m).is_some() {
             out.push(Action::Tick);
@@ -799,6 +840,7 @@ impl Model for MeshModel {
                 let conn = m.edge.accept(now, NODES[n]);
                 let register = RegisterRequest {
                     node_id: NODES[n].to_owned(),
+                    stream_credit: STREAM_CREDIT[n],
                     ..Default::default()
                 };
                 let session = NodeSession::new(NodeSessionConfig::default(), register, now);
@@ -958,6 +1000,11 @@ impl Model for MeshModel {
                 let id = m.streams[s].stream_id;
                 m.edge.end_stream(now, id, "caller went away");
             }
+            Action::Grant(s) => {
+                m.grants += 1;
+                let id = m.streams[s].stream_id;
+                m.edge.grant(now, id, 4096);
+            }
             Action::Tick => {
                 m.ticks += 1;
                 let at = self.next_timer(&m).expect("a timer");
@@ -1093,6 +1140,7 @@ fn every_interleaving_keeps_the_runtime_wire_rules() {
             cuts: v[6],
             tunnels: v.get(7).copied().unwrap_or(0),
             commands: v.get(8).copied().unwrap_or(0),
+            grants: v.get(9).copied().unwrap_or(0),
         };
     }
     check(

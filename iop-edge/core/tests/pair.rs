@@ -173,6 +173,8 @@ struct Pair {
     by_conn: HashMap<ConnId, usize>,
     events: Vec<Event>,
     counts: Arc<Counts>,
+    /// Whether the Nodes dialled from now on announce `stream_credit`.
+    stream_credit: bool,
 }
 
 const MAX_BUFFER: usize = 64 * 1024;
@@ -195,6 +197,7 @@ impl Pair {
             CoreConfig {
                 max_stream_buffer: MAX_BUFFER,
                 slow_consumer_timeout: SLOW_TIMEOUT,
+                stream_window: iop_edge_core::DEFAULT_STREAM_WINDOW,
             },
             counts.clone(),
         );
@@ -206,6 +209,7 @@ impl Pair {
             by_conn: HashMap::new(),
             events: Vec::new(),
             counts,
+            stream_credit: false,
         }
     }
 
@@ -231,6 +235,7 @@ impl Pair {
         let register = RegisterRequest {
             node_id: node_id.to_owned(),
             issuer_key_ids: issuers.iter().map(|s| (*s).to_owned()).collect(),
+            stream_credit: self.stream_credit,
             ..Default::default()
         };
         let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
@@ -698,6 +703,86 @@ fn tunnel_frames_are_ordered_and_a_violation_is_the_terminal_and_cancels() {
     assert!(matches!(&got[..], [TunnelEvent::Violation(_)]));
     assert_eq!(cancels(&p.inbox(n1)), vec!["bad".to_owned()]);
     assert_eq!(p.edge.stream_count(), 0);
+}
+
+/// Per-stream credit: a tunnel gets a window only on a Node that announced `stream_credit`
+/// (half the byte bound here, the default window being larger), its reader's grants reach that
+/// Node on the tunnel's stream, and nothing reaches an older Node or a stream that ended.
+#[test]
+fn credit_goes_only_to_nodes_that_announce_it_and_only_for_open_tunnels() {
+    let mut p = Pair::new();
+    p.stream_credit = true;
+    let n1 = p.connect("node-1");
+    p.stream_credit = false;
+    let n2 = p.connect("node-2");
+    let open = |p: &mut Pair, node: &str, id: &str| {
+        p.edge
+            .open(
+                p.now,
+                node,
+                Open::Tunnel {
+                    request: tunnel_request(id),
+                    sink: Buf::new(),
+                    response_wait: None,
+                },
+            )
+            .unwrap()
+    };
+    let a = open(&mut p, "node-1", "a");
+    let b = open(&mut p, "node-2", "b");
+    p.settle();
+    let window = |frames: &[RuntimeFrame]| -> Vec<u64> {
+        frames
+            .iter()
+            .filter_map(|f| match &f.message {
+                RuntimeMessage::ProviderTunnelRequest(r) => Some(r.credit_window),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(
+        a.credit_window,
+        (MAX_BUFFER / 2) as u64,
+        "at most half the bound"
+    );
+    assert_eq!(window(&p.inbox(n1)), vec![a.credit_window]);
+    assert_eq!(b.credit_window, 0, "an older Node gets no window");
+    assert_eq!(window(&p.inbox(n2)), vec![0]);
+
+    p.edge.grant(p.now, a.stream_id, 1000);
+    p.edge.grant(p.now, b.stream_id, 1000);
+    p.settle();
+    let got = p.inbox(n1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].stream_id, a.stream_id);
+    assert_eq!(got[0].message, RuntimeMessage::StreamWindowUpdate(1000));
+    assert!(p.inbox(n2).is_empty(), "nothing for an older Node");
+
+    // After the terminal a grant (one that crossed it) sends nothing.
+    p.node_send(n1, tunnel_frame(a.stream_id, 1, start()));
+    p.node_send(n1, tunnel_frame(a.stream_id, 2, TunnelPayload::End));
+    p.edge.grant(p.now, a.stream_id, 1000);
+    p.settle();
+    assert!(p.inbox(n1).is_empty());
+    assert!(!p.links[n1].down && !p.links[n2].down, "both sessions live");
+
+    // The window in effect: the configured one, at most half the bound, and none below the
+    // smallest useful window.
+    let config = |max_stream_buffer, stream_window| CoreConfig {
+        max_stream_buffer,
+        slow_consumer_timeout: SLOW_TIMEOUT,
+        stream_window,
+    };
+    assert_eq!(config(4 << 20, 1 << 20).effective_stream_window(), 1 << 20);
+    assert_eq!(
+        config(1 << 20, 1 << 20).effective_stream_window(),
+        512 << 10
+    );
+    assert_eq!(config(4 << 20, 0).effective_stream_window(), 0);
+    assert_eq!(
+        config(iop_edge_core::MIN_STREAM_WINDOW * 2 - 2, 1 << 20).effective_stream_window(),
+        0
+    );
 }
 
 /// Response-wait timer, in virtual time: nothing arrives within the wait, so the stream ends

@@ -1240,6 +1240,7 @@ fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> P
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
         trace: None,
+        credit_window: 0,
     })
 }
 

@@ -14,7 +14,7 @@ pub struct Envelope {
     pub stream_id: u64,
     #[prost(
         oneof = "envelope::Message",
-        tags = "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24"
+        tags = "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25"
     )]
     pub message: ::core::option::Option<envelope::Message>,
 }
@@ -52,6 +52,10 @@ pub mod envelope {
         Ping(super::Ping),
         #[prost(message, tag = "24")]
         Pong(super::Pong),
+        /// Added after the first release: sent only to a Node whose RegisterRequest set
+        /// stream_credit, for a tunnel whose request set credit_window.
+        #[prost(message, tag = "25")]
+        StreamWindowUpdate(super::StreamWindowUpdate),
     }
 }
 /// Liveness probe. Either side may send it at any time after the TCP/TLS handshake; the peer
@@ -87,6 +91,11 @@ pub struct RegisterRequest {
     /// (not checked) and in legacy mode.
     #[prost(string, repeated, tag = "6")]
     pub issuer_key_ids: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// The Node honours ProviderTunnelRequest.credit_window and StreamWindowUpdate (per-stream
+    /// credit for tunnel bodies). Added after the first release: older Nodes leave it unset and
+    /// the Edge then never sets a window nor sends a StreamWindowUpdate to them.
+    #[prost(bool, tag = "7")]
+    pub stream_credit: bool,
 }
 /// The Edge's answer to RegisterRequest.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -521,6 +530,21 @@ pub struct ProviderTunnelRequest {
     /// As RunRequest.trace. Added after the first release; older Nodes ignore it.
     #[prost(message, optional, tag = "17")]
     pub trace: ::core::option::Option<TraceContext>,
+    /// Per-stream credit for the response body (added after the first release; set only for a
+    /// Node that registered with stream_credit). Non-zero: the Node may have sent at most this
+    /// many credit bytes of BODY frames beyond what StreamWindowUpdate frames have granted; each
+    /// BODY frame costs its body length plus TUNNEL_FRAME_CREDIT (512) bytes. Zero: no credit,
+    /// the body flows as fast as the connection takes it.
+    #[prost(uint64, tag = "18")]
+    pub credit_window: u64,
+}
+/// Edge -> Node, on a tunnel's stream (envelope stream_id): the reader consumed `bytes` more
+/// credit bytes of the body; the Node may send that much more. Unknown or ended streams are
+/// ignored (the update may cross the terminal).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct StreamWindowUpdate {
+    #[prost(uint64, tag = "1")]
+    pub bytes: u64,
 }
 /// Node -> Edge: one ordered frame of a tunnelled provider response. RESPONSE_START at most once
 /// and first, BODY zero or more, exactly one terminal END or ERROR; USAGE is observation only.

@@ -74,6 +74,9 @@ impl RuntimeFrame {
             }
             RuntimeMessage::Ping => M::Ping(pb::Ping {}),
             RuntimeMessage::Pong => M::Pong(pb::Pong {}),
+            RuntimeMessage::StreamWindowUpdate(bytes) => {
+                M::StreamWindowUpdate(pb::StreamWindowUpdate { bytes: *bytes })
+            }
         };
         pb::Envelope {
             correlation_id: self.correlation_id,
@@ -110,6 +113,7 @@ impl TryFrom<pb::Envelope> for RuntimeFrame {
             }
             M::Ping(_) => RuntimeMessage::Ping,
             M::Pong(_) => RuntimeMessage::Pong,
+            M::StreamWindowUpdate(m) => RuntimeMessage::StreamWindowUpdate(m.bytes),
         };
         let on_stream = matches!(
             message,
@@ -117,6 +121,7 @@ impl TryFrom<pb::Envelope> for RuntimeFrame {
                 | RuntimeMessage::RunEvent(_)
                 | RuntimeMessage::ProviderTunnelRequest(_)
                 | RuntimeMessage::ProviderTunnelFrame(_)
+                | RuntimeMessage::StreamWindowUpdate(_)
         );
         match (on_stream, env.stream_id) {
             (true, 0) => return Err(InvalidMessage::StreamId("missing on a stream message")),
@@ -169,6 +174,11 @@ pub enum RuntimeMessage {
     Ping,
     /// Answer to [`RuntimeMessage::Ping`].
     Pong,
+    /// Edge → Node, on a tunnel's stream: its reader consumed this many more credit bytes of
+    /// the body, which the Node may now send (see
+    /// [`ProviderTunnelRequest::credit_window`]). Sent only to a Node that registered with
+    /// [`RegisterRequest::stream_credit`], for a tunnel opened with a window.
+    StreamWindowUpdate(u64),
 }
 
 impl RuntimeMessage {
@@ -190,6 +200,7 @@ impl RuntimeMessage {
             Self::NodeConfigRefreshResponse(_) => "node_config_refresh_response",
             Self::Ping => "ping",
             Self::Pong => "pong",
+            Self::StreamWindowUpdate(_) => "stream_window_update",
         }
     }
 }

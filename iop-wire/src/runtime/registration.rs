@@ -16,6 +16,11 @@ pub struct RegisterRequest {
     /// Managed mode: the ids of the lease issuer keys the Node trusts (at most
     /// [`MAX_ISSUER_KEY_IDS`]; empty from older Nodes and in legacy mode).
     pub issuer_key_ids: Vec<String>,
+    /// The Node honours per-stream credit on tunnel bodies
+    /// ([`ProviderTunnelRequest::credit_window`](super::ProviderTunnelRequest::credit_window),
+    /// [`RuntimeMessage::StreamWindowUpdate`](super::RuntimeMessage::StreamWindowUpdate)).
+    /// `false` from older Nodes: the Edge then never sends them either.
+    pub stream_credit: bool,
 }
 
 /// Most issuer key ids one registration may name.
@@ -46,6 +51,7 @@ impl RegisterRequest {
                 .map(|r| r.key_id.clone())
                 .unwrap_or_default(),
             issuer_key_ids: self.issuer_key_ids.clone(),
+            stream_credit: self.stream_credit,
         }
     }
 }
@@ -100,6 +106,7 @@ impl TryFrom<pb::RegisterRequest> for RegisterRequest {
             adapter_types: m.adapter_types,
             recipient,
             issuer_key_ids: m.issuer_key_ids,
+            stream_credit: m.stream_credit,
         })
     }
 }

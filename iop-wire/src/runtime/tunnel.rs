@@ -128,7 +128,16 @@ pub struct ProviderTunnelRequest {
     /// The Edge's dispatch attempt span, if the request is traced (the Node's spans are its
     /// children; see [`crate::trace`]).
     pub trace: Option<Box<crate::trace::TraceContext>>,
+    /// Per-stream credit for the response body, in credit bytes (see [`TUNNEL_FRAME_CREDIT`]);
+    /// `0` = none (older Edges, and Nodes that did not register with
+    /// [`RegisterRequest::stream_credit`](super::RegisterRequest::stream_credit)).
+    pub credit_window: u64,
 }
+
+/// What one `BODY` frame costs of a tunnel's credit besides its body bytes: about what the
+/// Edge holds per buffered frame (its queue slot and allocation headers), so that a window
+/// bounds the Edge's memory for a stream of many small frames as for one of large ones.
+pub const TUNNEL_FRAME_CREDIT: u64 = 512;
 
 impl ProviderTunnelRequest {
     pub(crate) fn to_proto(&self) -> pb::ProviderTunnelRequest {
@@ -158,6 +167,7 @@ impl ProviderTunnelRequest {
                 .trace
                 .as_deref()
                 .map(crate::trace::TraceContext::to_proto),
+            credit_window: self.credit_window,
         }
     }
 }
@@ -192,6 +202,7 @@ impl ProviderTunnelRequest {
                 .trace
                 .as_deref()
                 .map(crate::trace::TraceContext::to_proto),
+            credit_window: self.credit_window,
         }
     }
 }
@@ -253,6 +264,7 @@ impl TryFrom<pb::ProviderTunnelRequest> for ProviderTunnelRequest {
             session_id: m.session_id,
             long_context: m.long_context,
             operation,
+            credit_window: m.credit_window,
         })
     }
 }

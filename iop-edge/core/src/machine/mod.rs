@@ -97,6 +97,8 @@ struct Route<S: Sinks> {
     sink: Sink<S>,
     /// The provider lease this stream holds (pool dispatch), released when the route ends.
     lease: Option<LeaseId>,
+    /// The tunnel was opened with a credit window: its reader's grants go to the Node.
+    credit: bool,
 }
 
 impl<S: Sinks> Clone for Route<S>
@@ -111,6 +113,7 @@ where
             run_id: self.run_id.clone(),
             sink: self.sink.clone(),
             lease: self.lease,
+            credit: self.credit,
         }
     }
 }
@@ -230,6 +233,8 @@ struct Registration {
     pins: Vec<String>,
     /// The software version it announced (diagnostic, bounded by the registry).
     version: String,
+    /// It honours per-stream credit on tunnel bodies.
+    stream_credit: bool,
 }
 
 /// What the status view keeps of a provider's health besides the pool's overlay flag: why and
@@ -653,6 +658,7 @@ impl<S: Sinks> EdgeCore<S> {
                 recipient,
                 issuer_key_ids,
                 version,
+                stream_credit,
                 ..
             } => {
                 self.nodes.entry(node_id).or_default().registration = Some(Registration {
@@ -660,6 +666,7 @@ impl<S: Sinks> EdgeCore<S> {
                     recipient,
                     pins: issuer_key_ids,
                     version,
+                    stream_credit,
                 });
             }
             RegistryEvent::NodeReady {
@@ -765,6 +772,26 @@ impl<S: Sinks> EdgeCore<S> {
                     answer: pending.failed(DispatchError::Disconnected),
                 });
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The credit a Node spends per frame covers what the Edge counts for it beyond the body,
+    /// so a window bounds the byte count however the body is split.
+    #[test]
+    fn a_body_frame_costs_no_more_than_its_credit() {
+        for len in [0, 1, 15, 16, 17, 100, 4096, 16 * 1024 + 3, 1 << 20] {
+            let ev = TunnelEvent::Frame(Delivery::Body(bytes::Bytes::from(vec![0u8; len])));
+            assert!(
+                tunnel_event_size(&ev) as u64
+                    <= len as u64 + iop_wire::runtime::TUNNEL_FRAME_CREDIT,
+                "{len}: {}",
+                tunnel_event_size(&ev)
+            );
         }
     }
 }

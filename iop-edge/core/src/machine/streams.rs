@@ -124,6 +124,23 @@ impl<S: Sinks> EdgeCore<S> {
         self.settle(now);
     }
 
+    /// The reader of tunnel `stream_id` consumed `bytes` credit bytes of its body: the Node may
+    /// send that much more ([`RuntimeMessage::StreamWindowUpdate`]). A no-op for a stream that
+    /// ended or was opened without a window.
+    pub fn grant(&mut self, now: Instant, stream_id: u64, bytes: u64) {
+        if let Some(route) = self.routes.get(&stream_id)
+            && route.credit
+            && bytes > 0
+        {
+            let update =
+                RuntimeFrame::on_stream(stream_id, RuntimeMessage::StreamWindowUpdate(bytes));
+            let _ = self
+                .registry
+                .send(now, &route.node_id, route.generation, update);
+        }
+        self.settle(now);
+    }
+
     pub(super) fn admitted(&self, lease: Lease) -> Admitted {
         let recipient = self
             .registration(&lease.key.node_id)
@@ -258,13 +275,23 @@ impl<S: Sinks> EdgeCore<S> {
                 None,
             ),
             Open::Tunnel {
-                request,
+                mut request,
                 sink,
                 response_wait,
             } => {
                 if self.tunnels.open(stream_id).is_err() {
                     return Err(DispatchError::NotReady);
                 }
+                // Credit only for a Node that said it honours it: an older Node would not know
+                // the window update message.
+                let credit = self
+                    .registration(&node_id)
+                    .is_some_and(|r| r.generation == generation && r.stream_credit);
+                request.credit_window = if credit {
+                    self.config.effective_stream_window()
+                } else {
+                    0
+                };
                 (
                     request.run_id.clone(),
                     Sink::Tunnel(sink),
@@ -275,6 +302,10 @@ impl<S: Sinks> EdgeCore<S> {
                     response_wait,
                 )
             }
+        };
+        let credit_window = match &frame.message {
+            RuntimeMessage::ProviderTunnelRequest(r) => r.credit_window,
+            _ => 0,
         };
         if let Err(e) = self.registry.send(now, &node_id, generation, frame) {
             self.tunnels.close(stream_id);
@@ -296,11 +327,13 @@ impl<S: Sinks> EdgeCore<S> {
                 run_id,
                 sink,
                 lease: None,
+                credit: credit_window > 0,
             },
         );
         Ok(Opened {
             stream_id,
             generation,
+            credit_window,
         })
     }
 

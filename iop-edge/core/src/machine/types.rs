@@ -206,6 +206,9 @@ pub struct Opened {
     pub stream_id: u64,
     /// The Node generation the stream belongs to.
     pub generation: Generation,
+    /// The tunnel's credit window (`0`: none). Its reader gives credit back with
+    /// [`EdgeCore::grant`] as it consumes the body.
+    pub credit_window: u64,
 }
 
 /// The answer to a correlated request ([`EdgeCore::command`], [`EdgeCore::refresh`],
@@ -256,6 +259,33 @@ pub struct CoreConfig {
     pub max_stream_buffer: usize,
     /// How long a stream may hold unread bytes with no read before it is ended.
     pub slow_consumer_timeout: Duration,
+    /// The credit window of a tunnel's body, in credit bytes
+    /// ([`iop_wire::runtime::ProviderTunnelRequest::credit_window`]), for Nodes that registered
+    /// with `stream_credit`; `0` turns credit off. Never more than half of
+    /// `max_stream_buffer` is used, so that a window's frames and the stream's other events
+    /// fit under the byte bound together.
+    pub stream_window: usize,
+}
+
+/// Default [`CoreConfig::stream_window`]: 1 MiB.
+pub const DEFAULT_STREAM_WINDOW: usize = 1024 * 1024;
+
+/// The smallest credit window the Edge opens a tunnel with (sixteen frames' charge).
+pub const MIN_STREAM_WINDOW: usize = 8192;
+
+impl CoreConfig {
+    /// The window a tunnel is opened with: [`CoreConfig::stream_window`], at most half the
+    /// byte bound.
+    /// Below [`MIN_STREAM_WINDOW`] credit is off: a byte bound that small leaves no room for
+    /// it.
+    pub fn effective_stream_window(&self) -> u64 {
+        let window = self.stream_window.min(self.max_stream_buffer / 2);
+        if window < MIN_STREAM_WINDOW {
+            0
+        } else {
+            window as u64
+        }
+    }
 }
 
 impl Default for CoreConfig {
@@ -263,6 +293,7 @@ impl Default for CoreConfig {
         Self {
             max_stream_buffer: 4 * 1024 * 1024,
             slow_consumer_timeout: Duration::from_secs(30),
+            stream_window: DEFAULT_STREAM_WINDOW,
         }
     }
 }

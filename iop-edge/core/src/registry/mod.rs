@@ -400,6 +400,7 @@ impl Registry {
                 | RuntimeMessage::CancelRequest(_)
                 | RuntimeMessage::NodeCommandRequest(_)
                 | RuntimeMessage::NodeConfigRefreshRequest(_)
+                | RuntimeMessage::StreamWindowUpdate(_)
         ) {
             return Err(SendError::WrongDirection);
         }
@@ -408,8 +409,11 @@ impl Registry {
             return Err(SendError::NotReady);
         }
         // Validate exactly as the Node will (one encode + decode per request, not per frame of
-        // a stream): a bad field in one request must not cost the Node its session.
-        frame.validate().map_err(SendError::Invalid)?;
+        // a stream): a bad field in one request must not cost the Node its session. A window
+        // update (a stream id and a number) cannot be invalid.
+        if !matches!(frame.message, RuntimeMessage::StreamWindowUpdate(_)) {
+            frame.validate().map_err(SendError::Invalid)?;
+        }
         self.transmit(now, conn, frame);
         Ok(conn)
     }
@@ -501,6 +505,7 @@ impl Registry {
         let node_id = req.node_id;
         let recipient = req.recipient;
         let issuer_key_ids = req.issuer_key_ids;
+        let stream_credit = req.stream_credit;
         let version = truncated(req.version, MAX_VERSION_LEN);
         let previous = self.owners.insert(
             node_id.clone(),
@@ -543,6 +548,7 @@ impl Registry {
             recipient,
             issuer_key_ids,
             version,
+            stream_credit,
         });
         let accepted = RegisterResponse::Accepted {
             node_id,

@@ -103,6 +103,9 @@ pub enum RegistryEvent {
         /// The Node's software version, as it announced it (diagnostic; the peer's words, at
         /// most [`crate::registry::MAX_VERSION_LEN`] bytes).
         version: String,
+        /// The Node honours per-stream credit on tunnel bodies
+        /// ([`iop_wire::runtime::RegisterRequest::stream_credit`]).
+        stream_credit: bool,
     },
     /// First ready transition of the current owner: activate the generation's provider
     /// resources, pump stranded waiters, publish `node.connected`.

@@ -108,5 +108,6 @@ pub(crate) fn tunnel_request(run_id: &str) -> ProviderTunnelRequest {
         response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: None,
         trace: None,
+        credit_window: 0,
     }
 }
