@@ -135,11 +135,16 @@ fn adapter_config(provider: SocketAddr) -> NodeConfigPayload {
 async fn mesh(ca: &Ca, provider: SocketAddr) -> EdgeHandle {
     let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), edge_tls(ca));
     cfg.node_configs = vec![("node-1".into(), adapter_config(provider))];
-    // The wire has no per-stream window: a reader slower than the Node, however fast, is cut
-    // once it is `max_stream_buffer` behind (4 MiB by default). This tool's reader shares the
-    // two cores with the Node and the provider and can fall that far behind on a 256 MiB
-    // stream; the bound is raised so that the throughput of the path is what is measured.
+    // Without per-stream credit (`MESH_LOAD_WINDOW=0`, as before #33) a reader slower than
+    // the Node, however fast, is cut once it is `max_stream_buffer` behind (4 MiB by default).
+    // This tool's reader shares the two cores with the Node and the provider and can fall that
+    // far behind on a 256 MiB stream; the bound is raised so that the throughput of the path
+    // is what is measured. With credit (the default window, 1 MiB) the Node paces itself.
     cfg.max_stream_buffer = 1 << 30;
+    cfg.stream_window = std::env::var("MESH_LOAD_WINDOW")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cfg.stream_window);
     let edge = bind(cfg).await.unwrap().0;
     let mut life = edge.subscribe();
     let opts = NodeOptions::new(
