@@ -77,11 +77,11 @@
 //! heartbeat silence, handshake and queue deadlines), Node 1 dialling once, two dispatches, no
 //! cut: 139,396 unique states (500,582 generated) in ≈15 s in a debug build. Tunnels and
 //! commands get two bounds of their own: [`Bounds::WIRE`] (Node 1 ready at the start, a run, a
-//! tunnel and a command, one timer jump, one cut: 123,070 states, ≈10 s alone) and
-//! [`Bounds::REDIAL`] (the same with Node 1 dialling once more and no timer jump: 144,718
-//! states, ≈15 s alone). One bound with all of them (registration, a redial, a timer jump, a
+//! tunnel, a command and one credit grant, one timer jump, one cut: 317,671 states) and
+//! [`Bounds::REDIAL`] (the same with Node 1 dialling once more and no timer jump: 343,155
+//! states). One bound with all of them (registration, a redial, a timer jump, a
 //! run, a tunnel and a command) ran past ten minutes here, so each bound drops what another
-//! covers. The four run in parallel in ≈60 s on 2 cores.
+//! covers. The four run in parallel in ≈60 s on 2 cores (WIRE and REDIAL ≈35–40 s each).
 //! `EDGE_MODEL=large` runs [`Bounds::LARGE`] by hand (both Nodes dialling twice, three
 //! dispatches, two cuts, one timer jump: heartbeats, handshake and queue deadlines), and
 //! `EDGE_MODEL_BOUNDS=r1,r2,c1,c2,dispatches,ticks,cuts[,tunnels,commands,grants]` any other size. Timer jumps multiply
