@@ -121,20 +121,7 @@ pub mod load {
         })
     }
 
-    /// Resident memory of process `pid` in KiB, from `/proc/PID/status` (zero if it is gone).
-    pub fn rss_kib(pid: u32) -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0)
-    }
-
-    /// Open descriptors of process `pid` (zero if it is gone).
-    pub fn fds(pid: u32) -> usize {
-        std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
-    }
+    pub use iop_tests::proc::{fd_count as fds, rss_kib};
 
     /// Waits (at most 30 s) until something accepts on 127.0.0.1:`port`.
     pub fn wait_port(port: u16) {

@@ -74,34 +74,19 @@ fn mesh_with(with_node: bool, wrap: Option<&str>, limits: &str) -> Mesh {
     support::pki(dir.path(), &["node-1"]);
     let ports =
         support::edge_config_with(dir.path(), &upstream.base_url(), "chat_only", KEY, limits);
-    let edge_toml = dir.path().join("edge.toml");
     let edge = match wrap {
-        None => Proc::spawn(
-            env!("CARGO_BIN_EXE_iop-edge"),
-            &["--config", edge_toml.to_str().unwrap()],
-            &[],
-            dir.path(),
-            "edge",
-        ),
+        None => support::spawn_edge(dir.path(), &[]),
         Some(prefix) => {
             let script = format!(
                 "{prefix} exec {} --config {}",
                 env!("CARGO_BIN_EXE_iop-edge"),
-                edge_toml.display()
+                dir.path().join("edge.toml").display()
             );
             Proc::spawn("bash", &["-c", &script], &[], dir.path(), "edge")
         }
     };
-    let node = with_node.then(|| {
-        let node_toml = support::node_config(dir.path(), "node-1", ports.nodes);
-        Proc::spawn(
-            env!("CARGO_BIN_EXE_iop-node"),
-            &["--config", node_toml.to_str().unwrap()],
-            &[("UPSTREAM_KEY", UPSTREAM_KEY)],
-            dir.path(),
-            "node",
-        )
-    });
+    let node = with_node
+        .then(|| support::spawn_node(dir.path(), "node-1", ports.nodes, UPSTREAM_KEY, &[]));
     let http = ports.http;
     wait_until("the Edge to serve", LIMIT, || {
         edge.log_text().contains("HTTP API on")
@@ -154,7 +139,7 @@ fn closed_by_server(s: &mut TcpStream, wait: Duration) -> bool {
 fn stalled_readers_cost_a_bounded_buffer_and_are_cancelled_upstream() {
     let m = mesh(true, None);
     let pid = m.edge.child.id();
-    let before = support::rss_kib(pid);
+    let before = iop_tests::proc::rss_kib(pid);
     // Four clients ask for an endless fast stream and never read a byte of it.
     let request = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{}",
@@ -178,7 +163,7 @@ fn stalled_readers_cost_a_bounded_buffer_and_are_cancelled_upstream() {
     let mut peak = before;
     let started = Instant::now();
     while m.upstream.dropped_count() < 4 {
-        peak = peak.max(support::rss_kib(pid));
+        peak = peak.max(iop_tests::proc::rss_kib(pid));
         assert!(
             started.elapsed() < LIMIT,
             "{} of 4 stalled streams cancelled upstream\nedge:\n{}\nnode:\n{}",
@@ -358,12 +343,12 @@ fn a_flooded_node_port_under_a_low_fd_limit_leaves_the_http_api_answering() {
     println!(
         "chat during the flood: {:?}; Edge open fds {}",
         t.elapsed(),
-        support::fd_count(pid)
+        iop_tests::proc::fd_count(pid)
     );
     assert!(
-        support::fd_count(pid) < 200,
+        iop_tests::proc::fd_count(pid) < 200,
         "{} fds",
-        support::fd_count(pid)
+        iop_tests::proc::fd_count(pid)
     );
     // The extras were closed at once; all of them within the handshake timeout.
     let mut closed = 0;
@@ -388,7 +373,7 @@ fn a_flooded_node_port_under_a_low_fd_limit_leaves_the_http_api_answering() {
 fn a_ping_flood_before_registering_is_closed_with_bounded_memory() {
     let m = mesh(false, None);
     let pid = m.edge.child.id();
-    let before = support::rss_kib(pid);
+    let before = iop_tests::proc::rss_kib(pid);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (sent, peak, closed) = rt.block_on(async {
         use tokio::io::AsyncWriteExt as _;
@@ -417,7 +402,7 @@ fn a_ping_flood_before_registering_is_closed_with_bounded_memory() {
                 }
                 Err(_) => {}
             }
-            peak = peak.max(support::rss_kib(pid));
+            peak = peak.max(iop_tests::proc::rss_kib(pid));
         }
         (sent, peak, closed)
     });

@@ -40,7 +40,6 @@ use iop_wire::runtime::{
     ManagedCredential, NodeConfigPayload, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
 };
 use iop_wire::tunnel_order::Delivery;
-use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::AsyncBufReadExt as _;
 use tokio_util::sync::CancellationToken;
 use workload_identity::role;
@@ -257,15 +256,9 @@ fn tunnel_request(run_id: &str, credential: Option<ManagedCredential>) -> Provid
         }],
         body: Bytes::from_static(b"{\"model\":\"gpt-4o-mini\",\"stream\":true}"),
         stream: true,
-        timeout: None,
-        metadata: Default::default(),
-        session_id: String::new(),
-        long_context: false,
         operation: Some(Operation::ChatCompletions),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
         credential: credential.map(Box::new),
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
 

@@ -103,22 +103,8 @@ fn edge_and_node(kind: Kind, profile: &str) {
     support::pki(dir.path(), &["node-1"]);
     let ports = support::edge_config(dir.path(), &upstream.base_url(), profile, GATEWAY_KEY);
     let debug = [("RUST_LOG", "debug")];
-    let edge_toml = dir.path().join("edge.toml");
-    let edge = Proc::spawn(
-        env!("CARGO_BIN_EXE_iop-edge"),
-        &["--config", edge_toml.to_str().unwrap()],
-        &debug,
-        dir.path(),
-        "edge",
-    );
-    let node_toml = support::node_config(dir.path(), "node-1", ports.nodes);
-    let node = Proc::spawn(
-        env!("CARGO_BIN_EXE_iop-node"),
-        &["--config", node_toml.to_str().unwrap()],
-        &[("RUST_LOG", "debug"), ("UPSTREAM_KEY", UPSTREAM_KEY)],
-        dir.path(),
-        "node",
-    );
+    let edge = support::spawn_edge(dir.path(), &debug);
+    let node = support::spawn_node(dir.path(), "node-1", ports.nodes, UPSTREAM_KEY, &debug);
     let root = format!("http://127.0.0.1:{}", ports.http);
     wait_until("the Edge to have a ready Node", LIMIT, || {
         support::http_ok(&format!("{root}/readyz"))

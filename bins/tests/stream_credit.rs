@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use iop_tests::upstream::{Kind, Upstream};
-use support::{Proc, TempDir, wait_until};
+use support::{TempDir, wait_until};
 
 const KEY: &str = "gw-credit-key";
 const UPSTREAM_KEY: &str = "sk-credit-upstream";
@@ -131,21 +131,8 @@ fn a_slow_reader_slows_its_own_stream_and_a_stopped_one_is_still_cut() {
         KEY,
         &limits(),
     );
-    let edge = Proc::spawn(
-        env!("CARGO_BIN_EXE_iop-edge"),
-        &["--config", dir.path().join("edge.toml").to_str().unwrap()],
-        &[],
-        dir.path(),
-        "edge",
-    );
-    let node_toml = support::node_config(dir.path(), "node-1", ports.nodes);
-    let node = Proc::spawn(
-        env!("CARGO_BIN_EXE_iop-node"),
-        &["--config", node_toml.to_str().unwrap()],
-        &[("UPSTREAM_KEY", UPSTREAM_KEY)],
-        dir.path(),
-        "node",
-    );
+    let edge = support::spawn_edge(dir.path(), &[]);
+    let node = support::spawn_node(dir.path(), "node-1", ports.nodes, UPSTREAM_KEY, &[]);
     let http = ports.http;
     wait_until("the Node to be ready", LIMIT, || {
         let (status, _) = support::http_get(&format!("http://127.0.0.1:{http}/readyz"), &[]);
@@ -155,7 +142,10 @@ fn a_slow_reader_slows_its_own_stream_and_a_stopped_one_is_still_cut() {
     let warm = AtomicU64::new(0);
     assert!(read_all(open(http, "bulk-fast", 1), None, &warm));
     let (edge_pid, node_pid) = (edge.child.id(), node.child.id());
-    let before = (support::rss_kib(edge_pid), support::rss_kib(node_pid));
+    let before = (
+        iop_tests::proc::rss_kib(edge_pid),
+        iop_tests::proc::rss_kib(node_pid),
+    );
 
     // 1. The slow reader, and beside it a fast one on the same Node connection.
     let slow_read = Arc::new(AtomicU64::new(0));
@@ -172,8 +162,8 @@ fn a_slow_reader_slows_its_own_stream_and_a_stopped_one_is_still_cut() {
     let mut peak = before;
     let mut ahead_max = 0u64;
     let sample = |peak: &mut (u64, u64), ahead_max: &mut u64| {
-        peak.0 = peak.0.max(support::rss_kib(edge_pid));
-        peak.1 = peak.1.max(support::rss_kib(node_pid));
+        peak.0 = peak.0.max(iop_tests::proc::rss_kib(edge_pid));
+        peak.1 = peak.1.max(iop_tests::proc::rss_kib(node_pid));
         let read = slow_read.load(Ordering::Relaxed);
         *ahead_max = (*ahead_max).max(upstream.bulk_sent("bulk-slow").saturating_sub(read));
     };

@@ -147,22 +147,8 @@ fn edge_reloads_its_certificate_and_keeps_established_connections() {
     let dir = TempDir::new("reload-edge");
     support::pki(dir.path(), &["node-1"]);
     let ports = support::edge_config(dir.path(), &upstream.base_url(), "chat_only", KEY);
-    let edge_toml = dir.path().join("edge.toml");
-    let edge = Proc::spawn(
-        env!("CARGO_BIN_EXE_iop-edge"),
-        &["--config", edge_toml.to_str().unwrap()],
-        &[],
-        dir.path(),
-        "edge",
-    );
-    let node_toml = support::node_config(dir.path(), "node-1", ports.nodes);
-    let node = Proc::spawn(
-        env!("CARGO_BIN_EXE_iop-node"),
-        &["--config", node_toml.to_str().unwrap()],
-        &[("UPSTREAM_KEY", "sk-reload")],
-        dir.path(),
-        "node",
-    );
+    let edge = support::spawn_edge(dir.path(), &[]);
+    let node = support::spawn_node(dir.path(), "node-1", ports.nodes, "sk-reload", &[]);
     wait_until("the Node to be ready", LIMIT, || chat_ok(ports.http));
     let edge_peer = || ExpectedPeer::exact("iop.test", role::EDGE, "edge-1").unwrap();
     let first = server_leaf(dir.path(), "node-1", edge_peer(), ports.nodes);

@@ -584,15 +584,9 @@ fn frame_seeds(dir: &Path) {
         }],
         body: r#"{"model":"gpt-4o-mini","stream":true}"#.into(),
         stream: true,
-        timeout: None,
-        metadata: BTreeMap::new(),
-        session_id: String::new(),
-        long_context: false,
         operation: Some(Operation::ChatCompletions),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
-        trace: None,
         credit_window: 1 << 20,
+        ..Default::default()
     };
     frame(
         "tunnel_request_credit_window",

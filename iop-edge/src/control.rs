@@ -99,6 +99,32 @@ pub struct ControlConfig {
     pub binding: BindingConfig,
 }
 
+impl ControlConfig {
+    /// A connector to the Control Plane(s) at `addresses` over `tls`, verified as
+    /// `server_name`, for Edge `edge_id`; managed mode (`managed`) and everything else take
+    /// their defaults (the default frame limit, TCP, random jitter, the default binding
+    /// settings). Change a field with struct update syntax:
+    /// `ControlConfig { managed: true, ..ControlConfig::new(..) }`.
+    pub fn new(
+        addresses: Vec<String>,
+        server_name: ServerName<'static>,
+        tls: Arc<rustls::ClientConfig>,
+        edge_id: impl Into<String>,
+    ) -> Self {
+        Self {
+            addresses,
+            server_name,
+            tls,
+            edge_id: edge_id.into(),
+            managed: false,
+            max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
+            dialer: None,
+            jitter_seed: None,
+            binding: BindingConfig::default(),
+        }
+    }
+}
+
 /// A byte stream to a Control Plane, as a [`Dialer`] returns it.
 pub trait ControlStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> ControlStream for T {}

@@ -7,5 +7,6 @@ pub mod net;
 pub mod node;
 pub mod otlp;
 pub mod pki;
+pub mod proc;
 pub mod redis_cluster;
 pub mod upstream;

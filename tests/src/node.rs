@@ -1,4 +1,5 @@
-//! What a Node says about its adapters, asked through the Edge (`PROVIDER_LIFECYCLE`).
+//! What a Node says about its adapters, asked through the Edge (`PROVIDER_LIFECYCLE`), and the
+//! answer the simulations' tunnel providers give.
 
 use std::time::Duration;
 
@@ -43,4 +44,40 @@ pub async fn wait_idle(edge: &EdgeHandle, node_id: &str, adapter: &str) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The answer of a simulated tunnel provider: status 200, three body chunks (`chunk-0\n` …)
+/// `gap` apart, then a usage observation (1 prompt token, 3 completion tokens). With `stall`,
+/// it goes silent after the first chunk until the Node fences the attempt. Stops early, with
+/// `Ok`, when the tunnel ended.
+pub async fn answer_in_chunks(
+    frames: &iop_node::TunnelSink,
+    gap: Duration,
+    stall: bool,
+) -> Result<(), iop_node::AdapterError> {
+    if !frames.start(200, Vec::new()).await {
+        return Ok(());
+    }
+    for i in 0..3 {
+        tokio::time::sleep(gap).await;
+        if !frames
+            .body(bytes::Bytes::from(format!("chunk-{i}\n")))
+            .await
+        {
+            return Ok(());
+        }
+        if stall {
+            frames.cancelled().await;
+            return Ok(());
+        }
+    }
+    frames
+        .usage(iop_wire::runtime::Usage {
+            prompt_tokens: 1,
+            completion_tokens: 3,
+            total_tokens: 4,
+            cached_prompt_tokens: 0,
+        })
+        .await;
+    Ok(())
 }

@@ -60,7 +60,7 @@ use iop_node::{
 use iop_tests::pki::Ca;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NodeConfigPayload, ProviderStatus, ProviderTunnelRequest,
-    RunRequest, Usage,
+    RunRequest,
 };
 use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
@@ -129,24 +129,7 @@ impl Adapter for CountingTunnel {
         let running = now.fetch_add(1, Ordering::Relaxed) + 1;
         let _guard = Running(now);
         self.counters.most[self.node].fetch_max(running, Ordering::Relaxed);
-        if !frames.start(200, Vec::new()).await {
-            return Ok(());
-        }
-        for i in 0..3 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            if !frames.body(Bytes::from(format!("chunk-{i}\n"))).await {
-                return Ok(());
-            }
-        }
-        frames
-            .usage(Usage {
-                prompt_tokens: 1,
-                completion_tokens: 3,
-                total_tokens: 4,
-                cached_prompt_tokens: 0,
-            })
-            .await;
-        Ok(())
+        iop_tests::node::answer_in_chunks(&frames, Duration::from_millis(50), false).await
     }
 
     async fn probe(
@@ -211,19 +194,11 @@ fn tunnel(id: String) -> ProviderTunnelRequest {
         target: "work-model".into(),
         method: "POST".into(),
         path: "/v1/chat/completions".into(),
-        headers: Vec::new(),
         body: Bytes::from_static(b"{}"),
         stream: true,
-        timeout: None,
-        metadata: Default::default(),
-        session_id: String::new(),
-        long_context: false,
-        operation: None,
         response_stall_timeout: ResponseStallTimeout::from_duration(Duration::from_secs(3))
             .unwrap(),
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
 

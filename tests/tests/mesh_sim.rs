@@ -72,7 +72,7 @@ use iop_node::{
 use iop_tests::pki::Ca;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NativeSettings, NodeConfigPayload, ProviderStatus,
-    ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest, Usage,
+    ProviderTunnelRequest, RunEvent, RunEventKind, RunRequest,
 };
 use iop_wire::tunnel_order::Delivery;
 use iop_wire::validate::ResponseStallTimeout;
@@ -139,28 +139,12 @@ impl Adapter for SimTunnel {
         request: ProviderTunnelRequest,
         frames: TunnelSink,
     ) -> Result<(), AdapterError> {
-        if !frames.start(200, Vec::new()).await {
-            return Ok(());
-        }
-        for i in 0..3 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            if !frames.body(Bytes::from(format!("chunk-{i}\n"))).await {
-                return Ok(());
-            }
-            if request.body.as_ref() == b"stall" {
-                frames.cancelled().await;
-                return Ok(());
-            }
-        }
-        frames
-            .usage(Usage {
-                prompt_tokens: 1,
-                completion_tokens: 3,
-                total_tokens: 4,
-                cached_prompt_tokens: 0,
-            })
-            .await;
-        Ok(())
+        iop_tests::node::answer_in_chunks(
+            &frames,
+            Duration::from_millis(20),
+            request.body.as_ref() == b"stall",
+        )
+        .await
     }
 
     async fn probe(
@@ -179,18 +163,10 @@ fn tunnel_with(id: &str, body: &'static str) -> ProviderTunnelRequest {
         target: "tunnel-model".into(),
         method: "POST".into(),
         path: "/v1/chat/completions".into(),
-        headers: Vec::new(),
         body: Bytes::from_static(body.as_bytes()),
         stream: true,
-        timeout: None,
-        metadata: Default::default(),
-        session_id: String::new(),
-        long_context: false,
-        operation: None,
         response_stall_timeout: ResponseStallTimeout::from_duration(STALL).unwrap(),
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
 

@@ -130,15 +130,8 @@ fn tunnel_request(run_id: &str, adapter: &str, target: &str) -> ProviderTunnelRe
         }],
         body: Bytes::from_static(b"{\"model\":\"slow\",\"stream\":true,\"messages\":[]}"),
         stream: true,
-        timeout: None,
-        metadata: Default::default(),
-        session_id: String::new(),
-        long_context: false,
         operation: Some(Operation::ChatCompletions),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
 

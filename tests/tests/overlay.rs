@@ -150,15 +150,8 @@ fn tunnel(path: &'static str) -> PoolRequest {
             }],
             body: Bytes::from_static(b"{}"),
             stream: true,
-            timeout: None,
-            metadata: Default::default(),
-            session_id: String::new(),
-            long_context: false,
-            operation: None,
             response_stall_timeout: ResponseStallTimeout::DEFAULT, // replaced from the lease
-            credential: None,
-            trace: None,
-            credit_window: 0,
+            ..Default::default()
         })
     }
 }

@@ -287,15 +287,8 @@ fn chat(run_id: &str, operation: Option<Operation>, path: &str) -> ProviderTunne
         }],
         body: Bytes::from_static(b"{\"model\":\"gpt-test\",\"stream\":true,\"messages\":[]}"),
         stream: true,
-        timeout: None,
-        metadata: Default::default(),
-        session_id: String::new(),
-        long_context: false,
         operation,
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
 

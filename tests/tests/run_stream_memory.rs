@@ -311,15 +311,8 @@ async fn a_tunnel_nobody_reads() {
                 b"{\"model\":\"firehose\",\"stream\":true,\"messages\":[]}",
             ),
             stream: true,
-            timeout: None,
-            metadata: Default::default(),
-            session_id: String::new(),
-            long_context: false,
             operation: Some(Operation::ChatCompletions),
-            response_stall_timeout: ResponseStallTimeout::DEFAULT,
-            credential: None,
-            trace: None,
-            credit_window: 0,
+            ..Default::default()
         };
         // Warm up: a stream read for a while, then dropped (its cancel settles).
         let mut warm = edge.tunnel("node-1", request("warm")).await.unwrap();

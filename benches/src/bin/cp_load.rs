@@ -154,15 +154,13 @@ async fn connect_edge(ca: &DevCa, cp: u16, i: usize) -> ControlConnector {
     ControlConnector::start(
         edge,
         ControlConfig {
-            addresses: vec![format!("127.0.0.1:{cp}")],
-            server_name: "localhost".try_into().unwrap(),
-            tls: ca.edge_client_tls(&name, "cp-1").unwrap(),
-            edge_id: name,
             managed: true,
-            max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
-            dialer: None,
-            jitter_seed: None,
-            binding: Default::default(),
+            ..ControlConfig::new(
+                vec![format!("127.0.0.1:{cp}")],
+                "localhost".try_into().unwrap(),
+                ca.edge_client_tls(&name, "cp-1").unwrap(),
+                name,
+            )
         },
         CancellationToken::new(),
     )

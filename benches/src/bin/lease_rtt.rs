@@ -86,15 +86,13 @@ async fn main() {
     let connector = ControlConnector::start(
         edge,
         ControlConfig {
-            addresses: vec![cp.local_addr().to_string()],
-            server_name: "localhost".try_into().unwrap(),
-            tls: pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
-            edge_id: "edge-1".into(),
             managed: true,
-            max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
-            dialer: None,
-            jitter_seed: None,
-            binding: Default::default(),
+            ..ControlConfig::new(
+                vec![cp.local_addr().to_string()],
+                "localhost".try_into().unwrap(),
+                pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
+                "edge-1",
+            )
         },
         CancellationToken::new(),
     )

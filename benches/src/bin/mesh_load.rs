@@ -49,7 +49,6 @@ use iop_wire::runtime::{
     OpenAiCompatSettings, Operation, ProviderTunnelRequest,
 };
 use iop_wire::tunnel_order::Delivery;
-use iop_wire::validate::ResponseStallTimeout;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
 use workload_identity::{ExpectedPeer, client_cert_verifier, role};
@@ -173,15 +172,8 @@ fn tunnel_request(id: u64, operation: Option<Operation>, path: &str) -> Provider
         }],
         body: Bytes::from_static(b"{\"model\":\"m\",\"stream\":true}"),
         stream: true,
-        timeout: None,
-        metadata: Default::default(),
-        session_id: String::new(),
-        long_context: false,
         operation,
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
 

@@ -307,6 +307,40 @@ capacity = 8
     ports
 }
 
+/// Starts `iop-edge --config <dir>/edge.toml` (as [`edge_config`] writes it) with `envs`,
+/// logging to `<dir>/edge.log`.
+pub fn spawn_edge(dir: &Path, envs: &[(&str, &str)]) -> Proc {
+    let edge_toml = dir.join("edge.toml");
+    Proc::spawn(
+        env!("CARGO_BIN_EXE_iop-edge"),
+        &["--config", edge_toml.to_str().expect("utf-8 path")],
+        envs,
+        dir,
+        "edge",
+    )
+}
+
+/// Writes [`node_config`] for `node` dialling `edge_port` and starts `iop-node` on it, with
+/// `upstream_key` in `UPSTREAM_KEY` and `envs`, logging to `<dir>/node.log`.
+pub fn spawn_node(
+    dir: &Path,
+    node: &str,
+    edge_port: u16,
+    upstream_key: &str,
+    envs: &[(&str, &str)],
+) -> Proc {
+    let node_toml = node_config(dir, node, edge_port);
+    let mut all = vec![("UPSTREAM_KEY", upstream_key)];
+    all.extend_from_slice(envs);
+    Proc::spawn(
+        env!("CARGO_BIN_EXE_iop-node"),
+        &["--config", node_toml.to_str().expect("utf-8 path")],
+        &all,
+        dir,
+        "node",
+    )
+}
+
 /// Writes `<dir>/<node>.toml` for a Node dialling `edge_port`, holding the upstream key of
 /// adapter `upstream` in the environment variable `UPSTREAM_KEY`.
 pub fn node_config(dir: &Path, node: &str, edge_port: u16) -> PathBuf {
@@ -431,21 +465,6 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
-}
-
-/// Resident memory of process `pid`, in KiB (from `/proc/<pid>/status`).
-pub fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// Open file descriptors of process `pid`.
-pub fn fd_count(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
 
 /// `(status, body)` of one chat request for model `fake-model` with `token`, on the Edge's HTTP

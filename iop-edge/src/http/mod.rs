@@ -1232,15 +1232,8 @@ fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> P
         }],
         body: Bytes::from(body.to_string()),
         stream,
-        timeout: None,
-        metadata: std::collections::BTreeMap::new(),
-        session_id: String::new(),
-        long_context: false,
         operation: Some(operation),
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     })
 }
 

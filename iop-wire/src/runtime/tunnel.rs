@@ -91,7 +91,10 @@ impl Operation {
 }
 
 /// Edge → Node: open a provider HTTP request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// `Default` leaves every field empty: set at least `run_id`, `method` and `path` (or
+/// `operation`), and take the rest with `..Default::default()`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ProviderTunnelRequest {
     /// Provider run id.
     pub run_id: String,

@@ -267,12 +267,13 @@ impl<S: Sinks> EdgeCore<S> {
             .ok_or(DispatchError::NotReady)?;
         let stream_id = self.next_stream;
         self.next_stream += 1;
-        let (run_id, sink, frame, response_wait) = match open {
+        let (run_id, sink, frame, response_wait, credit_window) = match open {
             Open::Run { request, sink } => (
                 request.run_id.clone(),
                 Sink::Run(sink),
                 RuntimeFrame::on_stream(stream_id, RuntimeMessage::RunRequest(request)),
                 None,
+                0,
             ),
             Open::Tunnel {
                 mut request,
@@ -287,11 +288,12 @@ impl<S: Sinks> EdgeCore<S> {
                 let credit = self
                     .registration(&node_id)
                     .is_some_and(|r| r.generation == generation && r.stream_credit);
-                request.credit_window = if credit {
+                let credit_window = if credit {
                     self.config.effective_stream_window()
                 } else {
                     0
                 };
+                request.credit_window = credit_window;
                 (
                     request.run_id.clone(),
                     Sink::Tunnel(sink),
@@ -300,12 +302,9 @@ impl<S: Sinks> EdgeCore<S> {
                         RuntimeMessage::ProviderTunnelRequest(request),
                     ),
                     response_wait,
+                    credit_window,
                 )
             }
-        };
-        let credit_window = match &frame.message {
-            RuntimeMessage::ProviderTunnelRequest(r) => r.credit_window,
-            _ => 0,
         };
         if let Err(e) = self.registry.send(now, &node_id, generation, frame) {
             self.tunnels.close(stream_id);

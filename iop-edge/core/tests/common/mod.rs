@@ -100,14 +100,6 @@ pub(crate) fn tunnel_request(run_id: &str) -> ProviderTunnelRequest {
         }],
         body: Bytes::from_static(b"{}"),
         stream: true,
-        timeout: None,
-        metadata: BTreeMap::new(),
-        session_id: String::new(),
-        long_context: false,
-        operation: None,
-        response_stall_timeout: ResponseStallTimeout::DEFAULT,
-        credential: None,
-        trace: None,
-        credit_window: 0,
+        ..Default::default()
     }
 }
