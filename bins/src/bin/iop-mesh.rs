@@ -94,6 +94,11 @@ struct Args {
     /// cancelled upstream.
     #[arg(long, default_value_t = iop_edge::transport::DEFAULT_MAX_STREAM_BUFFER)]
     stream_buffer_bytes: usize,
+    /// A tunnel body's credit window: a client slower than the provider slows its own stream
+    /// (the Node stops reading the provider) instead of being ended. Default a quarter of
+    /// --stream-buffer-bytes, at most half of it; 0 turns credit off.
+    #[arg(long)]
+    stream_window_bytes: Option<usize>,
     /// The status page's listener (port 0: any free port). Its admin token is made at start
     /// and printed with the address.
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -238,6 +243,7 @@ async fn run(args: Args) -> Result<(), String> {
         .limits(Limits {
             stream_buffer_bytes: args.stream_buffer_bytes.max(1),
             slow_consumer_timeout_sec: args.slow_consumer_timeout_sec.max(1),
+            stream_window_bytes: args.stream_window_bytes,
             http_max_connections: args.http_max_connections.max(1),
             http_header_timeout_sec: args.http_header_timeout_sec.max(1),
             http_body_timeout_sec: args.http_body_timeout_sec.max(1),
