@@ -945,6 +945,50 @@ fn a_reader_that_falls_behind_is_ended_and_cancelled_in_virtual_time() {
     assert_eq!(p.counts.slow.load(Ordering::Relaxed), 2);
 }
 
+/// The slow-consumer timeout counts from the reader's last read: a reader that read and then
+/// stopped, with bytes unread since, is not ended before one timeout of silence, and is ended
+/// within a quarter timeout after it (the stream is looked at four times per timeout).
+#[test]
+fn a_stopped_reader_is_ended_one_timeout_after_its_last_read() {
+    let mut p = Pair::new();
+    let n1 = p.connect("node-1");
+    let buf = Buf::new();
+    let o = p
+        .edge
+        .open(
+            p.now,
+            "node-1",
+            Open::Tunnel {
+                request: tunnel_request("stops"),
+                sink: buf.clone(),
+                response_wait: None,
+            },
+        )
+        .unwrap();
+    p.settle();
+    let chunk = || TunnelPayload::Body(Bytes::from(vec![b'x'; 1024]));
+    p.node_send(n1, tunnel_frame(o.stream_id, 1, start()));
+    p.node_send(n1, tunnel_frame(o.stream_id, 2, chunk()));
+    // It reads 0.6 of a timeout later, and never again; a new body waits unread from then on.
+    p.advance(SLOW_TIMEOUT * 6 / 10);
+    assert_eq!(buf.read_all().len(), 2);
+    p.node_send(n1, tunnel_frame(o.stream_id, 3, chunk()));
+    p.advance(SLOW_TIMEOUT * 95 / 100);
+    assert_eq!(
+        buf.unread(),
+        1,
+        "0.95 of a timeout after its last read: still served"
+    );
+    p.advance(SLOW_TIMEOUT * 30 / 100);
+    assert_eq!(
+        buf.read_all(),
+        vec![TunnelEvent::SlowConsumer],
+        "1.25 timeouts after its last read: ended"
+    );
+    p.inbox(n1);
+    assert_eq!(p.counts.slow.load(Ordering::Relaxed), 1);
+}
+
 /// The pool's queue through the machine: capacity 1 per provider, a third caller waits, is
 /// granted when a stream's terminal releases its lease, and a fourth times out in virtual time
 /// (**lease once**: the count of held leases is always that of live admissions and streams).

@@ -292,10 +292,10 @@ pub struct EdgeCore<S: Sinks> {
     /// The key leases are signed with now and the staged one (from the projection).
     issuers: Issuers,
     config: CoreConfig,
-    /// Streams holding unread bytes, by the time to look again, and the read count seen when
-    /// the timer was armed.
+    /// Streams holding unread bytes, by the time to look again; per stream that time, the read
+    /// count seen at the last look, and since when no read was seen.
     slow_timers: BTreeSet<(Instant, u64)>,
-    slow: BTreeMap<u64, (Instant, u64)>,
+    slow: BTreeMap<u64, (Instant, u64, Instant)>,
     events: VecDeque<Event>,
     observer: Arc<dyn Observer>,
 }

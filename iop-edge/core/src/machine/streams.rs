@@ -171,10 +171,17 @@ impl<S: Sinks> EdgeCore<S> {
         if level.bytes > self.config.max_stream_buffer {
             self.slow_consumer(now, stream_id);
         } else if level.bytes > 0 && !self.slow.contains_key(&stream_id) {
-            let at = now + self.config.slow_consumer_timeout;
-            self.slow.insert(stream_id, (at, level.reads));
-            self.slow_timers.insert((at, stream_id));
+            self.look_again(now, stream_id, level.reads, now);
         }
+    }
+
+    /// A stream with unread bytes is looked at four times per slow-consumer timeout, so one
+    /// whose reader stopped is ended between one timeout and 1.25 timeouts after its last read
+    /// (a timer per stream, not per read).
+    fn look_again(&mut self, now: Instant, stream_id: u64, reads: u64, quiet_since: Instant) {
+        let at = now + self.config.slow_consumer_timeout / 4;
+        self.slow.insert(stream_id, (at, reads, quiet_since));
+        self.slow_timers.insert((at, stream_id));
     }
 
     pub(super) fn slow_consumer(&mut self, now: Instant, stream_id: u64) {
@@ -190,15 +197,15 @@ impl<S: Sinks> EdgeCore<S> {
         }
     }
 
-    /// Looks again at streams that held unread bytes: caught up (timer off), progressing (timer
-    /// re-armed) or stuck past the timeout (ended).
+    /// Looks again at streams that held unread bytes: caught up (timer off), read since the
+    /// last look (quiet from now), or unread and quiet for the whole timeout (ended).
     pub(super) fn expire_slow(&mut self, now: Instant) {
         while let Some(&(at, stream_id)) = self.slow_timers.first() {
             if at > now {
                 break;
             }
             self.slow_timers.pop_first();
-            let Some((_, reads_then)) = self.slow.remove(&stream_id) else {
+            let Some((_, reads_then, quiet_since)) = self.slow.remove(&stream_id) else {
                 continue;
             };
             let Some(level) = self.routes.get(&stream_id).map(|r| r.sink.level()) else {
@@ -208,11 +215,11 @@ impl<S: Sinks> EdgeCore<S> {
                 continue;
             }
             if level.reads > reads_then {
-                let at = now + self.config.slow_consumer_timeout;
-                self.slow.insert(stream_id, (at, level.reads));
-                self.slow_timers.insert((at, stream_id));
-            } else {
+                self.look_again(now, stream_id, level.reads, now);
+            } else if now.duration_since(quiet_since) >= self.config.slow_consumer_timeout {
                 self.slow_consumer(now, stream_id);
+            } else {
+                self.look_again(now, stream_id, reads_then, quiet_since);
             }
         }
     }
@@ -221,7 +228,7 @@ impl<S: Sinks> EdgeCore<S> {
     /// lease (a no-op if a fence already released it).
     pub(super) fn take_route(&mut self, stream_id: u64) -> Option<Route<S>> {
         let route = self.routes.remove(&stream_id)?;
-        if let Some((at, _)) = self.slow.remove(&stream_id) {
+        if let Some((at, ..)) = self.slow.remove(&stream_id) {
             self.slow_timers.remove(&(at, stream_id));
         }
         if let Some(at) = self.waiting.remove(&stream_id) {
