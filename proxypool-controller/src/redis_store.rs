@@ -462,6 +462,17 @@ impl RedisStore {
         self.report.get_hash()
     }
 
+    /// The SHA-1s of the scripts the controller runs for a report and for an ACK: the variants
+    /// that also return the ownership epoch, `"<status> <epoch>"` (the load tool's minimal
+    /// tonic server runs them with arguments it takes from the request). Their keys are those
+    /// of [`RedisStore::report_script_hash`] (report) or `session`, `snapshot`, `runtime` (ACK),
+    /// then [`RedisStore::epoch_key`]; the ACK's `ARGV`: session id hex, version, epoch,
+    /// checksum hex, `1`/`0` applied, session TTL ms. Redis knows them once the controller
+    /// has run each once.
+    pub fn with_epoch_script_hashes(&self) -> (&str, &str) {
+        (self.report_epoch.get_hash(), self.ack_epoch.get_hash())
+    }
+
     /// The report script and its keys/args for `report` (the load tool's raw EVALSHA baseline).
     pub fn report_invocation(
         &self,

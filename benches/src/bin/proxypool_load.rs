@@ -33,6 +33,12 @@
 //! - **raw 10**: the raw baseline for 10 counters;
 //! - **empty RPC**: gRPC health `Check` to the controller binary, with no store and no payload.
 //!   It is the ceiling of any RPC this server answers.
+//! - **floor 1k** and **floor mix**: the same workers' reports and ACKs (sessions registered
+//!   with the controller) sent to a **minimal tonic server** on the same proto instead: this
+//!   tool re-run as its own process (`PROXYPOOL_FLOOR_SERVE`), whose handlers decode with the
+//!   generated server, write the stored blob, digest it and run the controller's own scripts
+//!   with the arguments taken from the request, without the domain's checks. The controller ÷
+//!   this floor is what the controller's own code costs (issue #33's target: ≥ 0.8×).
 //!
 //! For each part the tool prints RPC/s, p50 and p99, and the CPU each process spent per
 //! operation (`/proc/PID/stat`). The ratios are taken per round (report 1k ÷ raw 1k, mix ÷
@@ -53,8 +59,8 @@
 //! one worker reporting `REDIS_COST_OPS` times; and Redis's `used_memory` per registered worker
 //! that acknowledged a snapshot and reported 1000 counters, over `REDIS_COST_WORKERS` workers.
 //!
-//! `PROXYPOOL_ONLY=<part>` (`report1k`, `raw1k`, `mix`, `raw10`, `unary`, `open`, `redis`) runs
-//! one part alone, for a profiler.
+//! `PROXYPOOL_ONLY=<part>` (`report1k`, `raw1k`, `mix`, `raw10`, `unary`, `floor1k`,
+//! `floormix`, `open`, `redis`) runs one part alone, for a profiler.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -244,6 +250,15 @@ impl Worker {
         w
     }
 
+    /// The same worker, its reports and ACKs sent to the server on `port` from now on (the
+    /// floor: sessions are registered with the controller, over the same Redis).
+    async fn via(mut self, port: u16) -> Self {
+        let channel = connect(port).await;
+        self.client = WorkerControlPlaneClient::new(channel.clone());
+        self.grpc = tonic::client::Grpc::new(channel);
+        self
+    }
+
     /// Publishes the next snapshot version and acknowledges it.
     async fn acknowledge_next(&mut self, store: &RedisStore) {
         self.version += 1;
@@ -314,22 +329,25 @@ struct Sample {
     ops: usize,
     elapsed: Duration,
     latencies: Vec<Duration>,
-    /// CPU of the controller, Redis and this tool over the part.
-    cpu: [Duration; 3],
+    /// CPU of the controller, Redis, this tool and the floor server over the part.
+    cpu: [Duration; 4],
 }
 
 /// The processes whose CPU is counted.
 struct Pids {
     controller: u32,
     redis: Option<u32>,
+    floor: u32,
 }
 
 impl Pids {
-    fn now(&self) -> [Duration; 3] {
+    /// The CPU so far of the controller, Redis, this tool and the floor server.
+    fn now(&self) -> [Duration; 4] {
         [
             cpu(self.controller),
             self.redis.map_or(Duration::ZERO, cpu),
             cpu(std::process::id()),
+            cpu(self.floor),
         ]
     }
 }
@@ -339,7 +357,7 @@ async fn measure(
     pids: &Pids,
     tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>,
     started: Instant,
-    cpu0: [Duration; 3],
+    cpu0: [Duration; 4],
 ) -> Sample {
     let mut latencies = Vec::new();
     for t in tasks {
@@ -351,7 +369,7 @@ async fn measure(
         ops: latencies.len(),
         elapsed,
         latencies,
-        cpu: [0, 1, 2].map(|i| cpu1[i].saturating_sub(cpu0[i])),
+        cpu: [0, 1, 2, 3].map(|i| cpu1[i].saturating_sub(cpu0[i])),
     }
 }
 
@@ -554,6 +572,8 @@ async fn open_loop(pids: &Pids, workers: Vec<Worker>, counters: &Bytes, rate: f6
 /// All rounds of one part together.
 struct Part {
     name: &'static str,
+    /// Whose CPU is the server's: the controller's (0) or the floor's (3).
+    server: usize,
     rounds: Vec<Sample>,
 }
 
@@ -591,7 +611,7 @@ impl Part {
             rates.join(", "),
             ms(percentile(&lat, 0.5)),
             ms(percentile(&lat, 0.99)),
-            per_op(0),
+            per_op(self.server),
             per_op(1),
             per_op(2),
         )
@@ -610,6 +630,9 @@ fn ratios(a: &Part, b: &Part) -> String {
 
 #[tokio::main]
 async fn main() {
+    if let Ok(spec) = std::env::var(floor::SERVE) {
+        return floor::serve(&spec).await;
+    }
     let only = std::env::var("PROXYPOOL_ONLY").ok();
     let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let dir = std::env::temp_dir().join(format!("proxypool_load-{}", std::process::id()));
@@ -617,9 +640,18 @@ async fn main() {
     let (url, redis_child) = redis();
     let ns = format!("bench-{}", std::process::id());
     let (controller_child, port) = controller(&url, &ns, &dir);
+    let floor_port = free_port();
+    let floor_child = Killed(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .env(floor::SERVE, format!("{floor_port} {url} {ns}"))
+            .spawn()
+            .unwrap(),
+    );
+    wait_port(floor_port);
     let pids = Pids {
         controller: controller_child.0.id(),
         redis: redis_child.as_ref().map(|c| c.0.id()),
+        floor: floor_child.0.id(),
     };
     let store = Arc::new(RedisStore::connect(&url, &ns).await.unwrap());
 
@@ -627,7 +659,21 @@ async fn main() {
     let mut report_workers = Vec::new();
     let mut mix_workers = Vec::new();
     let (mut raw1k, mut raw10) = (Vec::new(), Vec::new());
+    let (mut floor1k, mut floor_mix) = (Vec::new(), Vec::new());
     for w in 0..CONCURRENCY {
+        // The floor's workers register with the controller, then report to the floor.
+        floor1k.push(
+            Worker::ready(port, &store, format!("floor1k-{w}"))
+                .await
+                .via(floor_port)
+                .await,
+        );
+        floor_mix.push(
+            Worker::ready(port, &store, format!("floormix-{w}"))
+                .await
+                .via(floor_port)
+                .await,
+        );
         report_workers.push(Worker::ready(port, &store, format!("r1k-{w}")).await);
         mix_workers.push(Worker::ready(port, &store, format!("mix-{w}")).await);
         // The raw baselines use registered, acknowledged sessions of their own.
@@ -644,11 +690,13 @@ async fn main() {
     }
     // The raw baseline sends the plain report script by hash; the controller runs the variant
     // that also reads the epoch, so load the plain one here: a heartbeat of a worker of its own.
-    let loader = Worker::ready(port, &store, "raw-loader".into()).await;
+    let mut loader = Worker::ready(port, &store, "raw-loader".into()).await;
+    // One report through the controller loads its script for the floor, which sends it by hash.
+    loader.report(&counters(1)).await;
     let heartbeat = Report {
         worker_id: loader.id.clone(),
         session_id: loader.session.as_ref().try_into().unwrap(),
-        sequence: 1,
+        sequence: 2,
         tuple: SnapshotTuple {
             ownership_epoch: 1,
             version: 1,
@@ -666,6 +714,8 @@ async fn main() {
     let mix_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(mix_workers));
     let raw1k: Shared<RawArgs> = Arc::new(tokio::sync::Mutex::new(raw1k));
     let raw10: Shared<RawArgs> = Arc::new(tokio::sync::Mutex::new(raw10));
+    let floor1k: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(floor1k));
+    let floor_mix: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(floor_mix));
 
     let names = [
         "`ReportRuntime`, 1000 counters",
@@ -673,12 +723,18 @@ async fn main() {
         "mix: 9 × `ReportRuntime` (10 counters) + publish + ACK",
         "raw EVALSHA, 10 counters",
         "empty tonic unary RPC (health `Check`)",
+        "floor: minimal tonic server, 1000 counters",
+        "floor: minimal tonic server, the mix",
     ];
-    let keys = ["report1k", "raw1k", "mix", "raw10", "unary"];
+    let keys = [
+        "report1k", "raw1k", "mix", "raw10", "unary", "floor1k", "floormix",
+    ];
     let mut parts: Vec<Part> = names
         .iter()
-        .map(|&name| Part {
+        .enumerate()
+        .map(|(i, &name)| Part {
             name,
+            server: if i >= 5 { 3 } else { 0 },
             rounds: Vec::new(),
         })
         .collect();
@@ -696,7 +752,9 @@ async fn main() {
                 1 => raw(&pids, &store, &raw1k).await,
                 2 => mix(&pids, &mix_workers, &store).await,
                 3 => raw(&pids, &store, &raw10).await,
-                _ => unary(&pids, port).await,
+                4 => unary(&pids, port).await,
+                5 => reports(&pids, &floor1k, &big).await,
+                _ => mix(&pids, &floor_mix, &store).await,
             };
             parts[p].rounds.push(sample);
         }
@@ -707,7 +765,7 @@ async fn main() {
         " (Redis: external, not measured)"
     };
     println!(
-        "| part | op/s, all rounds [per round] | p50 | p99 | controller CPU µs/op | Redis CPU µs/op{cpu_note} | tool CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|"
+        "| part | op/s, all rounds [per round] | p50 | p99 | server (controller or floor) CPU µs/op | Redis CPU µs/op{cpu_note} | tool CPU µs/op |\n|---|---:|---:|---:|---:|---:|---:|"
     );
     for p in parts.iter().filter(|p| !p.rounds.is_empty()) {
         println!("{}", p.row());
@@ -722,6 +780,25 @@ async fn main() {
         println!(
             "mix ÷ raw EVALSHA (10), median of rounds: {}",
             ratios(&parts[2], &parts[3])
+        );
+    }
+    let all = |p: usize| parts[p].rounds.len() == ROUNDS;
+    if all(0) && all(5) {
+        println!(
+            "ReportRuntime (1000) ÷ the floor (1000), median of rounds: {}",
+            ratios(&parts[0], &parts[5])
+        );
+    }
+    if all(2) && all(6) {
+        println!(
+            "mix ÷ the floor's mix, median of rounds: {}",
+            ratios(&parts[2], &parts[6])
+        );
+    }
+    if all(5) && all(1) {
+        println!(
+            "the floor (1000) ÷ raw EVALSHA (1000), median of rounds: {}",
+            ratios(&parts[5], &parts[1])
         );
     }
     if parts[2].rounds.len() == ROUNDS && parts[4].rounds.len() == ROUNDS {
@@ -746,6 +823,7 @@ async fn main() {
         let s = open_loop(&pids, workers, &big, rate).await;
         let open = Part {
             name: "open loop: `ReportRuntime`, 1000 counters",
+            server: 0,
             rounds: vec![s],
         };
         println!(
@@ -760,6 +838,7 @@ async fn main() {
         redis_cost(&url, port, &store, &big).await;
     }
     drop(controller_child);
+    drop(floor_child);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -868,4 +947,188 @@ async fn redis_cost(url: &str, port: u16, store: &RedisStore, big: &Bytes) {
         "\nRedis `used_memory` per worker registered, acknowledged and reporting 1000 counters ({REDIS_COST_WORKERS} workers): {:.1} KiB",
         (after.memory.saturating_sub(before.memory)) as f64 / 1024.0 / REDIS_COST_WORKERS as f64
     );
+}
+
+/// The floor of the controller's own code: a minimal tonic server on the same proto, in its own
+/// process like the controller, whose `ReportRuntime` and `AcknowledgeSnapshot` run the
+/// controller's scripts with the arguments taken from the request, without the domain's checks.
+///
+/// It decodes with the generated (prost) server, writes the canonical lines and the stored blob
+/// once, digests them once (SHA-256, as the store does, so Redis replaces the report on every
+/// call) and sends `EVALSHA` over one multiplexed connection with the controller's own script.
+/// What the controller does beyond this is what its checks, its decoder and its store cost.
+mod floor {
+    use super::{Report, pb};
+    use proxypool_controller::proto::controlplane::worker_control_plane_server::{
+        WorkerControlPlane, WorkerControlPlaneServer,
+    };
+    use proxypool_controller::redis_store::RedisStore;
+    use tonic::{Request, Response, Status};
+
+    /// The environment variable that makes this tool serve the floor: `port url namespace`.
+    pub(crate) const SERVE: &str = "PROXYPOOL_FLOOR_SERVE";
+
+    struct Floor {
+        store: RedisStore,
+        report: String,
+        ack: String,
+        epoch_key: String,
+    }
+
+    fn decimal(out: &mut Vec<u8>, n: i64) {
+        if n < 0 {
+            out.push(b'-');
+        }
+        let (mut u, mut digits, mut i) = (n.unsigned_abs(), [0u8; 20], 20);
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (u % 10) as u8;
+            u /= 10;
+            if u == 0 {
+                break;
+            }
+        }
+        out.extend_from_slice(&digits[i..]);
+    }
+
+    /// `"<status> <epoch>"`: an `OK`, a snapshot mismatch, or the status's own words.
+    fn answer(s: &str) -> Result<(u64, bool), Status> {
+        let (st, epoch) = s.split_once(' ').ok_or_else(|| Status::internal("bad answer"))?;
+        let epoch = epoch.parse().map_err(|_| Status::internal("bad epoch"))?;
+        match st {
+            "OK" => Ok((epoch, false)),
+            "MISMATCH" | "STALE_ACK" => Ok((epoch, true)),
+            other => Err(Status::failed_precondition(other.to_owned())),
+        }
+    }
+
+    #[tonic::async_trait]
+    impl WorkerControlPlane for Floor {
+        async fn register_worker(
+            &self,
+            _: Request<pb::RegisterWorkerRequest>,
+        ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+            Err(Status::unimplemented("the floor only reports and acknowledges"))
+        }
+
+        async fn acknowledge_snapshot(
+            &self,
+            request: Request<pb::AcknowledgeSnapshotRequest>,
+        ) -> Result<Response<pb::AcknowledgeSnapshotResponse>, Status> {
+            let r = request.into_inner();
+            let s: String = redis::cmd("EVALSHA")
+                .arg(&self.ack)
+                .arg(4)
+                .arg(self.store.key_of("session", &r.worker_id))
+                .arg(self.store.key_of("snapshot", &r.worker_id))
+                .arg(self.store.key_of("runtime", &r.worker_id))
+                .arg(&self.epoch_key)
+                .arg(super::hex(&r.session_id))
+                .arg(r.snapshot_version)
+                .arg(r.ownership_epoch)
+                .arg(super::hex(&r.checksum))
+                .arg(if r.applied { "1" } else { "0" })
+                .arg(super::TTL.as_millis() as u64)
+                .query_async(&mut self.store.connection())
+                .await
+                .map_err(|_| Status::unavailable("redis"))?;
+            let (ownership_epoch, require_full_snapshot) = answer(&s)?;
+            Ok(Response::new(pb::AcknowledgeSnapshotResponse {
+                ownership_epoch,
+                require_full_snapshot,
+            }))
+        }
+
+        async fn report_runtime(
+            &self,
+            request: Request<pb::ReportRuntimeRequest>,
+        ) -> Result<Response<pb::ReportRuntimeResponse>, Status> {
+            let r = request.into_inner();
+            let mut blob = Vec::with_capacity(48 + r.counters.len() * 24);
+            decimal(&mut blob, r.sequence as i64);
+            blob.push(b'\n');
+            decimal(&mut blob, r.observed_at_unix_ms);
+            blob.push(b'\n');
+            let start = blob.len();
+            for c in &r.counters {
+                blob.extend_from_slice(c.proxy_id.as_bytes());
+                blob.push(b' ');
+                decimal(&mut blob, c.in_flight);
+                blob.push(b' ');
+                decimal(&mut blob, c.open_connections);
+                blob.push(b'\n');
+            }
+            let digest = Report::digest_of(r.observed_at_unix_ms, &blob[start..]);
+            let ttl = super::TTL.as_millis() as u64;
+            let s: String = redis::cmd("EVALSHA")
+                .arg(&self.report)
+                .arg(3)
+                .arg(self.store.key_of("session", &r.worker_id))
+                .arg(self.store.key_of("runtime", &r.worker_id))
+                .arg(&self.epoch_key)
+                .arg(super::hex(&r.session_id))
+                .arg(r.sequence)
+                .arg(r.snapshot_version)
+                .arg(r.ownership_epoch)
+                .arg(super::hex(&digest))
+                .arg(blob)
+                .arg(ttl)
+                .arg(ttl)
+                .query_async(&mut self.store.connection())
+                .await
+                .map_err(|_| Status::unavailable("redis"))?;
+            let (ownership_epoch, require_full_snapshot) = answer(&s)?;
+            Ok(Response::new(pb::ReportRuntimeResponse {
+                ownership_epoch,
+                require_full_snapshot,
+                revoke_proxy_ids: Vec::new(),
+            }))
+        }
+
+        type WatchSnapshotsStream = futures_util::stream::Empty<Result<pb::Snapshot, Status>>;
+
+        async fn watch_snapshots(
+            &self,
+            _: Request<pb::WatchSnapshotsRequest>,
+        ) -> Result<Response<Self::WatchSnapshotsStream>, Status> {
+            Err(Status::unimplemented("not in the floor"))
+        }
+
+        async fn report_outcomes(
+            &self,
+            _: Request<pb::ReportOutcomesRequest>,
+        ) -> Result<Response<pb::ReportOutcomesResponse>, Status> {
+            Err(Status::unimplemented("not in the floor"))
+        }
+    }
+
+    /// Serves the floor on `port` over Redis at `url`, keys under `ns`, until killed. The
+    /// server's HTTP/2 windows and message limit are the controller's defaults.
+    pub(crate) async fn serve(spec: &str) {
+        let mut it = spec.split(' ');
+        let (port, url, ns) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+        let store = RedisStore::connect(url, ns).await.unwrap();
+        let (report, ack) = store.with_epoch_script_hashes();
+        let floor = Floor {
+            report: report.to_owned(),
+            ack: ack.to_owned(),
+            epoch_key: store.epoch_key(),
+            store,
+        };
+        let max = 4 * 1024 * 1024;
+        let svc = WorkerControlPlaneServer::new(floor).max_decoding_message_size(max);
+        let listener = tokio::net::TcpListener::bind(format!("127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        tonic::transport::Server::builder()
+            .initial_stream_window_size(max as u32)
+            .initial_connection_window_size(4 * max as u32)
+            .tcp_nodelay(true)
+            .add_service(svc)
+            .serve_with_incoming(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            )
+            .await
+            .unwrap();
+    }
 }
