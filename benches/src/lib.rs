@@ -5,6 +5,9 @@
 
 /// The load tools allocate as the shipped binaries do (`iop_bins` sets mimalloc): a bench that
 /// embeds a library with the system allocator would measure glibc's malloc, not our code.
+/// The `system-alloc` feature keeps glibc's, for heap profilers that see only `malloc`
+/// (`heaptrack`; mimalloc maps its own pages).
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

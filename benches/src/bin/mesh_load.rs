@@ -480,7 +480,20 @@ fn spawn_child(
     std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
     SocketAddr,
 ) {
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+    // `MESH_LOAD_CHILD_WRAP="heaptrack -o /tmp/edge"` (or `perf record -g -o …`) runs the child
+    // under a profiler.
+    let wrap = std::env::var("MESH_LOAD_CHILD_WRAP").unwrap_or_default();
+    let mut words = wrap.split_whitespace();
+    let exe = std::env::current_exe().unwrap();
+    let mut child = match words.next() {
+        Some(tool) => {
+            let mut c = std::process::Command::new(tool);
+            c.args(words).arg(exe);
+            c
+        }
+        None => std::process::Command::new(exe),
+    };
+    let mut child = child
         .arg(mode)
         .arg(dir)
         .arg(port.to_string())
@@ -489,7 +502,12 @@ fn spawn_child(
         .spawn()
         .unwrap();
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr: SocketAddr = lines.next().unwrap().unwrap().parse().unwrap();
+    // The first line that is an address (a profiler's wrapper may print before it).
+    let addr: SocketAddr = loop {
+        if let Ok(a) = lines.next().unwrap().unwrap().parse() {
+            break a;
+        }
+    };
     (child, lines, addr)
 }
 
