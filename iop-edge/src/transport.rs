@@ -1535,7 +1535,7 @@ mod tests {
         fn future_size<A, F: Future>(
             _: fn(A, String, FrameCodec, usize, Arc<Shared>) -> F,
         ) -> usize {
-            std::mem::size_of::<F>()
+            size_of::<F>()
         }
         type Tls = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
         let size = future_size(connection::<Tls>);

@@ -993,7 +993,9 @@ mod floor {
 
     /// `"<status> <epoch>"`: an `OK`, a snapshot mismatch, or the status's own words.
     fn answer(s: &str) -> Result<(u64, bool), Status> {
-        let (st, epoch) = s.split_once(' ').ok_or_else(|| Status::internal("bad answer"))?;
+        let (st, epoch) = s
+            .split_once(' ')
+            .ok_or_else(|| Status::internal("bad answer"))?;
         let epoch = epoch.parse().map_err(|_| Status::internal("bad epoch"))?;
         match st {
             "OK" => Ok((epoch, false)),
@@ -1008,7 +1010,9 @@ mod floor {
             &self,
             _: Request<pb::RegisterWorkerRequest>,
         ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
-            Err(Status::unimplemented("the floor only reports and acknowledges"))
+            Err(Status::unimplemented(
+                "the floor only reports and acknowledges",
+            ))
         }
 
         async fn acknowledge_snapshot(
