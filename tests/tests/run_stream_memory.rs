@@ -3,7 +3,10 @@
 //! chunks through a tunnel to one. Every allocation of this process is
 //! counted (`cap`, the global allocator of this test binary): the growth while the stream
 //! fills is held to its byte bound (`TransportConfig::max_stream_buffer`) plus a fixed slack,
-//! and after the stream is ended (slow consumer) and dropped the memory comes back.
+//! and after the stream is ended (slow consumer) and dropped the memory comes back. A third
+//! case sends one 6 MiB request body through a tunnel: the Edge's write buffer and the Node's
+//! read buffer grow to it, and both give it back at the next liveness frame (before issue #33
+//! they held it, 14 MiB in all, for as long as the Node stayed connected).
 //!
 //! Before the Edge counted what each buffered event holds (its queue slot and heap blocks), it
 //! counted a one-byte delta as 65 bytes while it held about 300: the same probe grew by 5–6×
@@ -196,6 +199,7 @@ async fn comes_back(baseline: usize, what: &str) {
 async fn stalled_streams_cost_their_bound_and_give_it_back() {
     a_run_stream_nobody_reads().await;
     a_tunnel_nobody_reads().await;
+    a_large_request_gives_its_frame_buffers_back().await;
 }
 
 async fn a_run_stream_nobody_reads() {
@@ -329,6 +333,147 @@ async fn a_tunnel_nobody_reads() {
         growth_until_cut(&edge, baseline, "tunnel").await;
         drop(stream);
         comes_back(baseline, "tunnel").await;
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+/// A provider that reads a request whole, drops it, and answers a small JSON body: it keeps
+/// nothing of what it was sent (the shared fake upstream records every body).
+async fn forgetful_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if socket.read_exact(&mut byte).await.is_err() {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                let len: u64 = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                let mut rest = (&mut socket).take(len);
+                tokio::io::copy(&mut rest, &mut tokio::io::sink())
+                    .await
+                    .unwrap();
+                let body = br#"{"id":"x","object":"chat.completion","choices":[]}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.write_all(body).await;
+            });
+        }
+    });
+    addr
+}
+
+/// A connection's frame buffers grow to the largest frame they carry. After a 6 MiB request
+/// body went through (the Edge's write buffer, the Node's read buffer), both give the room
+/// back at the next liveness frame: the process returns to its baseline within a few
+/// heartbeat intervals (0.5 s here), instead of holding the body's size for as long as the
+/// Node stays connected.
+async fn a_large_request_gives_its_frame_buffers_back() {
+    use iop_wire::liveness::HeartbeatConfig;
+    use iop_wire::runtime::{
+        ConcreteProtocolProfile, Header, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
+    };
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let upstream = forgetful_upstream().await;
+        let tls = iop_tests::pki::edge_server_tls(&ca, "edge-1");
+        let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
+        cfg.registry.heartbeat = HeartbeatConfig::from_interval(Duration::from_millis(500));
+        cfg.node_configs = vec![(
+            "node-1".into(),
+            NodeConfigPayload {
+                adapters: vec![AdapterConfig {
+                    name: "up".into(),
+                    adapter_type: "openai_compat".into(),
+                    enabled: true,
+                    capacity: 2,
+                    long_context_capacity: 0,
+                    targets: vec![],
+                    settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                        base_url: format!("http://{upstream}/v1"),
+                        protocol_profile: ConcreteProtocolProfile {
+                            name: "openai".into(),
+                            operation_paths: [(
+                                Operation::ChatCompletions,
+                                "/chat/completions".into(),
+                            )]
+                            .into_iter()
+                            .collect(),
+                            ..Default::default()
+                        },
+                        request_timeout_sec: 0,
+                    }),
+                }],
+                ..Default::default()
+            },
+        )];
+        let edge = bind(cfg).await.unwrap().0;
+        let mut life = edge.subscribe();
+        let node_tls = iop_tests::pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
+        let opts = NodeOptions::new(
+            "node-1",
+            &edge.local_addr().to_string(),
+            "localhost",
+            node_tls,
+        )
+        .unwrap()
+        .with_adapters(AdapterRegistry::with_builtins());
+        let shutdown = CancellationToken::new();
+        tokio::spawn(run_node(opts, shutdown.clone()));
+        while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+        let request = |id: &str, body: bytes::Bytes| ProviderTunnelRequest {
+            run_id: id.into(),
+            adapter: "up".into(),
+            target: "m".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            headers: vec![Header {
+                name: "content-type".into(),
+                value: bytes::Bytes::from_static(b"application/json"),
+            }],
+            body,
+            stream: false,
+            operation: Some(Operation::ChatCompletions),
+            ..Default::default()
+        };
+        let answered = |mut stream: iop_edge::TunnelStream| async move {
+            let mut frames = 0;
+            while stream.next().await.is_some() {
+                frames += 1;
+            }
+            assert!(frames > 0, "the tunnel answered nothing");
+        };
+        // Warm up every path with a small request, and let a few pings pass.
+        answered(
+            edge.tunnel("node-1", request("warm", bytes::Bytes::from_static(b"{}")))
+                .await
+                .unwrap(),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let baseline = ALLOCATOR.allocated();
+        let body = bytes::Bytes::from(vec![b' '; 6 << 20]);
+        answered(edge.tunnel("node-1", request("large", body)).await.unwrap()).await;
+        println!(
+            "large request: {} KiB above the baseline once answered",
+            ALLOCATOR.allocated().saturating_sub(baseline) >> 10
+        );
+        comes_back(baseline, "large request").await;
         shutdown.cancel();
     })
     .await
