@@ -241,13 +241,61 @@ async fn a_run_stream_nobody_reads() {
     .expect("scenario finishes");
 }
 
+/// An Edge bound with `cfg` and one Node whose `openai_compat` adapter `up` tunnels chat
+/// completions to `base_url`, connected and ready.
+async fn tunnel_mesh(
+    ca: &Ca,
+    mut cfg: TransportConfig,
+    base_url: String,
+) -> (EdgeHandle, CancellationToken) {
+    use iop_wire::runtime::{ConcreteProtocolProfile, OpenAiCompatSettings, Operation};
+    cfg.node_configs = vec![(
+        "node-1".into(),
+        NodeConfigPayload {
+            adapters: vec![AdapterConfig {
+                name: "up".into(),
+                adapter_type: "openai_compat".into(),
+                enabled: true,
+                capacity: 2,
+                long_context_capacity: 0,
+                targets: vec![],
+                settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
+                    base_url,
+                    protocol_profile: ConcreteProtocolProfile {
+                        name: "openai".into(),
+                        operation_paths: [(Operation::ChatCompletions, "/chat/completions".into())]
+                            .into_iter()
+                            .collect(),
+                        ..Default::default()
+                    },
+                    request_timeout_sec: 0,
+                }),
+            }],
+            ..Default::default()
+        },
+    )];
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
+    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
+    let opts = NodeOptions::new(
+        "node-1",
+        &edge.local_addr().to_string(),
+        "localhost",
+        node_tls,
+    )
+    .unwrap()
+    .with_adapters(AdapterRegistry::with_builtins());
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_node(opts, shutdown.clone()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    (edge, shutdown)
+}
+
 /// The same for a tunnel: an OpenAI-style upstream streams 16 KiB chunks as fast as it can to
 /// a caller that never reads. The growth is held to the bound plus the same slack.
 async fn a_tunnel_nobody_reads() {
     use iop_tests::upstream::{Kind, Upstream};
-    use iop_wire::runtime::{
-        ConcreteProtocolProfile, Header, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
-    };
+    use iop_wire::runtime::{Header, Operation, ProviderTunnelRequest};
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
         let upstream = Upstream::start(Kind::ChatOnly, "", "firehose").await;
@@ -259,48 +307,7 @@ async fn a_tunnel_nobody_reads() {
         // honour credit (an older one, or a hostile peer). With credit the Node would stop at
         // the window (`bins/tests/stream_credit.rs`).
         cfg.stream_window = 0;
-        cfg.node_configs = vec![(
-            "node-1".into(),
-            NodeConfigPayload {
-                adapters: vec![AdapterConfig {
-                    name: "up".into(),
-                    adapter_type: "openai_compat".into(),
-                    enabled: true,
-                    capacity: 2,
-                    long_context_capacity: 0,
-                    targets: vec![],
-                    settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
-                        base_url: upstream.base_url(),
-                        protocol_profile: ConcreteProtocolProfile {
-                            name: "openai".into(),
-                            operation_paths: [(
-                                Operation::ChatCompletions,
-                                "/chat/completions".into(),
-                            )]
-                            .into_iter()
-                            .collect(),
-                            ..Default::default()
-                        },
-                        request_timeout_sec: 0,
-                    }),
-                }],
-                ..Default::default()
-            },
-        )];
-        let edge = bind(cfg).await.unwrap().0;
-        let mut life = edge.subscribe();
-        let node_tls = iop_tests::pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
-        let opts = NodeOptions::new(
-            "node-1",
-            &edge.local_addr().to_string(),
-            "localhost",
-            node_tls,
-        )
-        .unwrap()
-        .with_adapters(AdapterRegistry::with_builtins());
-        let shutdown = CancellationToken::new();
-        tokio::spawn(run_node(opts, shutdown.clone()));
-        while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+        let (edge, shutdown) = tunnel_mesh(&ca, cfg, upstream.base_url()).await;
         let request = |id: &str| ProviderTunnelRequest {
             run_id: id.into(),
             adapter: "up".into(),
@@ -385,57 +392,14 @@ async fn forgetful_upstream() -> std::net::SocketAddr {
 /// Node stays connected.
 async fn a_large_request_gives_its_frame_buffers_back() {
     use iop_wire::liveness::HeartbeatConfig;
-    use iop_wire::runtime::{
-        ConcreteProtocolProfile, Header, OpenAiCompatSettings, Operation, ProviderTunnelRequest,
-    };
+    use iop_wire::runtime::{Header, Operation, ProviderTunnelRequest};
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
         let upstream = forgetful_upstream().await;
         let tls = iop_tests::pki::edge_server_tls(&ca, "edge-1");
         let mut cfg = TransportConfig::new("127.0.0.1:0".parse().unwrap(), tls);
         cfg.registry.heartbeat = HeartbeatConfig::from_interval(Duration::from_millis(500));
-        cfg.node_configs = vec![(
-            "node-1".into(),
-            NodeConfigPayload {
-                adapters: vec![AdapterConfig {
-                    name: "up".into(),
-                    adapter_type: "openai_compat".into(),
-                    enabled: true,
-                    capacity: 2,
-                    long_context_capacity: 0,
-                    targets: vec![],
-                    settings: AdapterSettings::OpenAiCompat(OpenAiCompatSettings {
-                        base_url: format!("http://{upstream}/v1"),
-                        protocol_profile: ConcreteProtocolProfile {
-                            name: "openai".into(),
-                            operation_paths: [(
-                                Operation::ChatCompletions,
-                                "/chat/completions".into(),
-                            )]
-                            .into_iter()
-                            .collect(),
-                            ..Default::default()
-                        },
-                        request_timeout_sec: 0,
-                    }),
-                }],
-                ..Default::default()
-            },
-        )];
-        let edge = bind(cfg).await.unwrap().0;
-        let mut life = edge.subscribe();
-        let node_tls = iop_tests::pki::node_client_tls(&ca, role::NODE, "node-1", "edge-1");
-        let opts = NodeOptions::new(
-            "node-1",
-            &edge.local_addr().to_string(),
-            "localhost",
-            node_tls,
-        )
-        .unwrap()
-        .with_adapters(AdapterRegistry::with_builtins());
-        let shutdown = CancellationToken::new();
-        tokio::spawn(run_node(opts, shutdown.clone()));
-        while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+        let (edge, shutdown) = tunnel_mesh(&ca, cfg, format!("http://{upstream}/v1")).await;
         let request = |id: &str, body: bytes::Bytes| ProviderTunnelRequest {
             run_id: id.into(),
             adapter: "up".into(),
