@@ -1470,7 +1470,7 @@ async fn connection<S>(
                         // this Node alone.
                         shared.with(|core, now| core.handle_frame(now, conn, frame));
                         if liveness {
-                            release_buffers(&mut framed);
+                            iop_wire::codec::release_buffers(&mut framed, READ_BUFFER);
                         }
                     }
                     Some(Err(e)) if is_eof(&e) => {
@@ -1498,21 +1498,6 @@ async fn connection<S>(
     inner.outs.remove(&conn);
     inner.core.handle_close(now, conn);
     shared.drain(&mut inner, now);
-}
-
-/// Gives back the room a connection's frame buffers grew to, at each liveness frame: a
-/// buffer keeps the allocation of the largest frame it carried (a 4 MiB request body) until it
-/// is replaced, so a Node that once carried one would hold it for as long as it stays
-/// connected. Each buffer that is empty is replaced by a fresh one of [`READ_BUFFER`] bytes.
-/// Pings come once per heartbeat interval each way, so this is one small allocation per
-/// interval; bodies already handed out as views of the read buffer keep their own bytes.
-fn release_buffers<S, U>(framed: &mut Framed<S, U>) {
-    if framed.read_buffer().is_empty() {
-        *framed.read_buffer_mut() = bytes::BytesMut::with_capacity(READ_BUFFER);
-    }
-    if framed.write_buffer().is_empty() {
-        *framed.write_buffer_mut() = bytes::BytesMut::with_capacity(READ_BUFFER);
-    }
 }
 
 /// Queues `frame` for writing: [`SinkExt::feed`] without holding the frame itself in the

@@ -36,19 +36,6 @@ use iop_wire::tunnel_order::TunnelWriter;
 /// the Edge, where tokio-util's 8 KiB default was most of an idle connection's memory).
 const READ_BUFFER: usize = 1024;
 
-/// Gives back the room the frame buffers grew to, at each liveness frame (as the Edge does):
-/// a buffer keeps the allocation of the largest frame it carried (a 4 MiB request body from the
-/// Edge) until it is replaced. Each buffer that is empty is replaced by a fresh one of
-/// [`READ_BUFFER`] bytes, once per heartbeat interval.
-fn release_buffers<S, U>(framed: &mut Framed<S, U>) {
-    if framed.read_buffer().is_empty() {
-        *framed.read_buffer_mut() = bytes::BytesMut::with_capacity(READ_BUFFER);
-    }
-    if framed.write_buffer().is_empty() {
-        *framed.write_buffer_mut() = bytes::BytesMut::with_capacity(READ_BUFFER);
-    }
-}
-
 /// How long one CAPABILITIES probe may take before it counts as `unknown` (fail closed).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -186,7 +173,7 @@ where
                         matches!(frame.message, RuntimeMessage::Ping | RuntimeMessage::Pong);
                     session.handle_frame(now(), frame);
                     if liveness {
-                        release_buffers(&mut framed);
+                        iop_wire::codec::release_buffers(&mut framed, READ_BUFFER);
                     }
                 }
                 Some(Err(iop_wire::codec::CodecError::Frame(e))) => {

@@ -322,7 +322,7 @@ impl WireFrame for crate::control::ControlFrame {
 }
 
 #[cfg(feature = "tokio-codec")]
-pub use self::tokio_codec::{CodecError, TokioCodec};
+pub use self::tokio_codec::{CodecError, TokioCodec, release_buffers};
 
 #[cfg(feature = "tokio-codec")]
 mod tokio_codec {
@@ -348,6 +348,21 @@ mod tokio_codec {
                 codec,
                 _frame: PhantomData,
             }
+        }
+    }
+
+    /// Gives back the room a connection's frame buffers grew to: each buffer of `framed` that
+    /// is empty is replaced by a fresh one of `keep` bytes. A buffer keeps the allocation of the
+    /// largest frame it carried (a 4 MiB request body) until it is replaced; the Edge and the
+    /// Node call this at each liveness frame (`Ping`/`Pong`, once per heartbeat interval), so a
+    /// connection that carried one large frame does not hold its size while it stays open.
+    /// Bodies already handed out as views of the read buffer keep their own bytes.
+    pub fn release_buffers<T, U>(framed: &mut tokio_util::codec::Framed<T, U>, keep: usize) {
+        if framed.read_buffer().is_empty() {
+            *framed.read_buffer_mut() = BytesMut::with_capacity(keep);
+        }
+        if framed.write_buffer().is_empty() {
+            *framed.write_buffer_mut() = BytesMut::with_capacity(keep);
         }
     }
 

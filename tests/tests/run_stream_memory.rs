@@ -102,8 +102,6 @@ async fn mesh(ca: &Ca, sent: Arc<AtomicU64>) -> (EdgeHandle, CancellationToken) 
             ..Default::default()
         },
     )];
-    let edge = bind(cfg).await.unwrap().0;
-    let mut life = edge.subscribe();
     let mut registry = AdapterRegistry::new();
     registry.register(
         "firehose",
@@ -111,6 +109,18 @@ async fn mesh(ca: &Ca, sent: Arc<AtomicU64>) -> (EdgeHandle, CancellationToken) 
             Ok(Arc::new(Firehose { sent: sent.clone() }) as Arc<dyn Adapter>)
         }),
     );
+    bind_with_node(ca, cfg, registry).await
+}
+
+/// Binds an Edge with `cfg` and connects Node `node-1` with `adapters` to it: the Edge once
+/// the Node is connected, and the token that stops the Node.
+async fn bind_with_node(
+    ca: &Ca,
+    cfg: TransportConfig,
+    adapters: AdapterRegistry,
+) -> (EdgeHandle, CancellationToken) {
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
     let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
     let opts = NodeOptions::new(
         "node-1",
@@ -119,7 +129,7 @@ async fn mesh(ca: &Ca, sent: Arc<AtomicU64>) -> (EdgeHandle, CancellationToken) 
         node_tls,
     )
     .unwrap()
-    .with_adapters(registry);
+    .with_adapters(adapters);
     let shutdown = CancellationToken::new();
     tokio::spawn(run_node(opts, shutdown.clone()));
     while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
@@ -274,21 +284,7 @@ async fn tunnel_mesh(
             ..Default::default()
         },
     )];
-    let edge = bind(cfg).await.unwrap().0;
-    let mut life = edge.subscribe();
-    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
-    let opts = NodeOptions::new(
-        "node-1",
-        &edge.local_addr().to_string(),
-        "localhost",
-        node_tls,
-    )
-    .unwrap()
-    .with_adapters(AdapterRegistry::with_builtins());
-    let shutdown = CancellationToken::new();
-    tokio::spawn(run_node(opts, shutdown.clone()));
-    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
-    (edge, shutdown)
+    bind_with_node(ca, cfg, AdapterRegistry::with_builtins()).await
 }
 
 /// The same for a tunnel: an OpenAI-style upstream streams 16 KiB chunks as fast as it can to

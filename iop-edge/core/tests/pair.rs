@@ -30,7 +30,7 @@ use bytes::{Bytes, BytesMut};
 use iop_edge_core::registry::{ConnId, Generation};
 use iop_edge_core::{
     Admit, Answer, CoreConfig, DispatchError, EdgeCore, Event, Issuers, Level, Lifecycle,
-    NODE_DISCONNECTED, Observer, Open, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
+    NODE_DISCONNECTED, Observer, Open, Opened, SLOW_CONSUMER, Sinks, StreamSink, TunnelEvent,
 };
 use iop_wire::codec::FrameCodec;
 use iop_wire::node::{NodeEvent, NodeSession, NodeSessionConfig};
@@ -377,6 +377,24 @@ impl Pair {
     }
 
     /// The application frames link `i` received since the last call.
+    /// Opens tunnel `id` on `node` into `sink` (no response deadline) and settles.
+    fn open_tunnel(&mut self, node: &str, id: &str, sink: &Buf<TunnelEvent>) -> Opened {
+        let o = self
+            .edge
+            .open(
+                self.now,
+                node,
+                Open::Tunnel {
+                    request: tunnel_request(id),
+                    sink: sink.clone(),
+                    response_wait: None,
+                },
+            )
+            .unwrap();
+        self.settle();
+        o
+    }
+
     fn inbox(&mut self, i: usize) -> Vec<RuntimeFrame> {
         std::mem::take(&mut self.links[i].inbox)
     }
@@ -715,22 +733,8 @@ fn credit_goes_only_to_nodes_that_announce_it_and_only_for_open_tunnels() {
     let n1 = p.connect("node-1");
     p.stream_credit = false;
     let n2 = p.connect("node-2");
-    let open = |p: &mut Pair, node: &str, id: &str| {
-        p.edge
-            .open(
-                p.now,
-                node,
-                Open::Tunnel {
-                    request: tunnel_request(id),
-                    sink: Buf::new(),
-                    response_wait: None,
-                },
-            )
-            .unwrap()
-    };
-    let a = open(&mut p, "node-1", "a");
-    let b = open(&mut p, "node-2", "b");
-    p.settle();
+    let a = p.open_tunnel("node-1", "a", &Buf::new());
+    let b = p.open_tunnel("node-2", "b", &Buf::new());
     let window = |frames: &[RuntimeFrame]| -> Vec<u64> {
         frames
             .iter()
@@ -893,21 +897,9 @@ fn a_reader_that_falls_behind_is_ended_and_cancelled_in_virtual_time() {
     let mut p = Pair::new();
     let n1 = p.connect("node-1");
     let open = |p: &mut Pair, id: &str, buf: &Buf<TunnelEvent>| {
-        let o = p
-            .edge
-            .open(
-                p.now,
-                "node-1",
-                Open::Tunnel {
-                    request: tunnel_request(id),
-                    sink: buf.clone(),
-                    response_wait: None,
-                },
-            )
-            .unwrap();
-        p.settle();
-        p.node_send(n1, tunnel_frame(o.stream_id, 1, start()));
-        o.stream_id
+        let s = p.open_tunnel("node-1", id, buf).stream_id;
+        p.node_send(n1, tunnel_frame(s, 1, start()));
+        s
     };
     let chunk = Bytes::from(vec![b'x'; 16 * 1024]);
 
@@ -953,26 +945,14 @@ fn a_stopped_reader_is_ended_one_timeout_after_its_last_read() {
     let mut p = Pair::new();
     let n1 = p.connect("node-1");
     let buf = Buf::new();
-    let o = p
-        .edge
-        .open(
-            p.now,
-            "node-1",
-            Open::Tunnel {
-                request: tunnel_request("stops"),
-                sink: buf.clone(),
-                response_wait: None,
-            },
-        )
-        .unwrap();
-    p.settle();
+    let s = p.open_tunnel("node-1", "stops", &buf).stream_id;
     let chunk = || TunnelPayload::Body(Bytes::from(vec![b'x'; 1024]));
-    p.node_send(n1, tunnel_frame(o.stream_id, 1, start()));
-    p.node_send(n1, tunnel_frame(o.stream_id, 2, chunk()));
+    p.node_send(n1, tunnel_frame(s, 1, start()));
+    p.node_send(n1, tunnel_frame(s, 2, chunk()));
     // It reads 0.6 of a timeout later, and never again; a new body waits unread from then on.
     p.advance(SLOW_TIMEOUT * 6 / 10);
     assert_eq!(buf.read_all().len(), 2);
-    p.node_send(n1, tunnel_frame(o.stream_id, 3, chunk()));
+    p.node_send(n1, tunnel_frame(s, 3, chunk()));
     p.advance(SLOW_TIMEOUT * 95 / 100);
     assert_eq!(
         buf.unread(),
