@@ -72,6 +72,13 @@ pub struct RunCompletion {
 /// stream never buffers more than this at the Node.
 pub const STREAM_BUFFER: usize = 1024 * 1024;
 
+/// The most text or body bytes one frame carries. A longer delta or body is sent as several
+/// frames (text cut on character boundaries), so that no single event can exceed the Edge's
+/// per-stream buffer (`stream_buffer_bytes`, 4 MiB by default, which would end the stream as
+/// if its reader had fallen behind) or the wire's frame limit (8 MiB by default). A client
+/// sees the same text and bytes, in more pieces.
+pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
+
 /// A payload in a stream's buffer with its share of the stream's byte budget (released when
 /// the payload moves on to the connection writer).
 pub(crate) type Budgeted<T> = (T, Option<OwnedSemaphorePermit>);
@@ -122,8 +129,24 @@ impl RunEvents {
 
     /// Sends one text delta; waits when the connection is congested or this run already holds
     /// [`STREAM_BUFFER`] bytes (backpressure).
+    ///
+    /// A delta longer than [`MAX_FRAME_PAYLOAD`] goes out as several, cut on character
+    /// boundaries.
     pub async fn delta(&self, text: impl Into<String>) -> bool {
-        let text = text.into();
+        let mut text = text.into();
+        while text.len() > MAX_FRAME_PAYLOAD {
+            // A char is at most 4 bytes, so the boundary at or below the limit is above 0.
+            let cut = text.floor_char_boundary(MAX_FRAME_PAYLOAD);
+            let rest = text.split_off(cut);
+            if !self.send_delta(text).await {
+                return false;
+            }
+            text = rest;
+        }
+        self.send_delta(text).await
+    }
+
+    async fn send_delta(&self, text: String) -> bool {
         let permit = reserve(&self.budget, text.len()).await;
         self.tx.send((text, permit)).await.is_ok()
     }
@@ -219,13 +242,16 @@ impl TunnelSink {
     /// [`STREAM_BUFFER`] bytes on their way to the Edge, and, when the Edge gives the tunnel
     /// credit, while the Edge's reader is a window behind (the bytes may then go out as
     /// several frames). An adapter that awaits this before reading more from its provider is
-    /// paced by the reader at the other end.
+    /// paced by the reader at the other end. Bytes beyond [`MAX_FRAME_PAYLOAD`] go out as
+    /// several frames (views of the same buffer, not copies).
     pub async fn body(&self, mut bytes: Bytes) -> bool {
         loop {
+            let want = bytes.len().min(MAX_FRAME_PAYLOAD);
             let chunk = match &self.credit {
-                None => std::mem::take(&mut bytes),
+                None if want == bytes.len() => std::mem::take(&mut bytes),
+                None => bytes.split_to(want),
                 Some(credit) => {
-                    let n = credit.take(bytes.len()).await;
+                    let n = credit.take(want).await;
                     if n >= bytes.len() {
                         std::mem::take(&mut bytes)
                     } else {
@@ -718,6 +744,49 @@ pub fn trace_headers(headers: &mut http::HeaderMap, trace: Option<&iop_wire::tra
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_long_delta_goes_out_in_pieces_cut_on_characters() {
+        let (tx, mut rx) = mpsc::channel(64);
+        let events = RunEvents::new(tx, stream_budget(), CancellationToken::new());
+        // Two-byte characters after one ASCII byte: no multiple of the limit is a boundary.
+        let text = format!("a{}", "é".repeat(MAX_FRAME_PAYLOAD * 2));
+        let sender = tokio::spawn({
+            let text = text.clone();
+            async move { events.delta(text).await }
+        });
+        let mut pieces = Vec::new();
+        while let Some((piece, _permit)) = rx.recv().await {
+            pieces.push(piece);
+        }
+        assert!(sender.await.unwrap());
+        assert_eq!(pieces.len(), 5, "4 MAX_FRAME_PAYLOAD pieces and the rest");
+        assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= MAX_FRAME_PAYLOAD));
+        assert_eq!(pieces.concat(), text);
+    }
+
+    #[tokio::test]
+    async fn a_long_body_goes_out_in_frames_of_at_most_the_limit() {
+        let (tx, mut rx) = mpsc::channel(64);
+        let sink = TunnelSink::new(tx, stream_budget(), CancellationToken::new(), None, None);
+        let body = Bytes::from(vec![7u8; MAX_FRAME_PAYLOAD * 3 + 1]);
+        let sender = tokio::spawn({
+            let body = body.clone();
+            async move { sink.body(body).await }
+        });
+        let mut sizes = Vec::new();
+        let mut got = Vec::new();
+        while let Some((payload, _permit)) = rx.recv().await {
+            let TunnelPayload::Body(b) = payload else {
+                panic!("only body frames")
+            };
+            sizes.push(b.len());
+            got.extend_from_slice(&b);
+        }
+        assert!(sender.await.unwrap());
+        assert_eq!(sizes, [MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD, 1]);
+        assert_eq!(got, body);
+    }
 
     /// Two sessions' instances of one name share the gate at the smaller capacity; a lowered
     /// capacity cuts nothing admitted and takes effect as executions end; the last

@@ -65,6 +65,10 @@
 //!   adapter that awaits it before reading on stops reading its provider, and TCP slows the
 //!   provider down. Waiting for credit is not a response stall. Without a window (older
 //!   Edges) the body flows as fast as the connection takes it, within [`STREAM_BUFFER`].
+//! - No frame carries more than [`MAX_FRAME_PAYLOAD`] (64 KiB) of text or body: a longer delta
+//!   or body chunk from an adapter goes out as several frames, so one large event (a long word
+//!   echoed back, a provider's large read) never exceeds the Edge's per-stream buffer or the
+//!   frame limit.
 //!
 //! - The built-in `ollama` adapter turns Ollama's native streaming chat into normalized
 //!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).
@@ -152,7 +156,8 @@ use std::time::Duration;
 
 pub use adapter::{
     Adapter, AdapterBuildError, AdapterError, AdapterFactory, AdapterRegistry, CapacityGate,
-    RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink, last_message_text, trace_headers,
+    MAX_FRAME_PAYLOAD, RunCompletion, RunEvents, STREAM_BUFFER, TunnelSink, last_message_text,
+    trace_headers,
 };
 /// The attribute [`Adapter`] implementations are written with.
 pub use async_trait::async_trait;

@@ -346,6 +346,41 @@ async fn models_chat_and_stream_through_the_mesh() {
     .expect("scenario finishes");
 }
 
+/// One word larger than the Edge's per-stream buffer (4 MiB): the demo echoes it as one
+/// delta, which the Node sends in pieces of at most `MAX_FRAME_PAYLOAD`. Before, the one
+/// 5 MiB event ended the stream as a slow consumer and the caller got 502.
+#[tokio::test]
+async fn a_word_larger_than_the_stream_buffer_is_answered_whole() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let base = surface(&ca, upstream(Arc::new(Notify::new())).await).await;
+        let http = client();
+        // Two-byte characters after an odd prefix: the Node's cuts must fall on characters.
+        let word = format!("x{}", "é".repeat(5 * 512 * 1024));
+        assert!(word.len() > iop_edge::transport::DEFAULT_MAX_STREAM_BUFFER);
+        let chat = serde_json::json!({"model": "demo", "messages": [{"role": "user", "content": word}]});
+        let resp = http.post(format!("{base}/chat/completions")).json(&chat).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let r: serde_json::Value = resp.json().await.unwrap();
+        assert!(r["choices"][0]["message"]["content"].as_str() == Some(&format!("echo: {word}")[..]), "the reply is the whole word");
+
+        let mut stream_req = chat.clone();
+        stream_req["stream"] = true.into();
+        let text = http.post(format!("{base}/chat/completions")).json(&stream_req).send().await.unwrap().text().await.unwrap();
+        let deltas: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .collect();
+        assert!(deltas.concat() == format!("echo: {word}"), "the streamed reply is the whole word");
+        assert!(deltas.iter().all(|d| d.len() <= iop_node::MAX_FRAME_PAYLOAD));
+        assert!(text.trim_end().ends_with("data: [DONE]"));
+    })
+    .await
+    .expect("scenario finishes");
+}
+
 #[tokio::test]
 async fn client_disconnect_cancels_the_upstream_request() {
     tokio::time::timeout(LIMIT, async {

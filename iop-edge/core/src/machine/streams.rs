@@ -165,10 +165,26 @@ impl<S: Sinks> EdgeCore<S> {
         }
     }
 
-    /// After an event was queued on `stream_id` leaving `level`: over the byte bound the stream
-    /// ends now; with bytes unread, the slow-consumer timer runs.
-    pub(super) fn watch_level(&mut self, now: Instant, stream_id: u64, level: Level) {
+    /// After an event of `size` bytes was queued on `stream_id` leaving `level`: over the byte
+    /// bound the stream ends now; with bytes unread, the slow-consumer timer runs.
+    ///
+    /// An event over the bound on its own ends its stream too, whatever the reader does: the
+    /// bound is on what one stream may hold. Our Node never sends one (it cuts deltas and
+    /// bodies to `iop_node::MAX_FRAME_PAYLOAD`); the log line names it apart from a reader that
+    /// fell behind.
+    pub(super) fn watch_level(&mut self, now: Instant, stream_id: u64, level: Level, size: usize) {
         if level.bytes > self.config.max_stream_buffer {
+            if level.bytes == size
+                && let Some(route) = self.routes.get(&stream_id)
+            {
+                tracing::warn!(
+                    node_id = %route.node_id,
+                    run_id = %route.run_id,
+                    event_bytes = size,
+                    stream_buffer_bytes = self.config.max_stream_buffer,
+                    "one event from the Node is larger than a stream's buffer on its own"
+                );
+            }
             self.slow_consumer(now, stream_id);
         } else if level.bytes > 0 && !self.slow.contains_key(&stream_id) {
             self.look_again(now, stream_id, level.reads, now);
@@ -381,7 +397,7 @@ impl<S: Sinks> EdgeCore<S> {
                     self.take_route(stream_id);
                 } else {
                     match delivered {
-                        Some(level) => self.watch_level(now, stream_id, level),
+                        Some(level) => self.watch_level(now, stream_id, level, size),
                         None => self.end_route(now, stream_id, "caller_disconnected"),
                     }
                 }
@@ -443,7 +459,7 @@ impl<S: Sinks> EdgeCore<S> {
                     Some(_) if terminal => {
                         self.take_route(stream_id);
                     }
-                    Some(level) => self.watch_level(now, stream_id, level),
+                    Some(level) => self.watch_level(now, stream_id, level, size),
                 }
             }
             RuntimeMessage::NodeCommandResponse(resp) => {
