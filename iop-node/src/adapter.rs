@@ -133,17 +133,23 @@ impl RunEvents {
     /// A delta longer than [`MAX_FRAME_PAYLOAD`] goes out as several, cut on character
     /// boundaries.
     pub async fn delta(&self, text: impl Into<String>) -> bool {
-        let mut text = text.into();
-        while text.len() > MAX_FRAME_PAYLOAD {
+        let text = text.into();
+        if text.len() <= MAX_FRAME_PAYLOAD {
+            return self.send_delta(text).await;
+        }
+        // Each piece in a string of its own size: a piece that kept the whole text's
+        // allocation would hold it once per piece in flight.
+        let mut rest = &text[..];
+        while !rest.is_empty() {
             // A char is at most 4 bytes, so the boundary at or below the limit is above 0.
-            let cut = text.floor_char_boundary(MAX_FRAME_PAYLOAD);
-            let rest = text.split_off(cut);
-            if !self.send_delta(text).await {
+            let cut = rest.floor_char_boundary(MAX_FRAME_PAYLOAD);
+            let (piece, after) = rest.split_at(cut);
+            if !self.send_delta(piece.to_owned()).await {
                 return false;
             }
-            text = rest;
+            rest = after;
         }
-        self.send_delta(text).await
+        true
     }
 
     async fn send_delta(&self, text: String) -> bool {
@@ -762,6 +768,8 @@ mod tests {
         assert!(sender.await.unwrap());
         assert_eq!(pieces.len(), 5, "4 MAX_FRAME_PAYLOAD pieces and the rest");
         assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= MAX_FRAME_PAYLOAD));
+        // Each piece holds an allocation of its own size, not the whole text's.
+        assert!(pieces.iter().all(|p| p.capacity() <= MAX_FRAME_PAYLOAD));
         assert_eq!(pieces.concat(), text);
     }
 
