@@ -142,7 +142,15 @@ impl RunEvents {
         let mut rest = &text[..];
         while !rest.is_empty() {
             // A char is at most 4 bytes, so the boundary at or below the limit is above 0.
-            let cut = rest.floor_char_boundary(MAX_FRAME_PAYLOAD);
+            // (`str::floor_char_boundary` needs Rust 1.91; the MSRV is 1.89.)
+            let cut = if rest.len() <= MAX_FRAME_PAYLOAD {
+                rest.len()
+            } else {
+                (MAX_FRAME_PAYLOAD - 3..=MAX_FRAME_PAYLOAD)
+                    .rev()
+                    .find(|&i| rest.is_char_boundary(i))
+                    .unwrap_or(MAX_FRAME_PAYLOAD)
+            };
             let (piece, after) = rest.split_at(cut);
             if !self.send_delta(piece.to_owned()).await {
                 return false;
@@ -767,7 +775,11 @@ mod tests {
         }
         assert!(sender.await.unwrap());
         assert_eq!(pieces.len(), 5, "4 MAX_FRAME_PAYLOAD pieces and the rest");
-        assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= MAX_FRAME_PAYLOAD));
+        assert!(
+            pieces
+                .iter()
+                .all(|p| !p.is_empty() && p.len() <= MAX_FRAME_PAYLOAD)
+        );
         // Each piece holds an allocation of its own size, not the whole text's.
         assert!(pieces.iter().all(|p| p.capacity() <= MAX_FRAME_PAYLOAD));
         assert_eq!(pieces.concat(), text);
@@ -792,7 +804,10 @@ mod tests {
             got.extend_from_slice(&b);
         }
         assert!(sender.await.unwrap());
-        assert_eq!(sizes, [MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD, 1]);
+        assert_eq!(
+            sizes,
+            [MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD, 1]
+        );
         assert_eq!(got, body);
     }
 

@@ -358,23 +358,51 @@ async fn a_word_larger_than_the_stream_buffer_is_answered_whole() {
         // Two-byte characters after an odd prefix: the Node's cuts must fall on characters.
         let word = format!("x{}", "é".repeat(5 * 512 * 1024));
         assert!(word.len() > iop_edge::transport::DEFAULT_MAX_STREAM_BUFFER);
-        let chat = serde_json::json!({"model": "demo", "messages": [{"role": "user", "content": word}]});
-        let resp = http.post(format!("{base}/chat/completions")).json(&chat).send().await.unwrap();
+        let chat =
+            serde_json::json!({"model": "demo", "messages": [{"role": "user", "content": word}]});
+        let resp = http
+            .post(format!("{base}/chat/completions"))
+            .json(&chat)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         let r: serde_json::Value = resp.json().await.unwrap();
-        assert!(r["choices"][0]["message"]["content"].as_str() == Some(&format!("echo: {word}")[..]), "the reply is the whole word");
+        assert!(
+            r["choices"][0]["message"]["content"].as_str() == Some(&format!("echo: {word}")[..]),
+            "the reply is the whole word"
+        );
 
         let mut stream_req = chat.clone();
         stream_req["stream"] = true.into();
-        let text = http.post(format!("{base}/chat/completions")).json(&stream_req).send().await.unwrap().text().await.unwrap();
+        let text = http
+            .post(format!("{base}/chat/completions"))
+            .json(&stream_req)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
         let deltas: Vec<String> = text
             .lines()
             .filter_map(|l| l.strip_prefix("data: "))
             .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
             .collect();
-        assert!(deltas.concat() == format!("echo: {word}"), "the streamed reply is the whole word");
-        assert!(deltas.iter().all(|d| d.len() <= iop_node::MAX_FRAME_PAYLOAD));
+        assert!(
+            deltas.concat() == format!("echo: {word}"),
+            "the streamed reply is the whole word"
+        );
+        assert!(
+            deltas
+                .iter()
+                .all(|d| d.len() <= iop_node::MAX_FRAME_PAYLOAD)
+        );
         assert!(text.trim_end().ends_with("data: [DONE]"));
     })
     .await
