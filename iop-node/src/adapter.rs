@@ -72,8 +72,9 @@ pub struct RunCompletion {
 /// stream never buffers more than this at the Node.
 pub const STREAM_BUFFER: usize = 1024 * 1024;
 
-/// The most text or body bytes one frame carries. A longer delta or body is sent as several
-/// frames (text cut on character boundaries), so that no single event can exceed the Edge's
+/// The most text one frame carries, and the most body bytes when the Edge gives no credit (with
+/// credit, the window bounds a frame). A longer delta or body is sent as several frames (text
+/// cut on character boundaries), so that no single event can exceed the Edge's
 /// per-stream buffer (`stream_buffer_bytes`, 4 MiB by default, which would end the stream as
 /// if its reader had fallen behind) or the wire's frame limit (8 MiB by default). A client
 /// sees the same text and bytes, in more pieces.
@@ -256,16 +257,17 @@ impl TunnelSink {
     /// [`STREAM_BUFFER`] bytes on their way to the Edge, and, when the Edge gives the tunnel
     /// credit, while the Edge's reader is a window behind (the bytes may then go out as
     /// several frames). An adapter that awaits this before reading more from its provider is
-    /// paced by the reader at the other end. Bytes beyond [`MAX_FRAME_PAYLOAD`] go out as
-    /// several frames (views of the same buffer, not copies).
+    /// paced by the reader at the other end. Without credit, bytes beyond
+    /// [`MAX_FRAME_PAYLOAD`] go out as several frames (views of the same buffer, not copies);
+    /// with credit, a frame carries at most the window the Edge opened, which it sized to half
+    /// its stream buffer at most, and larger frames keep the bulk path's per-frame work down.
     pub async fn body(&self, mut bytes: Bytes) -> bool {
         loop {
-            let want = bytes.len().min(MAX_FRAME_PAYLOAD);
             let chunk = match &self.credit {
-                None if want == bytes.len() => std::mem::take(&mut bytes),
-                None => bytes.split_to(want),
+                None if bytes.len() <= MAX_FRAME_PAYLOAD => std::mem::take(&mut bytes),
+                None => bytes.split_to(MAX_FRAME_PAYLOAD),
                 Some(credit) => {
-                    let n = credit.take(want).await;
+                    let n = credit.take(bytes.len()).await;
                     if n >= bytes.len() {
                         std::mem::take(&mut bytes)
                     } else {

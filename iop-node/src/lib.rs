@@ -65,10 +65,11 @@
 //!   adapter that awaits it before reading on stops reading its provider, and TCP slows the
 //!   provider down. Waiting for credit is not a response stall. Without a window (older
 //!   Edges) the body flows as fast as the connection takes it, within [`STREAM_BUFFER`].
-//! - No frame carries more than [`MAX_FRAME_PAYLOAD`] (64 KiB) of text or body: a longer delta
-//!   or body chunk from an adapter goes out as several frames, so one large event (a long word
-//!   echoed back, a provider's large read) never exceeds the Edge's per-stream buffer or the
-//!   frame limit.
+//! - No frame carries more than [`MAX_FRAME_PAYLOAD`] (64 KiB) of text, nor of body when the
+//!   Edge gives no credit (with credit, the window the Edge opened bounds a frame): a longer
+//!   delta or body chunk from an adapter goes out as several frames, so one large event (a long
+//!   word echoed back, a provider's large read) never exceeds the Edge's per-stream buffer or
+//!   the frame limit.
 //!
 //! - The built-in `ollama` adapter turns Ollama's native streaming chat into normalized
 //!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).
