@@ -1256,7 +1256,10 @@ pub async fn bind(
 /// [`EdgeHandle::serve_connection`]. [`EdgeHandle::local_addr`] is `config.listen`.
 pub fn start_unbound(config: TransportConfig) -> EdgeHandle {
     let local_addr = config.listen;
-    let mut registry = Registry::new(config.registry.clone());
+    let mut registry_config = config.registry.clone();
+    // What the registry lets through, this connection's writer must be able to encode.
+    registry_config.max_frame_len = registry_config.max_frame_len.min(config.max_frame_len);
+    let mut registry = Registry::new(registry_config);
     for (node_id, payload) in &config.node_configs {
         registry.set_node_config(node_id, Some(payload.clone()));
     }
@@ -1511,7 +1514,14 @@ where
 {
     use futures_util::Sink as _;
     std::future::poll_fn(|cx| std::pin::Pin::new(&mut *framed).poll_ready(cx)).await?;
-    std::pin::Pin::new(framed).start_send(*frame)
+    let sent = std::pin::Pin::new(framed).start_send(*frame);
+    if let Err(iop_wire::codec::CodecError::Frame(e)) = &sent {
+        // Requests over the limit are refused before they are queued (`RegistryConfig::
+        // max_frame_len`); what remains is the Edge's own handshake answer (a Node config too
+        // large for the wire), which the Node could not act on: the connection closes.
+        tracing::error!(error = %e, "a frame to the Node could not be written; closing");
+    }
+    sent
 }
 
 /// A peer that closed its socket without TLS `close_notify` (a killed process, a reset):

@@ -80,6 +80,12 @@ pub const STREAM_BUFFER: usize = 1024 * 1024;
 /// sees the same text and bytes, in more pieces.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 
+/// The most body bytes one frame carries when the Edge gives the tunnel credit: the window
+/// bounds a frame below the Edge's stream buffer, and this bounds it below the wire's frame
+/// limit whatever window an Edge opens; frames this large keep the bulk path's per-frame work
+/// down.
+const MAX_CREDITED_FRAME_PAYLOAD: usize = 1024 * 1024;
+
 /// A payload in a stream's buffer with its share of the stream's byte budget (released when
 /// the payload moves on to the connection writer).
 pub(crate) type Budgeted<T> = (T, Option<OwnedSemaphorePermit>);
@@ -259,15 +265,17 @@ impl TunnelSink {
     /// several frames). An adapter that awaits this before reading more from its provider is
     /// paced by the reader at the other end. Without credit, bytes beyond
     /// [`MAX_FRAME_PAYLOAD`] go out as several frames (views of the same buffer, not copies);
-    /// with credit, a frame carries at most the window the Edge opened, which it sized to half
-    /// its stream buffer at most, and larger frames keep the bulk path's per-frame work down.
+    /// with credit, a frame carries at most the window the Edge opened (which it sized to half
+    /// its stream buffer at most) and at most 1 MiB.
     pub async fn body(&self, mut bytes: Bytes) -> bool {
         loop {
             let chunk = match &self.credit {
                 None if bytes.len() <= MAX_FRAME_PAYLOAD => std::mem::take(&mut bytes),
                 None => bytes.split_to(MAX_FRAME_PAYLOAD),
                 Some(credit) => {
-                    let n = credit.take(bytes.len()).await;
+                    let n = credit
+                        .take(bytes.len().min(MAX_CREDITED_FRAME_PAYLOAD))
+                        .await;
                     if n >= bytes.len() {
                         std::mem::take(&mut bytes)
                     } else {

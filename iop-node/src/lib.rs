@@ -66,7 +66,7 @@
 //!   provider down. Waiting for credit is not a response stall. Without a window (older
 //!   Edges) the body flows as fast as the connection takes it, within [`STREAM_BUFFER`].
 //! - No frame carries more than [`MAX_FRAME_PAYLOAD`] (64 KiB) of text, nor of body when the
-//!   Edge gives no credit (with credit, the window the Edge opened bounds a frame): a longer
+//!   Edge gives no credit (with credit, the window the Edge opened and 1 MiB bound a frame): a longer
 //!   delta or body chunk from an adapter goes out as several frames, so one large event (a long
 //!   word echoed back, a provider's large read) never exceeds the Edge's per-stream buffer or
 //!   the frame limit.

@@ -183,12 +183,12 @@ where
                 _ => session.handle_transport_closed(),
             },
             Some(out) = out_rx.recv() => {
-                outbound(out, &mut session, &mut runs, &mut credits);
+                outbound(out, &mut session, &mut runs, &mut credits, opts.max_frame_len);
                 // Whatever else is already queued goes out with it: one write and one flush for
                 // a burst (a tunnel's start, body and end), not one each.
                 for _ in 0..OUTBOUND_BURST {
                     match out_rx.try_recv() {
-                        Ok(out) => outbound(out, &mut session, &mut runs, &mut credits),
+                        Ok(out) => outbound(out, &mut session, &mut runs, &mut credits, opts.max_frame_len),
                         Err(_) => break,
                     }
                 }
@@ -202,19 +202,53 @@ where
 const OUTBOUND_BURST: usize = 64;
 
 /// One message from a run, tunnel or probe task.
+/// A run's terminal too large for one frame (a provider's tool call of megabytes in the
+/// `COMPLETE` metadata, an error text as long) would fail the connection's writer, and with it
+/// every run of the session: it is replaced by an `ERROR` that names its size. Deltas and
+/// tunnel bodies are cut to fit before they get here (`MAX_FRAME_PAYLOAD`); the other frames
+/// are the Node's own and small. Measured once per run, on its terminal only.
+fn fit(frame: RuntimeFrame, max_frame_len: usize) -> RuntimeFrame {
+    let RuntimeMessage::RunEvent(ev) = &frame.message else {
+        return frame;
+    };
+    if ev.kind == RunEventKind::Delta {
+        return frame;
+    }
+    match frame.validated_len() {
+        Ok(len) if len > max_frame_len => {
+            tracing::warn!(
+                event_bytes = len,
+                max_frame_len,
+                "a run's terminal event is too large for the wire; sending an error instead"
+            );
+            let mut error = RunEvent::new(RunEventKind::Error);
+            error.error = format!(
+                "the provider's answer is too large for the Edge-Node wire \
+                 ({len} bytes, at most {max_frame_len})"
+            );
+            RuntimeFrame {
+                message: RuntimeMessage::RunEvent(error),
+                ..frame
+            }
+        }
+        _ => frame,
+    }
+}
+
 fn outbound(
     out: Outbound,
     session: &mut NodeSession,
     runs: &mut HashMap<String, CancellationToken>,
     credits: &mut HashMap<u64, Arc<Credit>>,
+    max_frame_len: usize,
 ) {
     match out {
         Outbound::Frame(frame) => {
             // Refused only after the session closed, when the frame has nowhere to go.
-            let _ = session.send(now(), *frame);
+            let _ = session.send(now(), fit(*frame, max_frame_len));
         }
         Outbound::Stamped(frame) => {
-            let _ = session.send_stamped(now(), *frame);
+            let _ = session.send_stamped(now(), fit(*frame, max_frame_len));
         }
         Outbound::RunDone(run_id, stream_id) => {
             runs.remove(&run_id);
@@ -932,4 +966,43 @@ async fn tunnel_task(
             .await;
     }
     let _ = out.send(Outbound::RunDone(run_id, stream_id)).await;
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    /// A terminal over the frame limit becomes an `ERROR` of the same stream that fits; one
+    /// under it, and any delta, pass unchanged.
+    #[test]
+    fn a_terminal_too_large_for_one_frame_becomes_an_error_that_fits() {
+        let max = 64 * 1024;
+        let mut complete = RunEvent::new(RunEventKind::Complete);
+        complete
+            .metadata
+            .insert("openai_tool_calls".into(), "x".repeat(max));
+        let frame = RuntimeFrame::on_stream(7, RuntimeMessage::RunEvent(complete));
+        let fitted = fit(frame.clone(), max);
+        assert_eq!(fitted.stream_id, 7);
+        let RuntimeMessage::RunEvent(ev) = &fitted.message else {
+            panic!("a run event")
+        };
+        assert_eq!(ev.kind, RunEventKind::Error);
+        assert!(ev.error.contains("too large"), "{}", ev.error);
+        assert!(fitted.validated_len().unwrap() <= max);
+        assert_eq!(
+            fit(frame.clone(), 2 * max),
+            frame,
+            "under the limit: unchanged"
+        );
+        let mut delta = RunEvent::new(RunEventKind::Delta);
+        delta.delta = "y".repeat(max);
+        let delta = RuntimeFrame::on_stream(7, RuntimeMessage::RunEvent(delta));
+        assert_eq!(
+            fit(delta.clone(), max),
+            delta,
+            "deltas are cut before, not here"
+        );
+    }
 }

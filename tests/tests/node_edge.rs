@@ -513,7 +513,7 @@ async fn transport_and_lifecycle_commands_answer() {
 }
 
 #[tokio::test]
-async fn an_invalid_request_is_refused_at_the_edge_and_the_session_survives() {
+async fn an_invalid_or_too_large_request_is_refused_at_the_edge_and_the_session_survives() {
     tokio::time::timeout(LIMIT, async {
         let ca = Ca::new("test CA");
         let edge = start_edge(&ca, demo_config(0, 1)).await;
@@ -533,6 +533,17 @@ async fn an_invalid_request_is_refused_at_the_edge_and_the_session_survives() {
         // A run id the Node's validation forbids: refused before it is sent.
         let err = edge.run("node-1", run("bad/id", "x")).await.unwrap_err();
         assert_eq!(err, DispatchError::InvalidRequest);
+        // A request one frame cannot carry: refused before it is queued. Written, it would
+        // have failed the connection's writer and ended every stream of the Node.
+        let max = iop_wire::codec::DEFAULT_MAX_FRAME_LEN;
+        let err = edge
+            .run("node-1", run("big-1", &"x".repeat(max)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, DispatchError::TooLarge { len, max: m } if len > max && m == max),
+            "{err:?}"
+        );
         // The session was not touched: same generation, and it still serves.
         assert_eq!(edge.ready_nodes(), [("node-1".to_owned(), generation)]);
         let events = collect(

@@ -409,6 +409,36 @@ async fn a_word_larger_than_the_stream_buffer_is_answered_whole() {
     .expect("scenario finishes");
 }
 
+/// A tunnelled request just under the HTTP body limit, whose frame (the body, the model
+/// rewritten, `stream_options` added, headers) is over the wire's frame limit: 413, and the
+/// Node's connection untouched. Before, the frame failed the Edge's writer, which closed the
+/// connection (every stream on it ended), and the request was sent again to the next
+/// candidate, which it disconnected too.
+#[tokio::test]
+async fn a_request_too_large_for_one_frame_is_refused_alone() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let base = surface(&ca, upstream(Arc::new(Notify::new())).await).await;
+        let http = client();
+        let mut chat = serde_json::json!({"model": "gpt-4o-mini", "stream": true, "messages": [{"role": "user", "content": ""}]});
+        let bare = serde_json::to_vec(&chat).unwrap().len();
+        chat["messages"][0]["content"] = "x".repeat(http::MAX_REQUEST_BODY - bare).into();
+        let body = serde_json::to_vec(&chat).unwrap();
+        assert_eq!(body.len(), http::MAX_REQUEST_BODY);
+        let resp = http.post(format!("{base}/chat/completions")).header("content-type", "application/json").body(body).send().await.unwrap();
+        assert_eq!(resp.status(), 413);
+        let e: serde_json::Value = resp.json().await.unwrap();
+        assert!(e["error"]["message"].as_str().unwrap().contains("Edge–Node frame"), "{e}");
+        // The Node still answers.
+        let up = serde_json::json!({"model": "gpt-4o-mini", "stream": true, "messages": []});
+        let ok = http.post(format!("{base}/chat/completions")).json(&up).send().await.unwrap();
+        assert_eq!(ok.status(), 200);
+        assert_eq!(&ok.bytes().await.unwrap()[..], &UPSTREAM_SSE.concat()[..]);
+    })
+    .await
+    .expect("scenario finishes");
+}
+
 #[tokio::test]
 async fn client_disconnect_cancels_the_upstream_request() {
     tokio::time::timeout(LIMIT, async {

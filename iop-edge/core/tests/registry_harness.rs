@@ -52,6 +52,7 @@ impl Harness {
             heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
             default_node_config: None,
             handshake_timeout: Duration::from_secs(10),
+            ..Default::default()
         });
         for n in ["node-1", "node-2"] {
             edge.set_node_config(

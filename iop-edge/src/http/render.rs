@@ -75,6 +75,14 @@ pub(super) fn dispatch_error(dialect: Dialect, e: DispatchError, model: &str) ->
             overloaded(dialect, "no provider available")
         }
         DispatchError::InvalidRequest => error(dialect, StatusCode::BAD_REQUEST, "invalid request"),
+        DispatchError::TooLarge { max, .. } => error(
+            dialect,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!(
+                "request exceeds what one Edge–Node frame carries ({max} bytes, with the \
+                 request's other fields)"
+            ),
+        ),
         DispatchError::Stopped => overloaded(dialect, "edge is shutting down"),
         // A refusal added to the machine later: unavailable until it has its own answer.
         _ => overloaded(dialect, "no provider available"),

@@ -45,7 +45,17 @@ impl RuntimeFrame {
     /// validating conversion. The Edge runs it once per request it sends, so a bad field in one
     /// request cannot cost the Node its session.
     pub fn validate(&self) -> Result<(), InvalidMessage> {
-        Self::try_from(self.to_proto()).map(drop)
+        self.validated_len().map(drop)
+    }
+
+    /// [`RuntimeFrame::validate`], and the length of the frame's envelope once encoded (the
+    /// four-byte length prefix not included): what its sender compares with the connection's
+    /// `max_frame_len` before sending, so that a request too large for the wire is refused on
+    /// its own instead of failing the connection's writer.
+    pub fn validated_len(&self) -> Result<usize, InvalidMessage> {
+        let proto = self.to_proto();
+        let len = prost::Message::encoded_len(&proto);
+        Self::try_from(proto).map(|_| len)
     }
 
     pub(crate) fn to_proto(&self) -> pb::Envelope {

@@ -333,6 +333,7 @@ impl<S: Sinks> EdgeCore<S> {
             self.tunnels.close(stream_id);
             return Err(match e {
                 SendError::Invalid(_) => DispatchError::InvalidRequest,
+                SendError::TooLarge { len, max } => DispatchError::TooLarge { len, max },
                 _ => DispatchError::NotReady,
             });
         }

@@ -138,6 +138,15 @@ pub enum DispatchError {
     /// is untouched.
     #[error("invalid request")]
     InvalidRequest,
+    /// The request does not fit in one frame of the Edge–Node wire (413); nothing was sent, the
+    /// Node's session is untouched.
+    #[error("request of {len} bytes exceeds the Edge–Node wire's frame limit of {max}")]
+    TooLarge {
+        /// The request frame's encoded length.
+        len: usize,
+        /// The limit ([`crate::registry::RegistryConfig::max_frame_len`]).
+        max: usize,
+    },
 }
 
 /// A Node lifecycle transition, after the registry made it authoritative. Observation only.

@@ -412,7 +412,13 @@ impl Registry {
         // a stream): a bad field in one request must not cost the Node its session. A window
         // update (a stream id and a number) cannot be invalid.
         if !matches!(frame.message, RuntimeMessage::StreamWindowUpdate(_)) {
-            frame.validate().map_err(SendError::Invalid)?;
+            let len = frame.validated_len().map_err(SendError::Invalid)?;
+            if len > self.config.max_frame_len {
+                return Err(SendError::TooLarge {
+                    len,
+                    max: self.config.max_frame_len,
+                });
+            }
         }
         self.transmit(now, conn, frame);
         Ok(conn)

@@ -172,6 +172,15 @@ pub enum SendError {
     /// Sending it would make the Node close the whole session, so it is refused here.
     #[error("invalid message: {0}")]
     Invalid(iop_wire::error::InvalidMessage),
+    /// The frame's envelope is longer than [`RegistryConfig::max_frame_len`]: the connection's
+    /// writer could not send it (and a Node would refuse it), so it is refused here, alone.
+    #[error("frame of {len} bytes exceeds the wire's limit of {max}")]
+    TooLarge {
+        /// The envelope's encoded length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 /// How long an accepted connection has to register and report ready by default.
@@ -188,6 +197,14 @@ pub struct RegistryConfig {
     /// accepted is closed ([`FenceCause::HandshakeTimeout`]): pings alone do not keep an
     /// unregistered connection open. `Duration::MAX` disables it.
     pub handshake_timeout: Duration,
+    /// The largest frame envelope [`Registry::send`] sends
+    /// ([`iop_wire::codec::DEFAULT_MAX_FRAME_LEN`] by default; the Edge's transport uses the
+    /// smaller of this and its codec's limit). A request over it (a client's body close to the
+    /// HTTP limit, with the request's other fields) is refused with [`SendError::TooLarge`]
+    /// before it reaches the connection.
+    ///
+    /// [`Registry::send`]: crate::registry::Registry::send
+    pub max_frame_len: usize,
 }
 
 impl Default for RegistryConfig {
@@ -196,6 +213,7 @@ impl Default for RegistryConfig {
             heartbeat: HeartbeatConfig::default(),
             default_node_config: None,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            max_frame_len: iop_wire::codec::DEFAULT_MAX_FRAME_LEN,
         }
     }
 }

@@ -40,6 +40,7 @@ pub(crate) fn registry() -> Registry {
         heartbeat: HeartbeatConfig::from_interval(Duration::from_secs(10)),
         default_node_config: None,
         handshake_timeout: Duration::from_secs(10),
+        ..Default::default()
     });
     for n in NODES {
         registry.set_node_config(
