@@ -48,6 +48,12 @@
 //!   meanwhile, so a slow reader slows its own stream instead of filling the byte bound; one
 //!   that stops reading is still ended by the slow-consumer timeout. The byte bound stays for
 //!   Nodes that do not honour credit (older ones, or a hostile peer).
+//! - **Per request**: a run or tunnel request whose frame would be longer than
+//!   [`TransportConfig::max_frame_len`] (a body close to the HTTP limit, with the request's
+//!   other fields) is refused before it is queued ([`DispatchError::TooLarge`], HTTP 413): the
+//!   connection's writer could not send it, and failing there would end every stream of the
+//!   Node. Nodes cut their deltas and bodies into frames of at most 64 KiB (1 MiB with credit)
+//!   and replace a terminal too large for a frame by an `ERROR`.
 //! - **Per connection**: frames to a Node wait in a queue of
 //!   [`TransportConfig::outbound_frames`]; a Node that stops reading them (even only its
 //!   pongs) fills it and is disconnected ([`FenceCause::NotReading`]). Frames from a Node are
