@@ -31,6 +31,7 @@ use crate::adapter::{
 use crate::credit::Credit;
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel_order::TunnelWriter;
+use iop_wire::validate::MAX_TEXT_LEN;
 
 /// The read buffer a session starts with; it grows to the largest frame the Edge sends (as at
 /// the Edge, where tokio-util's 8 KiB default was most of an idle connection's memory).
@@ -202,37 +203,65 @@ where
 const OUTBOUND_BURST: usize = 64;
 
 /// One message from a run, tunnel or probe task.
-/// A run's terminal too large for one frame (a provider's tool call of megabytes in the
-/// `COMPLETE` metadata, an error text as long) would fail the connection's writer, and with it
-/// every run of the session: it is replaced by an `ERROR` that names its size. Deltas and
-/// tunnel bodies are cut to fit before they get here (`MAX_FRAME_PAYLOAD`); the other frames
-/// are the Node's own and small. Measured once per run, on its terminal only.
-fn fit(frame: RuntimeFrame, max_frame_len: usize) -> RuntimeFrame {
-    let RuntimeMessage::RunEvent(ev) = &frame.message else {
-        return frame;
-    };
-    if ev.kind == RunEventKind::Delta {
-        return frame;
-    }
-    match frame.validated_len() {
-        Ok(len) if len > max_frame_len => {
-            tracing::warn!(
-                event_bytes = len,
-                max_frame_len,
-                "a run's terminal event is too large for the wire; sending an error instead"
-            );
-            let mut error = RunEvent::new(RunEventKind::Error);
-            error.error = format!(
-                "the provider's answer is too large for the Edge-Node wire \
-                 ({len} bytes, at most {max_frame_len})"
-            );
-            RuntimeFrame {
-                message: RuntimeMessage::RunEvent(error),
-                ..frame
+/// A run's start or terminal that the Edge could not take would end more than its run: one
+/// too large for a frame (a provider's tool call of megabytes in the `COMPLETE` metadata, a
+/// tunnel's response headers) fails the connection's writer, and one the Edge's validation
+/// refuses (an adapter's error text over [`MAX_TEXT_LEN`], a header name it forbids) is a
+/// protocol violation that closes the session; either way every run of the session ends. An
+/// error text is cut to [`MAX_TEXT_LEN`] (on a character boundary); anything else the wire
+/// would not carry is replaced by an `ERROR` of the same stream (and tunnel sequence) that
+/// says why. Deltas and tunnel bodies are cut to fit before they get here
+/// (`MAX_FRAME_PAYLOAD`); usage, `END` and the Node's own frames are small and valid. Checked
+/// once or twice per run, never per delta or body.
+fn fit(mut frame: RuntimeFrame, max_frame_len: usize) -> RuntimeFrame {
+    let error_text = match &mut frame.message {
+        RuntimeMessage::RunEvent(ev) if ev.kind == RunEventKind::Delta => return frame,
+        RuntimeMessage::RunEvent(ev) => Some(&mut ev.error),
+        RuntimeMessage::ProviderTunnelFrame(tf) => match &mut tf.payload {
+            TunnelPayload::Body(_) | TunnelPayload::Usage(_) | TunnelPayload::End => {
+                return frame;
             }
-        }
-        _ => frame,
+            TunnelPayload::Error { error, .. } => Some(error),
+            TunnelPayload::ResponseStart { .. } => None,
+        },
+        _ => return frame,
+    };
+    if let Some(text) = error_text
+        && text.len() > MAX_TEXT_LEN
+    {
+        let cut = (MAX_TEXT_LEN - 3..=MAX_TEXT_LEN)
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        text.truncate(cut);
     }
+    let why = match frame.validated_len() {
+        Ok(len) if len <= max_frame_len => return frame,
+        Ok(len) => format!(
+            "the provider's answer is too large for the Edge-Node wire \
+             ({len} bytes, at most {max_frame_len})"
+        ),
+        Err(e) => format!("the provider's answer is not valid on the Edge-Node wire: {e}"),
+    };
+    tracing::warn!(reason = %why, "a run's start or terminal replaced by an error");
+    let message = match frame.message {
+        RuntimeMessage::ProviderTunnelFrame(tf) => {
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: tf.sequence,
+                payload: TunnelPayload::Error {
+                    error: why,
+                    execution_failure: None,
+                },
+                metadata: Default::default(),
+            })
+        }
+        _ => {
+            let mut ev = RunEvent::new(RunEventKind::Error);
+            ev.error = why;
+            RuntimeMessage::RunEvent(ev)
+        }
+    };
+    RuntimeFrame { message, ..frame }
 }
 
 fn outbound(
@@ -990,7 +1019,7 @@ mod tests {
         };
         assert_eq!(ev.kind, RunEventKind::Error);
         assert!(ev.error.contains("too large"), "{}", ev.error);
-        assert!(fitted.validated_len().unwrap() <= max);
+        assert!(fitted.encoded_len() <= max);
         assert_eq!(
             fit(frame.clone(), 2 * max),
             frame,
@@ -1004,5 +1033,50 @@ mod tests {
             delta,
             "deltas are cut before, not here"
         );
+        let error = RuntimeFrame::on_stream(
+            9,
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 3,
+                payload: TunnelPayload::Error {
+                    error: format!("a{}", "é".repeat(max)),
+                    execution_failure: None,
+                },
+                metadata: Default::default(),
+            }),
+        );
+        let fitted = fit(error, max);
+        let RuntimeMessage::ProviderTunnelFrame(tf) = &fitted.message else {
+            panic!("a tunnel frame")
+        };
+        assert_eq!((fitted.stream_id, tf.sequence), (9, 3));
+        assert!(
+            matches!(&tf.payload, TunnelPayload::Error { error, .. } if error.len() == MAX_TEXT_LEN - 1),
+            "a long error text is cut to what the Edge accepts (on a character), not replaced"
+        );
+        assert!(fitted.validate().is_ok());
+        // A header name the Edge's validation refuses: replaced by an error that says so.
+        let start = RuntimeFrame::on_stream(
+            9,
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 1,
+                payload: TunnelPayload::ResponseStart {
+                    status: 200,
+                    headers: vec![iop_wire::runtime::Header {
+                        name: "bad name".into(),
+                        value: "v".into(),
+                    }],
+                },
+                metadata: Default::default(),
+            }),
+        );
+        let fitted = fit(start, max);
+        let RuntimeMessage::ProviderTunnelFrame(tf) = &fitted.message else {
+            panic!("a tunnel frame")
+        };
+        assert!(
+            matches!(&tf.payload, TunnelPayload::Error { error, .. } if error.contains("not valid")),
+            "{tf:?}"
+        );
+        assert!(fitted.validate().is_ok());
     }
 }

@@ -58,6 +58,12 @@ impl RuntimeFrame {
         Self::try_from(proto).map(|_| len)
     }
 
+    /// The length of the frame's envelope once encoded (the four-byte length prefix not
+    /// included), without validating it.
+    pub fn encoded_len(&self) -> usize {
+        prost::Message::encoded_len(&self.to_proto())
+    }
+
     pub(crate) fn to_proto(&self) -> pb::Envelope {
         use pb::envelope::Message as M;
         let message = match &self.message {
