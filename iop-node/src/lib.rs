@@ -69,7 +69,10 @@
 //!   Edge gives no credit (with credit, the window the Edge opened and 1 MiB bound a frame): a longer
 //!   delta or body chunk from an adapter goes out as several frames, so one large event (a long
 //!   word echoed back, a provider's large read) never exceeds the Edge's per-stream buffer or
-//!   the frame limit.
+//!   the frame limit. A run's start or terminal the Edge could not take ends that run only: an
+//!   error text longer than `iop_wire::validate::MAX_TEXT_LEN` is cut to it, and one too large
+//!   for a frame or refused by the wire's validation (tool calls beyond the metadata bound, a
+//!   header name that is not a token) is replaced by an `ERROR` that says why.
 //!
 //! - The built-in `ollama` adapter turns Ollama's native streaming chat into normalized
 //!   RunEvents (deltas, usage, native tool calls as `openai_tool_calls` metadata).

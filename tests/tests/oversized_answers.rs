@@ -147,7 +147,11 @@ async fn an_answer_the_edge_could_not_take_ends_its_run_and_not_the_session() {
         let events = answer(&edge, "r-1", b"long-error").await;
         let last = events.last().unwrap();
         assert_eq!(last.kind, RunEventKind::Error);
-        assert!(last.error.starts_with("provider error: eee"), "{}", last.error);
+        assert!(
+            last.error.starts_with("provider error: eee"),
+            "{}",
+            last.error
+        );
         assert!(last.error.len() <= MAX_TEXT_LEN);
 
         // Tool calls larger than a frame (and than the wire's metadata bound): an error that
