@@ -1,10 +1,47 @@
-//! What a Node says about its adapters, asked through the Edge (`PROVIDER_LIFECYCLE`), and the
-//! answer the simulations' tunnel providers give.
+//! An Edge with one Node connected to it, what a Node says about its adapters, asked through
+//! the Edge (`PROVIDER_LIFECYCLE`), and the answer the simulations' tunnel providers give.
 
 use std::time::Duration;
 
-use iop_edge::EdgeHandle;
+use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
+use iop_node::{AdapterRegistry, NodeOptions, run_node};
 use iop_wire::runtime::{NodeCommandKind, NodeCommandRequest};
+use tokio_util::sync::CancellationToken;
+use workload_identity::role;
+
+use crate::pki::Ca;
+
+/// Binds an Edge (`edge-1`) with `cfg` and connects Node `node-1` with `adapters` to it, over
+/// mTLS from `ca`: the Edge once the Node is connected, and the token that stops the Node.
+///
+/// # Panics
+///
+/// When the Edge cannot bind or the Node's options are refused (test setup).
+#[allow(
+    clippy::unwrap_used,
+    reason = "test scaffolding: failed setup should panic"
+)]
+pub async fn bind_with_node(
+    ca: &Ca,
+    cfg: TransportConfig,
+    adapters: AdapterRegistry,
+) -> (EdgeHandle, CancellationToken) {
+    let edge = bind(cfg).await.unwrap().0;
+    let mut life = edge.subscribe();
+    let node_tls = crate::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
+    let opts = NodeOptions::new(
+        "node-1",
+        &edge.local_addr().to_string(),
+        "localhost",
+        node_tls,
+    )
+    .unwrap()
+    .with_adapters(adapters);
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_node(opts, shutdown.clone()));
+    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
+    (edge, shutdown)
+}
 
 /// `adapter`'s requests in flight on `node_id` (its capacity gate's permits taken), from the
 /// Node's `PROVIDER_LIFECYCLE` answer (`in_flight=N capacity=M`); `None` without an answer.

@@ -13,10 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
-use iop_node::{
-    Adapter, AdapterError, AdapterRegistry, NodeOptions, RunCompletion, RunEvents, run_node,
-};
+use iop_edge::{EdgeHandle, TransportConfig};
+use iop_node::{Adapter, AdapterError, AdapterRegistry, RunCompletion, RunEvents};
 use iop_tests::pki::Ca;
 use iop_wire::codec::DEFAULT_MAX_FRAME_LEN;
 use iop_wire::runtime::{
@@ -25,7 +23,6 @@ use iop_wire::runtime::{
 };
 use iop_wire::validate::{MAX_TEXT_LEN, ResponseStallTimeout};
 use tokio_util::sync::CancellationToken;
-use workload_identity::role;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -89,21 +86,7 @@ async fn mesh(ca: &Ca) -> (EdgeHandle, CancellationToken) {
         "oversized",
         Arc::new(|_: &AdapterConfig| Ok(Arc::new(Oversized) as Arc<dyn Adapter>)),
     );
-    let edge = bind(cfg).await.unwrap().0;
-    let mut life = edge.subscribe();
-    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
-    let opts = NodeOptions::new(
-        "node-1",
-        &edge.local_addr().to_string(),
-        "localhost",
-        node_tls,
-    )
-    .unwrap()
-    .with_adapters(adapters);
-    let shutdown = CancellationToken::new();
-    tokio::spawn(run_node(opts, shutdown.clone()));
-    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
-    (edge, shutdown)
+    iop_tests::node::bind_with_node(ca, cfg, adapters).await
 }
 
 fn request(run_id: &str, input: &'static [u8]) -> RunRequest {

@@ -25,17 +25,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cap::Cap;
-use iop_edge::{EdgeHandle, Lifecycle, TransportConfig, bind};
-use iop_node::{
-    Adapter, AdapterError, AdapterRegistry, NodeOptions, RunCompletion, RunEvents, run_node,
-};
+use iop_edge::{EdgeHandle, TransportConfig};
+use iop_node::{Adapter, AdapterError, AdapterRegistry, RunCompletion, RunEvents};
+use iop_tests::node::bind_with_node;
 use iop_tests::pki::Ca;
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, NodeConfigPayload, ProviderStatus, RunEventKind, RunRequest,
 };
 use iop_wire::validate::ResponseStallTimeout;
 use tokio_util::sync::CancellationToken;
-use workload_identity::role;
 
 #[global_allocator]
 static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
@@ -110,30 +108,6 @@ async fn mesh(ca: &Ca, sent: Arc<AtomicU64>) -> (EdgeHandle, CancellationToken) 
         }),
     );
     bind_with_node(ca, cfg, registry).await
-}
-
-/// Binds an Edge with `cfg` and connects Node `node-1` with `adapters` to it: the Edge once
-/// the Node is connected, and the token that stops the Node.
-async fn bind_with_node(
-    ca: &Ca,
-    cfg: TransportConfig,
-    adapters: AdapterRegistry,
-) -> (EdgeHandle, CancellationToken) {
-    let edge = bind(cfg).await.unwrap().0;
-    let mut life = edge.subscribe();
-    let node_tls = iop_tests::pki::node_client_tls(ca, role::NODE, "node-1", "edge-1");
-    let opts = NodeOptions::new(
-        "node-1",
-        &edge.local_addr().to_string(),
-        "localhost",
-        node_tls,
-    )
-    .unwrap()
-    .with_adapters(adapters);
-    let shutdown = CancellationToken::new();
-    tokio::spawn(run_node(opts, shutdown.clone()));
-    while !matches!(life.recv().await.unwrap(), Lifecycle::Connected { .. }) {}
-    (edge, shutdown)
 }
 
 fn request(run_id: &str) -> RunRequest {
