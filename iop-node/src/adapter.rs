@@ -86,6 +86,20 @@ pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// down.
 const MAX_CREDITED_FRAME_PAYLOAD: usize = 1024 * 1024;
 
+/// The largest index at most `max` that is a character boundary of `text` (`text.len()` when
+/// it is shorter): where to cut it so that the first part is at most `max` bytes. Never 0 for
+/// `max >= 4`, a character being at most 4 bytes. (`str::floor_char_boundary` needs Rust 1.91;
+/// the MSRV is 1.89.)
+pub(crate) fn floor_char_boundary(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return text.len();
+    }
+    (max.saturating_sub(3)..=max)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0)
+}
+
 /// A payload in a stream's buffer with its share of the stream's byte budget (released when
 /// the payload moves on to the connection writer).
 pub(crate) type Budgeted<T> = (T, Option<OwnedSemaphorePermit>);
@@ -148,17 +162,7 @@ impl RunEvents {
         // allocation would hold it once per piece in flight.
         let mut rest = &text[..];
         while !rest.is_empty() {
-            // A char is at most 4 bytes, so the boundary at or below the limit is above 0.
-            // (`str::floor_char_boundary` needs Rust 1.91; the MSRV is 1.89.)
-            let cut = if rest.len() <= MAX_FRAME_PAYLOAD {
-                rest.len()
-            } else {
-                (MAX_FRAME_PAYLOAD - 3..=MAX_FRAME_PAYLOAD)
-                    .rev()
-                    .find(|&i| rest.is_char_boundary(i))
-                    .unwrap_or(MAX_FRAME_PAYLOAD)
-            };
-            let (piece, after) = rest.split_at(cut);
+            let (piece, after) = rest.split_at(floor_char_boundary(rest, MAX_FRAME_PAYLOAD));
             if !self.send_delta(piece.to_owned()).await {
                 return false;
             }

@@ -226,14 +226,8 @@ fn fit(mut frame: RuntimeFrame, max_frame_len: usize) -> RuntimeFrame {
         },
         _ => return frame,
     };
-    if let Some(text) = error_text
-        && text.len() > MAX_TEXT_LEN
-    {
-        let cut = (MAX_TEXT_LEN - 3..=MAX_TEXT_LEN)
-            .rev()
-            .find(|&i| text.is_char_boundary(i))
-            .unwrap_or(0);
-        text.truncate(cut);
+    if let Some(text) = error_text {
+        text.truncate(crate::adapter::floor_char_boundary(text, MAX_TEXT_LEN));
     }
     let why = match frame.validated_len() {
         Ok(len) if len <= max_frame_len => return frame,
