@@ -602,6 +602,8 @@ fn frame_seeds(dir: &Path) {
         version: "0.1.0".into(),
         managed: false,
         metadata: BTreeMap::from([("region".into(), "local".into())]),
+        projection_parts: true,
+        max_frame_len: 1 << 20,
     };
     frame(
         "control_hello",

@@ -6,6 +6,8 @@
 //! - revoked tokens, and tokens of disabled principals;
 //! - disabled routes, routes of disabled principals, routes whose slot is disabled.
 
+use std::collections::{HashMap, HashSet};
+
 use iop_wire::control::{PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken};
 
 use crate::store::Snapshot;
@@ -13,8 +15,17 @@ use crate::store::Snapshot;
 /// The projection of `snapshot` (its generation included), naming the active issuer key
 /// (leases are signed with it) and the staged one with its activation time, if any.
 pub fn build(snapshot: &Snapshot) -> PrincipalProjection {
-    let enabled_principal = |id: &str| snapshot.principals.iter().any(|p| p.id == id && p.enabled);
-    let slot = |id: &str| snapshot.slots.iter().find(|s| s.id == id && s.enabled);
+    // Indexed once: a lookup per token and route, not a scan (tens of thousands of each).
+    let enabled: HashSet<&str> = (snapshot.principals.iter())
+        .filter(|p| p.enabled)
+        .map(|p| p.id.as_str())
+        .collect();
+    let enabled_principal = |id: &str| enabled.contains(id);
+    let slots: HashMap<&str, _> = (snapshot.slots.iter())
+        .filter(|s| s.enabled)
+        .map(|s| (s.id.as_str(), s))
+        .collect();
+    let slot = |id: &str| slots.get(id).copied();
     PrincipalProjection {
         generation: snapshot.generation,
         issuer_key_id: snapshot
@@ -67,5 +78,6 @@ pub fn build(snapshot: &Snapshot) -> PrincipalProjection {
                 })
             })
             .collect(),
+        parts_before: 0,
     }
 }

@@ -574,6 +574,7 @@ async fn connection<S>(
     let session = ControlSessionConfig {
         handshake_timeout: HELLO_TIMEOUT,
         heartbeat: config.heartbeat,
+        max_frame_len: config.max_frame_len,
     };
     // In managed mode the machine refuses a hello naming another Edge than the certificate;
     // a legacy Control Plane does not hold the Edge to its certificate's name.
@@ -739,13 +740,22 @@ async fn connection<S>(
             while let Some(frame) = s.poll_transmit() {
                 progressed = true;
                 // An Edge that does not take our frames within the silence limit is not reading.
-                if !matches!(
-                    tokio::time::timeout(idle, framed.send(frame)).await,
-                    Ok(Ok(()))
-                ) {
-                    writable = false;
-                    s.handle_transport_closed();
-                    break;
+                match tokio::time::timeout(idle, framed.send(frame)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e @ iop_wire::codec::CodecError::Frame(_))) => {
+                        // The session cuts what could be too large (projections); this is a bug
+                        // if it happens, and says what rather than look like a slow Edge.
+                        let edge_id = registered.as_ref().map_or("", |(id, _)| id.as_str());
+                        tracing::warn!(target: "iop_cp", event = "cp_frame_unsendable", edge_id, error = %e, "a frame to the edge could not be encoded; closing");
+                        writable = false;
+                        s.handle_transport_closed();
+                        break;
+                    }
+                    _ => {
+                        writable = false;
+                        s.handle_transport_closed();
+                        break;
+                    }
                 }
             }
         }
@@ -847,6 +857,9 @@ async fn connection<S>(
                 "closing the edge connection (protocol violation)"
             );
         }
+        ControlCloseReason::ProjectionTooLarge(e) => {
+            tracing::warn!(target: "iop_cp", event = "cp_projection_unsendable", edge_id, error = %e, "closing the edge connection: the new principal projection does not fit the frames this edge reads (an edge of this version takes it in parts)");
+        }
         _ => {}
     }
     if let Some((edge_id, serial)) = registered {
@@ -937,7 +950,10 @@ async fn hello_accepted(
         s.accept_usage();
     }
     let generation = projection.as_ref().map_or(0, |p| p.generation);
-    s.accept(now(), projection);
+    if let Err(e) = s.accept(now(), projection) {
+        tracing::warn!(target: "iop_cp", event = "cp_edge_hello_refused", edge_id = %hello.edge_id, error = %e, "edge hello refused: the principal projection does not fit the frames this edge reads (an edge of this version takes it in parts)");
+        return None;
+    }
     Some((hello.edge_id.clone(), generation))
 }
 

@@ -148,6 +148,7 @@ fn config() -> ControlSessionConfig {
     ControlSessionConfig {
         handshake_timeout: Duration::from_secs(10),
         heartbeat: Duration::from_secs(5),
+        ..ControlSessionConfig::default()
     }
 }
 
@@ -157,6 +158,7 @@ fn hello() -> EdgeHelloRequest {
         version: "model".into(),
         managed: true,
         metadata: BTreeMap::new(),
+        ..EdgeHelloRequest::default()
     }
 }
 
@@ -639,7 +641,8 @@ impl Model for ControlModel {
             }
             Action::Accept(k) => {
                 w.hello_pending = false;
-                w.cp.accept(now, Some(h.projections[k].clone()));
+                w.cp.accept(now, Some(h.projections[k].clone()))
+                    .expect("the model's projections fit a frame");
             }
             Action::Mutate => {
                 w.mutations += 1;

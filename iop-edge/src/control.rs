@@ -620,10 +620,14 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
         version: env!("CARGO_PKG_VERSION").to_owned(),
         managed: shared.config.managed,
         metadata: Default::default(),
+        // Filled in by the session: it assembles parts, and reads frames up to the limit below.
+        projection_parts: true,
+        max_frame_len: 0,
     };
     let config = ControlSessionConfig {
         handshake_timeout: CONNECT_TIMEOUT,
         heartbeat: DEFAULT_HEARTBEAT,
+        max_frame_len: shared.config.max_frame_len,
     };
     let mut s = EdgeControlSession::new(config, hello, held, now());
     let (req_tx, mut req_rx) = mpsc::channel::<Request>(OUTBOUND_FRAMES);

@@ -57,6 +57,11 @@ pub enum ControlMessage {
     EdgeUsageReport(EdgeUsageReport),
     /// CP → Edge: the report's records are stored.
     EdgeUsageAck(EdgeUsageAck),
+    /// CP → Edge (managed mode, only to an Edge whose hello set
+    /// [`EdgeHelloRequest::projection_parts`]): one part of a projection too large for one
+    /// frame, [`PrincipalProjection::parts_before`] being its index. The hello answer or apply
+    /// request that completes it follows ([`PrincipalProjection::into_parts`]).
+    PrincipalProjectionPart(PrincipalProjection),
 }
 
 impl ControlFrame {
@@ -84,6 +89,8 @@ impl ControlFrame {
                 version: m.version.clone(),
                 managed: m.managed,
                 metadata: m.metadata.clone(),
+                projection_parts: m.projection_parts,
+                max_frame_len: m.max_frame_len,
             }),
             ControlMessage::EdgeHelloResponse(m) => M::EdgeHelloResponse(m.to_proto()),
             ControlMessage::EdgeStatusRequest => M::EdgeStatusRequest(pb::EdgeStatusRequest {}),
@@ -158,6 +165,7 @@ impl ControlFrame {
                 stored: m.stored,
                 duplicates: m.duplicates,
             }),
+            ControlMessage::PrincipalProjectionPart(p) => M::PrincipalProjectionPart(p.to_proto()),
         };
         pb::ControlEnvelope {
             correlation_id: self.correlation_id,
@@ -181,6 +189,8 @@ impl TryFrom<pb::ControlEnvelope> for ControlFrame {
                     version: m.version,
                     managed: m.managed,
                     metadata: m.metadata,
+                    projection_parts: m.projection_parts,
+                    max_frame_len: m.max_frame_len,
                 })
             }
             M::EdgeHelloResponse(m) => ControlMessage::EdgeHelloResponse(m.try_into()?),
@@ -301,6 +311,7 @@ impl TryFrom<pb::ControlEnvelope> for ControlFrame {
                 stored: m.stored,
                 duplicates: m.duplicates,
             }),
+            M::PrincipalProjectionPart(m) => ControlMessage::PrincipalProjectionPart(m.try_into()?),
         };
         Ok(Self {
             correlation_id: env.correlation_id,
@@ -333,6 +344,13 @@ pub struct EdgeHelloRequest {
     pub managed: bool,
     /// Identity/operational helper information only.
     pub metadata: BTreeMap<String, String>,
+    /// The Edge assembles a projection sent in parts
+    /// ([`ControlMessage::PrincipalProjectionPart`]); `false` from older Edges, which are only
+    /// ever sent a projection whole.
+    pub projection_parts: bool,
+    /// The largest frame the Edge reads (0: not said, taken as
+    /// [`DEFAULT_MAX_FRAME_LEN`](crate::codec::DEFAULT_MAX_FRAME_LEN)).
+    pub max_frame_len: u32,
 }
 
 /// Control Plane → Edge: hello accepted or refused.
@@ -623,6 +641,10 @@ pub struct PrincipalProjection {
     pub staged_issuer_key_id: String,
     /// When the staged key becomes the signing key (Unix ms; 0 when none is staged).
     pub staged_issuer_activates_at_unix_ms: i64,
+    /// How many parts of this projection came before this message (0: it is whole). Set by
+    /// [`PrincipalProjection::into_parts`] and read by the Edge's session, which assembles the
+    /// parts and installs a whole projection (`0` again); leave it 0 when building one.
+    pub parts_before: u32,
 }
 
 /// Most entries of each list in one projection.
@@ -812,6 +834,7 @@ impl PrincipalProjection {
             issuer_key_id: self.issuer_key_id.clone(),
             staged_issuer_key_id: self.staged_issuer_key_id.clone(),
             staged_issuer_activates_at_unix_ms: self.staged_issuer_activates_at_unix_ms,
+            parts_before: self.parts_before,
         }
     }
 }
@@ -911,7 +934,144 @@ impl TryFrom<pb::PrincipalProjection> for PrincipalProjection {
             issuer_key_id: m.issuer_key_id,
             staged_issuer_key_id: m.staged_issuer_key_id,
             staged_issuer_activates_at_unix_ms: m.staged_issuer_activates_at_unix_ms,
+            parts_before: m.parts_before,
         })
+    }
+}
+
+/// Bytes a frame takes at most beside a projection's entries: the envelope's correlation id, the
+/// message's tag and length, the hello answer's other fields, the projection's generation, its
+/// issuer key ids (at most [`validate::MAX_ID_LEN`] bytes each) and `parts_before`.
+const PROJECTION_FRAME_OVERHEAD: usize = 1024;
+
+/// A projection that cannot travel in frames of `max_frame_len` bytes: whole, to an Edge that
+/// does not take parts, or in parts because one entry alone is larger than a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a principal projection of {len} bytes does not fit frames of {max_frame_len} bytes{}",
+    if *.entry { " (one entry alone is that large)" } else { "" }
+)]
+pub struct ProjectionTooLarge {
+    /// The encoded size of the projection, or of the one entry that fits no frame.
+    pub len: usize,
+    /// The frame limit.
+    pub max_frame_len: usize,
+    /// `len` is one entry's (no cut helps), not the whole projection's.
+    pub entry: bool,
+}
+
+impl PrincipalProjection {
+    /// The projection cut into frames of at most `max_frame_len` bytes: itself alone when it
+    /// fits one, otherwise parts of whole entries (principals, then tokens, then routes, in
+    /// their order), each with the projection's generation and its index in `parts_before`.
+    /// The last part carries the issuer key fields; it is the one the hello answer or apply
+    /// request carries, after the others as [`ControlMessage::PrincipalProjectionPart`]s.
+    ///
+    /// Fails only when one entry alone does not fit a frame (a principal with a thousand
+    /// per-model limits is about 300 KB). The Control Plane's session cuts what it sends
+    /// (`control_session`); an embedder does not need to call this.
+    pub fn into_parts(mut self, max_frame_len: usize) -> Result<Vec<Self>, ProjectionTooLarge> {
+        use prost::Message as _;
+        let budget = max_frame_len.saturating_sub(PROJECTION_FRAME_OVERHEAD);
+        self.parts_before = 0;
+        let proto = self.to_proto();
+        if proto.encoded_len() <= budget {
+            return Ok(vec![self]);
+        }
+        // Each entry as a repeated field: its tag, its length, itself.
+        let field = |len: usize| 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+        let sizes = (proto.principals.iter().map(|e| field(e.encoded_len())))
+            .chain(proto.tokens.iter().map(|e| field(e.encoded_len())))
+            .chain(proto.routes.iter().map(|e| field(e.encoded_len())));
+        // How many entries each part holds.
+        let mut counts = Vec::new();
+        let (mut in_part, mut used) = (0usize, 0usize);
+        for size in sizes {
+            if size > budget {
+                return Err(ProjectionTooLarge {
+                    len: size,
+                    max_frame_len,
+                    entry: true,
+                });
+            }
+            if used + size > budget {
+                counts.push(in_part);
+                (in_part, used) = (0, 0);
+            }
+            in_part += 1;
+            used += size;
+        }
+        counts.push(in_part);
+        drop(proto);
+        let mut principals = std::mem::take(&mut self.principals).into_iter();
+        let mut tokens = std::mem::take(&mut self.tokens).into_iter();
+        let mut routes = std::mem::take(&mut self.routes).into_iter();
+        let last = counts.len() - 1;
+        let mut parts = Vec::with_capacity(counts.len());
+        for (index, mut n) in counts.into_iter().enumerate() {
+            let mut part = if index == last {
+                std::mem::take(&mut self)
+            } else {
+                Self {
+                    generation: self.generation,
+                    ..Self::default()
+                }
+            };
+            // At most 3 × 2^20 entries, so the index fits.
+            part.parts_before = u32::try_from(index).unwrap_or(u32::MAX);
+            let k = n.min(principals.len());
+            part.principals.extend(principals.by_ref().take(k));
+            n -= k;
+            let k = n.min(tokens.len());
+            part.tokens.extend(tokens.by_ref().take(k));
+            n -= k;
+            part.routes.extend(routes.by_ref().take(n));
+            parts.push(part);
+        }
+        Ok(parts)
+    }
+
+    /// Its size on the wire, without the envelope around it.
+    pub fn encoded_len(&self) -> usize {
+        use prost::Message as _;
+        self.to_proto().encoded_len()
+    }
+
+    /// About the heap this projection holds: each entry's size and its strings' capacity. The
+    /// Edge's session bounds the parts it assembles by it.
+    pub fn held_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let principals: usize = (self.principals.iter())
+            .map(|p| {
+                let limits = p.limits.as_ref().map_or(0, |l| {
+                    size_of::<PrincipalLimits>()
+                        + l.models.capacity() * size_of::<ModelLimits>()
+                        + l.models.iter().map(|m| m.model.capacity()).sum::<usize>()
+                });
+                size_of::<ProjectedPrincipal>()
+                    + p.principal_id.capacity()
+                    + p.display_name.capacity()
+                    + limits
+            })
+            .sum();
+        let tokens: usize = (self.tokens.iter())
+            .map(|t| {
+                size_of::<ProjectedToken>() + t.token_id.capacity() + t.principal_id.capacity()
+            })
+            .sum();
+        let routes: usize = (self.routes.iter())
+            .map(|r| {
+                size_of::<ProjectedRoute>()
+                    + r.route_id.capacity()
+                    + r.principal_id.capacity()
+                    + r.model.capacity()
+                    + r.slot_id.capacity()
+                    + r.profile.capacity()
+                    + r.upstream_target.capacity()
+                    + r.selector.capacity()
+            })
+            .sum();
+        principals + tokens + routes
     }
 }
 

@@ -28,6 +28,19 @@
 //!   hello or a push) only when its generation is strictly higher than the one it holds, and
 //!   answers a stale push with the generation it holds; the Control Plane never pushes a
 //!   generation lower than or equal to one it already sent on the session.
+//! - **A projection larger than a frame travels in parts** (added after the first release):
+//!   the Edge's hello says it assembles parts and the largest frame it reads; the Control
+//!   Plane cuts a projection that does not fit the smaller of that and its own limit into
+//!   [`ControlMessage::PrincipalProjectionPart`]s followed by the hello answer or apply
+//!   request that completes it ([`PrincipalProjection::into_parts`]). The Edge installs all of
+//!   it or nothing: parts must come in order and of one generation, the completing message
+//!   must say how many came before it, the entries stay within [`MAX_PROJECTION_ENTRIES`] per
+//!   list and [`MAX_ASSEMBLED_PROJECTION_BYTES`] held, or the session closes as a protocol
+//!   violation. To an Edge that does not take parts (an older one), a projection too large for
+//!   one frame is never sent: the hello is refused, or the session closes
+//!   ([`ControlCloseReason::ProjectionTooLarge`]), with the sizes, so that the operator sees why
+//!   rather than a connection that fails to write and reconnects for ever. While the Edge
+//!   holds no projection or is disconnected it acquires no lease, so it fails closed.
 //! - **Leases against the projection**: the Edge sends lease requests only while connected; a
 //!   lease answer is delivered only to the request it answers.
 //! - **Usage records only where accepted** (added after the first release): the Control Plane
@@ -45,8 +58,8 @@ use std::time::{Duration, Instant};
 use crate::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandEvent,
     EdgeCommandRequest, EdgeCommandResponse, EdgeHelloRequest, EdgeHelloResponse, EdgeNodeEvent,
-    EdgeStatusResponse, EdgeUsageAck, EdgeUsageReport, PrincipalProjection,
-    PrincipalProjectionApplyResponse,
+    EdgeStatusResponse, EdgeUsageAck, EdgeUsageReport, MAX_PROJECTION_ENTRIES, PrincipalProjection,
+    PrincipalProjectionApplyResponse, ProjectionTooLarge,
 };
 use crate::liveness::{HeartbeatConfig, Liveness};
 
@@ -57,6 +70,9 @@ pub struct ControlSessionConfig {
     pub handshake_timeout: Duration,
     /// Heartbeat interval used until (Edge) or unless (Control Plane) one is agreed.
     pub heartbeat: Duration,
+    /// The largest frame this end's codec reads and writes. The Edge announces it in its hello;
+    /// the Control Plane cuts a projection to the smaller of the two.
+    pub max_frame_len: usize,
 }
 
 impl Default for ControlSessionConfig {
@@ -64,9 +80,15 @@ impl Default for ControlSessionConfig {
         Self {
             handshake_timeout: Duration::from_secs(10),
             heartbeat: Duration::from_secs(10),
+            max_frame_len: crate::codec::DEFAULT_MAX_FRAME_LEN,
         }
     }
 }
+
+/// The most heap ([`PrincipalProjection::held_bytes`]) an Edge's session holds for a
+/// projection it assembles from parts (512 MiB: about a million principals, each with a token
+/// and a route of ordinary sizes). More closes the session as a protocol violation.
+pub const MAX_ASSEMBLED_PROJECTION_BYTES: usize = 512 << 20;
 
 /// Why a control session ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,6 +108,9 @@ pub enum ControlCloseReason {
     TransportClosed,
     /// Closed by this side (shutdown, replaced).
     Local,
+    /// The Control Plane could not send a projection to this Edge: too large for one frame, to
+    /// an Edge that does not take parts, or an entry larger than a frame.
+    ProjectionTooLarge(ProjectionTooLarge),
 }
 
 /// Why a request could not be sent or was not answered.
@@ -101,6 +126,10 @@ pub enum ControlSessionError {
     /// The Control Plane did not say it accepts usage records on this session.
     #[error("the control plane does not accept usage records")]
     UsageNotAccepted,
+    /// The projection cannot be sent to this Edge; the session closed
+    /// ([`ControlCloseReason::ProjectionTooLarge`]).
+    #[error(transparent)]
+    ProjectionTooLarge(#[from] ProjectionTooLarge),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -236,18 +265,54 @@ pub struct EdgeControlSession {
     usage: BTreeSet<u64>,
     /// The hello answer said the Control Plane stores usage records.
     accepts_usage: bool,
+    /// The parts of a projection received so far (the hello said this Edge takes parts).
+    assembling: Option<Assembling>,
     events: VecDeque<EdgeControlEvent>,
+}
+
+/// A projection being assembled from parts on the Edge.
+#[derive(Clone, Debug)]
+struct Assembling {
+    projection: PrincipalProjection,
+    parts: u32,
+    held: usize,
+}
+
+impl Assembling {
+    /// Adds `part`'s entries, within the bounds.
+    fn absorb(&mut self, part: PrincipalProjection) -> Result<(), &'static str> {
+        let p = &mut self.projection;
+        if p.principals.len() + part.principals.len() > MAX_PROJECTION_ENTRIES
+            || p.tokens.len() + part.tokens.len() > MAX_PROJECTION_ENTRIES
+            || p.routes.len() + part.routes.len() > MAX_PROJECTION_ENTRIES
+        {
+            return Err("projection parts exceed the entries of one projection");
+        }
+        self.held += part.held_bytes();
+        if self.held > MAX_ASSEMBLED_PROJECTION_BYTES {
+            return Err("projection parts exceed the memory bound");
+        }
+        p.principals.extend(part.principals);
+        p.tokens.extend(part.tokens);
+        p.routes.extend(part.routes);
+        Ok(())
+    }
 }
 
 impl EdgeControlSession {
     /// A session on a fresh connection: queues `hello`. `held_generation` is the projection
     /// the Edge already holds (0 for none): a reconnect never installs an older one.
+    ///
+    /// The session fills in what it implements: a managed Edge's hello says it takes a
+    /// projection in parts, and every hello names `config.max_frame_len`.
     pub fn new(
         config: ControlSessionConfig,
-        hello: EdgeHelloRequest,
+        mut hello: EdgeHelloRequest,
         held_generation: u64,
         now: Instant,
     ) -> Self {
+        hello.projection_parts = hello.managed;
+        hello.max_frame_len = u32::try_from(config.max_frame_len).unwrap_or(u32::MAX);
         let mut s = Self {
             phase: Phase::Hello,
             managed: hello.managed,
@@ -259,6 +324,7 @@ impl EdgeControlSession {
             pings: BTreeSet::new(),
             usage: BTreeSet::new(),
             accepts_usage: false,
+            assembling: None,
             events: VecDeque::new(),
         };
         s.link.transmit(
@@ -311,7 +377,16 @@ impl EdgeControlSession {
                 self.events
                     .push_back(EdgeControlEvent::CommandRequested { id, request });
             }
+            (_, ControlMessage::PrincipalProjectionPart(p)) if self.managed => {
+                if let Err(rule) = self.take_part(p) {
+                    self.close(ControlCloseReason::ProtocolViolation(rule));
+                }
+            }
             (Phase::Connected, ControlMessage::PrincipalProjectionApplyRequest(p)) => {
+                let p = match self.complete(p) {
+                    Ok(p) => p,
+                    Err(rule) => return self.close(ControlCloseReason::ProtocolViolation(rule)),
+                };
                 let answer = self.offer_projection(p);
                 self.link.transmit(
                     now,
@@ -504,6 +579,16 @@ impl EdgeControlSession {
                 if self.managed && projection.is_none() {
                     return self.close(ControlCloseReason::MissingProjection);
                 }
+                let projection = match projection
+                    .filter(|_| self.managed)
+                    .map(|p| self.complete(p))
+                {
+                    Some(Err(rule)) => {
+                        return self.close(ControlCloseReason::ProtocolViolation(rule));
+                    }
+                    Some(Ok(p)) => Some(p),
+                    None => None,
+                };
                 let heartbeat = heartbeat_interval_ms
                     .filter(|ms| *ms > 0)
                     .map_or(self.default_heartbeat, |ms| {
@@ -521,6 +606,59 @@ impl EdgeControlSession {
                 self.events
                     .push_back(EdgeControlEvent::Connected { heartbeat });
             }
+        }
+    }
+
+    /// Adds a part of a projection: in order, of one generation, within the bounds.
+    fn take_part(&mut self, part: PrincipalProjection) -> Result<(), &'static str> {
+        match &mut self.assembling {
+            None if part.parts_before == 0 => {
+                let mut a = Assembling {
+                    projection: PrincipalProjection {
+                        generation: part.generation,
+                        ..PrincipalProjection::default()
+                    },
+                    parts: 0,
+                    held: 0,
+                };
+                a.absorb(part)?;
+                a.parts = 1;
+                self.assembling = Some(a);
+                Ok(())
+            }
+            Some(a)
+                if a.projection.generation == part.generation && a.parts == part.parts_before =>
+            {
+                a.absorb(part)?;
+                a.parts += 1;
+                Ok(())
+            }
+            _ => Err("projection part out of order"),
+        }
+    }
+
+    /// The whole projection `last` completes: itself when whole, or the parts before it with
+    /// its entries and issuer fields.
+    fn complete(&mut self, last: PrincipalProjection) -> Result<PrincipalProjection, &'static str> {
+        if last.parts_before == 0 {
+            return match self.assembling {
+                None => Ok(last),
+                Some(_) => Err("a whole projection while parts of another are pending"),
+            };
+        }
+        match self.assembling.take() {
+            Some(mut a)
+                if a.projection.generation == last.generation && a.parts == last.parts_before =>
+            {
+                let mut last = last;
+                let p = &mut a.projection;
+                p.issuer_key_id = std::mem::take(&mut last.issuer_key_id);
+                p.staged_issuer_key_id = std::mem::take(&mut last.staged_issuer_key_id);
+                p.staged_issuer_activates_at_unix_ms = last.staged_issuer_activates_at_unix_ms;
+                a.absorb(last)?;
+                Ok(a.projection)
+            }
+            _ => Err("projection completed without its parts"),
         }
     }
 
@@ -660,6 +798,12 @@ pub struct ControlPlaneSession {
     waiting: BTreeMap<u64, Waiting>,
     /// Usage records are taken on this session ([`Self::accept_usage`]).
     accepts_usage: bool,
+    /// This end's frame limit.
+    max_frame_len: usize,
+    /// What the hello said: the Edge takes a projection in parts, and the largest frame it
+    /// reads (0: not said).
+    edge_takes_parts: bool,
+    edge_max_frame_len: u32,
     events: VecDeque<ControlPlaneEvent>,
 }
 
@@ -676,6 +820,9 @@ impl ControlPlaneSession {
             pushed_generation: 0,
             waiting: BTreeMap::new(),
             accepts_usage: false,
+            max_frame_len: config.max_frame_len,
+            edge_takes_parts: false,
+            edge_max_frame_len: 0,
             events: VecDeque::new(),
         }
     }
@@ -704,6 +851,8 @@ impl ControlPlaneSession {
             }
             (Phase::Hello, ControlMessage::EdgeHelloRequest(hello)) if self.hello_id.is_none() => {
                 self.hello_id = Some(id);
+                self.edge_takes_parts = hello.projection_parts;
+                self.edge_max_frame_len = hello.max_frame_len;
                 if hello.edge_id.is_empty() {
                     self.reject(now, "edge_id is required");
                 } else if self.peer.as_deref().is_some_and(|p| p != hello.edge_id) {
@@ -759,11 +908,43 @@ impl ControlPlaneSession {
         }
     }
 
-    /// Accepts the hello, with the current projection for a managed Edge.
-    pub fn accept(&mut self, now: Instant, projection: Option<PrincipalProjection>) {
+    /// Accepts the hello, with the current projection for a managed Edge: in parts when it does
+    /// not fit one frame and the Edge takes parts.
+    ///
+    /// # Errors
+    ///
+    /// The projection cannot be sent to this Edge ([`ProjectionTooLarge`]); the hello is
+    /// refused instead, with a reason that says so.
+    pub fn accept(
+        &mut self,
+        now: Instant,
+        projection: Option<PrincipalProjection>,
+    ) -> Result<(), ProjectionTooLarge> {
         let Some(id) = self.hello_id.filter(|_| self.phase == Phase::Hello) else {
-            return;
+            return Ok(());
         };
+        let projection = match projection.map(|p| self.cut(p)).transpose() {
+            Ok(parts) => parts.map(|mut parts| {
+                let last = parts.pop();
+                for part in parts {
+                    self.link.transmit(
+                        now,
+                        ControlFrame::new(ControlMessage::PrincipalProjectionPart(part)),
+                    );
+                }
+                last
+            }),
+            Err(e) => {
+                let reason = if e.entry {
+                    "a principal projection entry is larger than a frame"
+                } else {
+                    "the principal projection is larger than a frame and this edge does not take it in parts"
+                };
+                self.reject(now, reason);
+                return Err(e);
+            }
+        };
+        let projection = projection.flatten();
         if let Some(p) = &projection {
             self.pushed_generation = p.generation;
         }
@@ -778,6 +959,25 @@ impl ControlPlaneSession {
         );
         self.link.connected(self.heartbeat, now);
         self.phase = Phase::Connected;
+        Ok(())
+    }
+
+    /// `p` in the frames this Edge reads: whole, or in parts if it takes them.
+    fn cut(&self, p: PrincipalProjection) -> Result<Vec<PrincipalProjection>, ProjectionTooLarge> {
+        let edge = match self.edge_max_frame_len {
+            0 => crate::codec::DEFAULT_MAX_FRAME_LEN,
+            n => n as usize,
+        };
+        let max_frame_len = self.max_frame_len.min(edge);
+        let parts = p.into_parts(max_frame_len)?;
+        if parts.len() > 1 && !self.edge_takes_parts {
+            return Err(ProjectionTooLarge {
+                len: parts.iter().map(PrincipalProjection::encoded_len).sum(),
+                max_frame_len,
+                entry: false,
+            });
+        }
+        Ok(parts)
     }
 
     /// Refuses the hello with a stable reason; the session closes after the answer.
@@ -799,8 +999,15 @@ impl ControlPlaneSession {
             )));
     }
 
-    /// Pushes a projection. Generations only move forward: one not higher than the last sent on
-    /// this session is not sent (`Ok(None)`).
+    /// Pushes a projection, in parts when it does not fit one frame and the Edge takes parts.
+    /// Generations only move forward: one not higher than the last sent on this session is not
+    /// sent (`Ok(None)`).
+    ///
+    /// # Errors
+    ///
+    /// [`ControlSessionError::ProjectionTooLarge`] when it cannot be sent to this Edge: the
+    /// session closes ([`ControlCloseReason::ProjectionTooLarge`]) rather than leave the Edge
+    /// on an older projection (one that may still hold a revoked token).
     pub fn push_projection(
         &mut self,
         now: Instant,
@@ -810,10 +1017,26 @@ impl ControlPlaneSession {
         if projection.generation <= self.pushed_generation {
             return Ok(None);
         }
-        self.pushed_generation = projection.generation;
+        let generation = projection.generation;
+        let mut parts = match self.cut(projection) {
+            Ok(parts) => parts,
+            Err(e) => {
+                self.close(ControlCloseReason::ProjectionTooLarge(e));
+                return Err(e.into());
+            }
+        };
+        let Some(projection) = parts.pop() else {
+            return Ok(None);
+        };
+        for part in parts {
+            self.link.transmit(
+                now,
+                ControlFrame::new(ControlMessage::PrincipalProjectionPart(part)),
+            );
+        }
+        self.pushed_generation = generation;
         let id = self.link.correlation_id();
-        self.waiting
-            .insert(id, Waiting::Projection(projection.generation));
+        self.waiting.insert(id, Waiting::Projection(generation));
         self.link.transmit(
             now,
             ControlFrame::correlated(

@@ -57,18 +57,35 @@ fn status() -> EdgeStatusResponse {
 
 impl Pair {
     fn new(edge_id: &str, cert_name: &str, managed: bool, held: u64) -> Self {
+        Self::with_frames(edge_id, cert_name, managed, held, config().max_frame_len)
+    }
+
+    /// Both ends (and the codec between them, which fails on a larger frame) limited to frames
+    /// of `max_frame_len` bytes.
+    fn with_frames(
+        edge_id: &str,
+        cert_name: &str,
+        managed: bool,
+        held: u64,
+        max_frame_len: usize,
+    ) -> Self {
+        let config = iop_wire::control_session::ControlSessionConfig {
+            max_frame_len,
+            ..config()
+        };
         let now = Instant::now();
         let hello = EdgeHelloRequest {
             edge_id: edge_id.into(),
             version: "test".into(),
             managed,
             metadata: Default::default(),
+            ..EdgeHelloRequest::default()
         };
         let mut p = Self {
             now,
-            codec: FrameCodec::new(),
-            edge: EdgeControlSession::new(config(), hello, held, now),
-            cp: ControlPlaneSession::new(config(), Some(cert_name.into()), now),
+            codec: FrameCodec::with_max_frame_len(max_frame_len),
+            edge: EdgeControlSession::new(config, hello, held, now),
+            cp: ControlPlaneSession::new(config, Some(cert_name.into()), now),
             edge_events: Vec::new(),
             cp_events: Vec::new(),
             edge_mute: false,
@@ -139,7 +156,7 @@ impl Pair {
             [ControlPlaneEvent::Hello(_)]
         ));
         self.cp_events.clear();
-        self.cp.accept(self.now, p);
+        self.cp.accept(self.now, p).expect("fits");
         self.settle();
     }
 }
@@ -519,4 +536,362 @@ fn usage_reports_only_where_accepted_and_acked_or_failed() {
         ]
     );
     assert!(!p.edge.accepts_usage());
+}
+
+/// A projection of `n` principals, each with a token and a route, naming issuer keys.
+fn large_projection(generation: u64, n: usize) -> PrincipalProjection {
+    use iop_wire::control::{ProjectedPrincipal, ProjectedRoute, ProjectedToken};
+    PrincipalProjection {
+        generation,
+        principals: (0..n)
+            .map(|i| ProjectedPrincipal {
+                principal_id: format!("principal-{i}"),
+                display_name: format!("Team number {i}"),
+                enabled: i % 7 != 0,
+                limits: None,
+            })
+            .collect(),
+        tokens: (0..n)
+            .map(|i| ProjectedToken {
+                token_id: format!("token-{i}"),
+                principal_id: format!("principal-{i}"),
+                sha256_digest: [u8::try_from(i % 256).unwrap(); 32],
+            })
+            .collect(),
+        routes: (0..n)
+            .map(|i| ProjectedRoute {
+                route_id: format!("route-{i}"),
+                principal_id: format!("principal-{i}"),
+                model: "gpt-4o-mini".into(),
+                slot_id: format!("slot-{}", i % 10),
+                profile: "openai".into(),
+                upstream_target: "gpt-4o-mini-2024-07-18".into(),
+                selector: String::new(),
+                route_revision: 3,
+                credential_revision: 4,
+            })
+            .collect(),
+        issuer_key_id: "p256:0011223344556677".into(),
+        staged_issuer_key_id: "p256:8899aabbccddeeff".into(),
+        staged_issuer_activates_at_unix_ms: 1_780_000_000_000,
+        parts_before: 0,
+    }
+}
+
+const SMALL_FRAME: usize = 16 * 1024;
+
+/// A projection larger than a frame goes in parts (every frame within the limit: the pair's
+/// codec fails on a larger one) and the Edge installs it whole, from the hello and from a push.
+#[test]
+fn a_projection_larger_than_a_frame_is_sent_in_parts_and_installed_whole() {
+    let first = large_projection(2, 400);
+    let second = large_projection(3, 700);
+    assert!(first.encoded_len() > 4 * SMALL_FRAME);
+    let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, SMALL_FRAME);
+    p.accept(Some(first.clone()));
+    match p.edge_events.as_slice() {
+        [
+            EdgeControlEvent::Projection(x),
+            EdgeControlEvent::Connected { .. },
+        ] => assert!(*x == first, "installed whole and equal"),
+        other => panic!("{other:?}"),
+    }
+    p.edge_events.clear();
+    assert!(
+        p.cp.push_projection(p.now, second.clone())
+            .unwrap()
+            .is_some()
+    );
+    p.settle();
+    assert!(matches!(p.edge_events.as_slice(), [EdgeControlEvent::Projection(x)] if *x == second));
+    assert!(matches!(
+        p.cp_events.as_slice(),
+        [ControlPlaneEvent::ProjectionAnswered { pushed: 3, answer }] if answer.accepted && answer.generation == 3
+    ));
+    assert_eq!(p.edge.projection_generation(), 3);
+    assert!(p.edge.is_connected() && p.cp.is_connected());
+}
+
+/// How a projection is cut: whole entries in order, the generation on every part, the index in
+/// `parts_before`, the issuer fields on the last; every part within the frame with the
+/// envelope around it; an entry larger than a frame is an error, not a frame that fails.
+#[test]
+fn a_projection_is_cut_into_frames_of_whole_entries() {
+    let whole = large_projection(9, 500);
+    assert_eq!(
+        whole.clone().into_parts(1 << 20).unwrap(),
+        vec![whole.clone()]
+    );
+    let parts = whole.clone().into_parts(SMALL_FRAME).unwrap();
+    assert!(parts.len() > 4, "{}", parts.len());
+    let codec = FrameCodec::with_max_frame_len(SMALL_FRAME);
+    let mut joined = PrincipalProjection::default();
+    for (i, part) in parts.iter().enumerate() {
+        assert_eq!(part.generation, 9);
+        assert_eq!(part.parts_before as usize, i);
+        let last = i == parts.len() - 1;
+        assert_eq!(part.issuer_key_id.is_empty(), !last);
+        let frame = if last {
+            ControlMessage::PrincipalProjectionApplyRequest(part.clone())
+        } else {
+            ControlMessage::PrincipalProjectionPart(part.clone())
+        };
+        let mut buf = BytesMut::new();
+        codec
+            .encode(&ControlFrame::correlated(u64::MAX, frame), &mut buf)
+            .expect("each part fits a frame");
+        joined.principals.extend(part.principals.iter().cloned());
+        joined.tokens.extend(part.tokens.iter().cloned());
+        joined.routes.extend(part.routes.iter().cloned());
+    }
+    assert_eq!(joined.principals, whole.principals);
+    assert_eq!(joined.tokens, whole.tokens);
+    assert_eq!(joined.routes, whole.routes);
+    let mut one_large = whole;
+    one_large.principals[3].display_name = "x".repeat(4000);
+    let err = one_large
+        .into_parts(4096)
+        .err()
+        .expect("an entry larger than a frame");
+    assert!(
+        err.entry && err.max_frame_len == 4096 && err.len > 4000,
+        "{err:?}"
+    );
+}
+
+/// An Edge that does not take parts (an older one: its hello does not say so) is never sent a
+/// projection larger than a frame: its hello is refused with a reason that says why, and a
+/// push that grew too large closes the session with the sizes.
+#[test]
+fn an_edge_that_does_not_take_parts_is_refused_not_sent_a_frame_it_cannot_read() {
+    let older_hello = |cp: &mut ControlPlaneSession, now| {
+        cp.handle_frame(
+            now,
+            ControlFrame::correlated(
+                1,
+                ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
+                    edge_id: "edge-1".into(),
+                    managed: true,
+                    ..Default::default()
+                }),
+            ),
+        );
+        assert!(matches!(cp.poll_event(), Some(ControlPlaneEvent::Hello(_))));
+    };
+    let now = Instant::now();
+    let small = iop_wire::control_session::ControlSessionConfig {
+        max_frame_len: SMALL_FRAME,
+        ..config()
+    };
+    let mut cp = ControlPlaneSession::new(small, Some("edge-1".into()), now);
+    older_hello(&mut cp, now);
+    let err = cp.accept(now, Some(large_projection(2, 400))).unwrap_err();
+    assert!(!err.entry && err.len > SMALL_FRAME && err.max_frame_len == SMALL_FRAME);
+    match cp.poll_transmit().map(|f| f.message) {
+        Some(ControlMessage::EdgeHelloResponse(
+            iop_wire::control::EdgeHelloResponse::Rejected { reason },
+        )) => assert!(reason.contains("does not take it in parts"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(cp.poll_transmit().is_none(), "no part was sent");
+    assert!(matches!(
+        cp.poll_event(),
+        Some(ControlPlaneEvent::Closed(ControlCloseReason::Rejected(_)))
+    ));
+    // Accepted with a small projection; then one too large to push.
+    let mut cp = ControlPlaneSession::new(small, Some("edge-1".into()), now);
+    older_hello(&mut cp, now);
+    cp.accept(now, Some(large_projection(2, 10))).unwrap();
+    assert!(cp.poll_transmit().is_some());
+    assert!(matches!(
+        cp.push_projection(now, large_projection(3, 400)),
+        Err(ControlSessionError::ProjectionTooLarge(e)) if !e.entry
+    ));
+    assert!(cp.poll_transmit().is_none(), "nothing of it was sent");
+    assert!(matches!(
+        cp.poll_event(),
+        Some(ControlPlaneEvent::Closed(ControlCloseReason::ProjectionTooLarge(e))) if e.max_frame_len == SMALL_FRAME
+    ));
+    // The Edge's own limit counts too: one that reads frames of 16 KiB is cut for 16 KiB by a
+    // Control Plane allowed 8 MiB.
+    let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, config().max_frame_len);
+    p.edge = EdgeControlSession::new(
+        iop_wire::control_session::ControlSessionConfig {
+            max_frame_len: SMALL_FRAME,
+            ..config()
+        },
+        EdgeHelloRequest {
+            edge_id: "edge-1".into(),
+            managed: true,
+            ..Default::default()
+        },
+        0,
+        p.now,
+    );
+    p.cp = ControlPlaneSession::new(config(), Some("edge-1".into()), p.now);
+    p.codec = FrameCodec::with_max_frame_len(SMALL_FRAME);
+    p.cp_events.clear();
+    p.settle();
+    let large = large_projection(2, 400);
+    p.accept(Some(large.clone()));
+    assert!(matches!(p.edge_events.first(), Some(EdgeControlEvent::Projection(x)) if *x == large));
+}
+
+/// The Edge installs the parts of one projection, in order, with the message that completes
+/// them, or closes: nothing of an incomplete or mixed projection is ever installed.
+#[test]
+fn the_edge_installs_a_whole_projection_or_nothing() {
+    let parts = large_projection(5, 300).into_parts(SMALL_FRAME).unwrap();
+    assert!(parts.len() >= 3);
+    let last = parts.len() - 1;
+    let part =
+        |i: usize| ControlFrame::new(ControlMessage::PrincipalProjectionPart(parts[i].clone()));
+    let apply = |p: PrincipalProjection| {
+        ControlFrame::correlated(7, ControlMessage::PrincipalProjectionApplyRequest(p))
+    };
+    // A connected managed Edge holding generation 1.
+    let connected = || {
+        let mut p = Pair::new("edge-1", "edge-1", true, 0);
+        p.accept(Some(projection(1)));
+        p.edge_events.clear();
+        p
+    };
+    let closes_with = |p: &mut Pair, rule: &str| {
+        let mut events = Vec::new();
+        while let Some(e) = p.edge.poll_event() {
+            events.push(e);
+        }
+        assert!(
+            matches!(events.as_slice(), [EdgeControlEvent::Closed(ControlCloseReason::ProtocolViolation(r))] if *r == rule),
+            "{events:?}"
+        );
+        assert_eq!(p.edge.projection_generation(), 1, "nothing installed");
+    };
+    // In order: installed whole.
+    let mut p = connected();
+    for i in 0..last {
+        p.edge.handle_frame(p.now, part(i));
+    }
+    p.edge.handle_frame(p.now, apply(parts[last].clone()));
+    assert!(
+        matches!(p.edge.poll_event(), Some(EdgeControlEvent::Projection(x)) if x == large_projection(5, 300))
+    );
+    // A part out of order.
+    let mut p = connected();
+    p.edge.handle_frame(p.now, part(1));
+    closes_with(&mut p, "projection part out of order");
+    let mut p = connected();
+    p.edge.handle_frame(p.now, part(0));
+    p.edge.handle_frame(p.now, part(2));
+    closes_with(&mut p, "projection part out of order");
+    // A part of another generation.
+    let mut p = connected();
+    p.edge.handle_frame(p.now, part(0));
+    let mut other = parts[1].clone();
+    other.generation = 6;
+    p.edge.handle_frame(
+        p.now,
+        ControlFrame::new(ControlMessage::PrincipalProjectionPart(other)),
+    );
+    closes_with(&mut p, "projection part out of order");
+    // Completed with a part missing, or claiming another count.
+    let mut p = connected();
+    for i in 0..last - 1 {
+        p.edge.handle_frame(p.now, part(i));
+    }
+    p.edge.handle_frame(p.now, apply(parts[last].clone()));
+    closes_with(&mut p, "projection completed without its parts");
+    // Completed by a projection of another generation.
+    let mut p = connected();
+    for i in 0..last {
+        p.edge.handle_frame(p.now, part(i));
+    }
+    let mut other = parts[last].clone();
+    other.generation = 6;
+    p.edge.handle_frame(p.now, apply(other));
+    closes_with(&mut p, "projection completed without its parts");
+    // A whole projection while parts are pending.
+    let mut p = connected();
+    p.edge.handle_frame(p.now, part(0));
+    p.edge.handle_frame(p.now, apply(projection(6)));
+    closes_with(
+        &mut p,
+        "a whole projection while parts of another are pending",
+    );
+    // The hello's projection completes parts the same way.
+    let mut p = Pair::new("edge-1", "edge-1", true, 0);
+    assert!(matches!(
+        p.cp_events.as_slice(),
+        [ControlPlaneEvent::Hello(_)]
+    ));
+    p.edge.handle_frame(p.now, part(0));
+    p.edge.handle_frame(
+        p.now,
+        ControlFrame::correlated(
+            1,
+            ControlMessage::EdgeHelloResponse(iop_wire::control::EdgeHelloResponse::Accepted {
+                projection: Some(parts[last].clone()),
+                heartbeat_interval_ms: None,
+                accepts_usage: false,
+            }),
+        ),
+    );
+    let events: Vec<_> = std::iter::from_fn(|| p.edge.poll_event()).collect();
+    assert!(
+        matches!(
+            events.as_slice(),
+            [EdgeControlEvent::Closed(
+                ControlCloseReason::ProtocolViolation("projection completed without its parts")
+            )]
+        ),
+        "{events:?}"
+    );
+    // A legacy Edge takes no parts at all.
+    let mut p = Pair::new("edge-1", "edge-1", false, 0);
+    p.accept(None);
+    p.edge_events.clear();
+    p.edge.handle_frame(p.now, part(0));
+    assert!(matches!(
+        p.edge.poll_event(),
+        Some(EdgeControlEvent::Closed(
+            ControlCloseReason::ProtocolViolation(_)
+        ))
+    ));
+}
+
+/// The entries the Edge assembles stay within one projection's bound
+/// (`MAX_PROJECTION_ENTRIES` per list), however many parts bring them.
+#[test]
+fn parts_cannot_bring_more_entries_than_one_projection_holds() {
+    use iop_wire::control::{MAX_PROJECTION_ENTRIES, ProjectedToken};
+    let token = ProjectedToken {
+        token_id: "t".into(),
+        principal_id: "p".into(),
+        sha256_digest: [0; 32],
+    };
+    let mut p = Pair::new("edge-1", "edge-1", true, 0);
+    p.accept(Some(projection(1)));
+    p.edge_events.clear();
+    let mut full = projection(2);
+    full.tokens = vec![token.clone(); MAX_PROJECTION_ENTRIES];
+    p.edge.handle_frame(
+        p.now,
+        ControlFrame::new(ControlMessage::PrincipalProjectionPart(full)),
+    );
+    assert!(p.edge.poll_event().is_none(), "a full part is taken");
+    let mut more = projection(2);
+    more.parts_before = 1;
+    more.tokens = vec![token];
+    p.edge.handle_frame(
+        p.now,
+        ControlFrame::new(ControlMessage::PrincipalProjectionPart(more)),
+    );
+    assert!(matches!(
+        p.edge.poll_event(),
+        Some(EdgeControlEvent::Closed(
+            ControlCloseReason::ProtocolViolation(
+                "projection parts exceed the entries of one projection"
+            )
+        ))
+    ));
 }

@@ -395,6 +395,7 @@ fn every_control_message_round_trips() {
         issuer_key_id: "p256:0011223344556677".into(),
         staged_issuer_key_id: "p256:8899aabbccddeeff".into(),
         staged_issuer_activates_at_unix_ms: 1_780_000_000_000,
+        parts_before: 0,
         principals: vec![
             ProjectedPrincipal {
                 principal_id: "p-1".into(),
@@ -455,6 +456,8 @@ fn every_control_message_round_trips() {
             version: "1".into(),
             managed: true,
             metadata: meta(),
+            projection_parts: true,
+            max_frame_len: 65_536,
         })),
         ControlFrame::new(ControlMessage::EdgeHelloResponse(
             EdgeHelloResponse::Accepted {
@@ -522,6 +525,23 @@ fn every_control_message_round_trips() {
             occurred_at_unix_ms: 1_700_000_000_000,
             metadata: BTreeMap::new(),
         })),
+        // A part (added after the first release), then the apply request completing it.
+        ControlFrame::new(ControlMessage::PrincipalProjectionPart(
+            PrincipalProjection {
+                parts_before: 0,
+                issuer_key_id: String::new(),
+                staged_issuer_key_id: String::new(),
+                staged_issuer_activates_at_unix_ms: 0,
+                ..projection.clone()
+            },
+        )),
+        ControlFrame::correlated(
+            3,
+            ControlMessage::PrincipalProjectionApplyRequest(PrincipalProjection {
+                parts_before: 1,
+                ..projection.clone()
+            }),
+        ),
         ControlFrame::correlated(
             3,
             ControlMessage::PrincipalProjectionApplyRequest(projection),

@@ -87,6 +87,7 @@ impl Store {
             issuer_key_id: self.issuer.clone(),
             staged_issuer_key_id: String::new(),
             staged_issuer_activates_at_unix_ms: 0,
+            parts_before: 0,
         }))
     }
 

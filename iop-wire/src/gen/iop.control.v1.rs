@@ -7,7 +7,7 @@ pub struct ControlEnvelope {
     pub correlation_id: u64,
     #[prost(
         oneof = "control_envelope::Message",
-        tags = "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25"
+        tags = "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26"
     )]
     pub message: ::core::option::Option<control_envelope::Message>,
 }
@@ -49,6 +49,10 @@ pub mod control_envelope {
         EdgeUsageReport(super::EdgeUsageReport),
         #[prost(message, tag = "25")]
         EdgeUsageAck(super::EdgeUsageAck),
+        /// Added after the first release: sent only to an Edge whose hello set projection_parts.
+        /// One part of a projection too large for one frame; see PrincipalProjection.parts_before.
+        #[prost(message, tag = "26")]
+        PrincipalProjectionPart(super::PrincipalProjection),
     }
 }
 /// First frame the Edge sends after connecting.
@@ -70,6 +74,15 @@ pub struct EdgeHelloRequest {
         ::prost::alloc::string::String,
         ::prost::alloc::string::String,
     >,
+    /// Added after the first release: the Edge assembles a projection sent in parts
+    /// (principal_projection_part frames, then the message that completes it). An older Edge
+    /// leaves it false and is only ever sent a projection whole, in one frame.
+    #[prost(bool, tag = "5")]
+    pub projection_parts: bool,
+    /// Added after the first release: the largest frame the Edge reads (0: not said, taken as the
+    /// codec's 8 MiB default). The Control Plane cuts a projection into parts that fit it.
+    #[prost(uint32, tag = "6")]
+    pub max_frame_len: u32,
 }
 /// The Control Plane's answer to EdgeHelloRequest.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -235,6 +248,14 @@ pub struct PrincipalProjection {
     /// When the staged key becomes the signing key (Unix ms); 0 exactly when none is staged.
     #[prost(int64, tag = "7")]
     pub staged_issuer_activates_at_unix_ms: i64,
+    /// Added after the first release: how many parts of this same projection (same generation)
+    /// came before this message, each a principal_projection_part frame carrying more entries.
+    /// 0: this message is the whole projection (always, to an Edge that did not set
+    /// projection_parts). On a part, its own index; on the hello answer or apply request that
+    /// completes the projection, the number of parts sent before it. The Edge installs the
+    /// entries of all parts and of the completing message together, or none of them.
+    #[prost(uint32, tag = "8")]
+    pub parts_before: u32,
 }
 /// A principal, safe metadata only.
 #[derive(Clone, PartialEq, ::prost::Message)]

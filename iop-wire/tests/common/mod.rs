@@ -13,6 +13,7 @@ pub(crate) fn config() -> ControlSessionConfig {
     ControlSessionConfig {
         handshake_timeout: Duration::from_secs(10),
         heartbeat: Duration::from_secs(5),
+        ..ControlSessionConfig::default()
     }
 }
 
