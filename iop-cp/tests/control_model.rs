@@ -54,12 +54,16 @@
 //!   included) — and never someone else's;
 //! - **no-grant-against-a-stale-binding**: a lease the Edge receives as granted was granted for
 //!   a binding whose generation was the store's when the lease service answered;
-//! - **status-answers-matched-by-kind**: a status answer completes only a status request.
+//! - **status-answers-matched-by-kind**: a status answer completes only a status request;
+//! - **projection-installed-whole**: every projection the Edge installs is exactly the store's
+//!   projection of that generation. The model's frames are small (`MODEL_FRAME`), so every
+//!   projection after the first travels in parts, delivered one step at a time like any frame,
+//!   and the checker interleaves breaks, reconnects and older pushes between them.
 //!
 //! The test command runs two bounds and prints their state counts and times: `SMALL` (2
 //! sessions, 2 admin changes, 1 push, 2 lease requests, 1 transport break of any of the three
-//! kinds, 1 timer jump): 111,266 unique states in ≈4 s in a debug build on 2 cores; and
-//! `STATUS` (the same with 1 admin change, 1 lease request and 1 status request): 27,115
+//! kinds, 1 timer jump): 132,277 unique states in ≈8 s in a debug build on 2 cores; and
+//! `STATUS` (the same with 1 admin change, 1 lease request and 1 status request): 30,749
 //! states in ≈1 s. (`SMALL` with a status request and 2 pushes is 2.5 million states and
 //! 130 s here; status requests are independent of the lease and projection rules, so they get
 //! a bound of their own.) `CONTROL_MODEL=large` runs a larger one by hand.
@@ -72,7 +76,9 @@
 //!   **projection-generations-only-move-forward**: the driver pushes an older read after a
 //!   newer one;
 //! - the lease service's generation check removed → **no-grant-against-a-stale-binding**: a
-//!   binding of the generation before a token was created is granted.
+//!   binding of the generation before a token was created is granted;
+//! - the Edge's session made to install the message completing a projection without the parts
+//!   before it → **projection-installed-whole**.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::collections::{BTreeMap, VecDeque};
@@ -148,9 +154,14 @@ fn config() -> ControlSessionConfig {
     ControlSessionConfig {
         handshake_timeout: Duration::from_secs(10),
         heartbeat: Duration::from_secs(5),
-        ..ControlSessionConfig::default()
+        max_frame_len: MODEL_FRAME,
     }
 }
+
+/// Frames just large enough for the first projection (a principal and a route): every later
+/// one, with a token or two more, goes in parts ([`PrincipalProjection::into_parts`]), so the
+/// checker delivers parts one step at a time, interleaved with everything else.
+const MODEL_FRAME: usize = 1024 + 130;
 
 fn hello() -> EdgeHelloRequest {
     EdgeHelloRequest {
@@ -314,6 +325,8 @@ struct Wire {
     ticks: u8,
     /// A pushed projection reached the Edge and was installed.
     push_installed: bool,
+    /// The Edge installed a projection that came in parts (any after the first).
+    parts_installed: bool,
     /// The driver pushed a read no newer than what the session had sent, and nothing went.
     stale_push_dropped: bool,
     broken: Option<&'static str>,
@@ -346,6 +359,7 @@ impl Wire {
             cuts: 0,
             ticks: 0,
             push_installed: false,
+            parts_installed: false,
             stale_push_dropped: false,
             broken: None,
         };
@@ -355,7 +369,7 @@ impl Wire {
 
     fn key(&self) -> String {
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:?}",
             self.now,
             self.edge,
             self.cp,
@@ -380,6 +394,7 @@ impl Wire {
             self.cuts,
             self.ticks,
             self.push_installed,
+            self.parts_installed,
             self.stale_push_dropped,
             self.broken
         )
@@ -426,7 +441,7 @@ impl Wire {
             }
             while let Some(ev) = self.edge.poll_event() {
                 moved = true;
-                self.edge_event(ev);
+                self.edge_event(h, ev);
             }
             while let Some(ev) = self.cp.poll_event() {
                 moved = true;
@@ -466,11 +481,17 @@ impl Wire {
         }
     }
 
-    fn edge_event(&mut self, ev: EdgeControlEvent) {
+    fn edge_event(&mut self, h: &History, ev: EdgeControlEvent) {
         match ev {
             EdgeControlEvent::Projection(p) => {
                 if p.generation <= self.held_max {
                     self.broke("projection-generations-only-move-forward");
+                }
+                if h.projection_of(p.generation) != Some(&p) {
+                    self.broke("projection-installed-whole");
+                }
+                if p.generation > h.generation(0) {
+                    self.parts_installed = true;
                 }
                 self.held_max = p.generation;
             }
@@ -772,6 +793,9 @@ impl Model for ControlModel {
             Property::sometimes("a projection pushed and installed", |_, w: &Wire| {
                 w.push_installed
             }),
+            Property::sometimes("a projection sent in parts installed", |_, w: &Wire| {
+                w.parts_installed
+            }),
             Property::sometimes("an older read pushed and not sent", |_, w: &Wire| {
                 w.stale_push_dropped
             }),
@@ -814,6 +838,11 @@ fn check(bounds: Bounds) {
             "state {k}: {:?}",
             history.answers[&(k, current)]
         );
+    }
+    // The first projection fits one frame; every later one is sent in parts.
+    for (k, p) in history.projections.iter().enumerate() {
+        let parts = p.clone().into_parts(MODEL_FRAME).unwrap().len();
+        assert_eq!(parts > 1, k > 0, "state {k}: {parts} parts");
     }
     let started = Instant::now();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

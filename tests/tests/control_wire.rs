@@ -624,3 +624,112 @@ async fn status_commands_events_and_reconnect() {
     .await
     .expect("scenario finishes");
 }
+
+/// A principal projection larger than the frames the Edge reads arrives in parts over real
+/// mTLS, from the hello and from a push after a mutation, and is installed whole (every token
+/// authenticates). An Edge that does not say it takes parts is refused with a reason that
+/// says why, rather than sent a frame it cannot read.
+#[tokio::test]
+async fn a_projection_larger_than_a_frame_arrives_in_parts() {
+    const FRAME: usize = 8 * 1024;
+    const PRINCIPALS: usize = 300;
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let e = edge(&ca).await;
+        let (cp, admin) = control_plane(&ca, true, "127.0.0.1:0").await;
+        admin
+            .put_slot("slot-1", "openai", "authorization", "Bearer ", b"sk-test")
+            .await
+            .unwrap();
+        let mut tokens = Vec::new();
+        for i in 0..PRINCIPALS {
+            let id = format!("principal-{i}");
+            admin
+                .create_principal(&id, &format!("Team {i}"))
+                .await
+                .unwrap();
+            tokens.push(admin.create_token(&id).await.unwrap().token);
+            admin
+                .put_route(
+                    &format!("route-{i}"),
+                    &id,
+                    "demo",
+                    "slot-1",
+                    "demo-model",
+                    "",
+                )
+                .await
+                .unwrap();
+        }
+        let whole = admin
+            .projection(admin.store().generation().await.unwrap())
+            .await
+            .unwrap();
+        assert!(whole.encoded_len() > 4 * FRAME, "{}", whole.encoded_len());
+
+        let stop = CancellationToken::new();
+        let tls = pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1");
+        let mut config = connector_config(cp.local_addr().to_string(), tls, "edge-1", true);
+        config.max_frame_len = FRAME;
+        let c = ControlConnector::start(e.clone(), config, stop.clone()).unwrap();
+        let s = state_until(&c, |s| !matches!(s, SessionState::Connecting)).await;
+        assert_eq!(s, SessionState::Connected);
+        let p = c.projection().unwrap();
+        assert_eq!(p.projection(), &*whole);
+        for token in [&tokens[0], &tokens[PRINCIPALS / 2], &tokens[PRINCIPALS - 1]] {
+            assert!(p.authenticate(token).is_some());
+        }
+
+        // A mutation: the next projection is pushed in parts too.
+        admin
+            .create_principal("principal-late", "Late")
+            .await
+            .unwrap();
+        let late = admin.create_token("principal-late").await.unwrap();
+        loop {
+            if c.projection().unwrap().generation() >= late.generation {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let p = c.projection().unwrap();
+        assert_eq!(p.authenticate(&late.token), Some("principal-late"));
+        assert!(p.authenticate(&tokens[PRINCIPALS - 1]).is_some());
+        assert_eq!(c.state().borrow().clone(), SessionState::Connected);
+
+        // An Edge whose hello does not take parts (an older one) and reads 8 KiB frames.
+        let tcp = tokio::net::TcpStream::connect(cp.local_addr())
+            .await
+            .unwrap();
+        let tls = tokio_rustls::TlsConnector::from(pki::client_tls(
+            &ca,
+            role::EDGE,
+            "edge-2",
+            role::CONTROL_PLANE,
+            "cp-1",
+        ))
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+        let mut io = Framed::new(tls, TokioCodec::<ControlFrame>::new(FrameCodec::new()));
+        let hello = iop_wire::control::EdgeHelloRequest {
+            edge_id: "edge-2".into(),
+            managed: true,
+            projection_parts: false,
+            max_frame_len: u32::try_from(FRAME).unwrap(),
+            ..Default::default()
+        };
+        io.send(ControlFrame::new(ControlMessage::EdgeHelloRequest(hello)))
+            .await
+            .unwrap();
+        match io.next().await.unwrap().unwrap().message {
+            ControlMessage::EdgeHelloResponse(EdgeHelloResponse::Rejected { reason }) => {
+                assert!(reason.contains("does not take it in parts"), "{reason}");
+            }
+            other => panic!("refused, not {other:?}"),
+        }
+        stop.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
