@@ -602,12 +602,25 @@ fn frame_seeds(dir: &Path) {
         version: "0.1.0".into(),
         managed: false,
         metadata: BTreeMap::from([("region".into(), "local".into())]),
-        projection_parts: true,
-        max_frame_len: 1 << 20,
+        projection_parts: false,
+        max_frame_len: 0,
     };
     frame(
         "control_hello",
-        &ControlFrame::correlated(1, ControlMessage::EdgeHelloRequest(hello)),
+        &ControlFrame::correlated(1, ControlMessage::EdgeHelloRequest(hello.clone())),
+    );
+    // A managed Edge that takes a projection in parts and reads frames of 1 MiB.
+    frame(
+        "control_hello_parts",
+        &ControlFrame::correlated(
+            1,
+            ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
+                managed: true,
+                projection_parts: true,
+                max_frame_len: 1 << 20,
+                ..hello
+            }),
+        ),
     );
     frame(
         "control_status_request",
@@ -692,12 +705,36 @@ fn frame_seeds(dir: &Path) {
         issuer_key_id: "p256:0011223344556677".into(),
         staged_issuer_key_id: "p256:8899aabbccddeeff".into(),
         staged_issuer_activates_at_unix_ms: 1_780_000_000_000,
+        parts_before: 0,
     };
     frame(
         "control_projection_staged_issuer",
         &ControlFrame::correlated(
             4,
-            ControlMessage::PrincipalProjectionApplyRequest(projection),
+            ControlMessage::PrincipalProjectionApplyRequest(projection.clone()),
+        ),
+    );
+    // A projection in parts: the second part, then the apply request completing it.
+    frame(
+        "control_projection_part",
+        &ControlFrame::new(ControlMessage::PrincipalProjectionPart(
+            PrincipalProjection {
+                issuer_key_id: String::new(),
+                staged_issuer_key_id: String::new(),
+                staged_issuer_activates_at_unix_ms: 0,
+                parts_before: 1,
+                ..projection.clone()
+            },
+        )),
+    );
+    frame(
+        "control_projection_completing",
+        &ControlFrame::correlated(
+            5,
+            ControlMessage::PrincipalProjectionApplyRequest(PrincipalProjection {
+                parts_before: 2,
+                ..projection
+            }),
         ),
     );
     // A status answer naming a refused Node and a warned one.
