@@ -10,6 +10,12 @@
 //!    in legacy mode `managed=false`. A refusal is answered with a stable reason, then closed.
 //! 3. Accepted: the hello answer carries the current projection (managed mode). A later
 //!    connection of the same `edge_id` replaces the earlier one, which is closed.
+//!    A projection larger than a frame (the smaller of [`ServerConfig::max_frame_len`] and the
+//!    limit the Edge's hello names; at the 8 MiB default, about 40,000 principals with a token
+//!    and a route each) goes in parts, before the hello answer or apply request that completes
+//!    it, to an Edge whose hello says it takes parts (every Edge of this version). An older
+//!    Edge is refused (hello) or disconnected (push) with the sizes in the log
+//!    (`cp_edge_hello_refused`, `cp_projection_unsendable`), never sent a frame it cannot read.
 //! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed: one
 //!    projection per generation, read from the store and built once for every Edge,
 //!    [`Admin::projection`](crate::admin::Admin::projection)); the
@@ -88,7 +94,7 @@ pub struct ServerConfig {
     pub managed: bool,
     /// Heartbeat interval told to Edges.
     pub heartbeat: Duration,
-    /// Largest frame accepted or sent.
+    /// Largest frame accepted or sent. A projection larger than a frame is sent in parts.
     pub max_frame_len: usize,
     /// How often the store's generation is read at the latest, so that mutations made
     /// elsewhere (the CLI on the same SQLite file, another replica on PostgreSQL) are pushed

@@ -85,7 +85,9 @@ pub struct ControlConfig {
     pub edge_id: String,
     /// `credential_plane.enabled`.
     pub managed: bool,
-    /// Largest frame accepted or sent.
+    /// Largest frame accepted or sent. The hello names it, and the Control Plane cuts a
+    /// projection that does not fit into parts, which the session assembles and installs
+    /// whole ([`iop_wire::control_session`]).
     pub max_frame_len: usize,
     /// How to reach an address: `None` dials TCP. A custom dialer carries the connection over
     /// another transport (`turmoil`'s simulated network in `tests/tests/control_sim.rs`); TLS

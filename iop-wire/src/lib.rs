@@ -13,7 +13,7 @@
 //! | [`runtime`], [`control`] | domain types for every message of `proto/runtime.proto` and `proto/control.proto`; validation happens in the conversion from protobuf ("parse, don't validate") |
 //! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; optional tokio-util codec (feature `tokio-codec`) |
 //! | [`node`] | the Node side of one connection (the Edge side is `iop_edge_core::registry`): register → apply config → ready; run-id admission, refusal framing, `health_observation_seq` stamping |
-//! | [`control_session`] | both ends of one Control Plane ⇄ Edge connection (seed 001): hello and identity agreement, heartbeats and silence, correlation, projection generations that only move forward, lease request/answer matching |
+//! | [`control_session`] | both ends of one Control Plane ⇄ Edge connection (seed 001): hello and identity agreement, heartbeats and silence, correlation, projection generations that only move forward, a projection larger than a frame in parts (installed whole or not at all), lease request/answer matching |
 //! | [`tunnel_order`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
 //! | [`reconnect`] | the supervisor policy: `interval_sec`, `max_attempts`, jitter, exit classes |
 //! | [`health`] | the connection-scoped `health_observation_seq` |

@@ -649,10 +649,9 @@ fn a_projection_is_cut_into_frames_of_whole_entries() {
     assert_eq!(joined.routes, whole.routes);
     let mut one_large = whole;
     one_large.principals[3].display_name = "x".repeat(4000);
-    let err = one_large
-        .into_parts(4096)
-        .err()
-        .expect("an entry larger than a frame");
+    let Err(err) = one_large.into_parts(4096) else {
+        panic!("an entry larger than a frame")
+    };
     assert!(
         err.entry && err.max_frame_len == 4096 && err.len > 4000,
         "{err:?}"
