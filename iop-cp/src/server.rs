@@ -10,11 +10,13 @@
 //!    in legacy mode `managed=false`. A refusal is answered with a stable reason, then closed.
 //! 3. Accepted: the hello answer carries the current projection (managed mode). A later
 //!    connection of the same `edge_id` replaces the earlier one, which is closed.
-//!    A projection larger than a frame (the smaller of [`ServerConfig::max_frame_len`] and the
-//!    limit the Edge's hello names; at the 8 MiB default, about 40,000 principals with a token
-//!    and a route each) goes in parts, before the hello answer or apply request that completes
-//!    it, to an Edge whose hello says it takes parts (every Edge of this version). An older
-//!    Edge is refused (hello) or disconnected (push) with the sizes in the log
+//!    To an Edge whose hello says it takes parts (every Edge of this version), a projection
+//!    larger than 1 MiB (about 5,000 principals with a token and a route each) goes in parts of
+//!    at most that, or of the frame limit if smaller ([`ServerConfig::max_frame_len`], the
+//!    limit the Edge's hello names), before the hello answer or apply request that completes
+//!    it: each session's write buffer keeps the size of the largest frame it wrote. An older
+//!    Edge gets it whole up to the frame limit (8 MiB by default, about 40,000 principals);
+//!    beyond, it is refused (hello) or disconnected (push) with the sizes in the log
 //!    (`cp_edge_hello_refused`, `cp_projection_unsendable`), never sent a frame it cannot read.
 //! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed: one
 //!    projection per generation, read from the store and built once for every Edge,

@@ -30,7 +30,8 @@
 //!   generation lower than or equal to one it already sent on the session.
 //! - **A projection larger than a frame travels in parts** (added after the first release):
 //!   the Edge's hello says it assembles parts and the largest frame it reads; the Control
-//!   Plane cuts a projection that does not fit the smaller of that and its own limit into
+//!   Plane cuts a projection that does not fit the smaller of that, its own limit and
+//!   [`MAX_PROJECTION_PART_LEN`] into
 //!   [`ControlMessage::PrincipalProjectionPart`]s followed by the hello answer or apply
 //!   request that completes it ([`PrincipalProjection::into_parts`]). The Edge installs all of
 //!   it or nothing: parts must come in order and of one generation, the completing message
@@ -84,6 +85,12 @@ impl Default for ControlSessionConfig {
         }
     }
 }
+
+/// The largest part the Control Plane cuts a projection into for an Edge that takes parts
+/// (1 MiB), whatever the frame limits allow: each session's write buffer grows to the largest
+/// frame it wrote and keeps that size, so with 8 MiB parts a Control Plane serving 400 Edges
+/// would keep 3 GiB of buffers after one push of a large projection.
+pub const MAX_PROJECTION_PART_LEN: usize = 1 << 20;
 
 /// The most heap ([`PrincipalProjection::held_bytes`]) an Edge's session holds for a
 /// projection it assembles from parts (512 MiB: about a million principals, each with a token
@@ -969,8 +976,11 @@ impl ControlPlaneSession {
             n => n as usize,
         };
         let max_frame_len = self.max_frame_len.min(edge);
+        if self.edge_takes_parts {
+            return p.into_parts(max_frame_len.min(MAX_PROJECTION_PART_LEN));
+        }
         let parts = p.into_parts(max_frame_len)?;
-        if parts.len() > 1 && !self.edge_takes_parts {
+        if parts.len() > 1 {
             return Err(ProjectionTooLarge {
                 len: parts.iter().map(PrincipalProjection::encoded_len).sum(),
                 max_frame_len,

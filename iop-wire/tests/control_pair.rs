@@ -894,3 +894,50 @@ fn parts_cannot_bring_more_entries_than_one_projection_holds() {
         ))
     ));
 }
+
+/// With the default 8 MiB frames on both ends, a projection of a few MiB still goes in parts of
+/// at most `MAX_PROJECTION_PART_LEN` (1 MiB) to an Edge that takes parts: a Control Plane's
+/// buffers per Edge stay that size. An Edge that does not take parts gets it whole.
+#[test]
+fn parts_are_at_most_a_mebibyte_whatever_the_frame_limit() {
+    use iop_wire::control_session::MAX_PROJECTION_PART_LEN;
+    let large = large_projection(2, 12_000);
+    assert!(large.encoded_len() > 2 * MAX_PROJECTION_PART_LEN);
+    let mut p = Pair::new("edge-1", "edge-1", true, 0);
+    p.cp_events.clear();
+    p.cp.accept(p.now, Some(large.clone())).unwrap();
+    let codec = FrameCodec::new();
+    let mut frames = 0;
+    while let Some(f) = p.cp.poll_transmit() {
+        let mut buf = BytesMut::new();
+        codec.encode(&f, &mut buf).unwrap();
+        assert!(buf.len() <= MAX_PROJECTION_PART_LEN + 4, "{}", buf.len());
+        frames += 1;
+        p.edge.handle_frame(p.now, f);
+    }
+    assert!(frames >= 3, "{frames}");
+    assert!(matches!(p.edge.poll_event(), Some(EdgeControlEvent::Projection(x)) if x == large));
+    // An Edge that does not take parts: whole, in one frame of its limit.
+    let now = Instant::now();
+    let mut cp = ControlPlaneSession::new(config(), Some("edge-1".into()), now);
+    cp.handle_frame(
+        now,
+        ControlFrame::correlated(
+            1,
+            ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
+                edge_id: "edge-1".into(),
+                managed: true,
+                ..Default::default()
+            }),
+        ),
+    );
+    cp.accept(now, Some(large.clone())).unwrap();
+    assert!(matches!(
+        cp.poll_transmit().map(|f| f.message),
+        Some(ControlMessage::EdgeHelloResponse(iop_wire::control::EdgeHelloResponse::Accepted {
+            projection: Some(x),
+            ..
+        })) if x == large
+    ));
+    assert!(cp.poll_transmit().is_none());
+}
