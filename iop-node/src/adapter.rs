@@ -86,19 +86,7 @@ pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// down.
 const MAX_CREDITED_FRAME_PAYLOAD: usize = 1024 * 1024;
 
-/// The largest index at most `max` that is a character boundary of `text` (`text.len()` when
-/// it is shorter): where to cut it so that the first part is at most `max` bytes. Never 0 for
-/// `max >= 4`, a character being at most 4 bytes. (`str::floor_char_boundary` needs Rust 1.91;
-/// the MSRV is 1.89.)
-pub(crate) fn floor_char_boundary(text: &str, max: usize) -> usize {
-    if text.len() <= max {
-        return text.len();
-    }
-    (max.saturating_sub(3)..=max)
-        .rev()
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(0)
-}
+use iop_wire::validate::floor_char_boundary;
 
 /// A payload in a stream's buffer with its share of the stream's byte budget (released when
 /// the payload moves on to the connection writer).

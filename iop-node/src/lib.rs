@@ -223,11 +223,14 @@ pub struct NodeOptions {
     pub more_edges: Vec<EdgeTarget>,
     /// Initial dial and reconnect policy.
     pub reconnect: ReconnectPolicy,
-    /// Heartbeat and handshake timeouts.
+    /// Heartbeat and handshake timeouts. Its `max_frame_len` is ignored: the session takes
+    /// [`NodeOptions::max_frame_len`], the one limit of this Node's codec.
     pub session: NodeSessionConfig,
     /// Adapter types this Node can run.
     pub adapters: AdapterRegistry,
-    /// Largest frame accepted or sent.
+    /// Largest frame accepted or sent. A run's start or terminal larger than this (or one the
+    /// Edge's validation would refuse) is replaced by an `ERROR` of its stream, never sent to
+    /// fail the connection ([`iop_wire::node::NodeSession::send`]).
     pub max_frame_len: usize,
     /// The lease recipient key announced at registration, if any.
     pub recipient: Option<RecipientKey>,

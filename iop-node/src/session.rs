@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
 use iop_wire::codec::{FrameCodec, TokioCodec};
-use iop_wire::node::{CloseReason, NodeEvent, NodeSession, RunRefusal, StreamKind};
+use iop_wire::node::{
+    CloseReason, NodeEvent, NodeSession, NodeSessionConfig, RunRefusal, StreamKind,
+};
 use iop_wire::runtime::{
     Capability, ConfigRefreshOutcome, FailureEvidence, NodeCommandKind, NodeCommandRequest,
     NodeCommandResponse, NodeConfigPayload, NodeConfigRefreshResponse, ProviderStatus,
@@ -31,7 +33,6 @@ use crate::adapter::{
 use crate::credit::Credit;
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel_order::TunnelWriter;
-use iop_wire::validate::MAX_TEXT_LEN;
 
 /// The read buffer a session starts with; it grows to the largest frame the Edge sends (as at
 /// the Edge, where tokio-util's 8 KiB default was most of an idle connection's memory).
@@ -94,7 +95,12 @@ where
             .unwrap_or_default(),
         stream_credit: true,
     };
-    let mut session = NodeSession::new(opts.session, register, now());
+    // The session makes a run's start or terminal fit the frames the Edge reads.
+    let config = NodeSessionConfig {
+        max_frame_len: opts.max_frame_len,
+        ..opts.session
+    };
+    let mut session = NodeSession::new(config, register, now());
     let session_token = CancellationToken::new();
     // Cancels every run of this session however the loop exits.
     let _cancel_runs = session_token.clone().drop_guard();
@@ -153,6 +159,9 @@ where
                         gates,
                         &mut session,
                     ),
+                    NodeEvent::AnswerReplaced { stream_id, reason } => {
+                        tracing::warn!(stream_id, %reason, "a run's start or terminal replaced by an error");
+                    }
                     NodeEvent::Closed(reason) => {
                         let _ = framed.close().await;
                         return SessionOutcome {
@@ -184,12 +193,12 @@ where
                 _ => session.handle_transport_closed(),
             },
             Some(out) = out_rx.recv() => {
-                outbound(out, &mut session, &mut runs, &mut credits, opts.max_frame_len);
+                outbound(out, &mut session, &mut runs, &mut credits);
                 // Whatever else is already queued goes out with it: one write and one flush for
                 // a burst (a tunnel's start, body and end), not one each.
                 for _ in 0..OUTBOUND_BURST {
                     match out_rx.try_recv() {
-                        Ok(out) => outbound(out, &mut session, &mut runs, &mut credits, opts.max_frame_len),
+                        Ok(out) => outbound(out, &mut session, &mut runs, &mut credits),
                         Err(_) => break,
                     }
                 }
@@ -203,75 +212,19 @@ where
 const OUTBOUND_BURST: usize = 64;
 
 /// One message from a run, tunnel or probe task.
-/// A run's start or terminal that the Edge could not take would end more than its run: one
-/// too large for a frame (a provider's tool call of megabytes in the `COMPLETE` metadata, a
-/// tunnel's response headers) fails the connection's writer, and one the Edge's validation
-/// refuses (an adapter's error text over [`MAX_TEXT_LEN`], a header name it forbids) is a
-/// protocol violation that closes the session; either way every run of the session ends. An
-/// error text is cut to [`MAX_TEXT_LEN`] (on a character boundary); anything else the wire
-/// would not carry is replaced by an `ERROR` of the same stream (and tunnel sequence) that
-/// says why. Deltas and tunnel bodies are cut to fit before they get here
-/// (`MAX_FRAME_PAYLOAD`); usage, `END` and the Node's own frames are small and valid. Checked
-/// once or twice per run, never per delta or body.
-fn fit(mut frame: RuntimeFrame, max_frame_len: usize) -> RuntimeFrame {
-    let error_text = match &mut frame.message {
-        RuntimeMessage::RunEvent(ev) if ev.kind == RunEventKind::Delta => return frame,
-        RuntimeMessage::RunEvent(ev) => Some(&mut ev.error),
-        RuntimeMessage::ProviderTunnelFrame(tf) => match &mut tf.payload {
-            TunnelPayload::Body(_) | TunnelPayload::Usage(_) | TunnelPayload::End => {
-                return frame;
-            }
-            TunnelPayload::Error { error, .. } => Some(error),
-            TunnelPayload::ResponseStart { .. } => None,
-        },
-        _ => return frame,
-    };
-    if let Some(text) = error_text {
-        text.truncate(crate::adapter::floor_char_boundary(text, MAX_TEXT_LEN));
-    }
-    let why = match frame.validated_len() {
-        Ok(len) if len <= max_frame_len => return frame,
-        Ok(len) => format!(
-            "the provider's answer is too large for the Edge-Node wire \
-             ({len} bytes, at most {max_frame_len})"
-        ),
-        Err(e) => format!("the provider's answer is not valid on the Edge-Node wire: {e}"),
-    };
-    tracing::warn!(reason = %why, "a run's start or terminal replaced by an error");
-    let message = match frame.message {
-        RuntimeMessage::ProviderTunnelFrame(tf) => {
-            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
-                sequence: tf.sequence,
-                payload: TunnelPayload::Error {
-                    error: why,
-                    execution_failure: None,
-                },
-                metadata: Default::default(),
-            })
-        }
-        _ => {
-            let mut ev = RunEvent::new(RunEventKind::Error);
-            ev.error = why;
-            RuntimeMessage::RunEvent(ev)
-        }
-    };
-    RuntimeFrame { message, ..frame }
-}
-
 fn outbound(
     out: Outbound,
     session: &mut NodeSession,
     runs: &mut HashMap<String, CancellationToken>,
     credits: &mut HashMap<u64, Arc<Credit>>,
-    max_frame_len: usize,
 ) {
     match out {
         Outbound::Frame(frame) => {
             // Refused only after the session closed, when the frame has nowhere to go.
-            let _ = session.send(now(), fit(*frame, max_frame_len));
+            let _ = session.send(now(), *frame);
         }
         Outbound::Stamped(frame) => {
-            let _ = session.send_stamped(now(), fit(*frame, max_frame_len));
+            let _ = session.send_stamped(now(), *frame);
         }
         Outbound::RunDone(run_id, stream_id) => {
             runs.remove(&run_id);
@@ -989,88 +942,4 @@ async fn tunnel_task(
             .await;
     }
     let _ = out.send(Outbound::RunDone(run_id, stream_id)).await;
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used, reason = "tests")]
-mod tests {
-    use super::*;
-
-    /// A terminal over the frame limit becomes an `ERROR` of the same stream that fits; one
-    /// under it, and any delta, pass unchanged.
-    #[test]
-    fn a_terminal_too_large_for_one_frame_becomes_an_error_that_fits() {
-        let max = 64 * 1024;
-        let mut complete = RunEvent::new(RunEventKind::Complete);
-        complete
-            .metadata
-            .insert("openai_tool_calls".into(), "x".repeat(max));
-        let frame = RuntimeFrame::on_stream(7, RuntimeMessage::RunEvent(complete));
-        let fitted = fit(frame.clone(), max);
-        assert_eq!(fitted.stream_id, 7);
-        let RuntimeMessage::RunEvent(ev) = &fitted.message else {
-            panic!("a run event")
-        };
-        assert_eq!(ev.kind, RunEventKind::Error);
-        assert!(ev.error.contains("too large"), "{}", ev.error);
-        assert!(fitted.encoded_len() <= max);
-        assert_eq!(
-            fit(frame.clone(), 2 * max),
-            frame,
-            "under the limit: unchanged"
-        );
-        let mut delta = RunEvent::new(RunEventKind::Delta);
-        delta.delta = "y".repeat(max);
-        let delta = RuntimeFrame::on_stream(7, RuntimeMessage::RunEvent(delta));
-        assert_eq!(
-            fit(delta.clone(), max),
-            delta,
-            "deltas are cut before, not here"
-        );
-        let error = RuntimeFrame::on_stream(
-            9,
-            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
-                sequence: 3,
-                payload: TunnelPayload::Error {
-                    error: format!("a{}", "é".repeat(max)),
-                    execution_failure: None,
-                },
-                metadata: Default::default(),
-            }),
-        );
-        let fitted = fit(error, max);
-        let RuntimeMessage::ProviderTunnelFrame(tf) = &fitted.message else {
-            panic!("a tunnel frame")
-        };
-        assert_eq!((fitted.stream_id, tf.sequence), (9, 3));
-        assert!(
-            matches!(&tf.payload, TunnelPayload::Error { error, .. } if error.len() == MAX_TEXT_LEN - 1),
-            "a long error text is cut to what the Edge accepts (on a character), not replaced"
-        );
-        assert!(fitted.validate().is_ok());
-        // A header name the Edge's validation refuses: replaced by an error that says so.
-        let start = RuntimeFrame::on_stream(
-            9,
-            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
-                sequence: 1,
-                payload: TunnelPayload::ResponseStart {
-                    status: 200,
-                    headers: vec![iop_wire::runtime::Header {
-                        name: "bad name".into(),
-                        value: "v".into(),
-                    }],
-                },
-                metadata: Default::default(),
-            }),
-        );
-        let fitted = fit(start, max);
-        let RuntimeMessage::ProviderTunnelFrame(tf) = &fitted.message else {
-            panic!("a tunnel frame")
-        };
-        assert!(
-            matches!(&tf.payload, TunnelPayload::Error { error, .. } if error.contains("not valid")),
-            "{tf:?}"
-        );
-        assert!(fitted.validate().is_ok());
-    }
 }

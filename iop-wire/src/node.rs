@@ -37,6 +37,7 @@ use crate::runtime::{
     NodeReadyResponse, RegisterRequest, RegisterResponse, RunEvent, RunEventKind, RuntimeFrame,
     RuntimeMessage, TunnelFrame, TunnelPayload,
 };
+use crate::validate::{MAX_TEXT_LEN, floor_char_boundary};
 
 /// Node session settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +46,11 @@ pub struct NodeSessionConfig {
     pub heartbeat: HeartbeatConfig,
     /// How long registration plus readiness may take before the session gives up.
     pub handshake_timeout: Duration,
+    /// The largest frame the Edge reads (its codec's limit, the default
+    /// [`DEFAULT_MAX_FRAME_LEN`](crate::codec::DEFAULT_MAX_FRAME_LEN) on both ends). A run's
+    /// start or terminal larger than this is replaced before it is queued
+    /// ([`NodeSession::send`]).
+    pub max_frame_len: usize,
 }
 
 impl Default for NodeSessionConfig {
@@ -52,6 +58,7 @@ impl Default for NodeSessionConfig {
         Self {
             heartbeat: HeartbeatConfig::default(),
             handshake_timeout: Duration::from_secs(30),
+            max_frame_len: crate::codec::DEFAULT_MAX_FRAME_LEN,
         }
     }
 }
@@ -92,6 +99,14 @@ pub enum NodeEvent {
     /// An application frame from the Edge (run, tunnel, cancel, command, config refresh).
     /// Only ever emitted after [`NodeEvent::Ready`].
     Frame(RuntimeFrame),
+    /// A run's start or terminal that the Edge could not take was replaced by an `ERROR` of
+    /// the same stream ([`NodeSession::send`]); for the driver's log.
+    AnswerReplaced {
+        /// The stream whose frame was replaced.
+        stream_id: u64,
+        /// Why, as the `ERROR` the Edge receives says it.
+        reason: String,
+    },
     /// The session is over; close the socket. Emitted exactly once.
     Closed(CloseReason),
 }
@@ -161,6 +176,7 @@ pub struct NodeSession {
     handshake_deadline: Option<Instant>,
     next_correlation: u64,
     health_seq: HealthObservationSeq,
+    max_frame_len: usize,
     /// Run ids of the runs and tunnels in progress on this connection.
     active: BTreeSet<String>,
     transmits: VecDeque<RuntimeFrame>,
@@ -199,6 +215,7 @@ impl NodeSession {
             handshake_deadline: now.checked_add(config.handshake_timeout),
             next_correlation: 1,
             health_seq: HealthObservationSeq::new(),
+            max_frame_len: config.max_frame_len,
             active: BTreeSet::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
@@ -364,20 +381,54 @@ impl NodeSession {
     }
 
     /// Queues an application frame (run event, tunnel frame, command or refresh response).
+    ///
+    /// A run's start or terminal (a `RunEvent` other than a delta; a tunnel's `RESPONSE_START`
+    /// or `ERROR`) is made to fit what the Edge takes first, since one it could not take would
+    /// end every run of the connection: one larger than
+    /// [`NodeSessionConfig::max_frame_len`] (a provider's tool call of megabytes in the
+    /// `COMPLETE` metadata, a tunnel's response headers) fails the writer, and one the Edge's
+    /// validation refuses (an error text over [`MAX_TEXT_LEN`], a header name it forbids) is a
+    /// protocol violation. An error text is cut to [`MAX_TEXT_LEN`] on a character boundary;
+    /// anything else the wire would not carry is replaced by an `ERROR` of the same stream (and
+    /// tunnel sequence) that says why, with a [`NodeEvent::AnswerReplaced`]. Deltas and tunnel
+    /// bodies are not measured (once or twice per run, never per delta or body): the caller
+    /// cuts them to size.
     pub fn send(&mut self, now: Instant, frame: RuntimeFrame) -> Result<(), NodeSessionError> {
+        self.queue(now, frame, false)
+    }
+
+    fn queue(
+        &mut self,
+        now: Instant,
+        frame: RuntimeFrame,
+        stamp: bool,
+    ) -> Result<(), NodeSessionError> {
         if self.state != NodeState::Ready {
             return Err(NodeSessionError::NotReady);
         }
-        match frame.message {
-            RuntimeMessage::RunEvent(_)
-            | RuntimeMessage::ProviderTunnelFrame(_)
-            | RuntimeMessage::NodeCommandResponse(_)
-            | RuntimeMessage::NodeConfigRefreshResponse(_) => {
-                self.transmit(now, frame);
-                Ok(())
-            }
-            _ => Err(NodeSessionError::WrongDirection),
+        let mut frame = frame;
+        if stamp {
+            // Before the fit, which measures the frame as it goes out (a replaced frame then
+            // leaves a gap in the numbers, which only ever compare as fresher or not).
+            self.stamp(&mut frame);
         }
+        let frame = match frame.message {
+            RuntimeMessage::RunEvent(_) | RuntimeMessage::ProviderTunnelFrame(_) => {
+                let (frame, replaced) = fit(frame, self.max_frame_len);
+                if let Some(reason) = replaced {
+                    self.events.push_back(NodeEvent::AnswerReplaced {
+                        stream_id: frame.stream_id,
+                        reason,
+                    });
+                }
+                frame
+            }
+            RuntimeMessage::NodeCommandResponse(_)
+            | RuntimeMessage::NodeConfigRefreshResponse(_) => frame,
+            _ => return Err(NodeSessionError::WrongDirection),
+        };
+        self.transmit(now, frame);
+        Ok(())
     }
 
     /// Admits a run or tunnel by its run id: refused when the session is not ready or the id is
@@ -432,12 +483,17 @@ impl NodeSession {
 
     /// Sends a frame that may carry stall evidence (a run's `ERROR` event, a tunnel's `ERROR`
     /// frame), stamping valid evidence with the next connection-scoped
-    /// `health_observation_seq` first (left empty on an unbound session).
+    /// `health_observation_seq` first (left empty on an unbound session), then made to fit as
+    /// by [`NodeSession::send`].
     pub fn send_stamped(
         &mut self,
         now: Instant,
-        mut frame: RuntimeFrame,
+        frame: RuntimeFrame,
     ) -> Result<(), NodeSessionError> {
+        self.queue(now, frame, true)
+    }
+
+    fn stamp(&mut self, frame: &mut RuntimeFrame) {
         let failure = match &mut frame.message {
             RuntimeMessage::RunEvent(ev) => ev.execution_failure.as_mut(),
             RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
@@ -452,7 +508,6 @@ impl NodeSession {
         if let Some(FailureEvidence::Valid(f)) = failure {
             f.health_observation_seq = self.next_health_observation_seq();
         }
-        self.send(now, frame)
     }
 
     /// Answers a CAPABILITIES command: each entry gets the next `health_observation_seq`, in
@@ -537,5 +592,137 @@ impl NodeSession {
         self.active.clear();
         self.transmits.clear();
         self.events.push_back(NodeEvent::Closed(reason));
+    }
+}
+
+/// `frame` as the Edge takes it (see [`NodeSession::send`]), and why it was replaced if it was.
+fn fit(mut frame: RuntimeFrame, max_frame_len: usize) -> (RuntimeFrame, Option<String>) {
+    let error_text = match &mut frame.message {
+        RuntimeMessage::RunEvent(ev) if ev.kind == RunEventKind::Delta => return (frame, None),
+        RuntimeMessage::RunEvent(ev) => Some(&mut ev.error),
+        RuntimeMessage::ProviderTunnelFrame(tf) => match &mut tf.payload {
+            TunnelPayload::Body(_) | TunnelPayload::Usage(_) | TunnelPayload::End => {
+                return (frame, None);
+            }
+            TunnelPayload::Error { error, .. } => Some(error),
+            TunnelPayload::ResponseStart { .. } => None,
+        },
+        _ => return (frame, None),
+    };
+    if let Some(text) = error_text {
+        text.truncate(floor_char_boundary(text, MAX_TEXT_LEN));
+    }
+    let reason = match frame.validated_len() {
+        Ok(len) if len <= max_frame_len => return (frame, None),
+        Ok(len) => format!(
+            "the provider's answer is too large for the Edge-Node wire \
+             ({len} bytes, at most {max_frame_len})"
+        ),
+        Err(e) => format!("the provider's answer is not valid on the Edge-Node wire: {e}"),
+    };
+    let message = match frame.message {
+        RuntimeMessage::ProviderTunnelFrame(tf) => {
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: tf.sequence,
+                payload: TunnelPayload::Error {
+                    error: reason.clone(),
+                    execution_failure: None,
+                },
+                metadata: BTreeMap::new(),
+            })
+        }
+        _ => {
+            let mut ev = RunEvent::new(RunEventKind::Error);
+            ev.error = reason.clone();
+            RuntimeMessage::RunEvent(ev)
+        }
+    };
+    (RuntimeFrame { message, ..frame }, Some(reason))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+mod tests {
+    use super::*;
+
+    /// A terminal over the frame limit becomes an `ERROR` of the same stream that fits; one
+    /// under it, and any delta, pass unchanged.
+    #[test]
+    fn a_terminal_too_large_for_one_frame_becomes_an_error_that_fits() {
+        let max = 64 * 1024;
+        let mut complete = RunEvent::new(RunEventKind::Complete);
+        complete
+            .metadata
+            .insert("openai_tool_calls".into(), "x".repeat(max));
+        let frame = RuntimeFrame::on_stream(7, RuntimeMessage::RunEvent(complete));
+        let (fitted, why) = fit(frame.clone(), max);
+        assert!(why.is_some_and(|w| w.contains("too large")));
+        assert_eq!(fitted.stream_id, 7);
+        let RuntimeMessage::RunEvent(ev) = &fitted.message else {
+            panic!("a run event")
+        };
+        assert_eq!(ev.kind, RunEventKind::Error);
+        assert!(ev.error.contains("too large"), "{}", ev.error);
+        assert!(fitted.encoded_len() <= max);
+        assert_eq!(
+            fit(frame.clone(), 2 * max),
+            (frame.clone(), None),
+            "under the limit: unchanged"
+        );
+        let mut delta = RunEvent::new(RunEventKind::Delta);
+        delta.delta = "y".repeat(max);
+        let delta = RuntimeFrame::on_stream(7, RuntimeMessage::RunEvent(delta));
+        assert_eq!(
+            fit(delta.clone(), max),
+            (delta, None),
+            "deltas are cut before, not here"
+        );
+        let error = RuntimeFrame::on_stream(
+            9,
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 3,
+                payload: TunnelPayload::Error {
+                    error: format!("a{}", "é".repeat(max)),
+                    execution_failure: None,
+                },
+                metadata: Default::default(),
+            }),
+        );
+        let (fitted, why) = fit(error, max);
+        assert_eq!(why, None, "cut, not replaced");
+        let RuntimeMessage::ProviderTunnelFrame(tf) = &fitted.message else {
+            panic!("a tunnel frame")
+        };
+        assert_eq!((fitted.stream_id, tf.sequence), (9, 3));
+        assert!(
+            matches!(&tf.payload, TunnelPayload::Error { error, .. } if error.len() == MAX_TEXT_LEN - 1),
+            "a long error text is cut to what the Edge accepts (on a character), not replaced"
+        );
+        assert!(fitted.validate().is_ok());
+        // A header name the Edge's validation refuses: replaced by an error that says so.
+        let start = RuntimeFrame::on_stream(
+            9,
+            RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 1,
+                payload: TunnelPayload::ResponseStart {
+                    status: 200,
+                    headers: vec![crate::runtime::Header {
+                        name: "bad name".into(),
+                        value: "v".into(),
+                    }],
+                },
+                metadata: Default::default(),
+            }),
+        );
+        let (fitted, why) = fit(start, max);
+        assert!(why.is_some());
+        let RuntimeMessage::ProviderTunnelFrame(tf) = &fitted.message else {
+            panic!("a tunnel frame")
+        };
+        assert!(
+            matches!(&tf.payload, TunnelPayload::Error { error, .. } if error.contains("not valid")),
+            "{tf:?}"
+        );
+        assert!(fitted.validate().is_ok());
     }
 }

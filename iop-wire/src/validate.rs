@@ -16,6 +16,20 @@ pub const MAX_TARGET_LEN: usize = 256;
 /// Longest free-text reason or legacy error string in bytes.
 pub const MAX_TEXT_LEN: usize = 4096;
 
+/// The largest index at most `max` that is a character boundary of `text` (`text.len()` when
+/// it is shorter): where to cut it so that the first part is at most `max` bytes. Never 0 for
+/// `max >= 4`, a character being at most 4 bytes. (`str::floor_char_boundary` needs Rust 1.91;
+/// the MSRV is 1.89.)
+pub fn floor_char_boundary(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return text.len();
+    }
+    (max.saturating_sub(3)..=max)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0)
+}
+
 /// The Node's default response-stall timeout, applied when the wire carries zero (seed 000).
 pub const DEFAULT_RESPONSE_STALL_TIMEOUT: Duration = Duration::from_millis(300_000);
 

@@ -163,6 +163,8 @@ struct Link {
     inbox: Vec<RuntimeFrame>,
     /// Registered but holding its config (so not ready) until [`Pair::apply_config`].
     held: bool,
+    /// The Node session's [`NodeEvent::AnswerReplaced`]s: stream id and reason.
+    replaced: Vec<(u64, String)>,
 }
 
 struct Pair {
@@ -175,6 +177,8 @@ struct Pair {
     counts: Arc<Counts>,
     /// Whether the Nodes dialled from now on announce `stream_credit`.
     stream_credit: bool,
+    /// The session settings of the Nodes dialled from now on.
+    node_config: NodeSessionConfig,
 }
 
 const MAX_BUFFER: usize = 64 * 1024;
@@ -210,6 +214,7 @@ impl Pair {
             events: Vec::new(),
             counts,
             stream_credit: false,
+            node_config: NodeSessionConfig::default(),
         }
     }
 
@@ -238,12 +243,13 @@ impl Pair {
             stream_credit: self.stream_credit,
             ..Default::default()
         };
-        let node = NodeSession::new(NodeSessionConfig::default(), register, self.now);
+        let node = NodeSession::new(self.node_config, register, self.now);
         self.links.push(Link {
             conn,
             node,
             down: false,
             inbox: Vec::new(),
+            replaced: Vec::new(),
             held,
         });
         let i = self.links.len() - 1;
@@ -290,6 +296,9 @@ impl Pair {
                             self.edge.handle_close(self.now, self.links[i].conn);
                         }
                         NodeEvent::Frame(f) => self.links[i].inbox.push(f),
+                        NodeEvent::AnswerReplaced { stream_id, reason } => {
+                            self.links[i].replaced.push((stream_id, reason));
+                        }
                         _ => {}
                     }
                 }
@@ -2089,4 +2098,102 @@ fn the_slow_consumer_terminal_of_a_run_names_its_reason() {
     let got = buf.read_all();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].error, SLOW_CONSUMER);
+}
+
+/// **one terminal**, and a Node's connection outlives what its application answers: an error
+/// text over `MAX_TEXT_LEN` (the Edge's validation would refuse it and close the connection), a
+/// `COMPLETE` larger than the frames both ends read (it would fail the Node's writer), and a
+/// tunnel header the Edge refuses are made to fit by the Node's session. Each stream ends with
+/// the Node's own `ERROR`, saying why; the same generation serves the next run.
+#[test]
+fn answers_the_edge_could_not_take_end_their_stream_not_the_connection() {
+    const FRAME: usize = 16 * 1024;
+    let mut p = Pair::new();
+    p.codec = FrameCodec::with_max_frame_len(FRAME);
+    p.node_config.max_frame_len = FRAME;
+    let n1 = p.connect("node-1");
+    let g1 = p.generation("node-1");
+    let run = |p: &mut Pair, id: &str, buf: &Buf<RunEvent>| {
+        let o = (p.edge)
+            .open(
+                p.now,
+                "node-1",
+                Open::Run {
+                    request: run_request(id),
+                    sink: buf.clone(),
+                },
+            )
+            .unwrap();
+        p.settle();
+        o.stream_id
+    };
+
+    let buf = Buf::new();
+    let stream = run(&mut p, "r1", &buf);
+    let mut ev = RunEvent::new(RunEventKind::Error);
+    ev.error = "é".repeat(5_000);
+    p.node_send(
+        n1,
+        RuntimeFrame::on_stream(stream, RuntimeMessage::RunEvent(ev)),
+    );
+    let got = buf.read_all();
+    assert!(
+        matches!(&got[..], [e] if e.kind == RunEventKind::Error
+            && e.error.len() == iop_wire::validate::MAX_TEXT_LEN
+            && e.error.chars().all(|c| c == 'é')),
+        "the text cut on a character: {:?}",
+        got.iter()
+            .map(|e| (e.kind, e.error.len()))
+            .collect::<Vec<_>>()
+    );
+    assert!(p.links[n1].replaced.is_empty(), "cut, not replaced");
+
+    let buf = Buf::new();
+    let stream = run(&mut p, "r2", &buf);
+    let mut complete = RunEvent::new(RunEventKind::Complete);
+    complete
+        .metadata
+        .insert("openai_tool_calls".into(), "x".repeat(2 * FRAME));
+    p.node_send(
+        n1,
+        RuntimeFrame::on_stream(stream, RuntimeMessage::RunEvent(complete)),
+    );
+    let got = buf.read_all();
+    assert!(
+        matches!(&got[..], [e] if e.kind == RunEventKind::Error && e.error.contains("too large")),
+        "{got:?}"
+    );
+    assert!(
+        matches!(&p.links[n1].replaced[..], [(s, r)] if *s == stream && r.contains("too large"))
+    );
+
+    let sink = Buf::new();
+    let opened = p.open_tunnel("node-1", "t1", &sink);
+    let bad_start = TunnelPayload::ResponseStart {
+        status: 200,
+        headers: vec![iop_wire::runtime::Header {
+            name: "bad name".into(),
+            value: "v".into(),
+        }],
+    };
+    p.node_send(n1, tunnel_frame(opened.stream_id, 1, bad_start));
+    let got = sink.read_all();
+    assert!(
+        matches!(&got[..], [TunnelEvent::Frame(Delivery::Error { error, .. })] if error.contains("not valid")),
+        "{got:?}"
+    );
+    assert_eq!(p.links[n1].replaced.len(), 2);
+
+    assert!(!p.links[n1].down, "the connection is up");
+    assert_eq!(p.generation("node-1"), g1, "the same generation");
+    let buf = Buf::new();
+    let stream = run(&mut p, "r3", &buf);
+    p.node_send(
+        n1,
+        RuntimeFrame::on_stream(
+            stream,
+            RuntimeMessage::RunEvent(run_event(RunEventKind::Complete, "")),
+        ),
+    );
+    assert!(matches!(&buf.read_all()[..], [e] if e.kind == RunEventKind::Complete));
 }
