@@ -658,25 +658,27 @@ fn a_projection_is_cut_into_frames_of_whole_entries() {
     );
 }
 
+/// The hello of a managed Edge older than projection parts (it says nothing of them), handled.
+fn older_hello(cp: &mut ControlPlaneSession, now: Instant) {
+    cp.handle_frame(
+        now,
+        ControlFrame::correlated(
+            1,
+            ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
+                edge_id: "edge-1".into(),
+                managed: true,
+                ..Default::default()
+            }),
+        ),
+    );
+    assert!(matches!(cp.poll_event(), Some(ControlPlaneEvent::Hello(_))));
+}
+
 /// An Edge that does not take parts (an older one: its hello does not say so) is never sent a
 /// projection larger than a frame: its hello is refused with a reason that says why, and a
 /// push that grew too large closes the session with the sizes.
 #[test]
 fn an_edge_that_does_not_take_parts_is_refused_not_sent_a_frame_it_cannot_read() {
-    let older_hello = |cp: &mut ControlPlaneSession, now| {
-        cp.handle_frame(
-            now,
-            ControlFrame::correlated(
-                1,
-                ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
-                    edge_id: "edge-1".into(),
-                    managed: true,
-                    ..Default::default()
-                }),
-            ),
-        );
-        assert!(matches!(cp.poll_event(), Some(ControlPlaneEvent::Hello(_))));
-    };
     let now = Instant::now();
     let small = iop_wire::control_session::ControlSessionConfig {
         max_frame_len: SMALL_FRAME,
@@ -920,17 +922,7 @@ fn parts_are_at_most_a_mebibyte_whatever_the_frame_limit() {
     // An Edge that does not take parts: whole, in one frame of its limit.
     let now = Instant::now();
     let mut cp = ControlPlaneSession::new(config(), Some("edge-1".into()), now);
-    cp.handle_frame(
-        now,
-        ControlFrame::correlated(
-            1,
-            ControlMessage::EdgeHelloRequest(EdgeHelloRequest {
-                edge_id: "edge-1".into(),
-                managed: true,
-                ..Default::default()
-            }),
-        ),
-    );
+    older_hello(&mut cp, now);
     cp.accept(now, Some(large.clone())).unwrap();
     assert!(matches!(
         cp.poll_transmit().map(|f| f.message),
