@@ -15,9 +15,11 @@
 //!    at most that, or of the frame limit if smaller ([`ServerConfig::max_frame_len`], the
 //!    limit the Edge's hello names), before the hello answer or apply request that completes
 //!    it: each session's write buffer keeps the size of the largest frame it wrote. An older
-//!    Edge gets it whole up to the frame limit (8 MiB by default, about 40,000 principals);
-//!    beyond, it is refused (hello) or disconnected (push) with the sizes in the log
-//!    (`cp_edge_hello_refused`, `cp_projection_unsendable`), never sent a frame it cannot read.
+//!    Edge gets it whole up to the frame limit (8 MiB by default, about 40,000 principals).
+//!    Beyond that, or beyond what an Edge assembles from parts
+//!    ([`ProjectionTooLarge::Assembly`](iop_wire::control::ProjectionTooLarge::Assembly)),
+//!    the Edge is refused (hello) or disconnected (push) with the sizes in the log
+//!    (`cp_edge_hello_refused`, `cp_projection_unsendable`), never sent what it cannot read.
 //! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed: one
 //!    projection per generation, read from the store and built once for every Edge,
 //!    [`Admin::projection`](crate::admin::Admin::projection)); the
@@ -866,7 +868,7 @@ async fn connection<S>(
             );
         }
         ControlCloseReason::ProjectionTooLarge(e) => {
-            tracing::warn!(target: "iop_cp", event = "cp_projection_unsendable", edge_id, error = %e, "closing the edge connection: the new principal projection does not fit the frames this edge reads (an edge of this version takes it in parts)");
+            tracing::warn!(target: "iop_cp", event = "cp_projection_unsendable", edge_id, error = %e, "closing the edge connection: the new principal projection cannot be sent to it (the error says why)");
         }
         _ => {}
     }
@@ -959,7 +961,7 @@ async fn hello_accepted(
     }
     let generation = projection.as_ref().map_or(0, |p| p.generation);
     if let Err(e) = s.accept(now(), projection) {
-        tracing::warn!(target: "iop_cp", event = "cp_edge_hello_refused", edge_id = %hello.edge_id, error = %e, "edge hello refused: the principal projection does not fit the frames this edge reads (an edge of this version takes it in parts)");
+        tracing::warn!(target: "iop_cp", event = "cp_edge_hello_refused", edge_id = %hello.edge_id, error = %e, "edge hello refused: the principal projection cannot be sent to it (the error says why)");
         return None;
     }
     Some((hello.edge_id.clone(), generation))

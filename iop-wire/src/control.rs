@@ -944,20 +944,46 @@ impl TryFrom<pb::PrincipalProjection> for PrincipalProjection {
 /// issuer key ids (at most [`validate::MAX_ID_LEN`] bytes each) and `parts_before`.
 const PROJECTION_FRAME_OVERHEAD: usize = 1024;
 
-/// A projection that cannot travel in frames of `max_frame_len` bytes: whole, to an Edge that
-/// does not take parts, or in parts because one entry alone is larger than a frame.
+/// A projection the Control Plane cannot send to an Edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "a principal projection of {len} bytes does not fit frames of {max_frame_len} bytes{}",
-    if *.entry { " (one entry alone is that large)" } else { "" }
-)]
-pub struct ProjectionTooLarge {
-    /// The encoded size of the projection, or of the one entry that fits no frame.
-    pub len: usize,
-    /// The frame limit.
-    pub max_frame_len: usize,
-    /// `len` is one entry's (no cut helps), not the whole projection's.
-    pub entry: bool,
+#[non_exhaustive]
+pub enum ProjectionTooLarge {
+    /// It does not fit one frame, and the Edge does not take parts (an older Edge).
+    #[error(
+        "a principal projection of {len} bytes does not fit one frame of {max_frame_len} bytes, \
+         and this edge does not take it in parts"
+    )]
+    Whole {
+        /// The projection's encoded size.
+        len: usize,
+        /// The frame limit.
+        max_frame_len: usize,
+    },
+    /// One entry alone is larger than a frame: no cut helps.
+    #[error(
+        "a principal projection entry of {len} bytes does not fit frames of {max_frame_len} bytes"
+    )]
+    Entry {
+        /// The entry's encoded size.
+        len: usize,
+        /// The frame limit.
+        max_frame_len: usize,
+    },
+    /// More than an Edge assembles from parts: a list longer than [`MAX_PROJECTION_ENTRIES`],
+    /// or more heap than
+    /// [`MAX_ASSEMBLED_PROJECTION_BYTES`](crate::control_session::MAX_ASSEMBLED_PROJECTION_BYTES).
+    #[error(
+        "a principal projection of {entries} entries in its longest list and {held_bytes} bytes \
+         of heap is more than an edge assembles ({MAX_PROJECTION_ENTRIES} entries per list, {} \
+         bytes)",
+        crate::control_session::MAX_ASSEMBLED_PROJECTION_BYTES
+    )]
+    Assembly {
+        /// The length of its longest list.
+        entries: usize,
+        /// [`PrincipalProjection::held_bytes`].
+        held_bytes: usize,
+    },
 }
 
 impl PrincipalProjection {
@@ -988,10 +1014,9 @@ impl PrincipalProjection {
         let (mut in_part, mut used) = (0usize, 0usize);
         for size in sizes {
             if size > budget {
-                return Err(ProjectionTooLarge {
+                return Err(ProjectionTooLarge::Entry {
                     len: size,
                     max_frame_len,
-                    entry: true,
                 });
             }
             if used + size > budget {

@@ -151,6 +151,7 @@ enum Phase {
 #[derive(Clone, Debug)]
 struct Link {
     liveness: Liveness,
+    handshake_timeout: Duration,
     handshake_deadline: Option<Instant>,
     next_correlation: u64,
     transmits: VecDeque<ControlFrame>,
@@ -160,6 +161,7 @@ impl Link {
     fn new(config: &ControlSessionConfig, now: Instant, first_correlation: u64) -> Self {
         Self {
             liveness: Liveness::new(HeartbeatConfig::from_interval(config.heartbeat), now),
+            handshake_timeout: config.handshake_timeout,
             handshake_deadline: now.checked_add(config.handshake_timeout),
             next_correlation: first_correlation,
             transmits: VecDeque::new(),
@@ -183,6 +185,15 @@ impl Link {
             Some(ControlCloseReason::Silent)
         } else {
             None
+        }
+    }
+
+    /// The hello is under way (a part of the projection it brings arrived): the handshake
+    /// deadline starts again, so that a projection of many parts is bounded per part, not as a
+    /// whole (its size is bounded by the assembly's bounds).
+    fn handshake_progress(&mut self, now: Instant) {
+        if self.handshake_deadline.is_some() {
+            self.handshake_deadline = now.checked_add(self.handshake_timeout);
         }
     }
 
@@ -385,8 +396,10 @@ impl EdgeControlSession {
                     .push_back(EdgeControlEvent::CommandRequested { id, request });
             }
             (_, ControlMessage::PrincipalProjectionPart(p)) if self.managed => {
-                if let Err(rule) = self.take_part(p) {
-                    self.close(ControlCloseReason::ProtocolViolation(rule));
+                match self.take_part(p) {
+                    Ok(()) if self.phase == Phase::Hello => self.link.handshake_progress(now),
+                    Ok(()) => {}
+                    Err(rule) => self.close(ControlCloseReason::ProtocolViolation(rule)),
                 }
             }
             (Phase::Connected, ControlMessage::PrincipalProjectionApplyRequest(p)) => {
@@ -618,6 +631,11 @@ impl EdgeControlSession {
 
     /// Adds a part of a projection: in order, of one generation, within the bounds.
     fn take_part(&mut self, part: PrincipalProjection) -> Result<(), &'static str> {
+        // A Control Plane cuts parts of at least one entry; an empty one would cost nothing to
+        // hold, so that a stream of them would never end.
+        if part.principals.is_empty() && part.tokens.is_empty() && part.routes.is_empty() {
+            return Err("an empty projection part");
+        }
         match &mut self.assembling {
             None if part.parts_before == 0 => {
                 let mut a = Assembling {
@@ -637,7 +655,8 @@ impl EdgeControlSession {
                 if a.projection.generation == part.generation && a.parts == part.parts_before =>
             {
                 a.absorb(part)?;
-                a.parts += 1;
+                // At most 3 × MAX_PROJECTION_ENTRIES parts fit the entry bound.
+                a.parts = a.parts.saturating_add(1);
                 Ok(())
             }
             _ => Err("projection part out of order"),
@@ -942,10 +961,16 @@ impl ControlPlaneSession {
                 last
             }),
             Err(e) => {
-                let reason = if e.entry {
-                    "a principal projection entry is larger than a frame"
-                } else {
-                    "the principal projection is larger than a frame and this edge does not take it in parts"
+                let reason = match e {
+                    ProjectionTooLarge::Entry { .. } => {
+                        "a principal projection entry is larger than a frame"
+                    }
+                    ProjectionTooLarge::Assembly { .. } => {
+                        "the principal projection is larger than an edge assembles"
+                    }
+                    _ => {
+                        "the principal projection is larger than a frame and this edge does not take it in parts"
+                    }
                 };
                 self.reject(now, reason);
                 return Err(e);
@@ -977,14 +1002,23 @@ impl ControlPlaneSession {
         };
         let max_frame_len = self.max_frame_len.min(edge);
         if self.edge_takes_parts {
+            // What the Edge would refuse to assemble is not sent: it would close the session,
+            // reconnect and be sent the same again.
+            let entries = p.principals.len().max(p.tokens.len()).max(p.routes.len());
+            let held_bytes = p.held_bytes();
+            if entries > MAX_PROJECTION_ENTRIES || held_bytes > MAX_ASSEMBLED_PROJECTION_BYTES {
+                return Err(ProjectionTooLarge::Assembly {
+                    entries,
+                    held_bytes,
+                });
+            }
             return p.into_parts(max_frame_len.min(MAX_PROJECTION_PART_LEN));
         }
         let parts = p.into_parts(max_frame_len)?;
         if parts.len() > 1 {
-            return Err(ProjectionTooLarge {
+            return Err(ProjectionTooLarge::Whole {
                 len: parts.iter().map(PrincipalProjection::encoded_len).sum(),
                 max_frame_len,
-                entry: false,
             });
         }
         Ok(parts)

@@ -46,8 +46,8 @@ pub struct NodeSessionConfig {
     pub heartbeat: HeartbeatConfig,
     /// How long registration plus readiness may take before the session gives up.
     pub handshake_timeout: Duration,
-    /// The largest frame the Edge reads (its codec's limit, the default
-    /// [`DEFAULT_MAX_FRAME_LEN`](crate::codec::DEFAULT_MAX_FRAME_LEN) on both ends). A run's
+    /// This Node's frame limit, taken to be the Edge's too (the wire does not say the Edge's;
+    /// both default to [`DEFAULT_MAX_FRAME_LEN`](crate::codec::DEFAULT_MAX_FRAME_LEN)). A run's
     /// start or terminal larger than this is replaced before it is queued
     /// ([`NodeSession::send`]).
     pub max_frame_len: usize,

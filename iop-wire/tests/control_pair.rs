@@ -14,7 +14,7 @@ use iop_wire::codec::FrameCodec;
 use iop_wire::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeCommandRequest,
     EdgeCommandResponse, EdgeHelloRequest, EdgeStatusResponse, EdgeUsageAck, EdgeUsageReport,
-    PrincipalProjection, UsageRecord,
+    PrincipalProjection, ProjectionTooLarge, UsageRecord,
 };
 use iop_wire::control_session::{
     ControlCloseReason, ControlPlaneEvent, ControlPlaneSession, ControlSessionError,
@@ -653,7 +653,7 @@ fn a_projection_is_cut_into_frames_of_whole_entries() {
         panic!("an entry larger than a frame")
     };
     assert!(
-        err.entry && err.max_frame_len == 4096 && err.len > 4000,
+        matches!(err, ProjectionTooLarge::Entry { len, max_frame_len: 4096 } if len > 4000),
         "{err:?}"
     );
 }
@@ -687,7 +687,10 @@ fn an_edge_that_does_not_take_parts_is_refused_not_sent_a_frame_it_cannot_read()
     let mut cp = ControlPlaneSession::new(small, Some("edge-1".into()), now);
     older_hello(&mut cp, now);
     let err = cp.accept(now, Some(large_projection(2, 400))).unwrap_err();
-    assert!(!err.entry && err.len > SMALL_FRAME && err.max_frame_len == SMALL_FRAME);
+    assert!(
+        matches!(err, ProjectionTooLarge::Whole { len, max_frame_len: SMALL_FRAME } if len > SMALL_FRAME),
+        "{err:?}"
+    );
     match cp.poll_transmit().map(|f| f.message) {
         Some(ControlMessage::EdgeHelloResponse(
             iop_wire::control::EdgeHelloResponse::Rejected { reason },
@@ -706,12 +709,19 @@ fn an_edge_that_does_not_take_parts_is_refused_not_sent_a_frame_it_cannot_read()
     assert!(cp.poll_transmit().is_some());
     assert!(matches!(
         cp.push_projection(now, large_projection(3, 400)),
-        Err(ControlSessionError::ProjectionTooLarge(e)) if !e.entry
+        Err(ControlSessionError::ProjectionTooLarge(
+            ProjectionTooLarge::Whole { .. }
+        ))
     ));
     assert!(cp.poll_transmit().is_none(), "nothing of it was sent");
     assert!(matches!(
         cp.poll_event(),
-        Some(ControlPlaneEvent::Closed(ControlCloseReason::ProjectionTooLarge(e))) if e.max_frame_len == SMALL_FRAME
+        Some(ControlPlaneEvent::Closed(
+            ControlCloseReason::ProjectionTooLarge(ProjectionTooLarge::Whole {
+                max_frame_len: SMALL_FRAME,
+                ..
+            })
+        ))
     ));
     // The Edge's own limit counts too: one that reads frames of 16 KiB is cut for 16 KiB by a
     // Control Plane allowed 8 MiB.
@@ -932,4 +942,112 @@ fn parts_are_at_most_a_mebibyte_whatever_the_frame_limit() {
         })) if x == large
     ));
     assert!(cp.poll_transmit().is_none());
+}
+
+/// A hello that brings its projection in many parts is bounded per part, not as a whole: parts
+/// that each arrive within the handshake timeout keep the hello alive well past it (a large
+/// projection over a slow link), and one timeout of silence between two parts ends it.
+#[test]
+fn a_hello_in_parts_is_bounded_per_part_not_as_a_whole() {
+    let timeout = config().handshake_timeout;
+    let parts_of = |p: &mut Pair| {
+        p.cp_events.clear();
+        p.cp.accept(p.now, Some(large_projection(2, 400))).unwrap();
+        let frames: Vec<_> = std::iter::from_fn(|| p.cp.poll_transmit()).collect();
+        assert!(frames.len() > 4, "{}", frames.len());
+        frames
+    };
+    let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, SMALL_FRAME);
+    let start = p.now;
+    for f in parts_of(&mut p) {
+        p.now += timeout * 2 / 3;
+        p.edge.handle_timeout(p.now);
+        let f = p.wire(&f);
+        p.edge.handle_frame(p.now, f);
+    }
+    assert!(p.now - start > 2 * timeout);
+    p.settle();
+    assert!(
+        matches!(
+            p.edge_events.as_slice(),
+            [EdgeControlEvent::Projection(x), EdgeControlEvent::Connected { .. }] if x.generation == 2
+        ),
+        "{:?}",
+        p.edge_events
+    );
+
+    let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, SMALL_FRAME);
+    let first = parts_of(&mut p).swap_remove(0);
+    let first = p.wire(&first);
+    p.edge.handle_frame(p.now, first);
+    p.now += timeout;
+    p.edge.handle_timeout(p.now);
+    p.settle();
+    assert!(
+        matches!(
+            p.edge_events.as_slice(),
+            [EdgeControlEvent::Closed(
+                ControlCloseReason::HandshakeTimeout
+            )]
+        ),
+        "{:?}",
+        p.edge_events
+    );
+}
+
+/// A part with no entries is refused (parts of nothing would cost nothing to hold and never
+/// end); the Control Plane never cuts one.
+#[test]
+fn an_empty_projection_part_closes_the_session() {
+    let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, SMALL_FRAME);
+    let part = PrincipalProjection {
+        generation: 2,
+        ..PrincipalProjection::default()
+    };
+    let part = p.wire(&ControlFrame::new(ControlMessage::PrincipalProjectionPart(
+        part,
+    )));
+    p.edge.handle_frame(p.now, part);
+    p.settle();
+    assert!(
+        matches!(
+            p.edge_events.as_slice(),
+            [EdgeControlEvent::Closed(ControlCloseReason::ProtocolViolation(r))] if r.contains("empty")
+        ),
+        "{:?}",
+        p.edge_events
+    );
+}
+
+/// A projection with more entries than an Edge assembles is not sent in parts that the Edge
+/// would refuse (closing, reconnecting and being sent the same again): the hello is refused with
+/// a reason, and the error names the sizes.
+#[test]
+fn a_projection_beyond_what_an_edge_assembles_is_refused_not_sent() {
+    use iop_wire::control::{MAX_PROJECTION_ENTRIES, ProjectedToken};
+    let mut p = Pair::new("edge-1", "edge-1", true, 0);
+    p.cp_events.clear();
+    let too_many = PrincipalProjection {
+        generation: 2,
+        tokens: (0..=MAX_PROJECTION_ENTRIES)
+            .map(|i| ProjectedToken {
+                token_id: i.to_string(),
+                principal_id: "p".into(),
+                sha256_digest: [0; 32],
+            })
+            .collect(),
+        ..PrincipalProjection::default()
+    };
+    let err = p.cp.accept(p.now, Some(too_many)).unwrap_err();
+    assert!(
+        matches!(err, ProjectionTooLarge::Assembly { entries, .. } if entries == MAX_PROJECTION_ENTRIES + 1),
+        "{err:?}"
+    );
+    match p.cp.poll_transmit().map(|f| f.message) {
+        Some(ControlMessage::EdgeHelloResponse(
+            iop_wire::control::EdgeHelloResponse::Rejected { reason },
+        )) => assert!(reason.contains("larger than an edge assembles"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(p.cp.poll_transmit().is_none(), "no part was sent");
 }

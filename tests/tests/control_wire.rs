@@ -697,7 +697,8 @@ async fn a_projection_larger_than_a_frame_arrives_in_parts() {
         assert!(p.authenticate(&tokens[PRINCIPALS - 1]).is_some());
         assert_eq!(c.state().borrow().clone(), SessionState::Connected);
 
-        // An Edge whose hello does not take parts (an older one) and reads 8 KiB frames.
+        // An Edge whose hello does not take parts, as an older one's does not, naming 8 KiB
+        // frames so that this projection does not fit one (an older Edge names none: 8 MiB).
         let tcp = tokio::net::TcpStream::connect(cp.local_addr())
             .await
             .unwrap();
