@@ -14,7 +14,8 @@
 //! - `iop-ca`: a small workload CA for real deployments (`init`, `issue`; see
 //!   `workload_identity::ca`).
 //!
-//! Shared by the mains: [`init_process`] (logging and the open-file limit) and
+//! Shared by the mains: [`init_process`] (logging, the open-file limit and no transparent huge
+//! pages: [`limit_huge_pages`]) and
 //! [`shutdown_signal`]. The workload CA, the in-memory development CA and TLS hot reload are
 //! library code in `workload_identity` (features `ca`, `dev-ca`, `reload`).
 #![forbid(unsafe_code)]
@@ -23,6 +24,9 @@
 /// Every binary allocates with mimalloc rather than the system allocator: on the request path of
 /// the Edge and the Node, glibc's malloc/free (and its arena lock under two workers) was 10–12 %
 /// of all CPU (`benches/README.md`, proc_load). Libraries leave the choice to their embedders.
+/// The `system-alloc` feature keeps glibc's, for heap profilers that see only `malloc`
+/// (`heaptrack`; mimalloc maps its own pages).
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -49,6 +53,7 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
 /// e.g. `"info"`), and the open-file soft limit raised to the hard limit
 /// ([`raise_fd_limit`]).
 pub fn init_process(default_filter: &str) {
+    let huge_pages = limit_huge_pages();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -58,7 +63,52 @@ pub fn init_process(default_filter: &str) {
         // Colour only on a terminal: a log file or journal gets plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if let HugePages::Unchanged(e) = huge_pages {
+        tracing::warn!(error = %e, "could not turn transparent huge pages off");
+    }
     raise_fd_limit();
+}
+
+/// What [`limit_huge_pages`] did.
+#[derive(Debug)]
+pub enum HugePages {
+    /// This process no longer gets transparent huge pages.
+    Off,
+    /// Kept on: `MIMALLOC_ALLOW_THP=1` asked for them.
+    KeptOn,
+    /// The kernel refused; nothing changed.
+    Unchanged(std::io::Error),
+    /// Not Linux: no transparent huge pages to turn off.
+    NotLinux,
+}
+
+/// Turns transparent huge pages off for this process (`prctl(PR_SET_THP_DISABLE)`), unless
+/// `MIMALLOC_ALLOW_THP=1` is set. [`init_process`] calls it first.
+///
+/// mimalloc advises its arenas `MADV_HUGEPAGE`, so on a host whose THP mode is `madvise` (the
+/// common default) or `always`, each fresh 2 MiB region it touches becomes resident whole. The
+/// binaries' heaps are small and spread over a segment per thread: the Node of
+/// `bins/tests/stream_credit.rs` held at most 2.5 MB of heap (heaptrack) while its RSS grew by
+/// anything from 0 to 15 MiB from run to run, in 2 MiB steps (`AnonHugePages` 24 MiB of a 45 MiB
+/// RSS). With huge pages off the same run's RSS is 25 MB instead of 43–53 MB and grows by
+/// 2.3–3.2 MiB, run after run: what an operator sizes a container by is what the process holds.
+/// The flag is the kernel's, checked at each page fault, so memory touched before the call
+/// keeps its pages and everything after gets 4 KiB ones; children inherit it.
+pub fn limit_huge_pages() -> HugePages {
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_some_and(|v| v == "1") {
+        return HugePages::KeptOn;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        match rustix::thread::disable_transparent_huge_pages(true) {
+            Ok(()) => HugePages::Off,
+            Err(e) => HugePages::Unchanged(e.into()),
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        HugePages::NotLinux
+    }
 }
 
 /// Raises this process's open-file soft limit to its hard limit (a gateway holds a socket per
