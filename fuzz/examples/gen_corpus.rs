@@ -596,6 +596,25 @@ fn frame_seeds(dir: &Path) {
         "stream_window_update",
         &on_stream(RuntimeMessage::StreamWindowUpdate(512 * 1024)),
     );
+    // One header more than validation takes: the codec counts it before prost builds any.
+    let crowded = TunnelFrame {
+        sequence: 1,
+        payload: TunnelPayload::ResponseStart {
+            status: 200,
+            headers: vec![
+                Header {
+                    name: String::new(),
+                    value: Bytes::new(),
+                };
+                iop_wire::runtime::MAX_HEADERS + 1
+            ],
+        },
+        metadata: BTreeMap::new(),
+    };
+    frame(
+        "tunnel_start_too_many_headers",
+        &on_stream(RuntimeMessage::ProviderTunnelFrame(crowded)),
+    );
 
     let hello = EdgeHelloRequest {
         edge_id: "edge-1".into(),

@@ -11,7 +11,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`runtime`], [`control`] | domain types for every message of `proto/runtime.proto` and `proto/control.proto`; validation happens in the conversion from protobuf ("parse, don't validate") |
-//! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; optional tokio-util codec (feature `tokio-codec`) |
+//! | [`codec`] | 4-byte big-endian length prefix + one envelope, hard size limit checked from the header alone, "need more bytes" apart from "invalid"; a runtime frame's repeated fields counted against validation's bounds before prost builds them; optional tokio-util codec (feature `tokio-codec`) |
 //! | [`node`] | the Node side of one connection (the Edge side is `iop_edge_core::registry`): register → apply config → ready; run-id admission, refusal framing, `health_observation_seq` stamping |
 //! | [`control_session`] | both ends of one Control Plane ⇄ Edge connection (seed 001): hello and identity agreement, heartbeats and silence, correlation, projection generations that only move forward, a projection larger than a frame in parts (installed whole or not at all), lease request/answer matching |
 //! | [`tunnel_order`] | provider tunnel frame ordering per stream (Edge side) and numbering (Node side) |
@@ -103,6 +103,7 @@ pub mod error;
 pub mod health;
 pub mod liveness;
 pub mod node;
+mod prescan;
 pub mod reconnect;
 pub mod runtime;
 pub mod text_tools;
