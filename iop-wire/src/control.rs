@@ -429,6 +429,13 @@ pub struct EdgeStatusResponse {
 
 /// Most Nodes one status answer may list.
 pub const MAX_STATUS_NODES: usize = 65_536;
+/// Most provider snapshots one status answer may carry, over all its Nodes. At the ≈80 bytes a
+/// real snapshot takes on the wire, more would not fit the default 8 MiB frame anyway; an
+/// empty one takes 2 bytes and decodes into about 200, so the bound also holds what a
+/// hostile answer costs the Control Plane to decode (see `codec`).
+pub const MAX_STATUS_PROVIDERS: usize = 1 << 17;
+/// Most adapters (names, and types alike) one status answer may list, over all its Nodes.
+pub const MAX_STATUS_ADAPTERS: usize = 1 << 18;
 
 impl EdgeStatusResponse {
     fn to_proto(&self) -> pb::EdgeStatusResponse {
@@ -465,6 +472,17 @@ impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
         validate::id("edge_id", &m.edge_id)?;
         if m.nodes.len() > MAX_STATUS_NODES {
             return Err(InvalidMessage::TooLong("nodes"));
+        }
+        let (mut providers, mut adapters) = (0usize, 0usize);
+        for n in &m.nodes {
+            providers += n.provider_snapshots.len();
+            adapters += n.config.as_ref().map_or(0, |c| c.adapter_names.len());
+        }
+        if providers > MAX_STATUS_PROVIDERS {
+            return Err(InvalidMessage::TooLong("nodes.provider_snapshots"));
+        }
+        if adapters > MAX_STATUS_ADAPTERS {
+            return Err(InvalidMessage::TooLong("nodes.config.adapter_names"));
         }
         let nodes = m
             .nodes

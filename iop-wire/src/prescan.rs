@@ -1,18 +1,22 @@
-//! Counts what a runtime envelope would decode into, before prost builds it.
+//! Counts what an envelope would decode into, before prost builds it.
 //!
 //! prost decodes a frame whole before [`crate::validate`] can look at it, and a repeated field
 //! costs far more decoded than on the wire: an empty `Header` is 2 bytes on the wire and a
-//! 48-byte struct (two empty strings) in a `Vec` that doubles as it grows. One 8 MB
-//! `ProviderTunnelFrame` of empty headers peaked at 224 MB of heap (counting allocator, release
-//! build) before validation refused its 129th header; an Edge reading many Nodes could hold that
-//! once per Node at the same time.
+//! 56-byte struct (an empty string and empty bytes) in a `Vec` that doubles as it grows. One 8 MB
+//! `ProviderTunnelFrame` of empty headers peaked at 235 MB of heap (`cap`, debug build) before
+//! validation refused its 129th header; an Edge reading many Nodes could hold that once per
+//! Node at the same time. A status answer of empty provider snapshots cost the Control Plane
+//! about 200 bytes each.
 //!
 //! [`runtime_envelope`] walks the protobuf bytes once, without allocating, and counts every
 //! element of every repeated and map field of the runtime messages against the same bounds
 //! validation applies (headers 128, metadata 64, adapters 256, ...). A frame over a bound is
 //! refused with the error validation would have given ([`InvalidMessage::TooLong`] naming the
 //! field), so the decoded size of anything that reaches prost is bounded by a small multiple of
-//! its wire size. The same frame now peaks under 1 MB.
+//! its wire size. The same frame now costs 40 bytes beyond its own
+//! (`tests/tests/frame_decode_memory.rs`). [`control_envelope`] does the same for the control
+//! wire, whose status answers had no bound on their provider snapshots or adapters before
+//! ([`crate::control::MAX_STATUS_PROVIDERS`], [`crate::control::MAX_STATUS_ADAPTERS`]).
 //!
 //! - **Counts are per frame.** prost merges a singular message field that appears twice, so a
 //!   repeated field inside it is counted across both appearances. A repeated field nested in a
@@ -21,21 +25,28 @@
 //!   which validation still applies after the decode.
 //! - **What is not counted** costs no more decoded than on the wire: scalars, strings and bytes
 //!   (a repeated singular field replaces its value), unknown fields (skipped).
+//! - **Stricter than validation only for what no encoder of ours writes**: a map entry is
+//!   counted as it comes, though prost keeps one per key; headers on a tunnel frame that is not
+//!   a `RESPONSE_START`, and the config of a refused registration, count though validation
+//!   ignores them; so does a oneof case replaced by a later one.
+//! - **The worst a frame can still cost** is a table's product bound: 262,144 empty targets
+//!   (256 adapters × 1024) are 512 KiB on the wire and about 6 MiB decoded.
 //! - **Malformed bytes** end the scan without an error: prost refuses them itself, having built
 //!   only what the scan already counted. Groups (wire types 3 and 4, never written by proto3)
 //!   are refused here, since skipping them right would take the recursion prost does.
 //!
-//! The tables below follow `proto/runtime.proto`; `every_repeated_runtime_field_is_counted`
-//! checks them against the proto file, so a repeated field added there without a bound here
-//! fails the crate's tests.
+//! The tables below follow `proto/runtime.proto` and `proto/control.proto`;
+//! `every_repeated_runtime_field_is_counted` and its control twin check them against the proto
+//! files, so a repeated field added there without a bound here fails the crate's tests.
 
 use crate::error::InvalidMessage;
 use crate::runtime::{
-    MAX_ADAPTERS, MAX_HEADERS, MAX_ISSUER_KEY_IDS, MAX_METADATA_ENTRIES, MAX_PROFILE_HEADERS,
+    MAX_ADAPTER_TARGETS as MAX_TARGETS, MAX_ADAPTER_TYPES, MAX_ADAPTERS, MAX_CAPABILITIES,
+    MAX_HEADERS, MAX_ISSUER_KEY_IDS, MAX_METADATA_ENTRIES, MAX_PROFILE_HEADERS,
 };
 
 /// One field of a message that the scan looks into.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 enum Field {
     /// A singular message field: its own fields are scanned.
     Message {
@@ -55,11 +66,6 @@ enum Field {
 
 use Field::{Message, Repeated};
 
-/// Validation's bound on a registration's adapter types and on an adapter's targets, and on
-/// what a command reports (`runtime::registration`, `runtime::config`, `runtime::commands`).
-const MAX_ADAPTER_TYPES: usize = 64;
-const MAX_TARGETS: usize = 1024;
-const MAX_CAPABILITIES: usize = 4096;
 /// An adapter's operation paths: validation takes only known operations, so a valid map has a
 /// handful of keys; its entries on the wire are bounded like metadata.
 const MAX_OPERATION_PATHS: usize = MAX_METADATA_ENTRIES;
@@ -239,6 +245,163 @@ const ENVELOPE: &[Field] = &[
     },
 ];
 
+/// The control wire's tables (`proto/control.proto`).
+mod control {
+    use super::Field::{self, Message, Repeated};
+    use crate::control::{
+        MAX_MODEL_LIMITS, MAX_PROJECTION_ENTRIES, MAX_STATUS_ADAPTERS, MAX_STATUS_NODES,
+        MAX_STATUS_PROVIDERS, MAX_USAGE_RECORDS,
+    };
+    use crate::runtime::MAX_METADATA_ENTRIES;
+
+    pub(super) const SLOTS: usize = 15;
+
+    const fn metadata(number: u32, name: &'static str, slot: usize) -> Field {
+        Repeated {
+            number,
+            name,
+            max: MAX_METADATA_ENTRIES,
+            slot,
+            elem: &[],
+        }
+    }
+
+    pub(super) const HELLO_REQUEST: &[Field] = &[metadata(4, "metadata", 0)];
+    pub(super) const SUMMARY: &[Field] = &[
+        Repeated {
+            number: 2,
+            name: "nodes.config.adapter_names",
+            max: MAX_STATUS_ADAPTERS,
+            slot: 1,
+            elem: &[],
+        },
+        Repeated {
+            number: 3,
+            name: "nodes.config.adapter_types",
+            max: MAX_STATUS_ADAPTERS,
+            slot: 2,
+            elem: &[],
+        },
+    ];
+    pub(super) const NODE_SNAPSHOT: &[Field] = &[
+        Message {
+            number: 3,
+            fields: SUMMARY,
+        },
+        Repeated {
+            number: 4,
+            name: "nodes.provider_snapshots",
+            max: MAX_STATUS_PROVIDERS,
+            slot: 3,
+            elem: &[],
+        },
+    ];
+    pub(super) const STATUS_RESPONSE: &[Field] = &[Repeated {
+        number: 2,
+        name: "nodes",
+        max: MAX_STATUS_NODES,
+        slot: 4,
+        elem: NODE_SNAPSHOT,
+    }];
+    pub(super) const COMMAND_REQUEST: &[Field] =
+        &[metadata(4, "args", 5), metadata(5, "metadata", 6)];
+    pub(super) const COMMAND_RESPONSE: &[Field] = &[metadata(4, "result", 7)];
+    pub(super) const COMMAND_EVENT: &[Field] = &[metadata(4, "metadata", 8)];
+    pub(super) const NODE_EVENT: &[Field] = &[metadata(5, "metadata", 9)];
+    pub(super) const USAGE_REPORT: &[Field] = &[Repeated {
+        number: 1,
+        name: "usage.records",
+        max: MAX_USAGE_RECORDS,
+        slot: 10,
+        elem: &[],
+    }];
+    pub(super) const LIMITS: &[Field] = &[Repeated {
+        number: 6,
+        name: "projection.principals.limits.models",
+        max: MAX_PROJECTION_ENTRIES * MAX_MODEL_LIMITS,
+        slot: 11,
+        elem: &[],
+    }];
+    pub(super) const PRINCIPAL: &[Field] = &[Message {
+        number: 4,
+        fields: LIMITS,
+    }];
+    pub(super) const PROJECTION: &[Field] = &[
+        Repeated {
+            number: 2,
+            name: "projection",
+            max: MAX_PROJECTION_ENTRIES,
+            slot: 12,
+            elem: PRINCIPAL,
+        },
+        Repeated {
+            number: 3,
+            name: "projection",
+            max: MAX_PROJECTION_ENTRIES,
+            slot: 13,
+            elem: &[],
+        },
+        Repeated {
+            number: 4,
+            name: "projection",
+            max: MAX_PROJECTION_ENTRIES,
+            slot: 14,
+            elem: &[],
+        },
+    ];
+    pub(super) const HELLO_RESPONSE: &[Field] = &[Message {
+        number: 3,
+        fields: PROJECTION,
+    }];
+    pub(super) const APPLY_REQUEST: &[Field] = &[Message {
+        number: 1,
+        fields: PROJECTION,
+    }];
+    /// `ControlEnvelope`: the oneof cases that hold a repeated field somewhere below them.
+    pub(super) const ENVELOPE: &[Field] = &[
+        Message {
+            number: 10,
+            fields: HELLO_REQUEST,
+        },
+        Message {
+            number: 11,
+            fields: HELLO_RESPONSE,
+        },
+        Message {
+            number: 13,
+            fields: STATUS_RESPONSE,
+        },
+        Message {
+            number: 14,
+            fields: COMMAND_REQUEST,
+        },
+        Message {
+            number: 15,
+            fields: COMMAND_RESPONSE,
+        },
+        Message {
+            number: 16,
+            fields: COMMAND_EVENT,
+        },
+        Message {
+            number: 17,
+            fields: NODE_EVENT,
+        },
+        Message {
+            number: 18,
+            fields: APPLY_REQUEST,
+        },
+        Message {
+            number: 24,
+            fields: USAGE_REPORT,
+        },
+        Message {
+            number: 26,
+            fields: PROJECTION,
+        },
+    ];
+}
+
 /// The refusal of a group: proto3 never writes one, and skipping it would take recursion.
 const GROUP: InvalidMessage = InvalidMessage::InvalidValue {
     field: "envelope",
@@ -253,12 +416,14 @@ pub(crate) fn runtime_envelope(bytes: &[u8]) -> Result<(), InvalidMessage> {
     scan(bytes, ENVELOPE, &mut counts)
 }
 
+/// [`runtime_envelope`] for a `ControlEnvelope` (see the module docs for what its counts bound).
+pub(crate) fn control_envelope(bytes: &[u8]) -> Result<(), InvalidMessage> {
+    let mut counts = [0usize; control::SLOTS];
+    scan(bytes, control::ENVELOPE, &mut counts)
+}
+
 /// Scans one message's bytes against `fields`. Malformed bytes end the scan with `Ok`.
-fn scan(
-    mut bytes: &[u8],
-    fields: &[Field],
-    counts: &mut [usize; SLOTS],
-) -> Result<(), InvalidMessage> {
+fn scan(mut bytes: &[u8], fields: &[Field], counts: &mut [usize]) -> Result<(), InvalidMessage> {
     while !bytes.is_empty() {
         let Some(key) = varint(&mut bytes) else {
             return Ok(());
@@ -300,6 +465,7 @@ fn scan(
                         elem,
                         ..
                     }) => {
+                        // Within `counts` by construction (`every_repeated_*_field_is_counted`).
                         let count = &mut counts[*slot];
                         *count += 1;
                         if *count > *max {
@@ -346,6 +512,7 @@ mod tests {
     use super::*;
     use crate::proto::runtime as pb;
     use prost::Message as _;
+    use std::collections::HashMap;
 
     fn frame(message: pb::envelope::Message) -> Vec<u8> {
         pb::Envelope {
@@ -450,81 +617,201 @@ mod tests {
         );
     }
 
-    /// Every `repeated` or `map` field of `runtime.proto` has a line in the tables: a field
-    /// added to the proto without a bound here fails this test.
-    #[test]
-    fn every_repeated_runtime_field_is_counted() {
-        let proto = include_str!("../proto/runtime.proto");
-        let mut message = "";
-        let mut found = Vec::new();
-        for line in proto.lines().map(str::trim) {
-            if let Some(rest) = line.strip_prefix("message ") {
-                message = rest.split_whitespace().next().unwrap();
-            } else if line.starts_with("repeated ") || line.starts_with("map<") {
-                let number: u32 = line
-                    .rsplit('=')
-                    .next()
-                    .unwrap()
-                    .trim()
-                    .trim_end_matches(';')
-                    .trim()
-                    .parse()
-                    .unwrap();
-                found.push((message, number));
+    /// `proto`'s messages: each field's number, type (without its package) and whether it is
+    /// repeated (a map counts as repeated).
+    fn schema(proto: &str) -> HashMap<String, Vec<(u64, String, bool)>> {
+        let mut messages: HashMap<String, Vec<(u64, String, bool)>> = HashMap::new();
+        let (mut message, mut depth, mut in_enum) = (String::new(), 0usize, None::<usize>);
+        for line in proto.lines().map(|l| l.split("//").next().unwrap().trim()) {
+            if depth == 0 && line.starts_with("message ") {
+                message = line.split_whitespace().nth(1).unwrap().to_owned();
+                messages.entry(message.clone()).or_default();
             }
-        }
-        let tables: &[(&str, &[Field])] = &[
-            ("RegisterRequest", REGISTER_REQUEST),
-            ("NodeConfigPayload", CONFIG_PAYLOAD),
-            ("AdapterConfig", ADAPTER),
-            ("ConcreteProtocolProfile", PROFILE),
-            ("NativeAdapterConfig", NATIVE),
-            ("RunRequest", RUN_REQUEST),
-            ("RunEvent", RUN_EVENT),
-            ("ProviderTunnelRequest", TUNNEL_REQUEST),
-            ("ProviderTunnelFrame", TUNNEL_FRAME),
-            ("NodeCommandResponse", COMMAND_RESPONSE),
-        ];
-        assert!(!found.is_empty());
-        for (message, number) in found {
-            let table = tables
-                .iter()
-                .find(|(m, _)| *m == message)
-                .unwrap_or_else(|| panic!("{message} has a repeated field but no table"))
-                .1;
-            assert!(
-                table
-                    .iter()
-                    .any(|f| matches!(f, Repeated { .. }) && f.number() == u64::from(number)),
-                "{message}.{number} is repeated but not counted"
-            );
-        }
-        // Every slot is used once, fits the counter array, and is reached from the envelope.
-        let mut slots = Vec::new();
-        for (_, table) in tables {
-            for f in *table {
-                if let Repeated { slot, .. } = f {
-                    slots.push(*slot);
+            if line.starts_with("enum ") {
+                in_enum = Some(depth);
+            }
+            let field = line
+                .strip_suffix(';')
+                .filter(|_| depth >= 1 && in_enum.is_none());
+            if let Some((decl, number)) = field.and_then(|f| f.split_once('=')) {
+                let words: Vec<&str> = decl.split_whitespace().collect();
+                if let Ok(number) = number.trim().parse::<u64>() {
+                    let (ty, repeated) = match words.as_slice() {
+                        ["repeated", ty, _] => (*ty, true),
+                        [map, ..] if map.starts_with("map<") => ("map", true),
+                        ["optional", ty, _] | [ty, _] => (*ty, false),
+                        other => panic!("unparsed field {other:?}"),
+                    };
+                    let ty = ty.rsplit('.').next().unwrap().to_owned();
+                    messages
+                        .get_mut(&message)
+                        .unwrap()
+                        .push((number, ty, repeated));
                 }
             }
+            depth += line.matches('{').count();
+            depth -= line.matches('}').count();
+            if in_enum.is_some_and(|d| d == depth) && line.contains('}') {
+                in_enum = None;
+            }
         }
-        slots.sort_unstable();
-        assert_eq!(slots, (0..SLOTS).collect::<Vec<_>>());
-        fn reach(fields: &[Field], into: &mut Vec<usize>) {
-            for f in fields {
-                match f {
-                    Message { fields, .. } => reach(fields, into),
-                    Repeated { slot, elem, .. } => {
-                        into.push(*slot);
-                        reach(elem, into);
+        messages
+    }
+
+    /// The tables against the protos: every message that holds a repeated or map field, itself
+    /// or below it, has a table; its table counts each of its repeated fields and descends
+    /// into each of its message fields that holds one, by the right number and into the right
+    /// table, and has nothing else; every slot is used once and fits `slots`. A field added to
+    /// a proto without its line here fails.
+    fn check_tables(proto: &str, tables: &[(&str, &[Field])], slots: usize) {
+        let schema = schema(proto);
+        fn holds(schema: &HashMap<String, Vec<(u64, String, bool)>>, ty: &str) -> bool {
+            schema
+                .get(ty)
+                .is_some_and(|fs| fs.iter().any(|(_, t, rep)| *rep || holds(schema, t)))
+        }
+        let table = |name: &str| -> &[Field] {
+            tables
+                .iter()
+                .find(|(m, _)| *m == name)
+                .unwrap_or_else(|| panic!("{name} holds a repeated field but has no table"))
+                .1
+        };
+        for (message, fields) in &schema {
+            if !holds(&schema, message) {
+                assert!(
+                    tables.iter().all(|(m, _)| m != message),
+                    "{message} needs no table"
+                );
+                continue;
+            }
+            let t = table(message);
+            let mut expected = 0;
+            for (number, ty, repeated) in fields {
+                let inner: &[Field] = if holds(&schema, ty) { table(ty) } else { &[] };
+                let entry = t.iter().find(|f| f.number() == *number);
+                if *repeated {
+                    expected += 1;
+                    match entry {
+                        Some(Repeated { elem, .. }) => {
+                            assert_eq!(*elem, inner, "{message}.{number} descends into {ty}");
+                        }
+                        other => panic!("{message}.{number} is repeated, counted as {other:?}"),
+                    }
+                } else if !inner.is_empty() {
+                    expected += 1;
+                    match entry {
+                        Some(Message { fields, .. }) => {
+                            assert_eq!(*fields, inner, "{message}.{number} descends into {ty}");
+                        }
+                        other => panic!("{message}.{number} holds a {ty}, scanned as {other:?}"),
                     }
                 }
             }
+            assert_eq!(
+                t.len(),
+                expected,
+                "{message}'s table has lines the proto does not"
+            );
         }
-        let mut reached = Vec::new();
-        reach(ENVELOPE, &mut reached);
-        reached.sort_unstable();
-        reached.dedup();
-        assert_eq!(reached, slots, "every table hangs off the envelope");
+        let mut used = Vec::new();
+        for (_, table) in tables {
+            for f in *table {
+                if let Repeated { slot, .. } = f {
+                    used.push(*slot);
+                }
+            }
+        }
+        used.sort_unstable();
+        assert_eq!(used, (0..slots).collect::<Vec<_>>(), "slots used once each");
+    }
+
+    #[test]
+    fn every_repeated_runtime_field_is_counted() {
+        check_tables(
+            include_str!("../proto/runtime.proto"),
+            &[
+                ("Envelope", ENVELOPE),
+                ("RegisterRequest", REGISTER_REQUEST),
+                ("RegisterResponse", REGISTER_RESPONSE),
+                ("NodeConfigRefreshRequest", CONFIG_REFRESH_REQUEST),
+                ("NodeConfigPayload", CONFIG_PAYLOAD),
+                ("AdapterConfig", ADAPTER),
+                ("OpenAICompatAdapterConfig", OPENAI_COMPAT),
+                ("ConcreteProtocolProfile", PROFILE),
+                ("NativeAdapterConfig", NATIVE),
+                ("RunRequest", RUN_REQUEST),
+                ("RunEvent", RUN_EVENT),
+                ("ProviderTunnelRequest", TUNNEL_REQUEST),
+                ("ProviderTunnelFrame", TUNNEL_FRAME),
+                ("NodeCommandResponse", COMMAND_RESPONSE),
+            ],
+            SLOTS,
+        );
+    }
+
+    #[test]
+    fn every_repeated_control_field_is_counted() {
+        let control_proto = include_str!("../proto/control.proto");
+        check_tables(
+            control_proto,
+            &[
+                ("ControlEnvelope", control::ENVELOPE),
+                ("EdgeHelloRequest", control::HELLO_REQUEST),
+                ("EdgeHelloResponse", control::HELLO_RESPONSE),
+                ("EdgeStatusResponse", control::STATUS_RESPONSE),
+                ("EdgeNodeSnapshot", control::NODE_SNAPSHOT),
+                ("EdgeNodeConfigSummary", control::SUMMARY),
+                ("EdgeCommandRequest", control::COMMAND_REQUEST),
+                ("EdgeCommandResponse", control::COMMAND_RESPONSE),
+                ("EdgeCommandEvent", control::COMMAND_EVENT),
+                ("EdgeNodeEvent", control::NODE_EVENT),
+                ("PrincipalProjection", control::PROJECTION),
+                ("PrincipalProjectionApplyRequest", control::APPLY_REQUEST),
+                ("ProjectedPrincipal", control::PRINCIPAL),
+                ("PrincipalLimits", control::LIMITS),
+                ("EdgeUsageReport", control::USAGE_REPORT),
+            ],
+            control::SLOTS,
+        );
+        // The runtime messages the control wire carries hold no repeated field (the check
+        // above sees control.proto alone, so it would not know).
+        let runtime = schema(include_str!("../proto/runtime.proto"));
+        for fields in schema(control_proto).values() {
+            for (_, ty, _) in fields {
+                if let Some(inner) = runtime.get(ty) {
+                    assert!(
+                        inner.iter().all(|(_, _, repeated)| !repeated),
+                        "the control wire carries {ty}, which holds a repeated field"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_status_answer_of_empty_snapshots_is_refused_before_it_is_built() {
+        use crate::proto::control as cp;
+        let status = |snapshots: usize| {
+            cp::ControlEnvelope {
+                correlation_id: 3,
+                message: Some(cp::control_envelope::Message::EdgeStatusResponse(
+                    cp::EdgeStatusResponse {
+                        edge_id: "edge-1".into(),
+                        nodes: vec![cp::EdgeNodeSnapshot {
+                            node_id: "node-1".into(),
+                            provider_snapshots: vec![pb::ProviderSnapshot::default(); snapshots],
+                            ..Default::default()
+                        }],
+                    },
+                )),
+            }
+            .encode_to_vec()
+        };
+        assert_eq!(control_envelope(&status(16)), Ok(()));
+        assert_eq!(
+            control_envelope(&status(crate::control::MAX_STATUS_PROVIDERS + 1)),
+            Err(InvalidMessage::TooLong("nodes.provider_snapshots"))
+        );
     }
 }

@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// Most capabilities one command answer may report.
+pub const MAX_CAPABILITIES: usize = 4096;
+
 /// Kind of a Node command.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum NodeCommandKind {
@@ -146,7 +149,7 @@ impl TryFrom<pb::NodeCommandResponse> for NodeCommandResponse {
     fn try_from(m: pb::NodeCommandResponse) -> Result<Self, Self::Error> {
         validate::text("error", &m.error)?;
         metadata("result", &m.result)?;
-        if m.capabilities.len() > 4096 {
+        if m.capabilities.len() > MAX_CAPABILITIES {
             return Err(InvalidMessage::TooLong("capabilities"));
         }
         let capabilities = m

@@ -16,6 +16,9 @@ pub struct NodeConfigPayload {
 /// Most adapter instances one config payload may carry.
 pub const MAX_ADAPTERS: usize = 256;
 
+/// Most provider targets one adapter may serve.
+pub const MAX_ADAPTER_TARGETS: usize = 1024;
+
 impl NodeConfigPayload {
     pub(crate) fn to_proto(&self) -> pb::NodeConfigPayload {
         pb::NodeConfigPayload {
@@ -146,7 +149,7 @@ impl TryFrom<pb::AdapterConfig> for AdapterConfig {
                 rule: "must not exceed capacity",
             });
         }
-        if m.targets.len() > 1024 {
+        if m.targets.len() > MAX_ADAPTER_TARGETS {
             return Err(InvalidMessage::TooLong("adapters.targets"));
         }
         for t in &m.targets {

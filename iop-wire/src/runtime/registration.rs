@@ -26,6 +26,9 @@ pub struct RegisterRequest {
 /// Most issuer key ids one registration may name.
 pub const MAX_ISSUER_KEY_IDS: usize = 16;
 
+/// Most adapter types one registration may announce.
+pub const MAX_ADAPTER_TYPES: usize = 64;
+
 /// A Node's X25519 lease recipient public key and its id.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecipientKey {
@@ -62,7 +65,7 @@ impl TryFrom<pb::RegisterRequest> for RegisterRequest {
     fn try_from(m: pb::RegisterRequest) -> Result<Self, Self::Error> {
         validate::node_id("node_id", &m.node_id)?;
         validate::text("version", &m.version)?;
-        if m.adapter_types.len() > 64 {
+        if m.adapter_types.len() > MAX_ADAPTER_TYPES {
             return Err(InvalidMessage::TooLong("adapter_types"));
         }
         for t in &m.adapter_types {
