@@ -74,7 +74,8 @@ pub fn init_process(default_filter: &str) {
 pub enum HugePages {
     /// This process no longer gets transparent huge pages.
     Off,
-    /// Kept on: `MIMALLOC_ALLOW_THP=1` asked for them.
+    /// Kept on: `MIMALLOC_ALLOW_THP=1` asked for them (on an `always`-mode host; mimalloc is
+    /// built never to advise them).
     KeptOn,
     /// The kernel refused; nothing changed.
     Unchanged(std::io::Error),
@@ -82,20 +83,31 @@ pub enum HugePages {
     NotLinux,
 }
 
-/// Turns transparent huge pages off for this process (`prctl(PR_SET_THP_DISABLE)`), unless
-/// `MIMALLOC_ALLOW_THP=1` is set. [`init_process`] calls it first.
+/// Turns transparent huge pages off for this process (`prctl(PR_SET_THP_DISABLE, 1, 0)`: "THPs
+/// disabled completely for the process, irrespective of global THP controls", prctl(2)), unless
+/// `MIMALLOC_ALLOW_THP` is set to `1`, `true`, `yes` or `on`. [`init_process`] calls it.
 ///
-/// mimalloc advises its arenas `MADV_HUGEPAGE`, so on a host whose THP mode is `madvise` (the
-/// common default) or `always`, each fresh 2 MiB region it touches becomes resident whole. The
-/// binaries' heaps are small and spread over a segment per thread: the Node of
+/// Why: mimalloc advised its arenas `MADV_HUGEPAGE`, so on a host whose THP mode is `madvise`
+/// (the common default) or `always`, each fresh 2 MiB region it touched became resident whole.
+/// The binaries' heaps are small and spread over a segment per thread: the Node of
 /// `bins/tests/stream_credit.rs` held at most 2.5 MB of heap (heaptrack) while its RSS grew by
 /// anything from 0 to 15 MiB from run to run, in 2 MiB steps (`AnonHugePages` 24 MiB of a 45 MiB
-/// RSS). With huge pages off the same run's RSS is 25 MB instead of 43–53 MB and grows by
-/// 2.3–3.2 MiB, run after run: what an operator sizes a container by is what the process holds.
-/// The flag is the kernel's, checked at each page fault, so memory touched before the call
-/// keeps its pages and everything after gets 4 KiB ones; children inherit it.
+/// RSS). With huge pages off the same run's RSS is 28 MB instead of 43–53 MB and grows by
+/// 2.3–3.0 MiB, run after run: what an operator sizes a container by is what the process holds.
+///
+/// Two parts, because a call from `main` comes after the first allocations (and, under
+/// `#[tokio::main]`, after the runtime's threads): the workspace builds mimalloc with `no_thp`,
+/// so it never advises huge pages and a `madvise`-mode host gives it none from the first
+/// allocation on; this call covers `always`-mode hosts from here on (pages already faulted huge
+/// stay so). Children inherit the flag.
 pub fn limit_huge_pages() -> HugePages {
-    if std::env::var_os("MIMALLOC_ALLOW_THP").is_some_and(|v| v == "1") {
+    let allowed = std::env::var("MIMALLOC_ALLOW_THP").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    });
+    if allowed {
         return HugePages::KeptOn;
     }
     #[cfg(target_os = "linux")]
