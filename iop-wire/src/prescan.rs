@@ -66,6 +66,22 @@ enum Field {
 
 use Field::{Message, Repeated};
 
+/// A repeated field of strings or leaf messages, or a map: counted, not looked into.
+const fn list(number: u32, name: &'static str, max: usize, slot: usize) -> Field {
+    Repeated {
+        number,
+        name,
+        max,
+        slot,
+        elem: &[],
+    }
+}
+
+/// A singular message field, looked into.
+const fn msg(number: u32, fields: &'static [Field]) -> Field {
+    Message { number, fields }
+}
+
 /// An adapter's operation paths: validation takes only known operations, so a valid map has a
 /// handful of keys; its entries on the wire are bounded like metadata.
 const MAX_OPERATION_PATHS: usize = MAX_METADATA_ENTRIES;
@@ -73,48 +89,30 @@ const MAX_OPERATION_PATHS: usize = MAX_METADATA_ENTRIES;
 const SLOTS: usize = 15;
 
 const PROFILE: &[Field] = &[
-    Repeated {
-        number: 2,
-        name: "adapters.openai_compat.protocol_profile.operation_paths",
-        max: MAX_ADAPTERS * MAX_OPERATION_PATHS,
-        slot: 0,
-        elem: &[],
-    },
-    Repeated {
-        number: 6,
-        name: "adapters.openai_compat.protocol_profile.headers",
-        max: MAX_ADAPTERS * MAX_PROFILE_HEADERS,
-        slot: 1,
-        elem: &[],
-    },
+    list(
+        2,
+        "adapters.openai_compat.protocol_profile.operation_paths",
+        MAX_ADAPTERS * MAX_OPERATION_PATHS,
+        0,
+    ),
+    list(
+        6,
+        "adapters.openai_compat.protocol_profile.headers",
+        MAX_ADAPTERS * MAX_PROFILE_HEADERS,
+        1,
+    ),
 ];
-const OPENAI_COMPAT: &[Field] = &[Message {
-    number: 2,
-    fields: PROFILE,
-}];
-const NATIVE: &[Field] = &[Repeated {
-    number: 2,
-    name: "adapters.native.options",
-    max: MAX_ADAPTERS * MAX_METADATA_ENTRIES,
-    slot: 2,
-    elem: &[],
-}];
+const OPENAI_COMPAT: &[Field] = &[msg(2, PROFILE)];
+const NATIVE: &[Field] = &[list(
+    2,
+    "adapters.native.options",
+    MAX_ADAPTERS * MAX_METADATA_ENTRIES,
+    2,
+)];
 const ADAPTER: &[Field] = &[
-    Repeated {
-        number: 6,
-        name: "adapters.targets",
-        max: MAX_ADAPTERS * MAX_TARGETS,
-        slot: 3,
-        elem: &[],
-    },
-    Message {
-        number: 10,
-        fields: OPENAI_COMPAT,
-    },
-    Message {
-        number: 11,
-        fields: NATIVE,
-    },
+    list(6, "adapters.targets", MAX_ADAPTERS * MAX_TARGETS, 3),
+    msg(10, OPENAI_COMPAT),
+    msg(11, NATIVE),
 ];
 const CONFIG_PAYLOAD: &[Field] = &[Repeated {
     number: 1,
@@ -124,130 +122,41 @@ const CONFIG_PAYLOAD: &[Field] = &[Repeated {
     elem: ADAPTER,
 }];
 const REGISTER_REQUEST: &[Field] = &[
-    Repeated {
-        number: 3,
-        name: "adapter_types",
-        max: MAX_ADAPTER_TYPES,
-        slot: 5,
-        elem: &[],
-    },
-    Repeated {
-        number: 6,
-        name: "issuer_key_ids",
-        max: MAX_ISSUER_KEY_IDS,
-        slot: 6,
-        elem: &[],
-    },
+    list(3, "adapter_types", MAX_ADAPTER_TYPES, 5),
+    list(6, "issuer_key_ids", MAX_ISSUER_KEY_IDS, 6),
 ];
-const REGISTER_RESPONSE: &[Field] = &[Message {
-    number: 4,
-    fields: CONFIG_PAYLOAD,
-}];
-const CONFIG_REFRESH_REQUEST: &[Field] = &[Message {
-    number: 1,
-    fields: CONFIG_PAYLOAD,
-}];
-const RUN_REQUEST: &[Field] = &[Repeated {
-    number: 5,
-    name: "metadata",
-    max: MAX_METADATA_ENTRIES,
-    slot: 7,
-    elem: &[],
-}];
-const RUN_EVENT: &[Field] = &[Repeated {
-    number: 4,
-    name: "metadata",
-    max: MAX_METADATA_ENTRIES,
-    slot: 8,
-    elem: &[],
-}];
+const REGISTER_RESPONSE: &[Field] = &[msg(4, CONFIG_PAYLOAD)];
+const CONFIG_REFRESH_REQUEST: &[Field] = &[msg(1, CONFIG_PAYLOAD)];
+const RUN_REQUEST: &[Field] = &[list(5, "metadata", MAX_METADATA_ENTRIES, 7)];
+const RUN_EVENT: &[Field] = &[list(4, "metadata", MAX_METADATA_ENTRIES, 8)];
 const TUNNEL_REQUEST: &[Field] = &[
-    Repeated {
-        number: 6,
-        name: "headers",
-        max: MAX_HEADERS,
-        slot: 9,
-        elem: &[],
-    },
-    Repeated {
-        number: 10,
-        name: "metadata",
-        max: MAX_METADATA_ENTRIES,
-        slot: 10,
-        elem: &[],
-    },
+    list(6, "headers", MAX_HEADERS, 9),
+    list(10, "metadata", MAX_METADATA_ENTRIES, 10),
 ];
 const TUNNEL_FRAME: &[Field] = &[
-    Repeated {
-        number: 4,
-        name: "headers",
-        max: MAX_HEADERS,
-        slot: 11,
-        elem: &[],
-    },
-    Repeated {
-        number: 8,
-        name: "metadata",
-        max: MAX_METADATA_ENTRIES,
-        slot: 12,
-        elem: &[],
-    },
+    list(4, "headers", MAX_HEADERS, 11),
+    list(8, "metadata", MAX_METADATA_ENTRIES, 12),
 ];
 const COMMAND_RESPONSE: &[Field] = &[
-    Repeated {
-        number: 3,
-        name: "capabilities",
-        max: MAX_CAPABILITIES,
-        slot: 13,
-        elem: &[],
-    },
-    Repeated {
-        number: 4,
-        name: "result",
-        max: MAX_METADATA_ENTRIES,
-        slot: 14,
-        elem: &[],
-    },
+    list(3, "capabilities", MAX_CAPABILITIES, 13),
+    list(4, "result", MAX_METADATA_ENTRIES, 14),
 ];
 /// `Envelope`: the oneof cases that hold a repeated field somewhere below them.
 const ENVELOPE: &[Field] = &[
-    Message {
-        number: 10,
-        fields: REGISTER_REQUEST,
-    },
-    Message {
-        number: 11,
-        fields: REGISTER_RESPONSE,
-    },
-    Message {
-        number: 14,
-        fields: RUN_REQUEST,
-    },
-    Message {
-        number: 15,
-        fields: RUN_EVENT,
-    },
-    Message {
-        number: 16,
-        fields: TUNNEL_REQUEST,
-    },
-    Message {
-        number: 17,
-        fields: TUNNEL_FRAME,
-    },
-    Message {
-        number: 20,
-        fields: COMMAND_RESPONSE,
-    },
-    Message {
-        number: 21,
-        fields: CONFIG_REFRESH_REQUEST,
-    },
+    msg(10, REGISTER_REQUEST),
+    msg(11, REGISTER_RESPONSE),
+    msg(14, RUN_REQUEST),
+    msg(15, RUN_EVENT),
+    msg(16, TUNNEL_REQUEST),
+    msg(17, TUNNEL_FRAME),
+    msg(20, COMMAND_RESPONSE),
+    msg(21, CONFIG_REFRESH_REQUEST),
 ];
 
 /// The control wire's tables (`proto/control.proto`).
 mod control {
-    use super::Field::{self, Message, Repeated};
+    use super::Field::{self, Repeated};
+    use super::{list, msg};
     use crate::control::{
         MAX_MODEL_LIMITS, MAX_PROJECTION_ENTRIES, MAX_STATUS_ADAPTERS, MAX_STATUS_NODES,
         MAX_STATUS_PROVIDERS, MAX_USAGE_RECORDS,
@@ -257,44 +166,17 @@ mod control {
     pub(super) const SLOTS: usize = 15;
 
     const fn metadata(number: u32, name: &'static str, slot: usize) -> Field {
-        Repeated {
-            number,
-            name,
-            max: MAX_METADATA_ENTRIES,
-            slot,
-            elem: &[],
-        }
+        list(number, name, MAX_METADATA_ENTRIES, slot)
     }
 
     pub(super) const HELLO_REQUEST: &[Field] = &[metadata(4, "metadata", 0)];
     pub(super) const SUMMARY: &[Field] = &[
-        Repeated {
-            number: 2,
-            name: "nodes.config.adapter_names",
-            max: MAX_STATUS_ADAPTERS,
-            slot: 1,
-            elem: &[],
-        },
-        Repeated {
-            number: 3,
-            name: "nodes.config.adapter_types",
-            max: MAX_STATUS_ADAPTERS,
-            slot: 2,
-            elem: &[],
-        },
+        list(2, "nodes.config.adapter_names", MAX_STATUS_ADAPTERS, 1),
+        list(3, "nodes.config.adapter_types", MAX_STATUS_ADAPTERS, 2),
     ];
     pub(super) const NODE_SNAPSHOT: &[Field] = &[
-        Message {
-            number: 3,
-            fields: SUMMARY,
-        },
-        Repeated {
-            number: 4,
-            name: "nodes.provider_snapshots",
-            max: MAX_STATUS_PROVIDERS,
-            slot: 3,
-            elem: &[],
-        },
+        msg(3, SUMMARY),
+        list(4, "nodes.provider_snapshots", MAX_STATUS_PROVIDERS, 3),
     ];
     pub(super) const STATUS_RESPONSE: &[Field] = &[Repeated {
         number: 2,
@@ -308,24 +190,14 @@ mod control {
     pub(super) const COMMAND_RESPONSE: &[Field] = &[metadata(4, "result", 7)];
     pub(super) const COMMAND_EVENT: &[Field] = &[metadata(4, "metadata", 8)];
     pub(super) const NODE_EVENT: &[Field] = &[metadata(5, "metadata", 9)];
-    pub(super) const USAGE_REPORT: &[Field] = &[Repeated {
-        number: 1,
-        name: "usage.records",
-        max: MAX_USAGE_RECORDS,
-        slot: 10,
-        elem: &[],
-    }];
-    pub(super) const LIMITS: &[Field] = &[Repeated {
-        number: 6,
-        name: "projection.principals.limits.models",
-        max: MAX_PROJECTION_ENTRIES * MAX_MODEL_LIMITS,
-        slot: 11,
-        elem: &[],
-    }];
-    pub(super) const PRINCIPAL: &[Field] = &[Message {
-        number: 4,
-        fields: LIMITS,
-    }];
+    pub(super) const USAGE_REPORT: &[Field] = &[list(1, "usage.records", MAX_USAGE_RECORDS, 10)];
+    pub(super) const LIMITS: &[Field] = &[list(
+        6,
+        "projection.principals.limits.models",
+        MAX_PROJECTION_ENTRIES * MAX_MODEL_LIMITS,
+        11,
+    )];
+    pub(super) const PRINCIPAL: &[Field] = &[msg(4, LIMITS)];
     pub(super) const PROJECTION: &[Field] = &[
         Repeated {
             number: 2,
@@ -334,71 +206,23 @@ mod control {
             slot: 12,
             elem: PRINCIPAL,
         },
-        Repeated {
-            number: 3,
-            name: "projection",
-            max: MAX_PROJECTION_ENTRIES,
-            slot: 13,
-            elem: &[],
-        },
-        Repeated {
-            number: 4,
-            name: "projection",
-            max: MAX_PROJECTION_ENTRIES,
-            slot: 14,
-            elem: &[],
-        },
+        list(3, "projection", MAX_PROJECTION_ENTRIES, 13),
+        list(4, "projection", MAX_PROJECTION_ENTRIES, 14),
     ];
-    pub(super) const HELLO_RESPONSE: &[Field] = &[Message {
-        number: 3,
-        fields: PROJECTION,
-    }];
-    pub(super) const APPLY_REQUEST: &[Field] = &[Message {
-        number: 1,
-        fields: PROJECTION,
-    }];
+    pub(super) const HELLO_RESPONSE: &[Field] = &[msg(3, PROJECTION)];
+    pub(super) const APPLY_REQUEST: &[Field] = &[msg(1, PROJECTION)];
     /// `ControlEnvelope`: the oneof cases that hold a repeated field somewhere below them.
     pub(super) const ENVELOPE: &[Field] = &[
-        Message {
-            number: 10,
-            fields: HELLO_REQUEST,
-        },
-        Message {
-            number: 11,
-            fields: HELLO_RESPONSE,
-        },
-        Message {
-            number: 13,
-            fields: STATUS_RESPONSE,
-        },
-        Message {
-            number: 14,
-            fields: COMMAND_REQUEST,
-        },
-        Message {
-            number: 15,
-            fields: COMMAND_RESPONSE,
-        },
-        Message {
-            number: 16,
-            fields: COMMAND_EVENT,
-        },
-        Message {
-            number: 17,
-            fields: NODE_EVENT,
-        },
-        Message {
-            number: 18,
-            fields: APPLY_REQUEST,
-        },
-        Message {
-            number: 24,
-            fields: USAGE_REPORT,
-        },
-        Message {
-            number: 26,
-            fields: PROJECTION,
-        },
+        msg(10, HELLO_REQUEST),
+        msg(11, HELLO_RESPONSE),
+        msg(13, STATUS_RESPONSE),
+        msg(14, COMMAND_REQUEST),
+        msg(15, COMMAND_RESPONSE),
+        msg(16, COMMAND_EVENT),
+        msg(17, NODE_EVENT),
+        msg(18, APPLY_REQUEST),
+        msg(24, USAGE_REPORT),
+        msg(26, PROJECTION),
     ];
 }
 
