@@ -21,9 +21,9 @@ use iop_fuzz::seed::{self, ToSeed};
 use iop_fuzz::{frame_decoder, registry_ops, tunnel_sequencer};
 use iop_wire::codec::{FrameCodec, WireFrame};
 use iop_wire::control::{
-    ControlFrame, ControlMessage, EdgeHelloRequest, EdgeNodeSnapshot, EdgeStatusResponse,
-    EdgeUsageAck, EdgeUsageReport, ModelLimits, PrincipalLimits, PrincipalProjection,
-    ProjectedPrincipal, ProjectedRoute, ProjectedToken, UsageRecord,
+    ControlFrame, ControlMessage, EdgeHelloRequest, EdgeHelloResponse, EdgeNodeSnapshot,
+    EdgeStatusResponse, EdgeUsageAck, EdgeUsageReport, ModelLimits, PrincipalLimits,
+    PrincipalProjection, ProjectedPrincipal, ProjectedRoute, ProjectedToken, UsageRecord,
 };
 use iop_wire::runtime::{
     AdapterConfig, AdapterSettings, CancelRequest, ExecutionFailure, FailureEvidence, Fence,
@@ -641,6 +641,20 @@ fn frame_seeds(dir: &Path) {
             }),
         ),
     );
+    // A Control Plane's hello answer naming the largest frame it reads (an unmanaged Edge's:
+    // no projection).
+    frame(
+        "control_hello_answer_frame_len",
+        &ControlFrame::correlated(
+            1,
+            ControlMessage::EdgeHelloResponse(EdgeHelloResponse::Accepted {
+                projection: None,
+                heartbeat_interval_ms: Some(10_000),
+                accepts_usage: true,
+                max_frame_len: 1 << 20,
+            }),
+        ),
+    );
     frame(
         "control_status_request",
         &ControlFrame::correlated(2, ControlMessage::EdgeStatusRequest),
@@ -773,6 +787,8 @@ fn frame_seeds(dir: &Path) {
                 ..Default::default()
             },
         ],
+        // As an Edge with more Nodes than one answer holds sends it.
+        omitted_nodes: 1200,
     };
     frame(
         "control_status_response",

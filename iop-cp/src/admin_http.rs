@@ -12,7 +12,7 @@
 //! | `PUT /admin/v1/slots/{id}` | `{"profile", "header_name", "header_prefix", "credential"}` | `{"generation"}` (never echoes the credential) |
 //! | `PUT /admin/v1/routes/{id}` | `{"principal_id", "model", "slot_id", "upstream_target", "selector"}` | `{"generation"}` |
 //! | `GET /admin/v1/edges` | — | connected Edges |
-//! | `GET /admin/v1/edges/{id}/status` | — | that Edge's Node view (asked over the Edge wire) |
+//! | `GET /admin/v1/edges/{id}/status` | — | that Edge's Node view (asked over the Edge wire): `{"edge_id", "nodes", "omitted_nodes"}`; an Edge with more Nodes than one answer holds lists the first in `node_id` order and counts the rest in `omitted_nodes` |
 //! | `GET /admin/v1/revisions?after=N` | — | the mutation log after generation N (at most 1000) |
 //! | `GET /admin/v1/usage?since=YYYY-MM-DD` | — | `{"usage": [{"day", "principal_id", "model", "outcome", "requests", "input_tokens", "output_tokens", "cached_input_tokens", "cost_pico_usd"}]}`, the daily rollup ([`crate::usage`]; at most 10000 rows) |
 //! | `GET /healthz` | — | `ok` |
@@ -363,7 +363,13 @@ async fn edge_status(
                     })
                 })
                 .collect();
-            axum::Json(json!({ "edge_id": status.edge_id, "nodes": nodes })).into_response()
+            axum::Json(json!({
+                "edge_id": status.edge_id,
+                "nodes": nodes,
+                // Nodes the Edge left out to fit one answer (they sort after the last listed).
+                "omitted_nodes": status.omitted_nodes,
+            }))
+            .into_response()
         }
         Err(e) => fail(StatusCode::NOT_FOUND, &e.to_string()),
     }

@@ -55,6 +55,10 @@
 //! - **no-grant-against-a-stale-binding**: a lease the Edge receives as granted was granted for
 //!   a binding whose generation was the store's when the lease service answered;
 //! - **status-answers-matched-by-kind**: a status answer completes only a status request;
+//! - **status-answers-count-every-node**: a status answer lists or counts (`omitted_nodes`)
+//!   every Node the Edge has; the Edge's status (`STATUS_NODES`) is more than one frame holds;
+//! - **frames-fit-their-reader**: no frame either end sends is larger than the other reads
+//!   (`MODEL_FRAME`): a projection goes in parts, a status is cut to whole Nodes;
 //! - **projection-installed-whole**: every projection the Edge installs is exactly the store's
 //!   projection of that generation. The model's frames are small (`MODEL_FRAME`), so every
 //!   projection after the first travels in parts, delivered one step at a time like any frame,
@@ -63,7 +67,7 @@
 //! The test command runs two bounds and prints their state counts and times: `SMALL` (2
 //! sessions, 2 admin changes, 1 push, 2 lease requests, 1 transport break of any of the three
 //! kinds, 1 timer jump): 132,277 unique states in ≈8 s in a debug build on 2 cores; and
-//! `STATUS` (the same with 1 admin change, 1 lease request and 1 status request): 30,749
+//! `STATUS` (the same with 1 admin change, 1 lease request and 1 status request): 34,584
 //! states in ≈1 s. (`SMALL` with a status request and 2 pushes is 2.5 million states and
 //! 130 s here; status requests are independent of the lease and projection rules, so they get
 //! a bound of their own.) `CONTROL_MODEL=large` runs a larger one by hand.
@@ -78,7 +82,9 @@
 //! - the lease service's generation check removed → **no-grant-against-a-stale-binding**: a
 //!   binding of the generation before a token was created is granted;
 //! - the Edge's session made to install the message completing a projection without the parts
-//!   before it → **projection-installed-whole**.
+//!   before it → **projection-installed-whole**;
+//! - `EdgeControlSession::respond_status` made to send the status as it is, unfitted →
+//!   **frames-fit-their-reader**.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::collections::{BTreeMap, VecDeque};
@@ -91,9 +97,11 @@ use iop_cp::lease::{DEFAULT_LEASE_TTL, LeaseService};
 use iop_cp::seal::MasterKey;
 use iop_cp::store::{SqliteStore, Store};
 use iop_lease::RecipientSecretKey;
+use iop_wire::codec::FrameCodec;
 use iop_wire::control::{
     AcquireLeaseRequest, AcquireLeaseResponse, ControlFrame, ControlMessage, EdgeHelloRequest,
-    EdgeHelloResponse, EdgeStatusResponse, PrincipalProjection,
+    EdgeHelloResponse, EdgeNodeConfigSummary, EdgeNodeSnapshot, EdgeStatusResponse,
+    PrincipalProjection,
 };
 use iop_wire::control_session::{
     ControlPlaneEvent, ControlPlaneSession, ControlSessionConfig, ControlSessionError,
@@ -162,6 +170,34 @@ fn config() -> ControlSessionConfig {
 /// one, with a token or two more, goes in parts ([`PrincipalProjection::into_parts`]), so the
 /// checker delivers parts one step at a time, interleaved with everything else.
 const MODEL_FRAME: usize = 1024 + 130;
+
+/// Nodes in the Edge's status: more than one `MODEL_FRAME` holds.
+const STATUS_NODES: usize = 48;
+
+fn status() -> EdgeStatusResponse {
+    EdgeStatusResponse {
+        edge_id: EDGE.into(),
+        nodes: (0..STATUS_NODES)
+            .map(|i| EdgeNodeSnapshot {
+                node_id: format!("node-{i:02}"),
+                connected: i % 2 == 0,
+                config: EdgeNodeConfigSummary {
+                    revision: 1,
+                    adapters: vec![("openai-a".into(), "openai_compat".into())],
+                },
+                ..Default::default()
+            })
+            .collect(),
+        omitted_nodes: 0,
+    }
+}
+
+/// Whether `frame` is within the frame limit both ends read.
+fn fits(frame: &ControlFrame) -> bool {
+    FrameCodec::with_max_frame_len(MODEL_FRAME)
+        .encode(frame, &mut bytes::BytesMut::new())
+        .is_ok()
+}
 
 fn hello() -> EdgeHelloRequest {
     EdgeHelloRequest {
@@ -329,6 +365,8 @@ struct Wire {
     parts_installed: bool,
     /// The driver pushed a read no newer than what the session had sent, and nothing went.
     stale_push_dropped: bool,
+    /// A status answer listing some of the Edge's Nodes and counting the rest arrived.
+    status_cut: bool,
     broken: Option<&'static str>,
 }
 
@@ -361,6 +399,7 @@ impl Wire {
             push_installed: false,
             parts_installed: false,
             stale_push_dropped: false,
+            status_cut: false,
             broken: None,
         };
         w.drain_unchecked();
@@ -369,7 +408,7 @@ impl Wire {
 
     fn key(&self) -> String {
         format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{:?}|{:?}|{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:?}",
             self.now,
             self.edge,
             self.cp,
@@ -396,6 +435,7 @@ impl Wire {
             self.push_installed,
             self.parts_installed,
             self.stale_push_dropped,
+            self.status_cut,
             self.broken
         )
     }
@@ -415,12 +455,18 @@ impl Wire {
             let mut moved = false;
             while let Some(f) = self.edge.poll_transmit() {
                 moved = true;
+                if !fits(&f) {
+                    self.broke("frames-fit-their-reader");
+                }
                 if !self.link_dead {
                     self.to_cp.push_back(f);
                 }
             }
             while let Some(f) = self.cp.poll_transmit() {
                 moved = true;
+                if !fits(&f) {
+                    self.broke("frames-fit-their-reader");
+                }
                 let sent = match &f.message {
                     ControlMessage::PrincipalProjectionApplyRequest(p) => Some(p.generation),
                     ControlMessage::EdgeHelloResponse(EdgeHelloResponse::Accepted {
@@ -454,6 +500,12 @@ impl Wire {
                         let known = self.status_tickets.contains(&ticket);
                         if result.is_ok() && !known {
                             self.broke("status-answers-matched-by-kind");
+                        }
+                        if let Ok(r) = &result {
+                            if r.nodes.len() + r.omitted_nodes as usize != STATUS_NODES {
+                                self.broke("status-answers-count-every-node");
+                            }
+                            self.status_cut |= r.omitted_nodes > 0 && !r.nodes.is_empty();
                         }
                         self.status_tickets.retain(|t| *t != ticket);
                     }
@@ -717,14 +769,7 @@ impl Model for ControlModel {
             }
             Action::RespondStatus(i) => {
                 let id = w.status_requests.remove(i);
-                let _ = w.edge.respond_status(
-                    now,
-                    id,
-                    EdgeStatusResponse {
-                        edge_id: EDGE.into(),
-                        nodes: Vec::new(),
-                    },
-                );
+                let _ = w.edge.respond_status(now, id, status());
             }
             Action::Cut(side) => {
                 w.cuts += 1;
@@ -802,6 +847,10 @@ impl Model for ControlModel {
             Property::sometimes(
                 "a lease request lost on a half-open session, answered Closed",
                 |_, w: &Wire| w.leases.values().any(|g| g.lost && g.answered == 1),
+            ),
+            Property::sometimes(
+                "a status answered with some Nodes listed and the rest counted",
+                |m: &Self, w: &Wire| w.status_cut || m.bounds.statuses == 0,
             ),
             Property::sometimes("reconnected holding a projection", |_, w: &Wire| {
                 w.session == 2 && w.edge.is_connected() && w.edge.projection_generation() >= 1

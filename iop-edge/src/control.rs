@@ -746,7 +746,16 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                         }
                     }
                     Request::Status(id, st) => {
-                        let _ = s.respond_status(at, id, st);
+                        let listed = st.nodes.len();
+                        if let Ok(omitted @ 1..) = s.respond_status(at, id, st) {
+                            tracing::warn!(
+                                target: "iop_edge",
+                                event = "edge_status_cut",
+                                nodes = listed,
+                                omitted,
+                                "status answer left Nodes out to fit the status bounds and the control plane's frame limit"
+                            );
+                        }
                     }
                     Request::CommandEvent(id, ev) => {
                         let _ = s.command_event(at, id, ev);
@@ -788,7 +797,11 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
 /// The Edge-owned Node view.
 async fn status(shared: &Shared) -> EdgeStatusResponse {
     let edge = &shared.edge;
-    let snapshots = edge.snapshot();
+    // Grouped once: with thousands of Nodes, a scan of every snapshot per Node is quadratic.
+    let mut snapshots: HashMap<String, Vec<iop_wire::runtime::ProviderSnapshot>> = HashMap::new();
+    for s in edge.snapshot() {
+        snapshots.entry(s.node_id.clone()).or_default().push(s);
+    }
     let ready: HashSet<String> = edge.ready_nodes().into_iter().map(|(n, _)| n).collect();
     let mut nodes: Vec<EdgeNodeSnapshot> = edge
         .configured_nodes()
@@ -804,31 +817,30 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
                     .map(|a| (a.name.clone(), a.adapter_type.clone()))
                     .collect(),
             },
-            provider_snapshots: snapshots
-                .iter()
-                .filter(|s| s.node_id == *node_id)
-                .cloned()
-                .collect(),
+            provider_snapshots: snapshots.remove(node_id).unwrap_or_default(),
             refused: edge.refused(node_id).unwrap_or_default(),
             warning: edge.warning(node_id).unwrap_or_default(),
         })
         .collect();
-    for node_id in &ready {
-        if !nodes.iter().any(|n| n.node_id == *node_id) {
-            nodes.push(EdgeNodeSnapshot {
-                node_id: node_id.clone(),
-                connected: true,
-                config: EdgeNodeConfigSummary::default(),
-                provider_snapshots: Vec::new(),
-                refused: String::new(),
-                warning: String::new(),
-            });
-        }
+    let configured: HashSet<&str> = nodes.iter().map(|n| n.node_id.as_str()).collect();
+    let unconfigured: Vec<&String> = (ready.iter())
+        .filter(|id| !configured.contains(id.as_str()))
+        .collect();
+    for node_id in unconfigured {
+        nodes.push(EdgeNodeSnapshot {
+            node_id: node_id.clone(),
+            connected: true,
+            config: EdgeNodeConfigSummary::default(),
+            provider_snapshots: Vec::new(),
+            refused: String::new(),
+            warning: String::new(),
+        });
     }
     nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
     EdgeStatusResponse {
         edge_id: shared.config.edge_id.clone(),
         nodes,
+        omitted_nodes: 0,
     }
 }
 

@@ -365,6 +365,10 @@ pub enum EdgeHelloResponse {
         /// The Control Plane stores usage records sent on this session ([`EdgeUsageReport`]);
         /// `false` from older Control Planes.
         accepts_usage: bool,
+        /// The largest frame the Control Plane reads; 0 (older Control Planes): not said,
+        /// taken as [`DEFAULT_MAX_FRAME_LEN`](crate::codec::DEFAULT_MAX_FRAME_LEN). The Edge's
+        /// session fits its status answers to it.
+        max_frame_len: u32,
     },
     /// Refused.
     Rejected {
@@ -380,12 +384,14 @@ impl EdgeHelloResponse {
                 projection,
                 heartbeat_interval_ms,
                 accepts_usage,
+                max_frame_len,
             } => pb::EdgeHelloResponse {
                 accepted: true,
                 reason: String::new(),
                 projection: projection.as_ref().map(PrincipalProjection::to_proto),
                 heartbeat_interval_ms: heartbeat_interval_ms.unwrap_or(0),
                 accepts_usage: *accepts_usage,
+                max_frame_len: *max_frame_len,
             },
             Self::Rejected { reason } => pb::EdgeHelloResponse {
                 accepted: false,
@@ -412,6 +418,7 @@ impl TryFrom<pb::EdgeHelloResponse> for EdgeHelloResponse {
             heartbeat_interval_ms: (m.heartbeat_interval_ms != 0)
                 .then_some(m.heartbeat_interval_ms),
             accepts_usage: m.accepts_usage,
+            max_frame_len: m.max_frame_len,
         })
     }
 }
@@ -423,8 +430,12 @@ impl TryFrom<pb::EdgeHelloResponse> for EdgeHelloResponse {
 pub struct EdgeStatusResponse {
     /// The Edge.
     pub edge_id: String,
-    /// Every configured or connected Node.
+    /// Every configured or connected Node, in `node_id` order, unless some were left out.
     pub nodes: Vec<EdgeNodeSnapshot>,
+    /// How many Nodes were left out so that the answer fits the status bounds and the
+    /// Control Plane's frame ([`EdgeStatusResponse::fit`]); they come after the last one
+    /// listed. Always 0 from older Edges.
+    pub omitted_nodes: u32,
 }
 
 /// Most Nodes one status answer may list.
@@ -437,31 +448,75 @@ pub const MAX_STATUS_PROVIDERS: usize = 1 << 17;
 /// Most adapters (names, and types alike) one status answer may list, over all its Nodes.
 pub const MAX_STATUS_ADAPTERS: usize = 1 << 18;
 
+/// Bytes a frame takes at most beside a status answer's Nodes: the envelope's correlation id,
+/// the message's tag and length, the Edge id (at most [`validate::MAX_ID_LEN`] bytes) and
+/// `omitted_nodes`.
+const STATUS_FRAME_OVERHEAD: usize = 256;
+
 impl EdgeStatusResponse {
+    /// Leaves Nodes out, from the end, until the answer is within the status bounds
+    /// ([`MAX_STATUS_NODES`], [`MAX_STATUS_PROVIDERS`], [`MAX_STATUS_ADAPTERS`]) and its frame
+    /// within `max_frame_len`; the Nodes are first sorted by `node_id`, so those kept are the
+    /// first in that order. Adds how many were left out to `omitted_nodes`, and returns it.
+    ///
+    /// Whole Nodes or none: a Node listed with some of its providers would read as a Node
+    /// that has only those. The Edge's session calls this on every answer
+    /// ([`EdgeControlSession::respond_status`](crate::control_session::EdgeControlSession::respond_status))
+    /// with the Control Plane's frame limit, so that an Edge with more Nodes than one answer
+    /// holds still answers, instead of sending what the Control Plane refuses (or its own
+    /// codec cannot write) and losing its session on every status request.
+    pub fn fit(&mut self, max_frame_len: usize) -> u32 {
+        use prost::Message as _;
+        self.nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        let budget = max_frame_len.saturating_sub(STATUS_FRAME_OVERHEAD);
+        let (mut used, mut providers, mut adapters) = (0usize, 0usize, 0usize);
+        let mut kept = 0;
+        for n in &self.nodes {
+            let len = node_to_proto(n).encoded_len();
+            // As a repeated field: its tag, its length, itself.
+            used += 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+            providers += n.provider_snapshots.len();
+            adapters += n.config.adapters.len();
+            if kept == MAX_STATUS_NODES
+                || used > budget
+                || providers > MAX_STATUS_PROVIDERS
+                || adapters > MAX_STATUS_ADAPTERS
+            {
+                break;
+            }
+            kept += 1;
+        }
+        let omitted = u32::try_from(self.nodes.len() - kept).unwrap_or(u32::MAX);
+        self.nodes.truncate(kept);
+        self.omitted_nodes = self.omitted_nodes.saturating_add(omitted);
+        omitted
+    }
+
     fn to_proto(&self) -> pb::EdgeStatusResponse {
         pb::EdgeStatusResponse {
             edge_id: self.edge_id.clone(),
-            nodes: self
-                .nodes
-                .iter()
-                .map(|n| pb::EdgeNodeSnapshot {
-                    node_id: n.node_id.clone(),
-                    connected: n.connected,
-                    config: Some(pb::EdgeNodeConfigSummary {
-                        revision: n.config.revision,
-                        adapter_names: n.config.adapters.iter().map(|a| a.0.clone()).collect(),
-                        adapter_types: n.config.adapters.iter().map(|a| a.1.clone()).collect(),
-                    }),
-                    provider_snapshots: n
-                        .provider_snapshots
-                        .iter()
-                        .map(ProviderSnapshot::to_proto)
-                        .collect(),
-                    refused: n.refused.clone(),
-                    warning: n.warning.clone(),
-                })
-                .collect(),
+            nodes: self.nodes.iter().map(node_to_proto).collect(),
+            omitted_nodes: self.omitted_nodes,
         }
+    }
+}
+
+fn node_to_proto(n: &EdgeNodeSnapshot) -> pb::EdgeNodeSnapshot {
+    pb::EdgeNodeSnapshot {
+        node_id: n.node_id.clone(),
+        connected: n.connected,
+        config: Some(pb::EdgeNodeConfigSummary {
+            revision: n.config.revision,
+            adapter_names: n.config.adapters.iter().map(|a| a.0.clone()).collect(),
+            adapter_types: n.config.adapters.iter().map(|a| a.1.clone()).collect(),
+        }),
+        provider_snapshots: n
+            .provider_snapshots
+            .iter()
+            .map(ProviderSnapshot::to_proto)
+            .collect(),
+        refused: n.refused.clone(),
+        warning: n.warning.clone(),
     }
 }
 
@@ -522,6 +577,7 @@ impl TryFrom<pb::EdgeStatusResponse> for EdgeStatusResponse {
         Ok(Self {
             edge_id: m.edge_id,
             nodes,
+            omitted_nodes: m.omitted_nodes,
         })
     }
 }

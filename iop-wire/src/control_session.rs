@@ -42,6 +42,13 @@
 //!   ([`ControlCloseReason::ProjectionTooLarge`]), with the sizes, so that the operator sees why
 //!   rather than a connection that fails to write and reconnects for ever. While the Edge
 //!   holds no projection or is disconnected it acquires no lease, so it fails closed.
+//! - **A status answer fits what the Control Plane reads** (added after the first release):
+//!   the hello answer names the largest frame the Control Plane reads (0 from an older one:
+//!   the 8 MiB default); the Edge cuts every status answer to whole Nodes, the first in
+//!   `node_id` order, within that, its own limit and the status bounds
+//!   ([`EdgeStatusResponse::fit`]), and counts the rest in `omitted_nodes`. Sent whole, an
+//!   Edge with tens of thousands of Nodes would have its session closed (by its own codec or
+//!   the Control Plane's) at every status request. An older Control Plane ignores the count.
 //! - **Leases against the projection**: the Edge sends lease requests only while connected; a
 //!   lease answer is delivered only to the request it answers.
 //! - **Usage records only where accepted** (added after the first release): the Control Plane
@@ -285,6 +292,9 @@ pub struct EdgeControlSession {
     accepts_usage: bool,
     /// The parts of a projection received so far (the hello said this Edge takes parts).
     assembling: Option<Assembling>,
+    /// The largest frame this Edge writes and the Control Plane reads: the smaller of this
+    /// end's limit and the one the hello answer named.
+    status_frame_len: usize,
     events: VecDeque<EdgeControlEvent>,
 }
 
@@ -343,6 +353,7 @@ impl EdgeControlSession {
             usage: BTreeSet::new(),
             accepts_usage: false,
             assembling: None,
+            status_frame_len: config.max_frame_len,
             events: VecDeque::new(),
         };
         s.link.transmit(
@@ -499,19 +510,23 @@ impl EdgeControlSession {
         Ok(id)
     }
 
-    /// Answers [`EdgeControlEvent::StatusRequested`].
+    /// Answers [`EdgeControlEvent::StatusRequested`], fitted to the status bounds and to the
+    /// smaller of this end's frame limit and the Control Plane's ([`EdgeStatusResponse::fit`]:
+    /// Nodes beyond are left out and counted in `omitted_nodes`). Returns how many Nodes were
+    /// left out, for the driver to log: the status then shows only part of the Edge.
     pub fn respond_status(
         &mut self,
         now: Instant,
         id: u64,
-        status: EdgeStatusResponse,
-    ) -> Result<(), ControlSessionError> {
+        mut status: EdgeStatusResponse,
+    ) -> Result<u32, ControlSessionError> {
         self.connected()?;
+        let omitted = status.fit(self.status_frame_len);
         self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeStatusResponse(status)),
         );
-        Ok(())
+        Ok(omitted)
     }
 
     /// Answers [`EdgeControlEvent::CommandRequested`].
@@ -594,8 +609,14 @@ impl EdgeControlSession {
                 projection,
                 heartbeat_interval_ms,
                 accepts_usage,
+                max_frame_len,
             } => {
                 self.accepts_usage = accepts_usage;
+                let peer = match max_frame_len {
+                    0 => crate::codec::DEFAULT_MAX_FRAME_LEN,
+                    n => n as usize,
+                };
+                self.status_frame_len = self.status_frame_len.min(peer);
                 if self.managed && projection.is_none() {
                     return self.close(ControlCloseReason::MissingProjection);
                 }
@@ -984,6 +1005,7 @@ impl ControlPlaneSession {
             projection,
             heartbeat_interval_ms: u32::try_from(self.heartbeat.as_millis()).ok(),
             accepts_usage: self.accepts_usage,
+            max_frame_len: u32::try_from(self.max_frame_len).unwrap_or(u32::MAX),
         };
         self.link.transmit(
             now,

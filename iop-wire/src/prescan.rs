@@ -627,6 +627,7 @@ mod tests {
                             provider_snapshots: vec![pb::ProviderSnapshot::default(); snapshots],
                             ..Default::default()
                         }],
+                        omitted_nodes: 0,
                     },
                 )),
             }

@@ -23,7 +23,10 @@ use iop_wire::control_session::{
 
 struct Pair {
     now: Instant,
-    codec: FrameCodec,
+    /// What the Control Plane reads (fails on a larger frame from the Edge).
+    to_cp: FrameCodec,
+    /// What the Edge reads.
+    to_edge: FrameCodec,
     edge: EdgeControlSession,
     cp: ControlPlaneSession,
     edge_events: Vec<EdgeControlEvent>,
@@ -52,6 +55,7 @@ fn status() -> EdgeStatusResponse {
     EdgeStatusResponse {
         edge_id: "edge-1".into(),
         nodes: Vec::new(),
+        omitted_nodes: 0,
     }
 }
 
@@ -69,7 +73,27 @@ impl Pair {
         held: u64,
         max_frame_len: usize,
     ) -> Self {
-        let config = iop_wire::control_session::ControlSessionConfig {
+        Self::with_limits(
+            edge_id,
+            cert_name,
+            managed,
+            held,
+            max_frame_len,
+            max_frame_len,
+        )
+    }
+
+    /// The Edge reads and writes frames of at most `edge_frames` bytes, the Control Plane of
+    /// `cp_frames`; the codec each way fails on a frame larger than its reader takes.
+    fn with_limits(
+        edge_id: &str,
+        cert_name: &str,
+        managed: bool,
+        held: u64,
+        edge_frames: usize,
+        cp_frames: usize,
+    ) -> Self {
+        let config = |max_frame_len| iop_wire::control_session::ControlSessionConfig {
             max_frame_len,
             ..config()
         };
@@ -83,9 +107,10 @@ impl Pair {
         };
         let mut p = Self {
             now,
-            codec: FrameCodec::with_max_frame_len(max_frame_len),
-            edge: EdgeControlSession::new(config, hello, held, now),
-            cp: ControlPlaneSession::new(config, Some(cert_name.into()), now),
+            to_cp: FrameCodec::with_max_frame_len(cp_frames),
+            to_edge: FrameCodec::with_max_frame_len(edge_frames),
+            edge: EdgeControlSession::new(config(edge_frames), hello, held, now),
+            cp: ControlPlaneSession::new(config(cp_frames), Some(cert_name.into()), now),
             edge_events: Vec::new(),
             cp_events: Vec::new(),
             edge_mute: false,
@@ -94,10 +119,10 @@ impl Pair {
         p
     }
 
-    fn wire(&self, frame: &ControlFrame) -> ControlFrame {
+    fn wire(codec: &FrameCodec, frame: &ControlFrame) -> ControlFrame {
         let mut buf = BytesMut::new();
-        self.codec.encode(frame, &mut buf).unwrap();
-        self.codec.decode(&mut buf).unwrap().unwrap()
+        codec.encode(frame, &mut buf).unwrap();
+        codec.decode(&mut buf).unwrap().unwrap()
     }
 
     fn settle(&mut self) {
@@ -106,13 +131,13 @@ impl Pair {
             while let Some(f) = self.edge.poll_transmit() {
                 moved = true;
                 if !self.edge_mute {
-                    let f = self.wire(&f);
+                    let f = Self::wire(&self.to_cp, &f);
                     self.cp.handle_frame(self.now, f);
                 }
             }
             while let Some(f) = self.cp.poll_transmit() {
                 moved = true;
-                let f = self.wire(&f);
+                let f = Self::wire(&self.to_edge, &f);
                 self.edge.handle_frame(self.now, f);
             }
             while let Some(e) = self.edge.poll_event() {
@@ -725,24 +750,14 @@ fn an_edge_that_does_not_take_parts_is_refused_not_sent_a_frame_it_cannot_read()
     ));
     // The Edge's own limit counts too: one that reads frames of 16 KiB is cut for 16 KiB by a
     // Control Plane allowed 8 MiB.
-    let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, config().max_frame_len);
-    p.edge = EdgeControlSession::new(
-        iop_wire::control_session::ControlSessionConfig {
-            max_frame_len: SMALL_FRAME,
-            ..config()
-        },
-        EdgeHelloRequest {
-            edge_id: "edge-1".into(),
-            managed: true,
-            ..Default::default()
-        },
+    let mut p = Pair::with_limits(
+        "edge-1",
+        "edge-1",
+        true,
         0,
-        p.now,
+        SMALL_FRAME,
+        config().max_frame_len,
     );
-    p.cp = ControlPlaneSession::new(config(), Some("edge-1".into()), p.now);
-    p.codec = FrameCodec::with_max_frame_len(SMALL_FRAME);
-    p.cp_events.clear();
-    p.settle();
     let large = large_projection(2, 400);
     p.accept(Some(large.clone()));
     assert!(matches!(p.edge_events.first(), Some(EdgeControlEvent::Projection(x)) if *x == large));
@@ -844,6 +859,7 @@ fn the_edge_installs_a_whole_projection_or_nothing() {
                 projection: Some(parts[last].clone()),
                 heartbeat_interval_ms: None,
                 accepts_usage: false,
+                max_frame_len: 0,
             }),
         ),
     );
@@ -962,7 +978,7 @@ fn a_hello_in_parts_is_bounded_per_part_not_as_a_whole() {
     for f in parts_of(&mut p) {
         p.now += timeout * 2 / 3;
         p.edge.handle_timeout(p.now);
-        let f = p.wire(&f);
+        let f = Pair::wire(&p.to_edge, &f);
         p.edge.handle_frame(p.now, f);
     }
     assert!(p.now - start > 2 * timeout);
@@ -978,7 +994,7 @@ fn a_hello_in_parts_is_bounded_per_part_not_as_a_whole() {
 
     let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, SMALL_FRAME);
     let first = parts_of(&mut p).swap_remove(0);
-    let first = p.wire(&first);
+    let first = Pair::wire(&p.to_edge, &first);
     p.edge.handle_frame(p.now, first);
     p.now += timeout;
     p.edge.handle_timeout(p.now);
@@ -1004,9 +1020,10 @@ fn an_empty_projection_part_closes_the_session() {
         generation: 2,
         ..PrincipalProjection::default()
     };
-    let part = p.wire(&ControlFrame::new(ControlMessage::PrincipalProjectionPart(
-        part,
-    )));
+    let part = Pair::wire(
+        &p.to_edge,
+        &ControlFrame::new(ControlMessage::PrincipalProjectionPart(part)),
+    );
     p.edge.handle_frame(p.now, part);
     p.settle();
     assert!(
@@ -1050,4 +1067,160 @@ fn a_projection_beyond_what_an_edge_assembles_is_refused_not_sent() {
         other => panic!("{other:?}"),
     }
     assert!(p.cp.poll_transmit().is_none(), "no part was sent");
+}
+
+/// `count` Nodes named `node-00000`…, given in reverse order, each with `providers` provider
+/// snapshots and `adapters` adapters.
+fn many_nodes(
+    count: usize,
+    providers: usize,
+    adapters: usize,
+) -> Vec<iop_wire::control::EdgeNodeSnapshot> {
+    (0..count)
+        .rev()
+        .map(|i| {
+            let node_id = format!("node-{i:05}");
+            iop_wire::control::EdgeNodeSnapshot {
+                provider_snapshots: (0..providers)
+                    .map(|k| iop_wire::runtime::ProviderSnapshot {
+                        provider_id: format!("provider-{k}"),
+                        node_id: node_id.clone(),
+                        adapter: "openai-a".into(),
+                        target: "gpt-4o-mini".into(),
+                        category: "api".into(),
+                        status: "available".into(),
+                        health: "healthy".into(),
+                        capacity: 4,
+                        enabled: true,
+                        ..Default::default()
+                    })
+                    .collect(),
+                config: iop_wire::control::EdgeNodeConfigSummary {
+                    revision: 3,
+                    adapters: vec![("openai-a".into(), "openai_compat".into()); adapters],
+                },
+                node_id,
+                connected: true,
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
+/// Asks the Edge for its status, answers with `nodes`, and returns what the Control Plane
+/// received (through the codec each way, which fails on a frame its reader does not take) and
+/// what `respond_status` said it left out.
+fn status_through(
+    p: &mut Pair,
+    nodes: Vec<iop_wire::control::EdgeNodeSnapshot>,
+) -> (EdgeStatusResponse, u32) {
+    p.edge_events.clear();
+    p.cp_events.clear();
+    let ticket = p.cp.status(p.now).unwrap();
+    p.settle();
+    let [EdgeControlEvent::StatusRequested { id }] = p.edge_events.as_slice() else {
+        panic!("{:?}", p.edge_events)
+    };
+    let status = EdgeStatusResponse {
+        edge_id: "edge-1".into(),
+        nodes,
+        omitted_nodes: 0,
+    };
+    let omitted = p.edge.respond_status(p.now, *id, status).unwrap();
+    p.settle();
+    let [
+        ControlPlaneEvent::StatusAnswered {
+            ticket: t,
+            result: Ok(answer),
+        },
+    ] = p.cp_events.as_slice()
+    else {
+        panic!("{:?}", p.cp_events)
+    };
+    assert_eq!(*t, ticket);
+    assert!(p.edge.is_connected());
+    (answer.clone(), omitted)
+}
+
+/// An Edge with more Nodes than one frame of the Control Plane's holds answers with the first
+/// Nodes in `node_id` order, whole, as many as fit, and counts the rest in `omitted_nodes`:
+/// the session stays up, where the whole answer would fail the Control Plane's codec and end
+/// the session on every status request. The Edge's own limit is 8 MiB; the Control Plane's,
+/// told in its hello answer, is 64 KiB.
+#[test]
+fn a_status_larger_than_the_control_planes_frame_is_cut_to_whole_nodes() {
+    const CP_FRAME: usize = 64 * 1024;
+    const NODES: usize = 3000;
+    let mut p = Pair::with_limits("edge-1", "edge-1", false, 0, 8 << 20, CP_FRAME);
+    p.accept(None);
+    let (answer, omitted) = status_through(&mut p, many_nodes(NODES, 1, 1));
+    let listed = answer.nodes.len();
+    assert!(
+        listed > 100 && omitted > 0,
+        "{listed} listed, {omitted} left out"
+    );
+    assert_eq!(answer.omitted_nodes, omitted);
+    assert_eq!(listed + omitted as usize, NODES);
+    let mut all = many_nodes(NODES, 1, 1);
+    all.reverse();
+    assert_eq!(answer.nodes, all[..listed]);
+    // As many as fit: one Node more would not have (beyond the frame's room for the rest).
+    let frame_len = |nodes: &[iop_wire::control::EdgeNodeSnapshot]| {
+        let mut buf = BytesMut::new();
+        let frame = ControlFrame::correlated(
+            u64::MAX,
+            ControlMessage::EdgeStatusResponse(EdgeStatusResponse {
+                edge_id: "edge-1".into(),
+                nodes: nodes.to_vec(),
+                omitted_nodes: u32::MAX,
+            }),
+        );
+        FrameCodec::with_max_frame_len(usize::MAX)
+            .encode(&frame, &mut buf)
+            .unwrap();
+        buf.len()
+    };
+    assert!(frame_len(&all[..listed]) <= CP_FRAME);
+    assert!(frame_len(&all[..=listed]) > CP_FRAME - 256);
+    // The session goes on: the next answer is cut the same way.
+    let (again, _) = status_through(&mut p, many_nodes(NODES, 1, 1));
+    assert_eq!(again, answer);
+    assert!(
+        !p.cp_events
+            .iter()
+            .any(|e| matches!(e, ControlPlaneEvent::Closed(_)))
+    );
+}
+
+/// Within the frame, the answer keeps to the status bounds the Control Plane checks (Nodes,
+/// provider snapshots and adapters over all Nodes), leaving out whole Nodes from the end; a
+/// status within them is sent as it is.
+#[test]
+fn a_status_keeps_to_the_status_bounds() {
+    use iop_wire::control::{MAX_STATUS_ADAPTERS, MAX_STATUS_NODES, MAX_STATUS_PROVIDERS};
+    let mut p = Pair::with_frames("edge-1", "edge-1", false, 0, 64 << 20);
+    p.accept(None);
+
+    let (answer, omitted) = status_through(&mut p, many_nodes(3, 1, 1));
+    assert_eq!(
+        (answer.nodes.len(), omitted, answer.omitted_nodes),
+        (3, 0, 0)
+    );
+
+    let (answer, omitted) = status_through(&mut p, many_nodes(MAX_STATUS_NODES + 3, 0, 0));
+    assert_eq!((answer.nodes.len(), omitted), (MAX_STATUS_NODES, 3));
+    assert_eq!(
+        answer.nodes.last().unwrap().node_id,
+        format!("node-{:05}", MAX_STATUS_NODES - 1)
+    );
+
+    let (answer, omitted) = status_through(&mut p, many_nodes(3, MAX_STATUS_PROVIDERS / 2, 0));
+    assert_eq!((answer.nodes.len(), omitted), (2, 1));
+    assert_eq!(answer.nodes[1].node_id, "node-00001");
+
+    let (answer, omitted) = status_through(&mut p, many_nodes(3, 0, MAX_STATUS_ADAPTERS / 2));
+    assert_eq!(
+        (answer.nodes.len(), omitted, answer.omitted_nodes),
+        (2, 1, 1)
+    );
 }

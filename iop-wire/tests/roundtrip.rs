@@ -464,6 +464,7 @@ fn every_control_message_round_trips() {
                 projection: Some(projection.clone()),
                 heartbeat_interval_ms: Some(10_000),
                 accepts_usage: true,
+                max_frame_len: 1 << 20,
             },
         )),
         ControlFrame::new(ControlMessage::EdgeHelloResponse(
@@ -488,6 +489,7 @@ fn every_control_message_round_trips() {
                         .into(),
                     warning: "does not trust the staged issuer key p256:11".into(),
                 }],
+                omitted_nodes: 3,
             }),
         ),
         ControlFrame::correlated(

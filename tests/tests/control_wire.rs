@@ -43,6 +43,16 @@ async fn admin() -> Admin {
 }
 
 async fn control_plane(ca: &Ca, managed: bool, listen: &str) -> (ControlPlane, Admin) {
+    control_plane_framed(ca, managed, listen, iop_wire::codec::DEFAULT_MAX_FRAME_LEN).await
+}
+
+/// A Control Plane that reads and writes frames of at most `max_frame_len` bytes.
+async fn control_plane_framed(
+    ca: &Ca,
+    managed: bool,
+    listen: &str,
+    max_frame_len: usize,
+) -> (ControlPlane, Admin) {
     let admin = admin().await;
     let tls = if managed {
         pki::server_tls(ca, role::CONTROL_PLANE, "cp-1", role::EDGE)
@@ -73,7 +83,8 @@ async fn control_plane(ca: &Ca, managed: bool, listen: &str) -> (ControlPlane, A
             DEFAULT_LEASE_TTL,
         ))
     });
-    let config = ServerConfig::new(listen.parse().unwrap(), tls, managed);
+    let mut config = ServerConfig::new(listen.parse().unwrap(), tls, managed);
+    config.max_frame_len = max_frame_len;
     // The default heartbeat (10 s, silence limit 30 s): no test here waits on liveness (the
     // seed 001 machines' pair harness covers it in virtual time), and a short one would drop
     // sessions whenever a shared machine pauses for a second.
@@ -115,6 +126,11 @@ fn spec(node: &str) -> ProviderSpec {
 
 /// An Edge with `node-1` and `node-2` configured (one provider each).
 async fn edge(ca: &Ca) -> EdgeHandle {
+    edge_with(ca, &["node-1".into(), "node-2".into()]).await
+}
+
+/// An Edge with these Nodes configured (one provider each).
+async fn edge_with(ca: &Ca, nodes: &[String]) -> EdgeHandle {
     let mut cfg = TransportConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         pki::edge_server_tls(ca, "edge-1"),
@@ -124,13 +140,12 @@ async fn edge(ca: &Ca) -> EdgeHandle {
         revision: 7,
         ..Default::default()
     };
-    cfg.node_configs = vec![
-        ("node-1".into(), payload.clone()),
-        ("node-2".into(), payload),
-    ];
+    cfg.node_configs = (nodes.iter())
+        .map(|n| (n.clone(), payload.clone()))
+        .collect();
     cfg.pool = Some(PoolConfig {
-        models: vec![("demo".into(), vec![spec("node-1").key, spec("node-2").key])],
-        providers: vec![spec("node-1"), spec("node-2")],
+        models: vec![("demo".into(), nodes.iter().map(|n| spec(n).key).collect())],
+        providers: nodes.iter().map(|n| spec(n)).collect(),
         max_queue: 4,
     });
     bind(cfg).await.unwrap().0
@@ -285,8 +300,9 @@ where
         let accepted = EdgeHelloResponse::Accepted {
             projection,
             heartbeat_interval_ms: Some(60_000),
-            // As a Control Plane from before usage records.
+            // As a Control Plane from before usage records and frame limits.
             accepts_usage: false,
+            max_frame_len: 0,
         };
         io.send(ControlFrame::correlated(
             hello.correlation_id,
@@ -496,6 +512,55 @@ async fn legacy_mode_carries_no_lease_traffic() {
         tokio::time::timeout(Duration::from_secs(5), closed)
             .await
             .expect("the replaced connection is closed although it is alive");
+        stop.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+/// An Edge with more Nodes than one frame of the Control Plane's holds (400 Nodes, about
+/// 50 KB of status, against a Control Plane that reads frames of 16 KiB and says so in its
+/// hello answer) answers with the first Nodes in `node_id` order and counts the rest: the
+/// session stays up. Before, the Control Plane's codec refused the frame, closed the session,
+/// and the Edge reconnected only to lose it again at the next status request.
+#[tokio::test]
+async fn a_status_larger_than_the_control_planes_frame_is_cut_not_fatal() {
+    const NODES: usize = 400;
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let (cp, _) = control_plane_framed(&ca, true, "127.0.0.1:0", 16 * 1024).await;
+        let names: Vec<String> = (0..NODES).map(|i| format!("node-{i:03}")).collect();
+        let e = edge_with(&ca, &names).await;
+        let stop = CancellationToken::new();
+        let c = ControlConnector::start(
+            e.clone(),
+            connector_config(
+                cp.local_addr().to_string(),
+                pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
+                "edge-1",
+                true,
+            ),
+            stop.clone(),
+        )
+        .unwrap();
+        state_until(&c, |s| *s == SessionState::Connected).await;
+        let mut state = c.state();
+        state.borrow_and_update();
+
+        let status = cp.status("edge-1").await.unwrap();
+        let listed = status.nodes.len();
+        assert!(
+            listed >= 50 && status.omitted_nodes > 0,
+            "{listed} listed, {} left out",
+            status.omitted_nodes
+        );
+        assert_eq!(listed + status.omitted_nodes as usize, NODES);
+        let ids: Vec<_> = status.nodes.iter().map(|n| n.node_id.clone()).collect();
+        assert_eq!(ids, names[..listed]);
+        assert!(status.nodes.iter().all(|n| n.provider_snapshots.len() == 1));
+        // The same session answers again; it never dropped.
+        assert_eq!(cp.status("edge-1").await.unwrap(), status);
+        assert!(!state.has_changed().unwrap(), "{:?}", *state.borrow());
         stop.cancel();
     })
     .await

@@ -103,6 +103,10 @@ pub struct EdgeHelloResponse {
     /// older Control Planes: the Edge then keeps its records.
     #[prost(bool, tag = "5")]
     pub accepts_usage: bool,
+    /// Added after the first release: the largest frame the Control Plane reads (0: not said,
+    /// taken as the codec's 8 MiB default). The Edge fits its status answers to it.
+    #[prost(uint32, tag = "6")]
+    pub max_frame_len: u32,
 }
 /// Control Plane -> Edge: report the Edge-owned Node snapshot view.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -114,6 +118,12 @@ pub struct EdgeStatusResponse {
     pub edge_id: ::prost::alloc::string::String,
     #[prost(message, repeated, tag = "2")]
     pub nodes: ::prost::alloc::vec::Vec<EdgeNodeSnapshot>,
+    /// Added after the first release: how many Nodes were left out so that the answer fits the
+    /// status bounds and the Control Plane's frame limit. Those listed are the first in node_id
+    /// order; those left out come after the last one listed. Zero from older Edges, which
+    /// never leave a Node out (and whose session ends instead when the answer does not fit).
+    #[prost(uint32, tag = "3")]
+    pub omitted_nodes: u32,
 }
 /// One configured or connected Node as the Edge sees it. Never carries a Node address, token
 /// or transport internals.
