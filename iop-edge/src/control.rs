@@ -43,7 +43,8 @@ use iop_wire::control::{
     EdgeStatusResponse, NodeEventKind, PrincipalProjection,
 };
 use iop_wire::control_session::{
-    ControlCloseReason, ControlSessionConfig, EdgeControlEvent, EdgeControlSession,
+    ControlCloseReason, ControlSessionConfig, ControlSessionError, EdgeControlEvent,
+    EdgeControlSession,
 };
 use iop_wire::runtime::{CredentialLease, CredentialLeaseBinding};
 use rustls_pki_types::ServerName;
@@ -212,13 +213,13 @@ struct Link {
     accepts_usage: bool,
 }
 
+/// Where a usage report's answer goes.
+type UsageAnswer = oneshot::Sender<Result<iop_wire::control::EdgeUsageAck, UsageReportError>>;
+
 /// What callers and spawned work hand to the session loop.
 enum Request {
     Lease(AcquireLeaseRequest, oneshot::Sender<AcquireLeaseResponse>),
-    Usage(
-        iop_wire::control::EdgeUsageReport,
-        oneshot::Sender<iop_wire::control::EdgeUsageAck>,
-    ),
+    Usage(iop_wire::control::EdgeUsageReport, UsageAnswer),
     Ping(oneshot::Sender<()>),
     Status(u64, EdgeStatusResponse),
     CommandEvent(u64, EdgeCommandEvent),
@@ -427,6 +428,13 @@ pub enum UsageReportError {
     /// may not be stored; send them again (they are stored once by request id).
     #[error("no acknowledgement from the control plane")]
     NoAnswer,
+    /// The report is larger than the frame the Control Plane reads; nothing was sent. Send its
+    /// first `fit` records (0: the first record alone does not fit).
+    #[error("usage report larger than the control plane's frame; its first {fit} records fit")]
+    TooLarge {
+        /// How many of the report's first records fit one frame.
+        fit: usize,
+    },
 }
 
 /// How long [`ControlConnector::report_usage`] waits for the acknowledgement.
@@ -454,7 +462,7 @@ impl ControlConnector {
         self.send(Request::Usage(report, tx))
             .ok_or(UsageReportError::NotAccepted)?;
         match tokio::time::timeout(USAGE_TIMEOUT, rx).await {
-            Ok(Ok(ack)) => Ok(ack),
+            Ok(Ok(answer)) => answer,
             _ => Err(UsageReportError::NoAnswer),
         }
     }
@@ -636,8 +644,7 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
     let requests = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_REQUESTS));
     let mut leases: HashMap<u64, oneshot::Sender<AcquireLeaseResponse>> = HashMap::new();
     let mut pongs: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
-    let mut usage_acks: HashMap<u64, oneshot::Sender<iop_wire::control::EdgeUsageAck>> =
-        HashMap::new();
+    let mut usage_acks: HashMap<u64, UsageAnswer> = HashMap::new();
     let mut connected = false;
     let mut silence = DEFAULT_HEARTBEAT * 3;
     loop {
@@ -696,7 +703,7 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                 EdgeControlEvent::UsageAcked { ticket, result } => {
                     // A failure drops the sender: the caller sends the records again.
                     if let (Some(tx), Ok(ack)) = (usage_acks.remove(&ticket), result) {
-                        let _ = tx.send(ack);
+                        let _ = tx.send(Ok(ack));
                     }
                 }
                 EdgeControlEvent::Closed(reason) => {
@@ -740,10 +747,14 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                             pongs.insert(ticket, tx);
                         }
                     }
-                    Request::Usage(report, tx) => {
-                        if let Ok(ticket) = s.report_usage(at, report) {
+                    Request::Usage(report, tx) => match s.report_usage(at, report) {
+                        Ok(ticket) => {
                             usage_acks.insert(ticket, tx);
                         }
+                        Err(ControlSessionError::UsageReportTooLarge { fit, .. }) => {
+                            let _ = tx.send(Err(UsageReportError::TooLarge { fit }));
+                        }
+                        Err(_) => {}
                     }
                     Request::Status(id, st) => {
                         let listed = st.nodes.len();

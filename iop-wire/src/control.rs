@@ -1223,6 +1223,32 @@ pub struct EdgeUsageReport {
     pub records: Vec<UsageRecord>,
 }
 
+/// Bytes a frame takes beside a usage report's records: the envelope's correlation id and the
+/// message's tag and length.
+const USAGE_FRAME_OVERHEAD: usize = 32;
+
+impl EdgeUsageReport {
+    /// How many of its first records fit one frame of `max_frame_len` bytes (all of them when
+    /// the report does). The Edge's session refuses a report that does not fit the Control
+    /// Plane's frame
+    /// ([`ControlSessionError::UsageReportTooLarge`](crate::control_session::ControlSessionError::UsageReportTooLarge)),
+    /// saying this number, so that the sender sends fewer rather than a frame that would end
+    /// the session.
+    pub fn records_that_fit(&self, max_frame_len: usize) -> usize {
+        use prost::Message as _;
+        let budget = max_frame_len.saturating_sub(USAGE_FRAME_OVERHEAD);
+        let mut used = 0;
+        for (i, r) in self.records.iter().enumerate() {
+            let len = r.to_proto().encoded_len();
+            used += 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+            if used > budget {
+                return i;
+            }
+        }
+        self.records.len()
+    }
+}
+
 /// Control Plane → Edge: every record of the report is durably stored (or already was).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EdgeUsageAck {

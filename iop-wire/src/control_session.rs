@@ -49,6 +49,9 @@
 //!   ([`EdgeStatusResponse::fit`]), and counts the rest in `omitted_nodes`. Sent whole, an
 //!   Edge with tens of thousands of Nodes would have its session closed (by its own codec or
 //!   the Control Plane's) at every status request. An older Control Plane ignores the count.
+//!   A usage report beyond that frame is refused before anything is sent, with how many of
+//!   its records fit ([`ControlSessionError::UsageReportTooLarge`]): records cannot be left
+//!   out, so the sender sends fewer.
 //! - **Leases against the projection**: the Edge sends lease requests only while connected; a
 //!   lease answer is delivered only to the request it answers.
 //! - **Usage records only where accepted** (added after the first release): the Control Plane
@@ -140,6 +143,22 @@ pub enum ControlSessionError {
     /// The Control Plane did not say it accepts usage records on this session.
     #[error("the control plane does not accept usage records")]
     UsageNotAccepted,
+    /// A usage report larger than the frame the Control Plane reads (or this end writes):
+    /// nothing was sent; send its first `fit` records
+    /// ([`EdgeUsageReport::records_that_fit`]). `fit` is 0 when the first record alone does
+    /// not fit.
+    #[error(
+        "a usage report of {records} records does not fit a frame of {max_frame_len} bytes; \
+         its first {fit} do"
+    )]
+    UsageReportTooLarge {
+        /// Records in the report.
+        records: usize,
+        /// How many of its first records fit.
+        fit: usize,
+        /// The frame limit.
+        max_frame_len: usize,
+    },
     /// The projection cannot be sent to this Edge; the session closed
     /// ([`ControlCloseReason::ProjectionTooLarge`]).
     #[error(transparent)]
@@ -293,8 +312,9 @@ pub struct EdgeControlSession {
     /// The parts of a projection received so far (the hello said this Edge takes parts).
     assembling: Option<Assembling>,
     /// The largest frame this Edge writes and the Control Plane reads: the smaller of this
-    /// end's limit and the one the hello answer named.
-    status_frame_len: usize,
+    /// end's limit and the one the hello answer named. Status answers are fitted to it, usage
+    /// reports refused beyond it.
+    peer_frame_len: usize,
     events: VecDeque<EdgeControlEvent>,
 }
 
@@ -353,7 +373,7 @@ impl EdgeControlSession {
             usage: BTreeSet::new(),
             accepts_usage: false,
             assembling: None,
-            status_frame_len: config.max_frame_len,
+            peer_frame_len: config.max_frame_len,
             events: VecDeque::new(),
         };
         s.link.transmit(
@@ -481,7 +501,9 @@ impl EdgeControlSession {
     }
 
     /// Sends usage records to a Control Plane that accepts them; the answer comes as
-    /// [`EdgeControlEvent::UsageAcked`]. Until it is `Ok`, the records are not stored.
+    /// [`EdgeControlEvent::UsageAcked`]. Until it is `Ok`, the records are not stored. A
+    /// report larger than the Control Plane's frame is refused with how many of its records
+    /// fit ([`ControlSessionError::UsageReportTooLarge`]), and nothing is sent.
     pub fn report_usage(
         &mut self,
         now: Instant,
@@ -490,6 +512,14 @@ impl EdgeControlSession {
         self.connected()?;
         if !self.accepts_usage {
             return Err(ControlSessionError::UsageNotAccepted);
+        }
+        let fit = report.records_that_fit(self.peer_frame_len);
+        if fit < report.records.len() {
+            return Err(ControlSessionError::UsageReportTooLarge {
+                records: report.records.len(),
+                fit,
+                max_frame_len: self.peer_frame_len,
+            });
         }
         let id = self.link.correlation_id();
         self.usage.insert(id);
@@ -521,7 +551,7 @@ impl EdgeControlSession {
         mut status: EdgeStatusResponse,
     ) -> Result<u32, ControlSessionError> {
         self.connected()?;
-        let omitted = status.fit(self.status_frame_len);
+        let omitted = status.fit(self.peer_frame_len);
         self.link.transmit(
             now,
             ControlFrame::correlated(id, ControlMessage::EdgeStatusResponse(status)),
@@ -616,7 +646,7 @@ impl EdgeControlSession {
                     0 => crate::codec::DEFAULT_MAX_FRAME_LEN,
                     n => n as usize,
                 };
-                self.status_frame_len = self.status_frame_len.min(peer);
+                self.peer_frame_len = self.peer_frame_len.min(peer);
                 if self.managed && projection.is_none() {
                     return self.close(ControlCloseReason::MissingProjection);
                 }

@@ -1224,3 +1224,45 @@ fn a_status_keeps_to_the_status_bounds() {
         (2, 1, 1)
     );
 }
+
+/// A usage report larger than the frame the Control Plane reads is refused by the Edge's own
+/// session, with how many of its records fit, and nothing is sent; the records that fit go in
+/// one frame the Control Plane reads (the codec between them fails on a larger one).
+#[test]
+fn a_usage_report_beyond_the_control_planes_frame_is_refused_with_what_fits() {
+    const CP_FRAME: usize = 4096;
+    let mut p = Pair::with_limits("edge-1", "edge-1", false, 0, 8 << 20, CP_FRAME);
+    p.cp.accept_usage();
+    p.accept(None);
+    p.cp_events.clear();
+    let report = usage_report(512);
+    let Err(ControlSessionError::UsageReportTooLarge {
+        records: 512,
+        fit,
+        max_frame_len: CP_FRAME,
+    }) = p.edge.report_usage(p.now, report.clone())
+    else {
+        panic!("a report of 512 records fits 4 KiB")
+    };
+    assert!(p.edge.poll_transmit().is_none());
+    assert!(fit > 10 && fit < 512, "{fit}");
+    assert_eq!(report.records_that_fit(CP_FRAME), fit);
+    // The first `fit` records go in one frame, and one more would not have fit.
+    let first = EdgeUsageReport {
+        records: report.records[..fit].to_vec(),
+    };
+    let a = p.edge.report_usage(p.now, first).unwrap();
+    p.settle();
+    assert!(matches!(
+        p.cp_events.as_slice(),
+        [ControlPlaneEvent::UsageReported { id, report }] if *id == a && report.records.len() == fit
+    ));
+    let one_more = EdgeUsageReport {
+        records: report.records[..=fit].to_vec(),
+    };
+    assert!(matches!(
+        p.edge.report_usage(p.now, one_more),
+        Err(ControlSessionError::UsageReportTooLarge { .. })
+    ));
+    assert!(p.edge.is_connected());
+}

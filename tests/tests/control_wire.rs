@@ -567,6 +567,107 @@ async fn a_status_larger_than_the_control_planes_frame_is_cut_not_fatal() {
     .expect("scenario finishes");
 }
 
+/// Usage reports fit the Control Plane's frame. Against a Control Plane that reads frames of
+/// 16 KiB (a full report of 512 records takes about 50 KB here): a full report is refused by
+/// the Edge's own session with how many records fit, and nothing is sent; the shipper then
+/// sends 1,200 spooled records in reports that fit, every one stored once, on one session.
+/// Before, the first full report closed the session, and every session after it.
+#[tokio::test]
+async fn usage_reports_fit_the_control_planes_frame() {
+    use iop_edge::control::UsageReportError;
+    use iop_edge::usage::{Outcome, SqliteUsage, UsageConfig, UsageRecord, UsageSink as _};
+    use iop_wire::control::EdgeUsageReport;
+    const SPOOLED: usize = 1200;
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let (cp, admin) = control_plane_framed(&ca, true, "127.0.0.1:0", 16 * 1024).await;
+        admin.create_principal("team-a", "Team A").await.unwrap();
+        let e = edge(&ca).await;
+        let stop = CancellationToken::new();
+        let c = ControlConnector::start(
+            e.clone(),
+            connector_config(
+                cp.local_addr().to_string(),
+                pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
+                "edge-1",
+                true,
+            ),
+            stop.clone(),
+        )
+        .unwrap();
+        state_until(&c, |s| *s == SessionState::Connected).await;
+        let mut state = c.state();
+        state.borrow_and_update();
+        let record = |i: usize| UsageRecord {
+            request_id: format!("request-{i:06}-of-the-usage-frame-test"),
+            at_ms: 1_800_000_000_000,
+            key: "team-a".into(),
+            model: "demo".into(),
+            provider: "node-1/demo".into(),
+            input_tokens: 1200,
+            output_tokens: 300,
+            cached_input_tokens: 0,
+            estimated: false,
+            cost_pusd: 42,
+            outcome: Outcome::Completed,
+            duration_us: 123_456,
+            first_byte_us: 45_678,
+            added_us: 90,
+        };
+
+        let full: Vec<_> = (0..512)
+            .map(|i| iop_edge::usage::wire_record(&record(i)))
+            .collect();
+        let err = c
+            .report_usage(EdgeUsageReport {
+                records: full.clone(),
+            })
+            .await
+            .unwrap_err();
+        let UsageReportError::TooLarge { fit } = err else {
+            panic!("{err:?}")
+        };
+        assert!(fit > 10 && fit < 512, "{fit}");
+        let ack = c
+            .report_usage(EdgeUsageReport {
+                records: full[..fit].to_vec(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(ack.stored as usize, fit);
+
+        let db = std::env::temp_dir().join(format!("iop-usage-frame-{}.db", std::process::id()));
+        let _ = std::fs::remove_file(&db);
+        let sink = SqliteUsage::open(
+            &db,
+            UsageConfig {
+                ship: true,
+                ..UsageConfig::default()
+            },
+        )
+        .unwrap();
+        for i in 0..SPOOLED {
+            sink.record(record(100_000 + i));
+        }
+        sink.flush();
+        assert_eq!(sink.spooled(), SPOOLED as u64);
+        let shipping = tokio::spawn(iop_edge::usage::ship(sink.clone(), c.clone(), stop.clone()));
+        while sink.spooled() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let rows = admin.store().usage_daily(None, 100).await.unwrap();
+        let stored: u64 = rows.iter().map(|r| r.requests).sum();
+        assert_eq!(stored, (fit + SPOOLED) as u64);
+        assert!(!state.has_changed().unwrap(), "{:?}", *state.borrow());
+        stop.cancel();
+        shipping.await.unwrap();
+        sink.close();
+        let _ = std::fs::remove_file(&db);
+    })
+    .await
+    .expect("scenario finishes");
+}
+
 #[tokio::test]
 async fn status_commands_events_and_reconnect() {
     tokio::time::timeout(LIMIT, async {

@@ -12,6 +12,9 @@
 //!   before usage records never says so, and then the records just wait).
 //! - **Nothing counted twice**: a report whose acknowledgement was lost (the session ended,
 //!   the Edge was killed) is sent again, and the Control Plane stores each request id once.
+//! - **Reports fit the Control Plane's frame**: a report larger than the frame the Control
+//!   Plane reads (its hello answer says how large) is not sent; the shipper sends as many
+//!   records as fit, and keeps to that count (`ControlSessionError::UsageReportTooLarge`).
 //! - **Bounded**: at most [`super::UsageConfig::spool_max`] records wait; past it the newest
 //!   are dropped, counted (`iop_edge_usage_spool_dropped_total`) and logged every 10 s at most.
 //!   Records the wire cannot carry (an id or model outside its rules: not possible from the
@@ -25,7 +28,7 @@ use iop_wire::control::{EdgeUsageReport, MAX_USAGE_RECORDS, UsageRecord as WireR
 use tokio_util::sync::CancellationToken;
 
 use super::{UsageRecord, UsageSink};
-use crate::control::ControlConnector;
+use crate::control::{ControlConnector, UsageReportError};
 
 /// The wire form of a record (the key is the principal in managed mode).
 pub fn wire_record(r: &UsageRecord) -> WireRecord {
@@ -54,6 +57,8 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
         return;
     };
     let mut state = control.state();
+    // Fewer when the Control Plane reads smaller frames than a full report takes.
+    let mut batch_max = MAX_USAGE_RECORDS;
     loop {
         if stop.is_cancelled() {
             return;
@@ -67,7 +72,7 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
             continue;
         }
         let s = Arc::clone(&sink);
-        let batch = tokio::task::spawn_blocking(move || s.unshipped(MAX_USAGE_RECORDS))
+        let batch = tokio::task::spawn_blocking(move || s.unshipped(batch_max))
             .await
             .ok()
             .flatten()
@@ -98,7 +103,22 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
             continue;
         }
         let ids: Vec<String> = records.iter().map(|r| r.request_id.clone()).collect();
+        let first = ids[0].clone();
         match control.report_usage(EdgeUsageReport { records }).await {
+            Err(UsageReportError::TooLarge { fit: 0 }) => {
+                // One record larger than the Control Plane's whole frame (it would take a
+                // frame limit under about a kilobyte): kept in the local file only.
+                tracing::warn!(
+                    "a usage record larger than the control plane's frame is kept in the local file only"
+                );
+                sink.unshippable(1);
+                let s = Arc::clone(&sink);
+                let _ = tokio::task::spawn_blocking(move || s.shipped(&[first])).await;
+            }
+            Err(UsageReportError::TooLarge { fit }) => {
+                tracing::debug!(fit, "usage reports cut to fit the control plane's frame");
+                batch_max = fit;
+            }
             Ok(ack) => {
                 tracing::debug!(
                     stored = ack.stored,
