@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use iop_wire::control::PrincipalProjection;
+use iop_wire::control_session::SharedProjection;
 use ring::digest::{SHA256, digest};
 use ring::rand::{SecureRandom as _, SystemRandom};
 use tokio::sync::watch;
@@ -89,7 +90,7 @@ pub struct Admin {
     key: Arc<MasterKey>,
     generation: Arc<watch::Sender<u64>>,
     /// The newest projection built, shared by every caller of [`Admin::projection`].
-    projection: Arc<tokio::sync::Mutex<Option<Arc<PrincipalProjection>>>>,
+    projection: Arc<tokio::sync::Mutex<Option<Arc<SharedProjection>>>>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -119,14 +120,26 @@ impl Admin {
     /// rather than start their own. A generation names one state of the store (every mutation
     /// adds exactly one), so a projection cached at a generation is that state's.
     pub async fn projection(&self, at_least: u64) -> Result<Arc<PrincipalProjection>, StoreError> {
+        Ok(self.shared_projection(at_least).await?.projection().clone())
+    }
+
+    /// [`Admin::projection`] as the Edge sessions push it: also encoded once per generation
+    /// (per way Edges read it) for all of them
+    /// ([`iop_wire::control_session::SharedProjection`]).
+    pub async fn shared_projection(
+        &self,
+        at_least: u64,
+    ) -> Result<Arc<SharedProjection>, StoreError> {
         let mut cached = self.projection.lock().await;
-        if let Some(p) = cached.as_ref().filter(|p| p.generation >= at_least) {
+        if let Some(p) = cached.as_ref().filter(|p| p.generation() >= at_least) {
             return Ok(p.clone());
         }
-        let built = Arc::new(crate::projection::build(&self.store.snapshot().await?));
+        let built = Arc::new(SharedProjection::new(Arc::new(crate::projection::build(
+            &self.store.snapshot().await?,
+        ))));
         if cached
             .as_ref()
-            .is_none_or(|c| c.generation < built.generation)
+            .is_none_or(|c| c.generation() < built.generation())
         {
             *cached = Some(built.clone());
         }

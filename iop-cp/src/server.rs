@@ -21,8 +21,8 @@
 //!    the Edge is refused (hello) or disconnected (push) with the sizes in the log
 //!    (`cp_edge_hello_refused`, `cp_projection_unsendable`), never sent what it cannot read.
 //! 4. Then: every durable mutation pushes `PrincipalProjectionApplyRequest` (managed: one
-//!    projection per generation, read from the store and built once for every Edge,
-//!    [`Admin::projection`](crate::admin::Admin::projection)); the
+//!    projection per generation, read from the store, built and encoded once for every Edge,
+//!    [`Admin::shared_projection`](crate::admin::Admin::shared_projection)); the
 //!    Edge's `AcquireLeaseRequest`s go to the [`LeaseService`] (managed only: in legacy mode
 //!    they are refused and nothing is read from the store); status and command requests from
 //!    [`ControlPlane`] are correlated with their answers; `EdgeNodeEvent`s are published on
@@ -824,9 +824,9 @@ async fn connection<S>(
                 let latest = changed.map(|()| *generations.borrow_and_update()).unwrap_or(0);
                 if latest > s.pushed_generation() {
                     // Shared: every Edge's session asks for this one projection at once.
-                    match admin.projection(latest).await {
+                    match admin.shared_projection(latest).await {
                         Ok(p) => {
-                            let _ = s.push_projection(now(), PrincipalProjection::clone(&p));
+                            let _ = s.push_shared(now(), &p);
                         }
                         Err(e) => tracing::warn!(error = %e, "projection snapshot failed"),
                     }

@@ -1,6 +1,7 @@
 //! Exhaustive model check of the seed 001 control wire with `stateright`: the real
 //! [`EdgeControlSession`] and [`ControlPlaneSession`], a network of two FIFO queues between
-//! them (every delivery its own step), the Control Plane driver's decisions as actions, and
+//! them (every delivery its own step; every frame encoded and decoded by the real codec on the
+//! way, so that a pushed projection, encoded once for all Edges, arrives as parts), the Control Plane driver's decisions as actions, and
 //! every lease answered by the real [`LeaseService`] over a real store.
 //!
 //! **The store and the lease service are the real ones.** Before the check, a SQLite store is
@@ -192,11 +193,14 @@ fn status() -> EdgeStatusResponse {
     }
 }
 
-/// Whether `frame` is within the frame limit both ends read.
-fn fits(frame: &ControlFrame) -> bool {
-    FrameCodec::with_max_frame_len(MODEL_FRAME)
-        .encode(frame, &mut bytes::BytesMut::new())
-        .is_ok()
+/// `frame` as its reader gets it, through the codec both ends use (the Control Plane sends a
+/// pushed projection as bytes encoded once, which the Edge decodes as parts and an apply
+/// request); `None` when it is larger than the reader takes.
+fn wire(frame: &ControlFrame) -> Option<ControlFrame> {
+    let codec = FrameCodec::with_max_frame_len(MODEL_FRAME);
+    let mut buf = bytes::BytesMut::new();
+    codec.encode(frame, &mut buf).ok()?;
+    Some(codec.decode(&mut buf).expect("decodes").expect("whole"))
 }
 
 fn hello() -> EdgeHelloRequest {
@@ -455,18 +459,20 @@ impl Wire {
             let mut moved = false;
             while let Some(f) = self.edge.poll_transmit() {
                 moved = true;
-                if !fits(&f) {
+                let Some(f) = wire(&f) else {
                     self.broke("frames-fit-their-reader");
-                }
+                    continue;
+                };
                 if !self.link_dead {
                     self.to_cp.push_back(f);
                 }
             }
             while let Some(f) = self.cp.poll_transmit() {
                 moved = true;
-                if !fits(&f) {
+                let Some(f) = wire(&f) else {
                     self.broke("frames-fit-their-reader");
-                }
+                    continue;
+                };
                 let sent = match &f.message {
                     ControlMessage::PrincipalProjectionApplyRequest(p) => Some(p.generation),
                     ControlMessage::EdgeHelloResponse(EdgeHelloResponse::Accepted {

@@ -757,12 +757,12 @@ async fn session(shared: &Arc<Shared>, shutdown: &CancellationToken) -> Result<(
                         Err(_) => {}
                     }
                     Request::Status(id, st) => {
-                        let listed = st.nodes.len();
+                        let nodes = st.nodes.len();
                         if let Ok(omitted @ 1..) = s.respond_status(at, id, st) {
                             tracing::warn!(
                                 target: "iop_edge",
                                 event = "edge_status_cut",
-                                nodes = listed,
+                                listed = nodes - omitted as usize,
                                 omitted,
                                 "status answer left Nodes out to fit the status bounds and the control plane's frame limit"
                             );

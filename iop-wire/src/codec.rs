@@ -331,8 +331,54 @@ impl WireFrame for crate::control::ControlFrame {
     }
 
     fn encode_frame(&self, max_len: usize, buf: &mut BytesMut) -> Result<(), FrameError> {
+        if let crate::control::ControlMessage::EncodedProjection(e) = &self.message {
+            return put_encoded_projection(self.correlation_id, e, max_len, buf);
+        }
         put_frame(&self.to_proto(), max_len, buf)
     }
+}
+
+/// A `ControlEnvelope { correlation_id, <part or apply request>(projection) }` around a
+/// projection encoded once ([`crate::control::EncodedProjection`]), with the bytes prost writes
+/// for the same envelope (`codec` tests compare them): the projection is copied, not encoded
+/// again.
+fn put_encoded_projection(
+    correlation_id: u64,
+    e: &crate::control::EncodedProjection,
+    max_len: usize,
+    buf: &mut BytesMut,
+) -> Result<(), FrameError> {
+    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+    let projection = e.bytes().len();
+    // The apply request is a message whose field 1 is the projection.
+    let body = if e.is_apply() {
+        key_len(1) + encoded_len_varint(projection as u64) + projection
+    } else {
+        projection
+    };
+    let field = e.envelope_field();
+    let id = if correlation_id == 0 {
+        0
+    } else {
+        key_len(1) + encoded_len_varint(correlation_id)
+    };
+    put_prefix(
+        id + key_len(field) + encoded_len_varint(body as u64) + body,
+        max_len,
+        buf,
+    )?;
+    if correlation_id != 0 {
+        encode_key(1, WireType::Varint, buf);
+        encode_varint(correlation_id, buf);
+    }
+    encode_key(field, WireType::LengthDelimited, buf);
+    encode_varint(body as u64, buf);
+    if e.is_apply() {
+        encode_key(1, WireType::LengthDelimited, buf);
+        encode_varint(projection as u64, buf);
+    }
+    buf.put_slice(e.bytes());
+    Ok(())
 }
 
 #[cfg(feature = "tokio-codec")]

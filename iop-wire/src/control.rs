@@ -62,6 +62,46 @@ pub enum ControlMessage {
     /// frame, [`PrincipalProjection::parts_before`] being its index. The hello answer or apply
     /// request that completes it follows ([`PrincipalProjection::into_parts`]).
     PrincipalProjectionPart(PrincipalProjection),
+    /// CP → Edge: a projection part or the apply request completing a push, encoded once and
+    /// shared by every session that sends it
+    /// ([`SharedProjection`](crate::control_session::SharedProjection)). On the wire it is
+    /// exactly [`ControlMessage::PrincipalProjectionPart`] or
+    /// [`ControlMessage::PrincipalProjectionApplyRequest`], and the Edge decodes it as one of
+    /// those: a decoded frame never holds this variant.
+    EncodedProjection(EncodedProjection),
+}
+
+/// A [`PrincipalProjection`] already encoded (its protobuf bytes), sent as a part or as the
+/// apply request that completes a push ([`ControlMessage::EncodedProjection`]). Made only by
+/// the Control Plane's session from a projection it cut.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncodedProjection {
+    apply: bool,
+    bytes: bytes::Bytes,
+}
+
+impl EncodedProjection {
+    /// `bytes`, the encoding of a `PrincipalProjection` message, sent as a part, or as the
+    /// apply request when `apply`.
+    pub(crate) fn new(apply: bool, bytes: bytes::Bytes) -> Self {
+        Self { apply, bytes }
+    }
+
+    /// Sent as the apply request (else as a part).
+    pub fn is_apply(&self) -> bool {
+        self.apply
+    }
+
+    /// The projection's protobuf encoding.
+    pub fn bytes(&self) -> &bytes::Bytes {
+        &self.bytes
+    }
+
+    /// The envelope field it is sent as (`principal_projection_apply_request` or
+    /// `principal_projection_part` in `control.proto`).
+    pub(crate) fn envelope_field(&self) -> u32 {
+        if self.apply { 18 } else { 26 }
+    }
 }
 
 impl ControlFrame {
@@ -166,6 +206,18 @@ impl ControlFrame {
                 duplicates: m.duplicates,
             }),
             ControlMessage::PrincipalProjectionPart(p) => M::PrincipalProjectionPart(p.to_proto()),
+            ControlMessage::EncodedProjection(e) => {
+                // Not the hot path (the codec writes the bytes as they are): decoded back.
+                use prost::Message as _;
+                let p = pb::PrincipalProjection::decode(e.bytes.clone()).unwrap_or_default();
+                if e.apply {
+                    M::PrincipalProjectionApplyRequest(pb::PrincipalProjectionApplyRequest {
+                        projection: Some(p),
+                    })
+                } else {
+                    M::PrincipalProjectionPart(p)
+                }
+            }
         };
         pb::ControlEnvelope {
             correlation_id: self.correlation_id,
@@ -457,7 +509,8 @@ impl EdgeStatusResponse {
     /// Leaves Nodes out, from the end, until the answer is within the status bounds
     /// ([`MAX_STATUS_NODES`], [`MAX_STATUS_PROVIDERS`], [`MAX_STATUS_ADAPTERS`]) and its frame
     /// within `max_frame_len`; the Nodes are first sorted by `node_id`, so those kept are the
-    /// first in that order. Adds how many were left out to `omitted_nodes`, and returns it.
+    /// first in that order. Adds how many this call left out to `omitted_nodes`, and returns
+    /// that number.
     ///
     /// Whole Nodes or none: a Node listed with some of its providers would read as a Node
     /// that has only those. The Edge's session calls this on every answer
@@ -1128,6 +1181,12 @@ impl PrincipalProjection {
             parts.push(part);
         }
         Ok(parts)
+    }
+
+    /// Its protobuf encoding (what a part carries).
+    pub(crate) fn encode_bytes(&self) -> bytes::Bytes {
+        use prost::Message as _;
+        bytes::Bytes::from(self.to_proto().encode_to_vec())
     }
 
     /// Its size on the wire, without the envelope around it.

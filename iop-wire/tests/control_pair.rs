@@ -1246,8 +1246,24 @@ fn a_usage_report_beyond_the_control_planes_frame_is_refused_with_what_fits() {
     };
     assert!(p.edge.poll_transmit().is_none());
     assert!(fit > 10 && fit < 512, "{fit}");
-    assert_eq!(report.records_that_fit(CP_FRAME), fit);
-    // The first `fit` records go in one frame, and one more would not have fit.
+    // The first `fit` records go in one frame (the codec to the Control Plane fails on a
+    // larger one), and with one more the frame would be within its envelope's 32 bytes of the
+    // limit or beyond: as many as fit.
+    let frame_len = |n: usize| {
+        let frame = ControlFrame::correlated(
+            u64::MAX,
+            ControlMessage::EdgeUsageReport(EdgeUsageReport {
+                records: report.records[..n].to_vec(),
+            }),
+        );
+        let mut buf = BytesMut::new();
+        FrameCodec::with_max_frame_len(usize::MAX)
+            .encode(&frame, &mut buf)
+            .unwrap();
+        buf.len() - 4
+    };
+    assert!(frame_len(fit) <= CP_FRAME);
+    assert!(frame_len(fit + 1) > CP_FRAME - 32, "{}", frame_len(fit + 1));
     let first = EdgeUsageReport {
         records: report.records[..fit].to_vec(),
     };
@@ -1265,4 +1281,77 @@ fn a_usage_report_beyond_the_control_planes_frame_is_refused_with_what_fits() {
         Err(ControlSessionError::UsageReportTooLarge { .. })
     ));
     assert!(p.edge.is_connected());
+}
+
+/// A projection pushed to many Edges is encoded once and sent as the same bytes a push of
+/// the projection itself would be: two sessions pushing one `SharedProjection` send frames
+/// whose projection bytes are the very same allocation, and every frame encodes to exactly
+/// the bytes of the `PrincipalProjectionPart`s and `PrincipalProjectionApplyRequest` cut from
+/// the projection. Both ends read 16 KiB frames, so the projection goes in parts. A session
+/// whose Edge reads other frames gets its own cut, also exact, beyond the cache's bound too.
+#[test]
+fn a_shared_projection_is_encoded_once_and_sent_as_the_same_bytes() {
+    use iop_wire::control_session::{MAX_SHARED_CUTS, SharedProjection};
+    use std::sync::Arc;
+    let large = large_projection(7, 300);
+    let shared = SharedProjection::new(Arc::new(large.clone()));
+    let bytes_of = |frame: &ControlFrame| {
+        let mut buf = BytesMut::new();
+        FrameCodec::with_max_frame_len(usize::MAX)
+            .encode(frame, &mut buf)
+            .unwrap();
+        buf
+    };
+    // What a session sends for `frames`-byte frames, and the frames cut the plain way.
+    let push = |frames: usize| {
+        let mut p = Pair::with_frames("edge-1", "edge-1", true, 0, frames);
+        p.accept(Some(projection(1)));
+        let id = p.cp.push_shared(p.now, &shared).unwrap().unwrap();
+        let sent: Vec<ControlFrame> = std::iter::from_fn(|| p.cp.poll_transmit()).collect();
+        let mut parts = large
+            .clone()
+            .into_parts(frames.min(iop_wire::control_session::MAX_PROJECTION_PART_LEN))
+            .unwrap();
+        let last = parts.pop().unwrap();
+        let mut plain: Vec<ControlFrame> = parts
+            .into_iter()
+            .map(|part| ControlFrame::new(ControlMessage::PrincipalProjectionPart(part)))
+            .collect();
+        plain.push(ControlFrame::correlated(
+            id,
+            ControlMessage::PrincipalProjectionApplyRequest(last),
+        ));
+        (sent, plain)
+    };
+    let (a, plain) = push(SMALL_FRAME);
+    assert!(a.len() >= 3, "{} frames", a.len());
+    assert_eq!(a.len(), plain.len());
+    for (i, (sent, plain)) in a.iter().zip(&plain).enumerate() {
+        assert!(matches!(sent.message, ControlMessage::EncodedProjection(_)));
+        assert!(bytes_of(sent) == bytes_of(plain), "frame {i} differs");
+        let mut buf = bytes_of(sent);
+        let decoded: ControlFrame = FrameCodec::default().decode(&mut buf).unwrap().unwrap();
+        assert_eq!(&decoded, plain);
+    }
+    let (b, _) = push(SMALL_FRAME);
+    let projection_bytes = |frames: &[ControlFrame]| -> Vec<*const u8> {
+        frames
+            .iter()
+            .map(|f| match &f.message {
+                ControlMessage::EncodedProjection(e) => e.bytes().as_ptr(),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    assert_eq!(projection_bytes(&a), projection_bytes(&b), "encoded once");
+    // Other frame limits: a cut each, exact, within the cache's bound and beyond it.
+    for k in 1..=MAX_SHARED_CUTS + 2 {
+        let (sent, plain) = push(SMALL_FRAME + 1024 * k);
+        assert_eq!(sent.len(), plain.len());
+        for (i, (sent, plain)) in sent.iter().zip(&plain).enumerate() {
+            assert!(bytes_of(sent) == bytes_of(plain), "{k}: frame {i} differs");
+        }
+    }
+    let (c, _) = push(SMALL_FRAME);
+    assert_eq!(projection_bytes(&a), projection_bytes(&c), "still cached");
 }

@@ -14,7 +14,9 @@
 //!   the Edge was killed) is sent again, and the Control Plane stores each request id once.
 //! - **Reports fit the Control Plane's frame**: a report larger than the frame the Control
 //!   Plane reads (its hello answer says how large) is not sent; the shipper sends as many
-//!   records as fit, and keeps to that count (`ControlSessionError::UsageReportTooLarge`).
+//!   records as fit (`ControlSessionError::UsageReportTooLarge`), and doubles the count again
+//!   after each acknowledgement, up to [`MAX_USAGE_RECORDS`]. Against a Control Plane that
+//!   reads less than one record, the records wait for another session.
 //! - **Bounded**: at most [`super::UsageConfig::spool_max`] records wait; past it the newest
 //!   are dropped, counted (`iop_edge_usage_spool_dropped_total`) and logged every 10 s at most.
 //!   Records the wire cannot carry (an id or model outside its rules: not possible from the
@@ -103,23 +105,27 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
             continue;
         }
         let ids: Vec<String> = records.iter().map(|r| r.request_id.clone()).collect();
-        let first = ids[0].clone();
         match control.report_usage(EdgeUsageReport { records }).await {
             Err(UsageReportError::TooLarge { fit: 0 }) => {
-                // One record larger than the Control Plane's whole frame (it would take a
-                // frame limit under about a kilobyte): kept in the local file only.
+                // A Control Plane that reads frames smaller than one record (under about a
+                // kilobyte: none that reads a hello): the records wait for another session.
                 tracing::warn!(
-                    "a usage record larger than the control plane's frame is kept in the local file only"
+                    "the control plane reads frames smaller than one usage record; records wait"
                 );
-                sink.unshippable(1);
-                let s = Arc::clone(&sink);
-                let _ = tokio::task::spawn_blocking(move || s.shipped(&[first])).await;
+                batch_max = MAX_USAGE_RECORDS;
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = state.changed() => {}
+                    () = tokio::time::sleep(Duration::from_secs(30)) => {}
+                }
             }
             Err(UsageReportError::TooLarge { fit }) => {
                 tracing::debug!(fit, "usage reports cut to fit the control plane's frame");
                 batch_max = fit;
             }
             Ok(ack) => {
+                // Grows back after a cut (another session, smaller records).
+                batch_max = (batch_max * 2).min(MAX_USAGE_RECORDS);
                 tracing::debug!(
                     stored = ack.stored,
                     duplicates = ack.duplicates,
