@@ -518,6 +518,30 @@ async fn legacy_mode_carries_no_lease_traffic() {
     .expect("scenario finishes");
 }
 
+/// `edge-1` connected to `cp` (managed), and its session state with the connection seen.
+async fn connect_managed(
+    ca: &Ca,
+    cp: &ControlPlane,
+    e: &EdgeHandle,
+    stop: &CancellationToken,
+) -> (ControlConnector, tokio::sync::watch::Receiver<SessionState>) {
+    let c = ControlConnector::start(
+        e.clone(),
+        connector_config(
+            cp.local_addr().to_string(),
+            pki::client_tls(ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
+            "edge-1",
+            true,
+        ),
+        stop.clone(),
+    )
+    .unwrap();
+    state_until(&c, |s| *s == SessionState::Connected).await;
+    let mut state = c.state();
+    state.borrow_and_update();
+    (c, state)
+}
+
 /// An Edge with more Nodes than one frame of the Control Plane's holds (400 Nodes, about
 /// 50 KB of status, against a Control Plane that reads frames of 16 KiB and says so in its
 /// hello answer) answers with the first Nodes in `node_id` order and counts the rest: the
@@ -532,20 +556,7 @@ async fn a_status_larger_than_the_control_planes_frame_is_cut_not_fatal() {
         let names: Vec<String> = (0..NODES).map(|i| format!("node-{i:03}")).collect();
         let e = edge_with(&ca, &names).await;
         let stop = CancellationToken::new();
-        let c = ControlConnector::start(
-            e.clone(),
-            connector_config(
-                cp.local_addr().to_string(),
-                pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
-                "edge-1",
-                true,
-            ),
-            stop.clone(),
-        )
-        .unwrap();
-        state_until(&c, |s| *s == SessionState::Connected).await;
-        let mut state = c.state();
-        state.borrow_and_update();
+        let (_connector, state) = connect_managed(&ca, &cp, &e, &stop).await;
 
         let status = cp.status("edge-1").await.unwrap();
         let listed = status.nodes.len();
@@ -584,20 +595,7 @@ async fn usage_reports_fit_the_control_planes_frame() {
         admin.create_principal("team-a", "Team A").await.unwrap();
         let e = edge(&ca).await;
         let stop = CancellationToken::new();
-        let c = ControlConnector::start(
-            e.clone(),
-            connector_config(
-                cp.local_addr().to_string(),
-                pki::client_tls(&ca, role::EDGE, "edge-1", role::CONTROL_PLANE, "cp-1"),
-                "edge-1",
-                true,
-            ),
-            stop.clone(),
-        )
-        .unwrap();
-        state_until(&c, |s| *s == SessionState::Connected).await;
-        let mut state = c.state();
-        state.borrow_and_update();
+        let (c, state) = connect_managed(&ca, &cp, &e, &stop).await;
         let record = |i: usize| UsageRecord {
             request_id: format!("request-{i:06}-of-the-usage-frame-test"),
             at_ms: 1_800_000_000_000,
