@@ -90,7 +90,7 @@ pub struct Admin {
     key: Arc<MasterKey>,
     generation: Arc<watch::Sender<u64>>,
     /// The newest projection built, shared by every caller of [`Admin::projection`].
-    projection: Arc<tokio::sync::Mutex<Option<Arc<SharedProjection>>>>,
+    projection: Arc<tokio::sync::Mutex<Option<CachedProjection>>>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -99,6 +99,13 @@ impl std::fmt::Debug for Admin {
             .field("generation", &*self.generation.borrow())
             .finish_non_exhaustive()
     }
+}
+
+/// The latest projection built, and its encodings once a session pushed it.
+#[derive(Debug)]
+struct CachedProjection {
+    projection: Arc<PrincipalProjection>,
+    shared: Option<Arc<SharedProjection>>,
 }
 
 impl Admin {
@@ -120,30 +127,50 @@ impl Admin {
     /// rather than start their own. A generation names one state of the store (every mutation
     /// adds exactly one), so a projection cached at a generation is that state's.
     pub async fn projection(&self, at_least: u64) -> Result<Arc<PrincipalProjection>, StoreError> {
-        Ok(self.shared_projection(at_least).await?.projection().clone())
+        let mut cached = self.projection.lock().await;
+        if let Some(c) = cached
+            .as_ref()
+            .filter(|c| c.projection.generation >= at_least)
+        {
+            return Ok(c.projection.clone());
+        }
+        let built = Arc::new(crate::projection::build(&self.store.snapshot().await?));
+        if cached
+            .as_ref()
+            .is_none_or(|c| c.projection.generation < built.generation)
+        {
+            *cached = Some(CachedProjection {
+                projection: built.clone(),
+                shared: None,
+            });
+        }
+        Ok(built)
     }
 
-    /// [`Admin::projection`] as the Edge sessions push it: also encoded once per generation
-    /// (per way Edges read it) for all of them
-    /// ([`iop_wire::control_session::SharedProjection`]).
+    /// [`Admin::projection`] as the Edge sessions push it: also encoded once (per way Edges
+    /// read it) for all the sessions pushing it at the time
+    /// ([`iop_wire::control_session::SharedProjection`]). The encodings stay cached with the
+    /// projection until the next generation replaces both: about the projection's encoded
+    /// size again (145 KiB for 1000 principals), once per way Edges read it (in practice
+    /// one). Keeping them only while sessions push them was tried: the sessions that asked
+    /// after the first ones had finished encoded it again, and a change cost twice the CPU
+    /// (`cp_load`, `benches/README.md`).
     pub async fn shared_projection(
         &self,
         at_least: u64,
     ) -> Result<Arc<SharedProjection>, StoreError> {
+        let projection = self.projection(at_least).await?;
         let mut cached = self.projection.lock().await;
-        if let Some(p) = cached.as_ref().filter(|p| p.generation() >= at_least) {
-            return Ok(p.clone());
-        }
-        let built = Arc::new(SharedProjection::new(Arc::new(crate::projection::build(
-            &self.store.snapshot().await?,
-        ))));
-        if cached
-            .as_ref()
-            .is_none_or(|c| c.generation() < built.generation())
-        {
-            *cached = Some(built.clone());
-        }
-        Ok(built)
+        let Some(c) = cached
+            .as_mut()
+            .filter(|c| Arc::ptr_eq(&c.projection, &projection))
+        else {
+            // Not the cached one (a newer one was cached meanwhile): shared by no one else.
+            return Ok(Arc::new(SharedProjection::new(projection)));
+        };
+        Ok(c.shared
+            .get_or_insert_with(|| Arc::new(SharedProjection::new(projection)))
+            .clone())
     }
 
     /// The store.

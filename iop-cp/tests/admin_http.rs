@@ -99,4 +99,27 @@ async fn edge_sessions_share_one_projection_per_generation() {
     assert_eq!(p.generation, newer);
     assert_eq!(p.principals.len(), 2);
     assert!(Arc::ptr_eq(&p, &admin.projection(g).await.unwrap()));
+
+    // As pushed: every session shares one encoding of that projection, the sessions that
+    // push later too; a newer generation replaces it.
+    let calls = (0..16).map(|_| admin.shared_projection(newer));
+    let shared: Vec<_> = futures_util::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(shared.iter().all(|s| Arc::ptr_eq(s, &shared[0])));
+    assert!(Arc::ptr_eq(shared[0].projection(), &p));
+    let held = Arc::downgrade(&shared[0]);
+    drop(shared);
+    let again = admin.shared_projection(newer).await.unwrap();
+    assert!(Arc::ptr_eq(&again, &held.upgrade().unwrap()));
+    drop(again);
+    let newest = admin.create_principal("team-c", "C").await.unwrap();
+    let next = admin.shared_projection(newest).await.unwrap();
+    assert_eq!(next.generation(), newest);
+    assert!(
+        held.upgrade().is_none(),
+        "an older generation's encodings stayed cached"
+    );
 }

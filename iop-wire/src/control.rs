@@ -209,7 +209,8 @@ impl ControlFrame {
             ControlMessage::EncodedProjection(e) => {
                 // Not the hot path (the codec writes the bytes as they are): decoded back.
                 use prost::Message as _;
-                let p = pb::PrincipalProjection::decode(e.bytes.clone()).unwrap_or_default();
+                let p = pb::PrincipalProjection::decode(e.bytes.clone())
+                    .expect("made by PrincipalProjection::encode_bytes");
                 if e.apply {
                     M::PrincipalProjectionApplyRequest(pb::PrincipalProjectionApplyRequest {
                         projection: Some(p),

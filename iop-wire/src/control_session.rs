@@ -33,8 +33,12 @@
 //!   Plane cuts a projection that does not fit the smaller of that, its own limit and
 //!   [`MAX_PROJECTION_PART_LEN`] into
 //!   [`ControlMessage::PrincipalProjectionPart`]s followed by the hello answer or apply
-//!   request that completes it ([`PrincipalProjection::into_parts`]). The Edge installs all of
-//!   it or nothing: parts must come in order and of one generation, the completing message
+//!   request that completes it ([`PrincipalProjection::into_parts`]). A push is cut and
+//!   encoded once for every Edge that reads frames alike ([`SharedProjection`]) and leaves as
+//!   [`ControlMessage::EncodedProjection`] frames: the same bytes on the wire, which the Edge
+//!   decodes as those parts and apply request. So a driver that joins the two machines in
+//!   memory passes the Control Plane's frames through the codec, as the model check does.
+//!   The Edge installs all of it or nothing: parts must come in order and of one generation, the completing message
 //!   must say how many came before it, the entries stay within [`MAX_PROJECTION_ENTRIES`] per
 //!   list and [`MAX_ASSEMBLED_PROJECTION_BYTES`] held, or the session closes as a protocol
 //!   violation. To an Edge that does not take parts (an older one), a projection too large for
@@ -64,7 +68,7 @@
 //!   a request before the hello completed) closes the session as a protocol violation.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -112,7 +116,8 @@ impl CutKey {
     fn cut(self, p: PrincipalProjection) -> Result<Vec<PrincipalProjection>, ProjectionTooLarge> {
         if self.parts {
             // What the Edge would refuse to assemble is not sent: it would close the session,
-            // reconnect and be sent the same again.
+            // reconnect and be sent the same again. (`max_frame_len` is at most
+            // `MAX_PROJECTION_PART_LEN` already: `cut_key`.)
             let entries = p.principals.len().max(p.tokens.len()).max(p.routes.len());
             let held_bytes = p.held_bytes();
             if entries > MAX_PROJECTION_ENTRIES || held_bytes > MAX_ASSEMBLED_PROJECTION_BYTES {
@@ -134,21 +139,28 @@ impl CutKey {
     }
 }
 
-/// Most ways of cutting one [`SharedProjection`] it keeps encoded. Edges name their own frame
-/// limits, so Edges with many different ones could otherwise make it hold as many encodings;
-/// beyond this many, a cut is encoded for its session alone (as if not shared).
+/// Most ways of cutting one [`SharedProjection`] it keeps encoded beside the usual one (parts
+/// of [`MAX_PROJECTION_PART_LEN`], what every Edge that takes parts and reads frames of 1 MiB
+/// or more is sent). Edges name their own frame limits, so Edges with many different small
+/// ones could otherwise make it hold as many encodings; beyond this many, a cut is encoded for
+/// its session alone, as before sharing.
 pub const MAX_SHARED_CUTS: usize = 4;
 
 /// A projection the Control Plane pushes to many Edges
 /// ([`ControlPlaneSession::push_shared`]): it is cut and encoded once per way Edges read it
 /// (whole, or in parts of one length: in practice one way for all), and every session sends
 /// the same bytes. Before, each session cloned the projection, built its protobuf form twice
-/// and encoded it: about 1 µs per principal per Edge, 400 ms of CPU per change with 1000
-/// principals and 400 Edges (`cp_load` in `benches/README.md`).
+/// and encoded it: about 1 µs per principal per Edge, 306 ms of CPU per change with 1000
+/// principals and 400 Edges, 85 ms now (`cp_load` in `benches/README.md`).
+///
+/// Each way is encoded by the first session that needs it, while the others that need the
+/// same one wait for it (and those that need another way do not). The encodings live as long
+/// as the `SharedProjection`: the Control Plane's cache (`iop_cp::admin::Admin::
+/// shared_projection`) keeps it until the next generation replaces it.
 #[derive(Debug)]
 pub struct SharedProjection {
     projection: Arc<PrincipalProjection>,
-    cuts: Mutex<Vec<(CutKey, EncodedCut)>>,
+    cuts: Mutex<Vec<(CutKey, Arc<OnceLock<EncodedCut>>)>>,
 }
 
 /// The encoded parts of one cut (the last completes it), or why it cannot be sent.
@@ -173,30 +185,40 @@ impl SharedProjection {
         self.projection.generation
     }
 
-    /// The parts for `key`'s Edges, encoded, from the cache or made (and kept, within
-    /// [`MAX_SHARED_CUTS`]).
+    /// The parts for `key`'s Edges, encoded: from the cache, or made (and kept: the usual way
+    /// always, others within [`MAX_SHARED_CUTS`]).
     fn encoded(&self, key: CutKey) -> EncodedCut {
-        let mut cuts = self
-            .cuts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((_, cut)) = cuts.iter().find(|(k, _)| *k == key) {
-            return cut.clone();
+        let usual = key.parts && key.max_frame_len == MAX_PROJECTION_PART_LEN;
+        let slot = {
+            let mut cuts = self
+                .cuts
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match cuts.iter().find(|(k, _)| *k == key) {
+                Some((_, slot)) => Some(slot.clone()),
+                None if usual || cuts.len() < MAX_SHARED_CUTS => {
+                    let slot = Arc::new(OnceLock::new());
+                    cuts.push((key, slot.clone()));
+                    Some(slot)
+                }
+                None => None,
+            }
+        };
+        // Encoded outside the list's lock: another way is encoded meanwhile by its own session.
+        match slot {
+            Some(slot) => slot.get_or_init(|| self.encode(key)).clone(),
+            None => self.encode(key),
         }
-        // Under the lock: the sessions woken by one change wait for the first one's encoding
-        // rather than each make their own.
-        let cut: EncodedCut = key
-            .cut(PrincipalProjection::clone(&self.projection))
+    }
+
+    fn encode(&self, key: CutKey) -> EncodedCut {
+        key.cut(PrincipalProjection::clone(&self.projection))
             .map(|parts| {
                 parts
                     .iter()
                     .map(PrincipalProjection::encode_bytes)
                     .collect()
-            });
-        if cuts.len() < MAX_SHARED_CUTS {
-            cuts.push((key, cut.clone()));
-        }
-        cut
+            })
     }
 }
 
@@ -1156,9 +1178,15 @@ impl ControlPlaneSession {
             0 => crate::codec::DEFAULT_MAX_FRAME_LEN,
             n => n as usize,
         };
+        let max_frame_len = self.max_frame_len.min(edge);
         CutKey {
             parts: self.edge_takes_parts,
-            max_frame_len: self.max_frame_len.min(edge),
+            // Edges reading 2, 4 or 8 MiB frames are cut alike: one key for them all.
+            max_frame_len: if self.edge_takes_parts {
+                max_frame_len.min(MAX_PROJECTION_PART_LEN)
+            } else {
+                max_frame_len
+            },
         }
     }
 

@@ -1354,4 +1354,14 @@ fn a_shared_projection_is_encoded_once_and_sent_as_the_same_bytes() {
     }
     let (c, _) = push(SMALL_FRAME);
     assert_eq!(projection_bytes(&a), projection_bytes(&c), "still cached");
+    // Every Edge that reads frames of 1 MiB or more is sent parts of 1 MiB: one cut for all
+    // of them, kept although the other ways filled the cache.
+    let (d, plain) = push(2 << 20);
+    let (e, _) = push(8 << 20);
+    assert!(bytes_of(&d[0]) == bytes_of(&plain[0]));
+    assert_eq!(
+        projection_bytes(&d),
+        projection_bytes(&e),
+        "one cut for 1 MiB and more"
+    );
 }

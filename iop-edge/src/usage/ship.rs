@@ -15,8 +15,10 @@
 //! - **Reports fit the Control Plane's frame**: a report larger than the frame the Control
 //!   Plane reads (its hello answer says how large) is not sent; the shipper sends as many
 //!   records as fit (`ControlSessionError::UsageReportTooLarge`), and doubles the count again
-//!   after each acknowledgement, up to [`MAX_USAGE_RECORDS`]. Against a Control Plane that
-//!   reads less than one record, the records wait for another session.
+//!   after each acknowledgement, up to [`MAX_USAGE_RECORDS`]. A record that alone does not fit
+//!   (a Control Plane reading frames under a kilobyte; `iop-cp serve` reads 8 MiB) waits for
+//!   another session once, then stays in the local file only, counted as unshippable, so
+//!   that the records behind it go.
 //! - **Bounded**: at most [`super::UsageConfig::spool_max`] records wait; past it the newest
 //!   are dropped, counted (`iop_edge_usage_spool_dropped_total`) and logged every 10 s at most.
 //!   Records the wire cannot carry (an id or model outside its rules: not possible from the
@@ -61,6 +63,8 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
     let mut state = control.state();
     // Fewer when the Control Plane reads smaller frames than a full report takes.
     let mut batch_max = MAX_USAGE_RECORDS;
+    // The oldest record, when it alone did not fit the Control Plane's frame.
+    let mut stuck: Option<String> = None;
     loop {
         if stop.is_cancelled() {
             return;
@@ -106,12 +110,23 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
         }
         let ids: Vec<String> = records.iter().map(|r| r.request_id.clone()).collect();
         match control.report_usage(EdgeUsageReport { records }).await {
-            Err(UsageReportError::TooLarge { fit: 0 }) => {
-                // A Control Plane that reads frames smaller than one record (under about a
-                // kilobyte: none that reads a hello): the records wait for another session.
+            Err(UsageReportError::TooLarge { fit: 0 }) if stuck.as_deref() == Some(&ids[0]) => {
+                // Still too large for the Control Plane's frame after a wait (its limit is
+                // under a kilobyte; `iop-cp serve` reads 8 MiB): kept in the local file only,
+                // so that the records behind it go.
                 tracing::warn!(
-                    "the control plane reads frames smaller than one usage record; records wait"
+                    "a usage record larger than the control plane's frame is kept in the local file only"
                 );
+                sink.unshippable(1);
+                let first = vec![ids[0].clone()];
+                let s = Arc::clone(&sink);
+                let _ = tokio::task::spawn_blocking(move || s.shipped(&first)).await;
+                stuck = None;
+            }
+            Err(UsageReportError::TooLarge { fit: 0 }) => {
+                // The oldest record alone does not fit: wait once for another session (a
+                // Control Plane restarted with a larger frame) before giving up on it.
+                stuck = Some(ids[0].clone());
                 batch_max = MAX_USAGE_RECORDS;
                 tokio::select! {
                     () = stop.cancelled() => return,
@@ -124,6 +139,7 @@ pub async fn ship(sink: Arc<dyn UsageSink>, control: ControlConnector, stop: Can
                 batch_max = fit;
             }
             Ok(ack) => {
+                stuck = None;
                 // Grows back after a cut (another session, smaller records).
                 batch_max = (batch_max * 2).min(MAX_USAGE_RECORDS);
                 tracing::debug!(
