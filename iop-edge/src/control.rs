@@ -847,7 +847,7 @@ async fn status(shared: &Shared) -> EdgeStatusResponse {
             warning: String::new(),
         });
     }
-    nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    // In `node_id` order once the session fits it (`EdgeStatusResponse::fit` sorts).
     EdgeStatusResponse {
         edge_id: shared.config.edge_id.clone(),
         nodes,

@@ -526,9 +526,7 @@ impl EdgeStatusResponse {
         let (mut used, mut providers, mut adapters) = (0usize, 0usize, 0usize);
         let mut kept = 0;
         for n in &self.nodes {
-            let len = node_to_proto(n).encoded_len();
-            // As a repeated field: its tag, its length, itself.
-            used += 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+            used += repeated_field_len(node_to_proto(n).encoded_len());
             providers += n.provider_snapshots.len();
             adapters += n.config.adapters.len();
             if kept == MAX_STATUS_NODES
@@ -553,6 +551,13 @@ impl EdgeStatusResponse {
             omitted_nodes: self.omitted_nodes,
         }
     }
+}
+
+/// What a message of `len` bytes takes as an entry of a repeated field numbered below 16 (all
+/// those that [`PrincipalProjection::into_parts`], [`EdgeStatusResponse::fit`] and
+/// [`EdgeUsageReport::records_that_fit`] count): its tag, its length, itself.
+fn repeated_field_len(len: usize) -> usize {
+    1 + prost::encoding::encoded_len_varint(len as u64) + len
 }
 
 fn node_to_proto(n: &EdgeNodeSnapshot) -> pb::EdgeNodeSnapshot {
@@ -1133,7 +1138,7 @@ impl PrincipalProjection {
             return Ok(vec![self]);
         }
         // Each entry as a repeated field: its tag, its length, itself.
-        let field = |len: usize| 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+        let field = repeated_field_len;
         let sizes = (proto.principals.iter().map(|e| field(e.encoded_len())))
             .chain(proto.tokens.iter().map(|e| field(e.encoded_len())))
             .chain(proto.routes.iter().map(|e| field(e.encoded_len())));
@@ -1299,8 +1304,7 @@ impl EdgeUsageReport {
         let budget = max_frame_len.saturating_sub(USAGE_FRAME_OVERHEAD);
         let mut used = 0;
         for (i, r) in self.records.iter().enumerate() {
-            let len = r.to_proto().encoded_len();
-            used += 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+            used += repeated_field_len(r.to_proto().encoded_len());
             if used > budget {
                 return i;
             }

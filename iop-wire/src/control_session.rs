@@ -1126,7 +1126,7 @@ impl ControlPlaneSession {
         let Some(id) = self.hello_id.filter(|_| self.phase == Phase::Hello) else {
             return Ok(());
         };
-        let projection = match projection.map(|p| self.cut(p)).transpose() {
+        let projection = match projection.map(|p| self.cut_key().cut(p)).transpose() {
             Ok(parts) => parts.map(|mut parts| {
                 let last = parts.pop();
                 for part in parts {
@@ -1190,11 +1190,6 @@ impl ControlPlaneSession {
         }
     }
 
-    /// `p` in the frames this Edge reads: whole, or in parts if it takes them.
-    fn cut(&self, p: PrincipalProjection) -> Result<Vec<PrincipalProjection>, ProjectionTooLarge> {
-        self.cut_key().cut(p)
-    }
-
     /// Refuses the hello with a stable reason; the session closes after the answer.
     pub fn reject(&mut self, now: Instant, reason: &str) {
         let Some(id) = self.hello_id.filter(|_| self.phase == Phase::Hello) else {
@@ -1228,10 +1223,6 @@ impl ControlPlaneSession {
         now: Instant,
         projection: PrincipalProjection,
     ) -> Result<Option<u64>, ControlSessionError> {
-        self.connected()?;
-        if projection.generation <= self.pushed_generation {
-            return Ok(None);
-        }
         self.push_shared(now, &SharedProjection::new(Arc::new(projection)))
     }
 
