@@ -81,7 +81,8 @@ pub(crate) async fn run_session<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let codec = TokioCodec::<RuntimeFrame>::new(FrameCodec::with_max_frame_len(opts.max_frame_len));
+    let codec_limits = FrameCodec::with_max_frame_len(opts.max_frame_len);
+    let codec = TokioCodec::<RuntimeFrame>::new(codec_limits);
     let mut framed = Framed::with_capacity(stream, codec, READ_BUFFER);
     let register = RegisterRequest {
         node_id: opts.node_id.clone(),
@@ -118,7 +119,7 @@ where
             progressed = false;
             while let Some(frame) = session.poll_transmit() {
                 progressed = true;
-                if framed.feed(frame).await.is_err() {
+                if send(&mut framed, frame, codec_limits).await.is_err() {
                     session.handle_transport_closed();
                 }
             }
@@ -206,6 +207,34 @@ where
             () = sleep_until(deadline) => session.handle_timeout(now()),
         }
     }
+}
+
+/// A tunnel body at least this long is written from its own buffer, after its frame's head,
+/// instead of being copied into the frame buffer first ([`FrameCodec::encode_split`]).
+const SPLIT_BODY: usize = 16 * 1024;
+
+/// Queues `frame` for writing, as `SinkExt::feed` does (the frame buffer is flushed first once
+/// it holds tokio-util's backpressure boundary). A tunnel body of [`SPLIT_BODY`] or more is
+/// not copied into the frame buffer: the buffer is flushed through its head, then the body is
+/// written to the stream as it is. On a bulk tunnel that copy was one of the two the Node
+/// made of each byte (issue #33); rustls copies it once more as it encrypts.
+async fn send<S>(
+    framed: &mut Framed<S, TokioCodec<RuntimeFrame>>,
+    frame: RuntimeFrame,
+    codec: FrameCodec,
+) -> Result<(), iop_wire::codec::CodecError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    use futures_util::Sink as _;
+    use tokio::io::AsyncWriteExt as _;
+    std::future::poll_fn(|cx| std::pin::Pin::new(&mut *framed).poll_ready(cx)).await?;
+    let mut body = codec.encode_split(frame, SPLIT_BODY, framed.write_buffer_mut())?;
+    if !body.is_empty() {
+        framed.flush().await?;
+        framed.get_mut().write_all_buf(&mut body).await?;
+    }
+    Ok(())
 }
 
 /// Frames and notices from the run and probe tasks, taken at most this many at a time.

@@ -11,8 +11,11 @@
 //!
 //! - `N` above the configured maximum ([`DEFAULT_MAX_FRAME_LEN`] unless set) is rejected from
 //!   the four header bytes alone ([`FrameError::TooLarge`]); nothing of the declared size is
-//!   reserved. Valid frames are not pre-reserved either: a peer that declares a large frame
-//!   and trickles it only costs the bytes it actually sent.
+//!   reserved. [`FrameCodec`] does not pre-reserve valid frames either: a peer that declares
+//!   a large frame and trickles it only costs the bytes it actually sent. [`TokioCodec`]
+//!   reserves the room of a frame up to `RESERVE_WHOLE_FRAME` (1 MiB and 4 KiB) once its
+//!   prefix is read, so a bulk tunnel body is read into one buffer instead of one that grows
+//!   by copying; a trickling peer then costs at most that much more than it sent.
 //! - "Need more bytes" ([`Decoded::Incomplete`] / `Ok(None)`) is kept apart from "invalid"
 //!   (`Err`), in the shape of linkerd's `parse_sni`.
 //! - `N = 0` is a frame whose envelope is empty, which is invalid
@@ -180,6 +183,86 @@ impl FrameCodec {
         dst: &mut BytesMut,
     ) -> Result<(), FrameError> {
         frame.encode_frame_owned(self.max_frame_len, dst)
+    }
+
+    /// [`FrameCodec::encode_owned`] of a runtime frame, except that a tunnel `BODY` frame
+    /// (no metadata) whose body is at least `min_body` bytes is written without its body, which
+    /// is returned: on the wire the frame is the bytes appended to `dst` followed by the
+    /// returned body (empty for every other frame, written whole into `dst`).
+    ///
+    /// The writer hands the body to the socket (rustls, which copies it once while encrypting)
+    /// as it is, instead of copying it into the frame buffer first: on a bulk tunnel that copy
+    /// was the Node's second of each byte (issue #33). The bytes are those `encode_owned`
+    /// writes (tests compare them): the body is the last field of `ProviderTunnelFrame`, itself
+    /// the last field of the envelope.
+    pub fn encode_split(
+        &self,
+        frame: crate::runtime::RuntimeFrame,
+        min_body: usize,
+        dst: &mut BytesMut,
+    ) -> Result<Bytes, FrameError> {
+        use crate::runtime::{RuntimeMessage as M, TunnelPayload};
+        let body_len = match &frame.message {
+            M::ProviderTunnelFrame(t) if t.metadata.is_empty() => match &t.payload {
+                TunnelPayload::Body(b) if b.len() >= min_body.max(1) => b.len(),
+                _ => 0,
+            },
+            _ => 0,
+        };
+        if body_len == 0 {
+            self.encode_owned(frame, dst)?;
+            return Ok(Bytes::new());
+        }
+        let (c, s) = (frame.correlation_id, frame.stream_id);
+        let M::ProviderTunnelFrame(tunnel) = frame.message else {
+            unreachable!("checked above")
+        };
+        let TunnelPayload::Body(body) = tunnel.payload else {
+            unreachable!("checked above")
+        };
+        /// Field keys (`field << 3 | wire type`) of `Envelope` and `ProviderTunnelFrame`.
+        const CORRELATION_ID_KEY: u64 = 1 << 3;
+        const STREAM_ID_KEY: u64 = 2 << 3;
+        const TUNNEL_FRAME_KEY: u64 = (17 << 3) | 2;
+        const KIND_KEY: u64 = 1 << 3;
+        const SEQUENCE_KEY: u64 = 2 << 3;
+        const BODY_KEY: u64 = (5 << 3) | 2;
+        let kind = crate::proto::runtime::TunnelFrameKind::Body as u64;
+        let scalar_len = |v: u64| if v == 0 { 0 } else { 1 + varint_len(v) };
+        let inner = scalar_len(kind)
+            + scalar_len(tunnel.sequence)
+            + 1
+            + varint_len(body_len as u64)
+            + body_len;
+        let len = scalar_len(c) + scalar_len(s) + 2 + varint_len(inner as u64) + inner;
+        // The prefix refuses an envelope over the limit before anything is written; the room it
+        // reserves is only the head's (the body is not copied into `dst`).
+        let prefix = u32::try_from(len)
+            .ok()
+            .filter(|_| len <= self.max_frame_len)
+            .ok_or(FrameError::OutgoingTooLarge {
+                len,
+                max: self.max_frame_len,
+            })?;
+        dst.reserve(LENGTH_PREFIX_LEN + len - body_len);
+        dst.put_u32(prefix);
+        for (key, value) in [(CORRELATION_ID_KEY, c), (STREAM_ID_KEY, s)] {
+            if value != 0 {
+                put_varint(key, dst);
+                put_varint(value, dst);
+            }
+        }
+        put_varint(TUNNEL_FRAME_KEY, dst);
+        put_varint(inner as u64, dst);
+        for (key, value) in [(KIND_KEY, kind), (SEQUENCE_KEY, tunnel.sequence)] {
+            if value != 0 {
+                put_varint(key, dst);
+                put_varint(value, dst);
+            }
+        }
+        put_varint(BODY_KEY, dst);
+        put_varint(body_len as u64, dst);
+        Ok(body)
     }
 
     /// Decodes one frame from the front of `buf` without consuming it and without copying:
@@ -382,7 +465,7 @@ fn put_encoded_projection(
 }
 
 #[cfg(feature = "tokio-codec")]
-pub use self::tokio_codec::{CodecError, TokioCodec, release_buffers};
+pub use self::tokio_codec::{CodecError, RESERVE_WHOLE_FRAME, TokioCodec, release_buffers};
 
 #[cfg(feature = "tokio-codec")]
 mod tokio_codec {
@@ -390,7 +473,22 @@ mod tokio_codec {
 
     use bytes::BytesMut;
 
-    use super::{FrameCodec, WireFrame};
+    use super::{FrameCodec, LENGTH_PREFIX_LEN, WireFrame};
+
+    /// The largest frame whose room [`TokioCodec`] reserves whole once its length prefix is
+    /// read: 1 MiB and 4 KiB, a tunnel body frame of the largest window the Node cuts to
+    /// (1 MiB) and its head.
+    ///
+    /// tokio-util reads into what the buffer has spare and asks it for one more byte when it
+    /// is full. After a frame is handed out (a view of the buffer), the rest of the buffer is
+    /// shared with it, so that request allocates a fresh buffer of the partial frame's size,
+    /// which then grows by doubling, copying what it holds each time: a 1 MiB body was copied
+    /// about once more on the way in, into freshly faulted pages (issue #33's profile of the
+    /// bulk path). Reserving the frame's room when its prefix arrives makes it one read into
+    /// one buffer. A larger frame grows as bytes arrive, as before, so a peer that declares a
+    /// large frame and sends a few bytes of it makes the connection hold at most this much
+    /// more than it sent; the bound per connection stays the codec's `max_frame_len`.
+    pub const RESERVE_WHOLE_FRAME: usize = (1 << 20) + 4096;
     use crate::error::FrameError;
 
     /// tokio-util `Decoder`/`Encoder` for frames of type `F` (e.g.
@@ -448,8 +546,18 @@ mod tokio_codec {
         type Item = F;
         type Error = CodecError;
 
+        /// [`FrameCodec::decode`]; while a frame of at most [`RESERVE_WHOLE_FRAME`] bytes is
+        /// incomplete, the buffer is given room for the rest of it at once (see the constant).
         fn decode(&mut self, src: &mut BytesMut) -> Result<Option<F>, CodecError> {
-            Ok(self.codec.decode(src)?)
+            let frame = self.codec.decode(src)?;
+            if frame.is_none()
+                && let Ok(Some(len)) = self.codec.peek_len(src)
+                && len <= RESERVE_WHOLE_FRAME
+            {
+                // Incomplete: fewer than `LENGTH_PREFIX_LEN + len` bytes are here.
+                src.reserve(LENGTH_PREFIX_LEN + len - src.len());
+            }
+            Ok(frame)
         }
     }
 
@@ -476,6 +584,137 @@ mod tests {
                 metadata: Default::default(),
             }),
         )
+    }
+
+    /// `encode_split` writes the bytes `encode_owned` writes, the body returned apart: at the
+    /// varint boundaries of every length it writes, with and without ids and sequence.
+    #[test]
+    fn a_split_body_frame_is_the_bytes_encode_owned_writes() {
+        let codec = FrameCodec::new();
+        let min = 1024;
+        let tunnel = |c: u64, s: u64, sequence: u64, payload: TunnelPayload| RuntimeFrame {
+            correlation_id: c,
+            stream_id: s,
+            message: RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence,
+                payload,
+                metadata: Default::default(),
+            }),
+        };
+        let mut cases = 0;
+        for body_len in [min, 16_383, 16_384, 70_000, 2_097_151, 2_097_152] {
+            for (c, s, sequence) in [(0, 0, 0), (0, 7, 1), (300, 1 << 40, 127), (1, 2, 128)] {
+                let frame = tunnel(
+                    c,
+                    s,
+                    sequence,
+                    TunnelPayload::Body(Bytes::from(vec![b'x'; body_len])),
+                );
+                let whole = codec.encode_to_bytes(&frame).unwrap();
+                let mut head = BytesMut::from(&b"before"[..]);
+                let body = codec.encode_split(frame.clone(), min, &mut head).unwrap();
+                assert_eq!(body.len(), body_len, "the body comes back whole");
+                assert_eq!(&head[..6], b"before", "appended, not replaced");
+                let mut wire = head.split_off(6);
+                wire.extend_from_slice(&body);
+                assert_eq!(
+                    wire, whole,
+                    "body {body_len}, ids {c}/{s}, sequence {sequence}"
+                );
+                if s != 0 {
+                    // (A stream frame without a stream id is invalid; its bytes still compare.)
+                    assert_eq!(
+                        codec.decode::<RuntimeFrame>(&mut wire).unwrap(),
+                        Some(frame)
+                    );
+                }
+                cases += 1;
+            }
+        }
+        assert_eq!(cases, 24);
+        // Written whole: a body under the threshold, a body frame with metadata (its map
+        // follows the body on the wire), and every other frame.
+        let with_metadata = RuntimeFrame {
+            message: RuntimeMessage::ProviderTunnelFrame(TunnelFrame {
+                sequence: 3,
+                payload: TunnelPayload::Body(Bytes::from(vec![b'y'; 4 * min])),
+                metadata: [("k".to_owned(), "v".to_owned())].into(),
+            }),
+            ..tunnel(0, 5, 0, TunnelPayload::End)
+        };
+        for frame in [
+            tunnel(
+                0,
+                5,
+                2,
+                TunnelPayload::Body(Bytes::from(vec![b'z'; min - 1])),
+            ),
+            with_metadata,
+            tunnel(0, 5, 4, TunnelPayload::End),
+            RuntimeFrame::new(RuntimeMessage::Ping),
+        ] {
+            let mut head = BytesMut::new();
+            let body = codec.encode_split(frame.clone(), min, &mut head).unwrap();
+            assert!(body.is_empty(), "{frame:?}");
+            assert_eq!(head.freeze(), codec.encode_to_bytes(&frame).unwrap());
+        }
+    }
+
+    #[test]
+    fn a_split_body_over_the_limit_is_refused_untouched() {
+        let limit = 64 * 1024;
+        let codec = FrameCodec::with_max_frame_len(limit);
+        let n = (limit - 64..limit)
+            .find(|&n| envelope_len(n) == limit)
+            .expect("some n hits the limit");
+        let mut buf = BytesMut::from(&b"queued"[..]);
+        assert_eq!(
+            codec
+                .encode_split(body_frame(n), 1024, &mut buf)
+                .unwrap()
+                .len(),
+            n
+        );
+        let written = buf.len();
+        assert!(matches!(
+            codec.encode_split(body_frame(n + 1), 1024, &mut buf),
+            Err(FrameError::OutgoingTooLarge { len, max }) if len == limit + 1 && max == limit
+        ));
+        assert_eq!(buf.len(), written, "nothing written for the refused frame");
+    }
+
+    /// The tokio codec gives an incomplete frame of at most `RESERVE_WHOLE_FRAME` its whole
+    /// room once its prefix is read (one buffer, no growth by copying), and a larger one only
+    /// what arrives.
+    #[cfg(feature = "tokio-codec")]
+    #[test]
+    fn the_tokio_codec_reserves_a_credited_frame_whole() {
+        use tokio_util::codec::Decoder as _;
+        let big = FrameCodec::with_max_frame_len(4 << 20);
+        let mut codec = TokioCodec::<RuntimeFrame>::new(big);
+        for (body_len, whole) in [
+            (200 * 1024, true),
+            (1 << 20, true),
+            (RESERVE_WHOLE_FRAME, false),
+            (3 << 20, false),
+        ] {
+            let bytes = big.encode_to_bytes(&body_frame(body_len)).unwrap();
+            let mut buf = BytesMut::with_capacity(1024);
+            buf.extend_from_slice(&bytes[..100]);
+            assert!(codec.decode(&mut buf).unwrap().is_none());
+            assert_eq!(
+                buf.capacity() >= bytes.len(),
+                whole,
+                "{body_len}-byte body: capacity {}",
+                buf.capacity()
+            );
+            let at = buf.as_ptr();
+            buf.extend_from_slice(&bytes[100..]);
+            if whole {
+                assert_eq!(buf.as_ptr(), at, "the rest went into the same buffer");
+            }
+            assert_eq!(codec.decode(&mut buf).unwrap(), Some(body_frame(body_len)));
+        }
     }
 
     #[test]

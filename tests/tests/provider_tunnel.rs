@@ -133,6 +133,17 @@ async fn provider() -> Provider {
             }),
         )
         .route(
+            "/v1/sizes",
+            post(|| async {
+                let chunks: Vec<Result<Bytes, Infallible>> =
+                    sized_chunks().into_iter().map(Ok).collect();
+                Response::builder()
+                    .header(header::CONTENT_TYPE, "text/event-stream")
+                    .body(Body::from_stream(futures_util::stream::iter(chunks)))
+                    .unwrap()
+            }),
+        )
+        .route(
             "/v1/hang",
             post(|| async {
                 // One event, then silence: the connection stays open, nothing more comes.
@@ -274,6 +285,32 @@ async fn mesh_with(
     (edge, shutdown)
 }
 
+/// Provider chunks around the Node's split threshold (16 KiB: larger bodies are written after
+/// their frame's head, not copied into the frame buffer), the credit window (1 MiB) and the
+/// Edge's whole-frame reservation, each byte told apart from its neighbours.
+fn sized_chunks() -> Vec<Bytes> {
+    [
+        1,
+        16_383,
+        16_384,
+        16_385,
+        70_000,
+        1 << 20,
+        (1 << 20) + 4097,
+        3 << 20,
+        5,
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, n)| {
+        (0..n)
+            .map(|j: usize| (j.wrapping_mul(31) ^ (j >> 8) ^ i) as u8)
+            .collect::<Vec<u8>>()
+            .into()
+    })
+    .collect()
+}
+
 fn chat(run_id: &str, operation: Option<Operation>, path: &str) -> ProviderTunnelRequest {
     ProviderTunnelRequest {
         run_id: run_id.into(),
@@ -367,6 +404,40 @@ async fn sse_bytes_arrive_identical_and_in_order_with_usage_on_the_side() {
             caps.capabilities[0].provider_status,
             ProviderStatus::Available
         );
+        shutdown.cancel();
+    })
+    .await
+    .expect("scenario finishes");
+}
+
+/// Bodies of every size the Node writes apart from their frame's head, cut by the credit
+/// window or not, arrive byte for byte over the real mTLS connection.
+#[tokio::test]
+async fn large_bodies_arrive_byte_for_byte() {
+    tokio::time::timeout(LIMIT, async {
+        let ca = Ca::new("test CA");
+        let p = provider().await;
+        let (edge, shutdown) = mesh(&ca, p.addr).await;
+        for run in ["t-sizes-1", "t-sizes-2"] {
+            let mut stream = edge
+                .tunnel("node-1", chat(run, None, "/sizes"))
+                .await
+                .unwrap();
+            let mut body = Vec::new();
+            let mut terminals = 0;
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    TunnelEvent::Frame(Delivery::Body(b)) => body.extend_from_slice(&b),
+                    TunnelEvent::Frame(Delivery::End { .. }) => terminals += 1,
+                    TunnelEvent::Frame(Delivery::Start { .. } | Delivery::Usage(_)) => {}
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert_eq!(terminals, 1);
+            let want = sized_chunks().concat();
+            assert_eq!(body.len(), want.len());
+            assert!(body == want, "{run}: the body passes through byte for byte");
+        }
         shutdown.cancel();
     })
     .await

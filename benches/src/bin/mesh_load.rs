@@ -11,7 +11,10 @@
 //!   Edge → Node (`openai_compat` tunnel) → local provider, against the same requests sent
 //!   straight to the provider; p50/p99 of time to the last byte, and the added latency.
 //! - **throughput**: one bulk SSE stream through the tunnel, against the same provider called
-//!   directly and against raw TLS 1.3 on loopback.
+//!   directly, against raw TLS 1.3 on loopback, and against the relay floor (the provider's
+//!   response copied by a bare relay into one TLS connection: the mesh's hops without its
+//!   code); rates and this process's CPU per MiB. `MESH_LOAD_PROFILE_MESH=N` runs only the
+//!   mesh path, N times (for `perf record`).
 //! - **idle**: memory per idle connected Node at the Edge: the Edge runs in a child process
 //!   (this binary with `--edge-child`) and its RSS is read from `/proc` before and after N Nodes
 //!   (default 1000) connect and become ready.
@@ -264,26 +267,9 @@ async fn latency(ca: &Ca) {
 
 /// Raw TLS 1.3 loopback: the same number of bytes, server → client, in 64 KiB writes.
 async fn raw_tls_throughput(ca: &Ca) -> f64 {
-    let leaf = ca.workload(role::EDGE, "edge-1", true);
-    let server = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(leaf.chain.clone(), leaf.key())
-    .unwrap();
-    let roots = ca.roots();
-    let client = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let (acceptor, connector) = tls_pair(ca);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
     tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.unwrap();
         tcp.set_nodelay(true).unwrap();
@@ -294,10 +280,81 @@ async fn raw_tls_throughput(ca: &Ca) -> f64 {
         }
         tls.shutdown().await.ok();
     });
+    let t = Instant::now();
+    let n = read_tls_to_end(&connector, addr).await;
+    assert_eq!(n, BULK_BYTES);
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// The bare relay floor: the mesh's hops without its code. A relay reads the provider's
+/// HTTP/1.1 response (the same provider, plain TCP, 64 KiB reads) and copies the bytes as they
+/// come into one TLS 1.3 connection, whose reader counts them: a provider hop and a TLS hop,
+/// as Edge → Node → provider has, with nothing parsed, framed or credited. Returns the body's
+/// bytes per second (the count includes the response's head and chunk sizes).
+async fn relay_floor_throughput(ca: &Ca, provider: SocketAddr) -> f64 {
+    let (acceptor, connector) = tls_pair(ca);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        tcp.set_nodelay(true).unwrap();
+        let mut tls = acceptor.accept(tcp).await.unwrap();
+        let mut up = tokio::net::TcpStream::connect(provider).await.unwrap();
+        up.set_nodelay(true).unwrap();
+        let body = "{\"model\":\"m\",\"stream\":true}";
+        up.write_all(
+            format!(
+                "POST /v1/bulk HTTP/1.1\r\nhost: provider\r\nconnection: close\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut buf = vec![0u8; BULK_CHUNK];
+        loop {
+            match up.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(k) => tls.write_all(&buf[..k]).await.unwrap(),
+            }
+        }
+        tls.shutdown().await.ok();
+    });
+    let t = Instant::now();
+    let n = read_tls_to_end(&connector, addr).await;
+    assert!(n >= BULK_BYTES, "the relay forwarded {n} bytes");
+    BULK_BYTES as f64 / t.elapsed().as_secs_f64()
+}
+
+/// A TLS 1.3 server (the Edge's leaf) and a client trusting it, both on ring.
+fn tls_pair(ca: &Ca) -> (tokio_rustls::TlsAcceptor, tokio_rustls::TlsConnector) {
+    let leaf = ca.workload(role::EDGE, "edge-1", true);
+    let server = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(leaf.chain.clone(), leaf.key())
+    .unwrap();
+    let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(ca.roots())
+    .with_no_client_auth();
+    (
+        tokio_rustls::TlsAcceptor::from(Arc::new(server)),
+        tokio_rustls::TlsConnector::from(Arc::new(client)),
+    )
+}
+
+/// Connects to `addr` and reads until the server closes; returns the bytes read.
+async fn read_tls_to_end(connector: &tokio_rustls::TlsConnector, addr: SocketAddr) -> usize {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     tcp.set_nodelay(true).unwrap();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
-    let t = Instant::now();
     let mut tls = connector
         .connect(
             rustls_pki_types::ServerName::try_from("localhost").unwrap(),
@@ -313,40 +370,78 @@ async fn raw_tls_throughput(ca: &Ca) -> f64 {
             Ok(k) => n += k,
         }
     }
-    assert_eq!(n, BULK_BYTES);
-    n as f64 / t.elapsed().as_secs_f64()
+    n
+}
+
+/// Runs `f`, returning its rate (bytes per second, from what it returns) and the CPU this
+/// process spent per MiB meanwhile (every part runs in this process).
+async fn rate_and_cpu<F: Future<Output = f64>>(f: F) -> (f64, Duration) {
+    let pid = std::process::id();
+    let cpu0 = cpu(pid);
+    let t = Instant::now();
+    let rate = f.await;
+    let bytes = rate * t.elapsed().as_secs_f64();
+    let spent = cpu(pid).saturating_sub(cpu0);
+    (rate, spent.div_f64(bytes / (1024.0 * 1024.0)))
 }
 
 async fn throughput(ca: &Ca) {
     let p = provider().await;
     let edge = mesh(ca, p).await;
+    if let Some(times) = std::env::var("MESH_LOAD_PROFILE_MESH")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        // Only the mesh path, `times` times: for `perf record`, without the baselines.
+        for i in 0..times {
+            let (rate, cpu) = rate_and_cpu(async {
+                let t = Instant::now();
+                let n = tunnel_once(&edge, tunnel_request(100 + i, None, "/bulk")).await;
+                n as f64 / t.elapsed().as_secs_f64()
+            })
+            .await;
+            println!(
+                "mesh: {:.0} MiB/s, {:.3} ms CPU per MiB",
+                rate / (1024.0 * 1024.0),
+                cpu.as_secs_f64() * 1e3
+            );
+        }
+        return;
+    }
     let client = reqwest::Client::new();
-    let raw = raw_tls_throughput(ca).await;
-    let t = Instant::now();
-    let n = direct_once(&client, &format!("http://{p}/v1/bulk")).await;
-    let direct = n as f64 / t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let n = tunnel_once(&edge, tunnel_request(7, None, "/bulk")).await;
-    assert_eq!(n, BULK_BYTES);
-    let mesh = n as f64 / t.elapsed().as_secs_f64();
+    let raw = rate_and_cpu(raw_tls_throughput(ca)).await;
+    let floor = rate_and_cpu(relay_floor_throughput(ca, p)).await;
+    let direct = rate_and_cpu(async {
+        let t = Instant::now();
+        let n = direct_once(&client, &format!("http://{p}/v1/bulk")).await;
+        n as f64 / t.elapsed().as_secs_f64()
+    })
+    .await;
+    let mesh = rate_and_cpu(async {
+        let t = Instant::now();
+        let n = tunnel_once(&edge, tunnel_request(7, None, "/bulk")).await;
+        assert_eq!(n, BULK_BYTES);
+        n as f64 / t.elapsed().as_secs_f64()
+    })
+    .await;
     let mib = |b: f64| b / (1024.0 * 1024.0);
     println!("\n## throughput: one {} MiB SSE stream\n", BULK_BYTES >> 20);
-    println!("| path | MiB/s | vs raw TLS |");
-    println!("|---|---:|---:|");
-    println!(
-        "| raw TLS 1.3 loopback (baseline) | {:.0} | 1.00× |",
-        mib(raw)
-    );
-    println!(
-        "| direct to provider (HTTP/1.1) | {:.0} | {:.2}× |",
-        mib(direct),
-        direct / raw
-    );
-    println!(
-        "| edge → node → provider | {:.0} | {:.2}× |",
-        mib(mesh),
-        mesh / raw
-    );
+    println!("| path | MiB/s | vs raw TLS | vs relay floor | CPU ms per MiB (both cores) |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, (rate, cpu)) in [
+        ("raw TLS 1.3 loopback (baseline)", raw),
+        ("relay floor: provider → bare relay → TLS", floor),
+        ("direct to provider (HTTP/1.1)", direct),
+        ("edge → node → provider", mesh),
+    ] {
+        println!(
+            "| {name} | {:.0} | {:.2}× | {:.2}× | {:.3} |",
+            mib(rate),
+            rate / raw.0,
+            rate / floor.0,
+            cpu.as_secs_f64() * 1e3
+        );
+    }
 }
 
 async fn idle(ca: &Ca, nodes: usize) {
