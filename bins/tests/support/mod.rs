@@ -437,8 +437,10 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
     use std::io::{Read as _, Write as _};
     let rest = url.strip_prefix("http://").expect("http url");
     let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let Ok(mut s) = std::net::TcpStream::connect(host) else {
-        return (0, String::new());
+    let started = Instant::now();
+    let mut s = match std::net::TcpStream::connect(host) {
+        Ok(s) => s,
+        Err(e) => return (0, format!("no answer: connect: {e}")),
     };
     s.set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
@@ -453,13 +455,24 @@ fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> (u1
     req.push_str(body);
     s.write_all(req.as_bytes()).expect("write");
     let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf);
+    let read = s.read_to_end(&mut buf);
     let text = String::from_utf8_lossy(&buf).into_owned();
     let status = text
         .split(' ')
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
+    if status == 0 {
+        // Status 0 is "no answer"; say why, for the assertion that reports it.
+        return (
+            0,
+            format!(
+                "no answer after {:?}: {read:?}, {} bytes read",
+                started.elapsed(),
+                buf.len()
+            ),
+        );
+    }
     let body = text
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
