@@ -49,6 +49,70 @@ fn main() {
     ping_scanner_seeds(&root.join("ping_scanner"));
     usage_filter_seeds(&root.join("usage_filter"));
     trace_context_seeds(&root.join("trace_context"));
+    passthrough_splice_seeds(&root.join("passthrough_splice"));
+}
+
+// === passthrough_splice ===
+
+/// Request bodies as clients send them (the OpenAI and Anthropic SDKs' compact form, pretty
+/// printed, with a nested `model`), with and without `stream_options`, and the shapes the
+/// splice declines: a second `model` or `stream`, an escaped name, another `stream_options`.
+/// Byte 0 is the flags (bit 0 ask for usage, bits 1–2 the target).
+fn passthrough_splice_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let cases: [(&str, u8, &str); 9] = [
+        (
+            "chat",
+            2,
+            r#"{"model":"alias","messages":[{"role":"user","content":"hi"}],"temperature":0.5}"#,
+        ),
+        (
+            "chat_stream_usage",
+            3,
+            r#"{"messages":[{"role":"user","content":"hi"}],"model":"alias","stream":true}"#,
+        ),
+        (
+            "pretty_nested",
+            4,
+            "{\n  \"metadata\": {\"model\": \"x\"},\n  \"model\" : \"alias\",\n  \"max_tokens\": 1e1\n}",
+        ),
+        (
+            "client_asked_usage",
+            1,
+            r#"{"model":"alias","stream":true,"stream_options":{ "include_usage" : true }}"#,
+        ),
+        (
+            "other_stream_options",
+            3,
+            r#"{"model":"alias","stream_options":{"include_usage":false}}"#,
+        ),
+        (
+            "second_model",
+            2,
+            r#"{"model":"cheap","messages":[],"model":"alias"}"#,
+        ),
+        (
+            "second_stream",
+            3,
+            r#"{"model":"alias","stream":false,"stream":true}"#,
+        ),
+        (
+            "escaped_name",
+            2,
+            r#"{"mod\u0065l":"cheap","model":"alias"}"#,
+        ),
+        (
+            "anthropic",
+            6,
+            r#"{"max_tokens":16,"model":"alias","system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#,
+        ),
+    ];
+    for (name, flags, body) in cases {
+        let mut s = vec![flags];
+        s.extend_from_slice(body.as_bytes());
+        iop_fuzz::passthrough_splice::run(&s);
+        write(&dir, name, &s);
+    }
 }
 
 // === trace_context ===

@@ -5,6 +5,7 @@
 
 pub mod frame_decoder;
 pub mod lease_open;
+pub mod passthrough_splice;
 pub mod ping_scanner;
 pub mod registry_ops;
 pub mod report_decode;

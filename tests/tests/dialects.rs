@@ -549,3 +549,88 @@ async fn a_passthrough_stream_that_stalls_ends_with_the_routes_error_event() {
     .await
     .expect("within the limit");
 }
+
+/// Posts `body` as it is (not re-encoded by a JSON library) and returns status and body text.
+async fn post_raw(base: &str, path: &str, body: &'static str) -> (u16, String) {
+    let r = client()
+        .post(format!("{base}{path}"))
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn a_passthrough_forwards_the_clients_bytes_with_only_the_model_replaced() {
+    let m = mesh().await;
+    // Spacing, member order, number spelling and a nested `model` are the client's and stay.
+    let chat = r#"{ "temperature" : 1.50, "messages": [{"role": "user", "content": "say \"model\""}],
+  "metadata": {"model": "not this one"}, "model":"via-chat", "max_tokens": 1e1 }"#;
+    let (status, _) = post_raw(&m.base, "/v1/chat/completions", chat).await;
+    assert_eq!(status, 200);
+    let seen = m.chat.seen().pop().unwrap();
+    assert_eq!(
+        std::str::from_utf8(&seen.body).unwrap(),
+        chat.replace(r#""model":"via-chat""#, r#""model":"fake-model""#),
+        "the upstream reads the client's bytes with only `model` replaced"
+    );
+    // A stream asks for the usage chunk up front; the client, which did not, never sees it.
+    let stream =
+        r#"{"model":"via-chat","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, text) = post_raw(&m.base, "/v1/chat/completions", stream).await;
+    assert_eq!(status, 200);
+    assert!(!text.contains("\"usage\""), "{text}");
+    let seen = m.chat.seen().pop().unwrap();
+    assert_eq!(
+        std::str::from_utf8(&seen.body).unwrap(),
+        r#"{"stream_options":{"include_usage":true},"model":"fake-model","stream":true,"messages":[{"role":"user","content":"hi"}]}"#
+    );
+    // The same on an Anthropic passthrough.
+    let messages = r#"{"max_tokens": 16, "model": "via-anth",
+ "messages": [{"role": "user", "content": "hi"}]}"#;
+    let (status, _) = post_raw(&m.base, "/v1/messages", messages).await;
+    assert_eq!(status, 200);
+    let seen = m.anthropic.seen().pop().unwrap();
+    assert_eq!(
+        std::str::from_utf8(&seen.body).unwrap(),
+        messages.replace(r#""via-anth""#, r#""fake-model""#)
+    );
+    // A second `model` (or `stream`) hiding behind the one the Edge read: an upstream that
+    // keeps the first of two names would read another model or mode than the one admitted and
+    // charged. The Edge sends one of each, the one it read.
+    for (hidden, stream) in [
+        (
+            r#"{"model":"chat-missing","model":"via-chat","messages":[{"role":"user","content":"hi"}]}"#,
+            false,
+        ),
+        (
+            r#"{"mod\u0065l":"chat-missing","model":"via-chat","messages":[{"role":"user","content":"hi"}]}"#,
+            false,
+        ),
+        (
+            r#"{"model":"via-chat","stream":true,"stream":false,"messages":[{"role":"user","content":"hi"}]}"#,
+            false,
+        ),
+    ] {
+        let (status, _) = post_raw(&m.base, "/v1/chat/completions", hidden).await;
+        assert_eq!(status, 200, "{hidden}");
+        let seen = m.chat.seen().pop().unwrap();
+        let body = std::str::from_utf8(&seen.body).unwrap();
+        assert_eq!(body.matches("\"model\"").count(), 1, "{body}");
+        assert_eq!(
+            body.matches("\"stream\"").count(),
+            usize::from(hidden.contains("\"stream\"")),
+            "{body}"
+        );
+        assert!(!body.contains("\\u0065"), "{body}");
+        assert_eq!(seen.json()["model"], "fake-model", "{body}");
+        assert_eq!(
+            seen.json()["stream"].as_bool().unwrap_or(false),
+            stream,
+            "{body}"
+        );
+    }
+}

@@ -37,6 +37,9 @@
 //! - [`StreamTranslator`] joins one decoder and one encoder: feed it the upstream body in any
 //!   chunking and it yields the client's stream; the output does not depend on where the input
 //!   was split (tested at every byte boundary, and fuzzed).
+//! - [`splice::passthrough`] is the request side of a passthrough (same dialect both ends): the
+//!   client's own bytes with only `model` replaced (and the usage chunk asked for), declined
+//!   when a name appears twice or escaped, so the upstream reads what the Edge admitted.
 //! - [`error`] renders an error in a dialect's shape with the original API's status codes and
 //!   types, and reads the message out of an upstream error body of either shape.
 //!
@@ -67,6 +70,7 @@ pub mod encode;
 pub mod error;
 mod event;
 pub mod request;
+pub mod splice;
 pub mod sse;
 
 pub use event::{Event, FinishReason, Message, Meta, ToolCall, Usage};

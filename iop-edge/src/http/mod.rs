@@ -38,9 +38,11 @@
 //! instance declares the operations its upstream serves (its protocol profile, pushed to the
 //! Node in its config; presets in [`crate::profile`]), so the Edge knows without guessing:
 //!
-//! - the route's own operation → **passthrough**: the client's body with `model` set to the
-//!   provider's target (and, to an Anthropic upstream, the client's `anthropic-beta` header;
-//!   no other client header is forwarded); status, headers and body bytes come back untouched
+//! - the route's own operation → **passthrough**: the client's body bytes with only `model`
+//!   set to the provider's target (`iop_dialect::splice`; re-serialised from the parsed value
+//!   only where a top-level name appears twice or escaped, so the upstream never reads another
+//!   `model` or `stream` than the Edge did), and, to an Anthropic upstream, the client's
+//!   `anthropic-beta` header (no other client header is forwarded); status, headers and body bytes come back untouched
 //!   (an upstream error included);
 //! - otherwise, over `chat_completions` (a Responses or Messages request) or `messages` (a chat
 //!   or Responses request to an Anthropic-native upstream) → **translated** with `iop_dialect`:
@@ -505,6 +507,8 @@ fn unservable(dialect: Dialect, model: &str, op: Operation) -> Response {
 
 /// A parsed request body.
 struct Parsed {
+    /// The client's bytes (a passthrough forwards them, `iop_dialect::splice`).
+    raw: Bytes,
     json: Value,
     model: String,
     stream: bool,
@@ -540,6 +544,7 @@ fn parse(dialect: Dialect, body: Result<Bytes, BytesRejection>) -> Result<Parsed
     };
     let stream = json["stream"].as_bool().unwrap_or(false);
     Ok(Parsed {
+        raw: body,
         json,
         model,
         stream,
@@ -1220,6 +1225,11 @@ fn refused(dialect: Dialect, model: &str, refusal: &Refusal) -> Response {
 /// A tunnel request for `operation` with `body` (the pool fills in adapter, target and the
 /// stall timeout).
 fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> PoolRequest {
+    tunnel_bytes(run_id, operation, Bytes::from(body.to_string()), stream)
+}
+
+/// [`tunnel`] with the body already in bytes.
+fn tunnel_bytes(run_id: String, operation: Operation, body: Bytes, stream: bool) -> PoolRequest {
     PoolRequest::Tunnel(ProviderTunnelRequest {
         run_id,
         adapter: String::new(),
@@ -1230,7 +1240,7 @@ fn tunnel(run_id: String, operation: Operation, body: &Value, stream: bool) -> P
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
         }],
-        body: Bytes::from(body.to_string()),
+        body,
         stream,
         operation: Some(operation),
         ..Default::default()
@@ -1264,26 +1274,6 @@ fn native_run(run_id: String, input: &Value) -> PoolRequest {
         credential: None,
         trace: None,
     })
-}
-
-/// Asks a chat completions stream for its usage (`stream_options.include_usage`), so that it
-/// is charged exactly; `true` when the client had not asked (its chunk is then taken out of a
-/// passthrough, `iop_dialect::sse::UsageChunkFilter`).
-fn ask_for_usage(body: &mut Value) -> bool {
-    if body
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true)
-    {
-        return false;
-    }
-    match body.get_mut("stream_options") {
-        Some(Value::Object(o)) => {
-            o.insert("include_usage".into(), Value::Bool(true));
-        }
-        _ => body["stream_options"] = json!({ "include_usage": true }),
-    }
-    true
 }
 
 fn with_model(mut body: Value, target: &str) -> Value {
@@ -1491,12 +1481,17 @@ async fn serve_admitted(
     let request = match plan {
         Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
         Plan::Passthrough(op) => {
-            // The body is not needed again on a passthrough: move it rather than copy it.
-            let mut body = with_model(std::mem::take(&mut parsed.json), &target);
-            if op == Operation::ChatCompletions && parsed.stream && asks_usage {
-                strip_usage = ask_for_usage(&mut body);
-            }
-            let mut request = tunnel(run_id, op, &body, parsed.stream);
+            let ask = op == Operation::ChatCompletions && parsed.stream && asks_usage;
+            // The client's own bytes with `model` spliced in; re-serialised only where the
+            // splice declines (a name twice or escaped, a `stream_options` to merge into).
+            let spliced = iop_dialect::splice::passthrough(&parsed.raw, &parsed.json, &target, ask)
+                .unwrap_or_else(|| {
+                    // The body is not needed again on a passthrough: move it, not copy it.
+                    let json = std::mem::take(&mut parsed.json);
+                    iop_dialect::splice::reserialised(json, &target, ask)
+                });
+            strip_usage = spliced.asked_usage;
+            let mut request = tunnel_bytes(run_id, op, spliced.body, parsed.stream);
             if dialect == Dialect::Messages {
                 forward_anthropic_beta(headers, &mut request);
             }
@@ -1512,7 +1507,7 @@ async fn serve_admitted(
                     let mut body = with_model(chat, &target);
                     if parsed.stream && asks_usage {
                         // The translator reads the usage chunk; the client never sees it.
-                        ask_for_usage(&mut body);
+                        iop_dialect::splice::ask_for_usage(&mut body);
                     }
                     tunnel(run_id, Operation::ChatCompletions, &body, parsed.stream)
                 }
