@@ -60,7 +60,7 @@ fn main() {
 /// Byte 0 is the flags (bit 0 ask for usage, bits 1–2 the target).
 fn passthrough_splice_seeds(dir: &Path) {
     let dir = fresh_dir(dir);
-    let cases: [(&str, u8, &str); 9] = [
+    let cases: [(&str, u8, &str); 11] = [
         (
             "chat",
             2,
@@ -100,6 +100,19 @@ fn passthrough_splice_seeds(dir: &Path) {
             "escaped_name",
             2,
             r#"{"mod\u0065l":"cheap","model":"alias"}"#,
+        ),
+        (
+            // Found by the fuzzer: a space inside a name is part of the name.
+            "space_inside_name",
+            0x2d,
+            r#"{"model":"alias","ream":true,"stream_options":{ "include_usage ": true }}"#,
+        ),
+        (
+            // Found by the fuzzer: numbers `serde_json` does not round-trip (the splice keeps
+            // the client's spelling; the oracle compares values before serialising).
+            "long_floats",
+            2,
+            r#"{"omdel":"cheapv","zzs":[8.888886666666,66666666666666666666666666666666666666666666666666666666666666668888888888888888888886666666666666666666,66666666666666666666666666666666886666666666666666666,666666666666666666666666666666666668],"model":")alias"}"#,
         ),
         (
             "anthropic",

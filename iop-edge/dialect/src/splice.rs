@@ -258,8 +258,28 @@ fn value_end(b: &[u8], i: usize) -> Option<usize> {
     }
 }
 
+/// `b` without the whitespace between tokens (inside strings it stays: `"include_usage "` is
+/// another name).
 fn without_whitespace(b: &[u8]) -> Vec<u8> {
-    b.iter().copied().filter(|&c| !is_ws(c)).collect()
+    let mut out = Vec::with_capacity(b.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for &c in b {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                in_string = false;
+            }
+        } else if c == b'"' {
+            in_string = true;
+        } else if is_ws(c) {
+            continue;
+        }
+        out.push(c);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -325,6 +345,15 @@ mod tests {
         assert_eq!(
             splice(
                 r#"{"model":"a","stream_options":{"include_usage":true,"x":1}}"#,
+                "b",
+                true
+            ),
+            None
+        );
+        // Whitespace inside a name is part of it (found by the fuzzer).
+        assert_eq!(
+            splice(
+                r#"{"model":"a","stream_options":{"include_usage ":true}}"#,
                 "b",
                 true
             ),
