@@ -61,6 +61,9 @@ pub struct BindingConfig {
     /// How long, in all, a request whose binding the Control Plane found stale (or whose
     /// session went away) waits for a newer projection or a live session, from the first such
     /// wait of a binding round, before it is refused (503). Default [`DEFAULT_STALE_WAIT`].
+    /// A lease ask that finds no session, or no answer, once the bound has passed is refused
+    /// at once, not waited on again: a session that is up but answers no lease holds a
+    /// request for at most two of the driver's lease timeouts and this wait.
     pub stale_wait: Duration,
 }
 
@@ -339,6 +342,11 @@ impl ManagedBinding {
             }
             LeaseOutcome::Refused(reason) => self.refuse(Refusal::LeaseRefused(reason)),
             LeaseOutcome::Unreachable => {
+                // No wait begins after the bound: a session that is up but answers no lease
+                // would otherwise be asked again, one lease timeout after another.
+                if self.deadline.is_some_and(|d| now >= d) {
+                    return self.refuse(Refusal::ControlPlaneUnavailable);
+                }
                 let until = self.deadline(now);
                 self.awaiting = Awaiting::Connected;
                 Step::AwaitConnected { until }

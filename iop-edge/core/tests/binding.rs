@@ -11,7 +11,9 @@
 //! - a route or token revoked while the request is in flight is 403 with its message;
 //! - an issuer activation between admission and binding re-admits the request on a Node that
 //!   trusts the new key (no 502, no lease signed for an untrusted Node);
-//! - a Control Plane replica going away waits for the failover within the same bound.
+//! - a Control Plane replica going away waits for the failover within the same bound;
+//! - a session that is up but answers no lease is asked once more after the wait, then the
+//!   request is refused (503), never asked again and again.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -33,6 +35,8 @@ const MODEL: &str = "gpt";
 const TARGET: &str = "gpt-4o-mini";
 const WAIT: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
+/// The Edge's wait for one lease answer (`iop_edge::control::LEASE_TIMEOUT`).
+const LEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The Control Plane's store: what a projection of generation `generation` says.
 #[derive(Clone, Debug)]
@@ -145,6 +149,10 @@ struct World {
     rtt: Duration,
     /// Whether the session is down until this time.
     down_until: Option<Instant>,
+    /// Whether the session is up but its Control Plane answers no lease asked before this
+    /// time (overloaded, or reading other frames first): the Edge gives up on each ask after
+    /// [`LEASE_TIMEOUT`].
+    silent_until: Option<Instant>,
     pins: Pins,
     /// Nodes the pool admits, in order (the first is the original admission).
     admissions: VecDeque<AdmittedNode>,
@@ -169,6 +177,7 @@ impl World {
             lag: 50 * MS,
             rtt: 2 * MS,
             down_until: None,
+            silent_until: None,
             pins: Pins(vec![("node-1", "p256:old"), ("node-2", "p256:old")]),
             admissions: VecDeque::from([node("node-1")]),
             asked: Vec::new(),
@@ -230,6 +239,17 @@ impl World {
                 Step::Acquire(binding) => {
                     self.asked.push(binding.clone());
                     let sent = self.now;
+                    if self.silent_until.is_some_and(|t| sent < t) {
+                        self.advance(sent + LEASE_TIMEOUT);
+                        let current = Some(self.edge.clone());
+                        step = m.handle_lease(
+                            self.now,
+                            LeaseOutcome::Unreachable,
+                            current,
+                            &self.pins,
+                        );
+                        continue;
+                    }
                     // The Control Plane answers half-way through the round trip.
                     self.advance(sent + self.rtt / 2);
                     let outcome = if self.down_until.is_some_and(|d| self.now < d) {
@@ -245,8 +265,10 @@ impl World {
                     m.handle_projection(newer, &self.pins)
                 }
                 Step::AwaitConnected { until } => {
-                    let up = self.down_until.unwrap_or(self.now);
-                    let current = if up <= until {
+                    // As the Edge's driver (`connected_within`): a session already up is
+                    // found at once, even when `until` has passed.
+                    let up = self.down_until.unwrap_or(self.now).max(self.now);
+                    let current = if up <= until.max(self.now) {
                         self.advance(up);
                         Some(self.edge.clone())
                     } else {
@@ -570,6 +592,35 @@ fn a_failover_within_the_wait_binds() {
         Err(Refusal::ControlPlaneUnavailable)
     );
     assert_eq!(w.elapsed(), WAIT + 2 * MS, "refused at the deadline");
+}
+
+/// A session that is up but whose Control Plane answers no lease (overloaded, or reading a
+/// usage backlog first): the first ask times out, the request waits for a session within the
+/// bound (one is up), asks once more, and is refused when that times out too, rather than ask
+/// again for as long as the Control Plane stays silent. Before this rule a request was held
+/// one lease timeout after another (seen as an HTTP client's 30 s read timeout in CI).
+#[test]
+fn a_silent_control_plane_is_refused_after_the_wait_not_asked_forever() {
+    let mut w = World::new(vec![]);
+    w.silent_until = Some(w.t0 + 60 * LEASE_TIMEOUT);
+    assert_eq!(
+        w.run(BindingConfig::default()),
+        Err(Refusal::ControlPlaneUnavailable)
+    );
+    assert_eq!(
+        w.asked.len(),
+        2,
+        "asked once more after the session wait, no more"
+    );
+    assert_eq!(w.elapsed(), 2 * LEASE_TIMEOUT);
+    // Silent only for the first ask: the second is answered and binds.
+    let mut w = World::new(vec![]);
+    w.silent_until = Some(w.t0 + MS);
+    let b = w
+        .run(BindingConfig::default())
+        .expect("bound on the second ask");
+    assert_eq!(b.projection_generation, 1);
+    assert_eq!(w.asked.len(), 2);
 }
 
 /// Calling a `handle_*` the last step did not ask for is refused as misuse, not panicked on.
