@@ -42,8 +42,8 @@
 //!   set to the provider's target (`iop_dialect::splice`; re-serialised from the parsed value
 //!   only where a top-level name appears twice or escaped, so the upstream never reads another
 //!   `model` or `stream` than the Edge did), and, to an Anthropic upstream, the client's
-//!   `anthropic-beta` header (no other client header is forwarded); status, headers and body bytes come back untouched
-//!   (an upstream error included);
+//!   `anthropic-beta` header (no other client header is forwarded); status, headers and body
+//!   bytes come back untouched (an upstream error included);
 //! - otherwise, over `chat_completions` (a Responses or Messages request) or `messages` (a chat
 //!   or Responses request to an Anthropic-native upstream) → **translated** with `iop_dialect`:
 //!   the request through chat form, the response (SSE incrementally, or JSON whole) back into
@@ -1484,7 +1484,8 @@ async fn serve_admitted(
             let ask = op == Operation::ChatCompletions && parsed.stream && asks_usage;
             // The client's own bytes with `model` spliced in; re-serialised only where the
             // splice declines (a name twice or escaped, a `stream_options` to merge into).
-            let spliced = iop_dialect::splice::passthrough(&parsed.raw, &parsed.json, &target, ask)
+            let raw = std::mem::take(&mut parsed.raw);
+            let spliced = iop_dialect::splice::passthrough(&raw, &parsed.json, &target, ask)
                 .unwrap_or_else(|| {
                     // The body is not needed again on a passthrough: move it, not copy it.
                     let json = std::mem::take(&mut parsed.json);
