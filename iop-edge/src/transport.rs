@@ -1404,9 +1404,10 @@ impl Handshakes {
     }
 }
 
-/// The read buffer a connection starts with. It grows (doubling) to the largest frame the peer
-/// sends; most Nodes mostly send heartbeats, and tokio-util's default of 8 KiB, grown on a
-/// full TLS read, was about 14 KiB of every idle Node's footprint at the Edge.
+/// The read buffer a connection starts with (and its write buffer). It grows (doubling) to the
+/// largest frame the peer sends; most Nodes mostly send heartbeats, and tokio-util's default of
+/// 8 KiB, grown on a full TLS read, was about 14 KiB of every idle Node's footprint at the Edge.
+/// Frames are still written in batches of up to a TLS record (`iop_wire::codec::framed`).
 const READ_BUFFER: usize = 1024;
 
 /// One connection's I/O: frames in to the machine (routed in this task), frames out from it.
@@ -1436,8 +1437,7 @@ async fn connection<S>(
         shared.drain(&mut inner, now);
         conn
     };
-    let mut framed =
-        Framed::with_capacity(stream, TokioCodec::<RuntimeFrame>::new(codec), READ_BUFFER);
+    let mut framed = iop_wire::codec::framed::<_, RuntimeFrame>(stream, codec, READ_BUFFER);
     let io = async {
         loop {
             tokio::select! {

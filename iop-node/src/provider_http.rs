@@ -18,6 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http_body_util::{BodyExt as _, Full};
+use hyper::body::Body as _;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
@@ -190,6 +191,12 @@ impl Exchange {
     /// The next piece of the body, `None` at its end.
     pub(crate) async fn chunk(&mut self) -> Option<Result<Bytes, HttpFailure>> {
         loop {
+            // A body of known length that has all arrived ends here, without asking the
+            // connection's task for its end (a round through another task: the tunnel's last
+            // frame would then leave in a write of its own, `exec`'s module docs).
+            if self.response.body().is_end_stream() {
+                return None;
+            }
             let frame = self.response.body_mut().frame();
             let frame = match self.deadline {
                 Some(d) => match tokio::time::timeout_at(d, frame).await {

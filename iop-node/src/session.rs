@@ -34,8 +34,10 @@ use crate::credit::Credit;
 use crate::exec::{self, Ended, StallIdentity, Watch};
 use iop_wire::tunnel_order::TunnelWriter;
 
-/// The read buffer a session starts with; it grows to the largest frame the Edge sends (as at
-/// the Edge, where tokio-util's 8 KiB default was most of an idle connection's memory).
+/// The read buffer a session starts with (and its write buffer); it grows to the largest frame
+/// the Edge sends (as at the Edge, where tokio-util's 8 KiB default was most of an idle
+/// connection's memory). Frames are still written in batches of up to a TLS record
+/// (`iop_wire::codec::framed`): a tunnel's start, body, usage and end in one write.
 const READ_BUFFER: usize = 1024;
 
 /// How long one CAPABILITIES probe may take before it counts as `unknown` (fail closed).
@@ -82,8 +84,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let codec_limits = FrameCodec::with_max_frame_len(opts.max_frame_len);
-    let codec = TokioCodec::<RuntimeFrame>::new(codec_limits);
-    let mut framed = Framed::with_capacity(stream, codec, READ_BUFFER);
+    let mut framed = iop_wire::codec::framed(stream, codec_limits, READ_BUFFER);
     let register = RegisterRequest {
         node_id: opts.node_id.clone(),
         version: env!("CARGO_PKG_VERSION").to_owned(),

@@ -465,7 +465,9 @@ fn put_encoded_projection(
 }
 
 #[cfg(feature = "tokio-codec")]
-pub use self::tokio_codec::{CodecError, RESERVE_WHOLE_FRAME, TokioCodec, release_buffers};
+pub use self::tokio_codec::{
+    CodecError, RESERVE_WHOLE_FRAME, TokioCodec, WRITE_BATCH, framed, release_buffers,
+};
 
 #[cfg(feature = "tokio-codec")]
 mod tokio_codec {
@@ -507,6 +509,36 @@ mod tokio_codec {
                 _frame: PhantomData,
             }
         }
+    }
+
+    /// How many bytes of frames a connection made by [`framed`] queues before its writer writes
+    /// them (`Framed::set_backpressure_boundary`): the plaintext of one TLS record.
+    pub const WRITE_BATCH: usize = 16 * 1024;
+
+    /// A runtime-wire connection over `io`: frames of `codec`, read and write buffers that start
+    /// at `capacity` bytes (what an idle connection holds; the Edge and the Node use 1 KiB),
+    /// and frames written in batches of up to [`WRITE_BATCH`] bytes.
+    ///
+    /// `Framed::with_capacity` alone makes the starting capacity the write batch too: every
+    /// burst past 1 KiB (a tunnel's start and 1 KiB body, then its usage and end) left in two
+    /// writes, two TLS records, and two reads and wake-ups at the peer. The write buffer grows
+    /// to a batch only while one is queued, and [`release_buffers`] gives the room back.
+    pub fn framed<T, F>(
+        io: T,
+        codec: FrameCodec,
+        capacity: usize,
+    ) -> tokio_util::codec::Framed<T, TokioCodec<F>>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+    {
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "the one place, with the batch set"
+        )]
+        let mut framed =
+            tokio_util::codec::Framed::with_capacity(io, TokioCodec::new(codec), capacity);
+        framed.set_backpressure_boundary(WRITE_BATCH);
+        framed
     }
 
     /// Gives back the room a connection's frame buffers grew to: each buffer of `framed` that
@@ -715,6 +747,63 @@ mod tests {
             }
             assert_eq!(codec.decode(&mut buf).unwrap(), Some(body_frame(body_len)));
         }
+    }
+
+    /// A burst of frames past the 1 KiB a connection's buffers start at (a tunnel's start, a
+    /// 1 KiB body, its usage and end) leaves in one write, not one per KiB.
+    #[cfg(feature = "tokio-codec")]
+    #[tokio::test]
+    async fn a_burst_of_frames_leaves_in_one_write() {
+        use futures_util::SinkExt as _;
+        use std::pin::Pin;
+        use std::task::{Context, Poll};
+        /// Records the length of each write.
+        struct Writes(Vec<usize>);
+        impl tokio::io::AsyncRead for Writes {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+                _: &mut tokio::io::ReadBuf<'_>,
+            ) -> Poll<std::io::Result<()>> {
+                Poll::Pending
+            }
+        }
+        impl tokio::io::AsyncWrite for Writes {
+            fn poll_write(
+                mut self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<std::io::Result<usize>> {
+                self.0.push(buf.len());
+                Poll::Ready(Ok(buf.len()))
+            }
+            fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+                Poll::Ready(Ok(()))
+            }
+            fn poll_shutdown(
+                self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<std::io::Result<()>> {
+                Poll::Ready(Ok(()))
+            }
+        }
+        let codec = FrameCodec::new();
+        let burst = [
+            body_frame(10),
+            body_frame(1024),
+            body_frame(10),
+            body_frame(10),
+        ];
+        let len: usize = burst
+            .iter()
+            .map(|f| codec.encode_to_bytes(f).unwrap().len())
+            .sum();
+        let mut framed = framed::<_, RuntimeFrame>(Writes(Vec::new()), codec, 1024);
+        for frame in burst {
+            framed.feed(frame).await.unwrap();
+        }
+        framed.flush().await.unwrap();
+        assert_eq!(framed.get_ref().0, vec![len]);
     }
 
     #[test]
