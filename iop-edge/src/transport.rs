@@ -56,7 +56,9 @@
 //!   and replace a terminal too large for a frame by an `ERROR`.
 //! - **Per connection**: frames to a Node wait in a queue of
 //!   [`TransportConfig::outbound_frames`]; a Node that stops reading them (even only its
-//!   pongs) fills it and is disconnected ([`FenceCause::NotReading`]). Frames from a Node are
+//!   pongs) fills it and is disconnected ([`FenceCause::NotReading`]); besides that queue the
+//!   connection's writer holds at most [`iop_wire::codec::WRITE_BATCH`] bytes and one frame
+//!   that the socket did not take yet. Frames from a Node are
 //!   read one at a time by its own task, so a Node that sends faster than the Edge routes is
 //!   pushed back by TCP, alone.
 //! - **Handshakes**: TLS within [`TransportConfig::handshake_timeout`]; register and ready

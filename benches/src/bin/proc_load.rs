@@ -1051,7 +1051,15 @@ fn main() {
                 "proc_load: serving: mesh http://127.0.0.1:{}/v1/chat/completions, upstream http://127.0.0.1:{}/v1/chat/completions, TCP relays :{tcp_port}, TLS relays :{tls_port}",
                 mesh.http, mesh.upstream
             );
-            std::future::pending::<()>().await;
+            // Until Ctrl-C or SIGTERM; then every child process is stopped as the guards drop
+            // (killing this process with SIGKILL leaves them running).
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
         }
         if part.is_empty() || part == "latency" {
             latency(&mesh, &floors).await;
