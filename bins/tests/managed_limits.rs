@@ -483,9 +483,17 @@ fn usage_records_survive_a_control_plane_outage_exactly_once() {
     );
     assert!(spooled_max > 0);
     // Everything the Edge recorded reaches the Control Plane, once.
-    wait_until("the spool to drain", LIMIT, || {
-        m.metric("iop_edge_usage_spooled") == 0
-    });
+    let draining = std::time::Instant::now();
+    while m.metric("iop_edge_usage_spooled") != 0 {
+        assert!(
+            draining.elapsed() < LIMIT,
+            "the spool drains: {} spooled, {} shipped of {} recorded",
+            m.metric("iop_edge_usage_spooled"),
+            m.metric("iop_edge_usage_shipped_total"),
+            m.metric("iop_edge_usage_records_total")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let recorded = m.metric("iop_edge_usage_records_total");
     assert!(
         recorded >= statuses.len() as u64,

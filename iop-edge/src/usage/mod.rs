@@ -812,8 +812,14 @@ fn insert(
             }
         }
     }
-    tx.commit()?;
+    // Counted before the rows become visible: the shipper may read, ship and subtract them
+    // the moment the commit lands, and a subtraction that came first was clamped at zero, so
+    // the count (and `iop_edge_usage_spooled`) stayed above zero with nothing left to ship.
     spool.unshipped.fetch_add(spooled, Ordering::Relaxed);
+    if let Err(e) = tx.commit() {
+        spool.unshipped.fetch_sub(spooled, Ordering::Relaxed);
+        return Err(e);
+    }
     if dropped > 0 {
         spool.dropped.inc_by(dropped);
         let mut warned = spool
