@@ -281,6 +281,10 @@ struct SpoolState {
 }
 
 impl SpoolState {
+    /// Sets `iop_edge_usage_spooled` from the count. Called only when the metrics are encoded:
+    /// a writer and the shipper that each loaded the count and then set the gauge could
+    /// interleave (load 5, other side subtracts 5 and sets 0, set 5), leaving the gauge above
+    /// zero with nothing left to ship until the next record.
     fn set_spooled(&self) {
         self.spooled
             .set(i64::try_from(self.unshipped.load(Ordering::Relaxed)).unwrap_or(i64::MAX));
@@ -350,7 +354,6 @@ impl UsageMetrics {
                 state.unshippable.clone(),
             );
         }
-        state.set_spooled();
         state
     }
 }
@@ -565,6 +568,7 @@ impl UsageSink for SqliteUsage {
         if out.ends_with("# EOF\n") {
             out.truncate(out.len() - "# EOF\n".len());
         }
+        self.spool.set_spooled();
         let _ = prometheus_client::encoding::text::encode(out, &self.metrics.registry);
     }
 
@@ -618,14 +622,12 @@ impl UsageSink for SqliteUsage {
             Ok(n)
         };
         if let Some(n) = self.with_reader_mut(mark) {
-            let left =
-                self.spool
-                    .unshipped
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                        Some(v.saturating_sub(n))
-                    });
-            let _ = left;
-            self.spool.set_spooled();
+            let _ = self
+                .spool
+                .unshipped
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(n))
+                });
         }
     }
 
@@ -722,7 +724,6 @@ fn write_loop(
                 Ok(n) => {
                     written.fetch_add(n, Ordering::Relaxed);
                     if spool.ship && n > 0 {
-                        spool.set_spooled();
                         spool.notify.notify_one();
                     }
                 }
@@ -1164,6 +1165,12 @@ mod tests {
         store.shipped(&oldest);
         store.shipped(&oldest); // twice: counted once
         assert_eq!(store.spooled(), 1);
+        let mut m = String::new();
+        UsageSink::encode_metrics(&*store, &mut m);
+        assert!(
+            m.contains("iop_edge_usage_spooled 1\n"),
+            "the gauge is the count: {m}"
+        );
         store.close();
         // A restart finds what is left; pruning (retention 0 here) keeps it until shipped.
         let store = SqliteUsage::open(&path, config).unwrap();
