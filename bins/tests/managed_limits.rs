@@ -104,7 +104,7 @@ struct Mesh {
     /// The admin API's `host:port`.
     admin: String,
     edge: Proc,
-    _node: Proc,
+    node: Proc,
     http: u16,
     token: String,
     client: reqwest::Client,
@@ -250,16 +250,33 @@ capacity = 8
             cp,
             admin,
             edge,
-            _node: node,
+            node,
             http,
             token,
             client: reqwest::Client::new(),
             dir,
         };
-        wait_until("the mesh to serve team-a", LIMIT, || {
-            ![0, 503].contains(&m.chat().status)
-        });
+        let last = std::cell::Cell::new(0);
+        support::wait_until_with(
+            "the mesh to serve team-a",
+            LIMIT,
+            || {
+                last.set(m.chat().status);
+                ![0, 503].contains(&last.get())
+            },
+            || m.logs(&format!("last status {}", last.get())),
+        );
         m
+    }
+
+    /// `what`, then the last lines of each process's output (for a failure message).
+    fn logs(&self, what: &str) -> String {
+        format!(
+            "{what}\n--- iop-cp:\n{}\n--- iop-edge:\n{}\n--- iop-node:\n{}",
+            self.cp.log_tail(30),
+            self.edge.log_tail(30),
+            self.node.log_tail(30)
+        )
     }
 
     fn out(&self, name: &str) -> String {
@@ -308,9 +325,12 @@ fn serve(d: &Path, data: &Path, port: u16, name: &str) -> (Proc, String) {
         d,
         name,
     );
-    wait_until("iop-cp to serve", LIMIT, || {
-        cp.log_text().contains("admin API on")
-    });
+    support::wait_until_with(
+        "iop-cp to serve",
+        LIMIT,
+        || cp.log_text().contains("admin API on"),
+        || format!("--- {name}:\n{}", cp.log_tail(30)),
+    );
     let admin = cp
         .log_text()
         .lines()
@@ -447,9 +467,12 @@ fn usage_records_survive_a_control_plane_outage_exactly_once() {
     let down = std::time::Instant::now();
     // Requests keep arriving (they fail: no lease without the Control Plane) and their
     // records wait in the spool.
-    wait_until("records to wait in the spool", LIMIT, || {
-        m.metric("iop_edge_usage_spooled") > 0
-    });
+    support::wait_until_with(
+        "records to wait in the spool",
+        LIMIT,
+        || m.metric("iop_edge_usage_spooled") > 0,
+        || m.logs("the Control Plane was killed"),
+    );
     let mut spooled_max = 0;
     while down.elapsed() < Duration::from_secs(30) {
         spooled_max = spooled_max.max(m.metric("iop_edge_usage_spooled"));
@@ -457,9 +480,12 @@ fn usage_records_survive_a_control_plane_outage_exactly_once() {
     }
     let (cp, _) = serve(m.dir.path(), &m.data, m.cp_port, "cp-restarted");
     m.cp = cp;
-    wait_until("the Edge to serve again", Duration::from_secs(120), || {
-        m.chat().status == 200
-    });
+    support::wait_until_with(
+        "the Edge to serve again",
+        Duration::from_secs(120),
+        || m.chat().status == 200,
+        || m.logs("the Control Plane was restarted"),
+    );
     std::thread::sleep(Duration::from_secs(1));
     stop.store(true, Ordering::Relaxed);
     let answers = load.join().unwrap();

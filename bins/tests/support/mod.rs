@@ -107,6 +107,13 @@ impl Proc {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The last `lines` lines of the process's output, for a failure message.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = self.log_text();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn stop(&mut self) -> Option<i32> {
         let _ = Command::new("kill")
@@ -125,10 +132,23 @@ impl Drop for Proc {
 
 /// Polls `cond` every 20 ms until it holds; panics with `what` after `limit`. For events a
 /// test can only observe from outside (a port answering, a log line appearing).
-pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+pub fn wait_until(what: &str, limit: Duration, cond: impl FnMut() -> bool) {
+    wait_until_with(what, limit, cond, String::new);
+}
+
+/// [`wait_until`], and on timeout the panic also says `context()` (the processes' last log
+/// lines, the last answer seen): a CI run's failure must say why without a rerun.
+pub fn wait_until_with(
+    what: &str,
+    limit: Duration,
+    mut cond: impl FnMut() -> bool,
+    context: impl FnOnce() -> String,
+) {
     let start = Instant::now();
     while !cond() {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        if start.elapsed() >= limit {
+            panic!("timed out waiting for {what}\n{}", context());
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
