@@ -42,6 +42,7 @@ pub use ship::{ship, wire_record};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 /// How a request ended.
@@ -269,26 +270,15 @@ struct UsageMetrics {
 struct SpoolState {
     ship: bool,
     max: u64,
-    /// Records in the file not yet stored by the Control Plane.
-    unshipped: AtomicU64,
+    /// Records in the file not yet stored by the Control Plane: the count itself is the
+    /// `iop_edge_usage_spooled` gauge (one value, so no reader sees a copy that lags it).
+    unshipped: Gauge<u64, AtomicU64>,
     /// Woken when records enter the spool.
     notify: Arc<tokio::sync::Notify>,
     dropped: Counter,
     shipped: Counter,
     unshippable: Counter,
-    spooled: prometheus_client::metrics::gauge::Gauge,
     warned: Mutex<Option<Instant>>,
-}
-
-impl SpoolState {
-    /// Sets `iop_edge_usage_spooled` from the count. Called only when the metrics are encoded:
-    /// a writer and the shipper that each loaded the count and then set the gauge could
-    /// interleave (load 5, other side subtracts 5 and sets 0, set 5), leaving the gauge above
-    /// zero with nothing left to ship until the next record.
-    fn set_spooled(&self) {
-        self.spooled
-            .set(i64::try_from(self.unshipped.load(Ordering::Relaxed)).unwrap_or(i64::MAX));
-    }
 }
 
 impl UsageMetrics {
@@ -324,19 +314,19 @@ impl UsageMetrics {
         let state = SpoolState {
             ship: config.ship,
             max: config.spool_max,
-            unshipped: AtomicU64::new(unshipped),
+            unshipped: Gauge::default(),
             notify: Arc::new(tokio::sync::Notify::new()),
             dropped: Counter::default(),
             shipped: Counter::default(),
             unshippable: Counter::default(),
-            spooled: prometheus_client::metrics::gauge::Gauge::default(),
             warned: Mutex::new(None),
         };
+        state.unshipped.set(unshipped);
         if config.ship {
             self.registry.register(
                 "iop_edge_usage_spooled",
                 "Usage records in the spool, not yet stored by the Control Plane",
-                state.spooled.clone(),
+                state.unshipped.clone(),
             );
             self.registry.register(
                 "iop_edge_usage_shipped",
@@ -443,7 +433,7 @@ impl SqliteUsage {
 
     /// Records in the spool (not yet stored by the Control Plane).
     pub fn spooled(&self) -> u64 {
-        self.spool.unshipped.load(Ordering::Relaxed)
+        self.spool.unshipped.get()
     }
 
     /// Opens (or creates) the file and starts the writer.
@@ -568,7 +558,6 @@ impl UsageSink for SqliteUsage {
         if out.ends_with("# EOF\n") {
             out.truncate(out.len() - "# EOF\n".len());
         }
-        self.spool.set_spooled();
         let _ = prometheus_client::encoding::text::encode(out, &self.metrics.registry);
     }
 
@@ -622,12 +611,11 @@ impl UsageSink for SqliteUsage {
             Ok(n)
         };
         if let Some(n) = self.with_reader_mut(mark) {
-            let _ = self
-                .spool
-                .unshipped
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                    Some(v.saturating_sub(n))
-                });
+            let _ = self.spool.unshipped.inner().fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |v| Some(v.saturating_sub(n)),
+            );
         }
     }
 
@@ -773,7 +761,7 @@ fn insert(
         )?;
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for r in records {
-            if spool.ship && spool.unshipped.load(Ordering::Relaxed) + spooled >= spool.max {
+            if spool.ship && spool.unshipped.get() + spooled >= spool.max {
                 dropped += 1;
                 continue;
             }
@@ -815,10 +803,10 @@ fn insert(
     }
     // Counted before the rows become visible: the shipper may read, ship and subtract them
     // the moment the commit lands, and a subtraction that came first was clamped at zero, so
-    // the count (and `iop_edge_usage_spooled`) stayed above zero with nothing left to ship.
-    spool.unshipped.fetch_add(spooled, Ordering::Relaxed);
+    // the count (`iop_edge_usage_spooled`) stayed above zero with nothing left to ship.
+    spool.unshipped.inc_by(spooled);
     if let Err(e) = tx.commit() {
-        spool.unshipped.fetch_sub(spooled, Ordering::Relaxed);
+        spool.unshipped.dec_by(spooled);
         return Err(e);
     }
     if dropped > 0 {
