@@ -353,6 +353,19 @@ fn report_decode_seeds(dir: &Path) {
             b.extend_from_slice(&[0x18, 0x2b]);
             seed(16, b)
         }),
+        // Counters at the edge of the decoder's path for the usual encoding (`0a len id [10 n]
+        // [18 n]`) and its general path: fields out of order, a count of two varint bytes, a
+        // repeated id, a length written in two bytes, a non-ASCII id.
+        ("fast_path_edges", {
+            let mut b = vec![0x0a, 0x01, b'w'];
+            b.extend_from_slice(&[0x3a, 0x06, 0x0a, 0x02, b'a', b'b', 0x10, 0x05]);
+            b.extend_from_slice(&[0x3a, 0x07, 0x18, 0x01, 0x10, 0x02, 0x0a, 0x01, b'c']);
+            b.extend_from_slice(&[0x3a, 0x06, 0x0a, 0x01, b'd', 0x10, 0xc8, 0x01]);
+            b.extend_from_slice(&[0x3a, 0x06, 0x0a, 0x01, b'e', 0x0a, 0x01, b'f']);
+            b.extend_from_slice(&[0x3a, 0x83, 0x00, 0x0a, 0x01, b'g']);
+            b.extend_from_slice(&[0x3a, 0x05, 0x0a, 0x03, b'h', 0xc3, 0xa9]);
+            seed(16, b)
+        }),
         ("bad_utf8", {
             let mut b = request(&[("a", 1)]).encode_to_vec();
             let at = b.iter().rposition(|&c| c == b'a').expect("the id");
