@@ -331,19 +331,32 @@ fn every_runtime_message_round_trips() {
     );
     for f in &frames {
         roundtrip(f);
+        validates_by_value(f);
         // The run and tunnel messages, which `encode_owned` writes without an `Envelope`,
         // under ids of every varint length: the same bytes as prost's.
         if f.stream_id == 0 {
             continue;
         }
         for (correlation_id, stream_id) in [(0, 1), (u64::MAX, 1), (127, 128), (300, u64::MAX)] {
-            roundtrip(&RuntimeFrame {
+            let f = RuntimeFrame {
                 correlation_id,
                 stream_id,
                 message: f.message.clone(),
-            });
+            };
+            roundtrip(&f);
+            validates_by_value(&f);
         }
     }
+}
+
+/// Validating by value (moved into the protobuf form and back, what the Edge's registry does
+/// with each request it sends) gives the frame back unchanged, with the length
+/// `validated_len` and the encoder give.
+fn validates_by_value(f: &RuntimeFrame) {
+    let (back, len) = f.clone().into_validated().expect("valid");
+    assert_eq!(&back, f);
+    assert_eq!(f.validated_len(), Ok(len));
+    assert_eq!(FrameCodec::new().encode_to_bytes(f).unwrap().len(), len + 4);
 }
 
 #[test]
@@ -627,10 +640,14 @@ fn decode_err(frame: &RuntimeFrame) -> InvalidMessage {
     // Encoding does not validate (domain values are trusted); decoding does.
     let codec = FrameCodec::new();
     let bytes = codec.encode_to_bytes(frame).unwrap();
-    match codec.decode_slice::<RuntimeFrame>(&bytes) {
+    let e = match codec.decode_slice::<RuntimeFrame>(&bytes) {
         Err(FrameError::Invalid(e)) => e,
         other => panic!("expected an invalid message, got {other:?}"),
-    }
+    };
+    // The sender's checks refuse it as its receiver does.
+    assert_eq!(frame.validated_len(), Err(e.clone()));
+    assert_eq!(frame.clone().into_validated(), Err(e.clone()));
+    e
 }
 
 #[test]

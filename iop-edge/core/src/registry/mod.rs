@@ -411,15 +411,20 @@ impl Registry {
         // Validate exactly as the Node will (one encode + decode per request, not per frame of
         // a stream): a bad field in one request must not cost the Node its session. A window
         // update (a stream id and a number) cannot be invalid.
-        if !matches!(frame.message, RuntimeMessage::StreamWindowUpdate(_)) {
-            let len = frame.validated_len().map_err(SendError::Invalid)?;
+        let frame = if matches!(frame.message, RuntimeMessage::StreamWindowUpdate(_)) {
+            frame
+        } else {
+            // Moved into its protobuf form and back, not cloned: what is queued is the frame
+            // the Node will decode.
+            let (frame, len) = frame.into_validated().map_err(SendError::Invalid)?;
             if len > self.config.max_frame_len {
                 return Err(SendError::TooLarge {
                     len,
                     max: self.config.max_frame_len,
                 });
             }
-        }
+            frame
+        };
         self.transmit(now, conn, frame);
         Ok(conn)
     }
