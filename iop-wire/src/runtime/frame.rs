@@ -42,8 +42,9 @@ impl RuntimeFrame {
     }
 
     /// Checks this frame exactly as its receiver will: encoded and decoded again through the
-    /// validating conversion. The Edge runs it once per request it sends, so a bad field in one
-    /// request cannot cost the Node its session.
+    /// validating conversion, so a bad field in one request cannot cost the receiver its
+    /// session. [`RuntimeFrame::into_validated`] is the same check by value (what the Edge runs
+    /// once per request it sends).
     pub fn validate(&self) -> Result<(), InvalidMessage> {
         self.validated_len().map(drop)
     }
