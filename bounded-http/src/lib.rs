@@ -18,7 +18,7 @@
 //! one connection type with bounded calls (the Edge's shared rate limits and the proxy-pool
 //! controller's store use it).
 //!
-//! With feature `tls`, [`tls::TlsAccept`] is the one bounded TLS accept loop of the workspace's
+//! With feature `tls`, `tls::TlsAccept` is the one bounded TLS accept loop of the workspace's
 //! mTLS listeners (the Edge's Node listener, the Control Plane's Edge listener, the proxy-pool
 //! controller's worker listener): handshake caps in total and per address, a handshake
 //! deadline, backed-off accept errors and rate-limited refusal logs.

@@ -12,7 +12,7 @@
 //! - `N` above the configured maximum ([`DEFAULT_MAX_FRAME_LEN`] unless set) is rejected from
 //!   the four header bytes alone ([`FrameError::TooLarge`]); nothing of the declared size is
 //!   reserved. [`FrameCodec`] does not pre-reserve valid frames either: a peer that declares
-//!   a large frame and trickles it only costs the bytes it actually sent. [`TokioCodec`]
+//!   a large frame and trickles it only costs the bytes it actually sent. `TokioCodec`
 //!   reserves the room of a frame up to `RESERVE_WHOLE_FRAME` (1 MiB and 4 KiB) once its
 //!   prefix is read, so a bulk tunnel body is read into one buffer instead of one that grows
 //!   by copying; a trickling peer then costs at most that much more than it sent.
@@ -31,7 +31,8 @@
 //!   them (2^20 entries each), since the Control Plane is the trusted author of what an Edge
 //!   holds (up to 512 MiB, `control_session`).
 //!
-//! With the `tokio-codec` feature, [`TokioCodec`] implements tokio-util's `Decoder` and
+//! With the `tokio-codec` feature, `TokioCodec` (not linked here: it exists only with that
+//! feature, and the crate's docs must build without it) implements tokio-util's `Decoder` and
 //! `Encoder` on top of the same functions, for the async crates.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
