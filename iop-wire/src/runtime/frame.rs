@@ -54,9 +54,7 @@ impl RuntimeFrame {
     /// `max_frame_len` before sending, so that a request too large for the wire is refused on
     /// its own instead of failing the connection's writer.
     pub fn validated_len(&self) -> Result<usize, InvalidMessage> {
-        let proto = self.to_proto();
-        let len = prost::Message::encoded_len(&proto);
-        Self::try_from(proto).map(|_| len)
+        self.clone().into_validated().map(|(_, len)| len)
     }
 
     /// [`RuntimeFrame::validated_len`] consuming the frame: its contents move into the

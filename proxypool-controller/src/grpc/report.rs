@@ -105,9 +105,8 @@ pub fn decode(buf: &[u8], max_counters: usize) -> Result<CanonicalReportCommand,
     while !r.buf.is_empty() {
         // Counters are nearly all of a report: a counter's key (field 7, length-delimited) with
         // a one-byte length first, read as the general path below reads it.
-        if let [COUNTER_KEY, len, rest @ ..] = r.buf
+        if let [COUNTER_KEY, len @ 0..0x80, rest @ ..] = r.buf
             && let Some((m, rest)) = rest.split_at_checked(usize::from(*len))
-            && *len < 0x80
         {
             r.buf = rest;
             let (id, in_flight, open) = counter(m)?;
