@@ -103,6 +103,7 @@ type = "openai_compat"
 base_url = "{chat}"
 capacity = 16
 stream_usage = false
+trace_propagation = false
 {p1}{p2}{p3}{p4}{p5}"#,
         td = pki::TRUST_DOMAIN,
         d = dir.display(),
@@ -1267,6 +1268,41 @@ async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_
         assert_eq!(r.status(), 429);
         assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
         std::fs::remove_file(&db).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[tokio::test]
+async fn an_upstream_marked_trace_propagation_false_gets_no_traceparent() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
+        let mut seen = Vec::new();
+        // `via-chat` and `plain-chat` share the upstream; only `plain`'s adapter says
+        // `trace_propagation = false`.
+        for model in ["via-chat", "plain-chat"] {
+            let r = client()
+                .post(format!("{}/v1/chat/completions", m.base))
+                .bearer_auth(FREE_KEY)
+                .header("traceparent", &traceparent)
+                .json(&chat(model, false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{model}");
+            let sent = m.chat.seen().into_iter().last().unwrap();
+            seen.push(sent.header("traceparent").map(str::to_owned));
+        }
+        let propagated = seen[0]
+            .as_deref()
+            .expect("via-chat's upstream gets a traceparent");
+        assert!(propagated.contains(trace), "{propagated}");
+        assert_eq!(
+            seen[1], None,
+            "plain-chat's upstream must get no traceparent"
+        );
     })
     .await
     .expect("within the limit");

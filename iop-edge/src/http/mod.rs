@@ -365,7 +365,9 @@ async fn method_not_allowed(uri: Uri) -> Response {
 /// providers' operations.
 #[derive(Debug, Default)]
 struct Catalog {
-    profiles: HashMap<(String, String), Arc<ConcreteProtocolProfile>>,
+    /// `node_id` → adapter instance → profile: looked up per request by the lease's borrowed
+    /// strings, without building an owned key.
+    profiles: HashMap<String, HashMap<String, Arc<ConcreteProtocolProfile>>>,
     models: HashMap<String, ModelCaps>,
 }
 
@@ -399,10 +401,13 @@ impl Catalog {
         for (node_id, payload) in edge.configured_nodes() {
             for a in &payload.adapters {
                 if let AdapterSettings::OpenAiCompat(s) = &a.settings {
-                    profiles.insert(
-                        (node_id.clone(), a.instance_key().to_owned()),
-                        Arc::new(s.protocol_profile.clone()),
-                    );
+                    profiles
+                        .entry(node_id.clone())
+                        .or_insert_with(HashMap::new)
+                        .insert(
+                            a.instance_key().to_owned(),
+                            Arc::new(s.protocol_profile.clone()),
+                        );
                 }
             }
         }
@@ -421,8 +426,10 @@ impl Catalog {
                     match spec.kind {
                         ProviderKind::Native => caps.native = true,
                         ProviderKind::OpenAiCompat => {
-                            let key = (spec.key.node_id.clone(), spec.adapter.clone());
-                            match profiles.get(&key) {
+                            match profiles
+                                .get(&spec.key.node_id)
+                                .and_then(|adapters| adapters.get(&spec.adapter))
+                            {
                                 Some(p) => caps.operations.extend(p.operation_paths.keys()),
                                 // No profile known: the Node decides (passthrough only).
                                 None => caps.operations.extend([
@@ -442,17 +449,18 @@ impl Catalog {
 
     /// [`Catalog::profile`], shared (compared by value, cloned by reference count).
     fn profile_arc(&self, admission: &Admission) -> Option<Arc<ConcreteProtocolProfile>> {
-        let lease = admission.lease();
-        self.profiles
-            .get(&(lease.key.node_id.clone(), lease.adapter.clone()))
-            .cloned()
+        self.profile_of(admission).cloned()
     }
 
     fn profile(&self, admission: &Admission) -> Option<&ConcreteProtocolProfile> {
+        self.profile_of(admission).map(AsRef::as_ref)
+    }
+
+    fn profile_of(&self, admission: &Admission) -> Option<&Arc<ConcreteProtocolProfile>> {
         let lease = admission.lease();
         self.profiles
-            .get(&(lease.key.node_id.clone(), lease.adapter.clone()))
-            .map(AsRef::as_ref)
+            .get(&lease.key.node_id)
+            .and_then(|adapters| adapters.get(&lease.adapter))
     }
 }
 
@@ -577,6 +585,15 @@ static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::ne
 /// wire).
 fn next_request() -> u64 {
     REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether the lease's adapter instance is in `set` (`(node_id, adapter)` pairs from the
+/// configuration). Most configurations name none: then no owned key is built for the lookup.
+fn instance_in(
+    set: &std::collections::HashSet<(String, String)>,
+    lease: &crate::pool::Lease,
+) -> bool {
+    !set.is_empty() && set.contains(&(lease.key.node_id.clone(), lease.adapter.clone()))
 }
 
 // === Authentication ===
@@ -917,13 +934,8 @@ async fn send(
     };
     let lease = admission.lease();
     let mut trace = attempt.context().map(Box::new);
-    if let Some(t) = trace.as_mut()
-        && !state.config.no_trace_propagation.is_empty()
-    {
-        t.to_provider = !state
-            .config
-            .no_trace_propagation
-            .contains(&(lease.key.node_id.clone(), lease.adapter.clone()));
+    if let Some(t) = trace.as_mut() {
+        t.to_provider = !instance_in(&state.config.no_trace_propagation, lease);
     }
     match &mut request {
         PoolRequest::Run(r) => r.trace = trace,
@@ -1474,10 +1486,7 @@ async fn serve_admitted(
     let n = next_request();
     let run_id = format!("{}-{n}", route.run_prefix);
     let mut strip_usage = false;
-    let asks_usage = !state
-        .config
-        .no_stream_usage
-        .contains(&(lease.key.node_id.clone(), lease.adapter.clone()));
+    let asks_usage = !instance_in(&state.config.no_stream_usage, lease);
     let request = match plan {
         Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
         Plan::Passthrough(op) => {

@@ -233,7 +233,8 @@ pub(super) async fn passthrough_with(
     for h in headers {
         if let (Ok(name), Ok(value)) = (
             header::HeaderName::from_bytes(h.name.as_bytes()),
-            HeaderValue::from_bytes(&h.value),
+            // The frame's own bytes, validated, not copied.
+            HeaderValue::from_maybe_shared(h.value),
         ) {
             response.headers_mut().append(name, value);
         }
