@@ -36,7 +36,12 @@
 //!   protocol profile describes (an OpenAI-compatible server, or Anthropic with its fixed
 //!   headers): status, headers and body bytes (SSE byte for byte) as numbered
 //!   `ProviderTunnelFrame`s, usage as a separate observation; the driver sends the single
-//!   END/ERROR terminal. Which dialect to speak is the Edge's decision, not the Node's.
+//!   END/ERROR terminal. Which dialect to speak is the Edge's decision, not the Node's. On a
+//!   stream, usage is sent as soon as an event changes it, ahead of that event's bytes (a
+//!   client may hang up at `data: [DONE]`, before the provider ends its response); a JSON
+//!   body's usage follows the body. Usage may therefore come more than once on a tunnel
+//!   (seed 000 allows it anywhere before the terminal): each carries the figures so far, and
+//!   the last one received stands.
 //!
 //! - Tracing ([`NodeOptions::telemetry`], off by default): each run or tunnel is an `execute`
 //!   span, a child of the Edge's dispatch attempt (its context comes on the request), and the

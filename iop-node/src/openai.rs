@@ -191,6 +191,11 @@ impl Adapter for OpenAiCompatAdapter {
             let Some(chunk) = next else { break };
             let chunk = chunk?;
             scanner.feed(&chunk);
+            if let Some(usage) = scanner.update()
+                && !frames.usage(usage).await
+            {
+                return Ok(());
+            }
             if !frames.body(chunk).await {
                 return Ok(());
             }
@@ -264,7 +269,9 @@ impl Adapter for OpenAiCompatAdapter {
 /// input is `input_tokens + cache_read_input_tokens + cache_creation_input_tokens` and the
 /// cached part `cache_read_input_tokens`.
 ///
-/// A later report of a count replaces an earlier one, so a stream's last figures win.
+/// A later report of a count replaces an earlier one, so a stream's last figures win. A stream's
+/// figures are handed out as soon as a line changes them ([`UsageScanner::update`]), a JSON
+/// body's at the end ([`UsageScanner::finish`]), which gives only what was not handed out yet.
 #[derive(Debug)]
 pub(crate) struct UsageScanner {
     sse: bool,
@@ -273,6 +280,8 @@ pub(crate) struct UsageScanner {
     input: Option<u64>,
     output: Option<u64>,
     cached: Option<u64>,
+    /// The counts last handed out by [`UsageScanner::update`] (or `finish`).
+    reported: Option<Usage>,
 }
 
 impl UsageScanner {
@@ -284,7 +293,21 @@ impl UsageScanner {
             input: None,
             output: None,
             cached: None,
+            reported: None,
         }
+    }
+
+    /// The usage, when a line fed since the last call changed it. A stream reports it as soon
+    /// as it is seen, ahead of the bytes that carried it: a client may go away as soon as it
+    /// has read `data: [DONE]`, before the provider ends its response and [`Self::finish`]
+    /// would run, and the Edge charges, meters and records what it was told by then.
+    pub(crate) fn update(&mut self) -> Option<Usage> {
+        let now = self.current()?;
+        if self.reported == Some(now) {
+            return None;
+        }
+        self.reported = Some(now);
+        Some(now)
     }
 
     pub(crate) fn feed(&mut self, chunk: &[u8]) {
@@ -363,6 +386,13 @@ impl UsageScanner {
             let body = std::mem::take(&mut self.buf);
             self.json(&body);
         }
+        let now = self.current()?;
+        // Already reported by `update`: nothing new to send.
+        (self.reported != Some(now)).then_some(now)
+    }
+
+    /// The counts seen so far, if any.
+    fn current(&self) -> Option<Usage> {
         if self.input.is_none() && self.output.is_none() {
             return None;
         }
@@ -563,6 +593,41 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_stream_reports_usage_when_it_changes_and_finish_only_what_is_new() {
+        let usage = |input, output| Usage {
+            prompt_tokens: input,
+            completion_tokens: output,
+            total_tokens: input + output,
+            cached_prompt_tokens: 0,
+        };
+        // Anthropic: message_start, then cumulative output in each message_delta.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\n");
+        assert_eq!(s.update(), Some(usage(12, 1)));
+        assert_eq!(s.update(), None, "nothing new");
+        s.feed(b"data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\n\n");
+        assert_eq!(s.update(), None, "a line without usage");
+        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}");
+        assert_eq!(s.update(), None, "the line is not whole yet");
+        s.feed(b"\n\n");
+        assert_eq!(s.update(), Some(usage(12, 9)));
+        // The same figures again are not news.
+        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n");
+        assert_eq!(s.update(), None);
+        assert_eq!(s.finish(), None, "already reported");
+        // A last line without its newline is read at the end, and reported then.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}");
+        assert_eq!(s.update(), None);
+        assert_eq!(s.finish(), Some(usage(3, 5)));
+        // A JSON body is read whole, at the end.
+        let mut s = UsageScanner::new(false);
+        s.feed(br#"{"usage":{"prompt_tokens":2,"completion_tokens":4}}"#);
+        assert_eq!(s.update(), None);
+        assert_eq!(s.finish(), Some(usage(2, 4)));
     }
 
     #[test]

@@ -13,6 +13,8 @@
 //! nothing, `firehose` streams 16 KiB chunks
 //! as fast as its reader takes them and `trickle` 64 KiB every 100 ms, without end; they
 //! report when their client went away ([`Upstream::dropped`], [`Upstream::dropped_count`]).
+//! A chat for the model `linger` is answered as the configured model's, but its stream is held
+//! open after `data: [DONE]` until its client goes away.
 //! A streamed chat for a model named `bulk…` gets `max_tokens` MiB of 16 KiB chunks as fast as
 //! its reader takes them, then `data: [DONE]`; [`Upstream::bulk_sent`] tells how much of it
 //! left so far, and a reader that goes away before the end counts as dropped.
@@ -365,6 +367,25 @@ fn slow(s: Arc<Shared>, frame: fn(&str) -> String) -> Response {
     r
 }
 
+/// The whole stream, `[DONE]` included, and then the response held open until the client goes
+/// away (a provider slow to end its response after its last event).
+fn linger(s: Arc<Shared>, chunks: Vec<String>) -> Response {
+    let guard = OnDrop(s);
+    let stream =
+        futures_util::stream::unfold((guard, chunks.into_iter()), |(g, mut chunks)| async move {
+            match chunks.next() {
+                Some(c) => Some((Ok::<_, Infallible>(Bytes::from(c)), (g, chunks))),
+                None => std::future::pending().await,
+            }
+        });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "text/event-stream".parse().expect("valid"),
+    );
+    r
+}
+
 /// One event, then nothing, the connection held open until the client goes away (a provider
 /// that stalls mid-stream).
 fn hang(s: Arc<Shared>, first: String) -> Response {
@@ -502,7 +523,7 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
             ),
         );
     }
-    if model != s.model {
+    if model != s.model && model != "linger" {
         return openai_error(
             StatusCode::NOT_FOUND,
             &format!("The model `{model}` does not exist."),
@@ -582,6 +603,9 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> 
         ));
     }
     out.push("data: [DONE]\n\n".to_owned());
+    if model == "linger" {
+        return linger(s, out);
+    }
     sse(out)
 }
 

@@ -104,7 +104,7 @@ base_url = "{chat}"
 capacity = 16
 stream_usage = false
 trace_propagation = false
-{p1}{p2}{p3}{p4}{p5}"#,
+{p1}{p2}{p3}{p4}{p5}{p6}"#,
         td = pki::TRUST_DOMAIN,
         d = dir.display(),
         p1 = provider("via-chat", "chat", "fake-model"),
@@ -112,6 +112,7 @@ trace_propagation = false
         p3 = provider("slow-chat", "chat", "slow"),
         p4 = provider("chat-missing", "chat", "missing-model"),
         p5 = provider("plain-chat", "plain", "fake-model"),
+        p6 = provider("linger-chat", "chat", "linger"),
     )
 }
 
@@ -1268,6 +1269,51 @@ async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_
         assert_eq!(r.status(), 429);
         assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
         std::fs::remove_file(&db).ok();
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[tokio::test]
+async fn a_client_gone_at_done_is_charged_the_usage_its_stream_reported() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let estimate = 40 + input_estimate("count my tokens please");
+        // `linger` ends its response only when its reader goes away: the client leaves as soon
+        // as it has read `data: [DONE]`, as SDKs do, before the provider's response ends.
+        let mut body = chat("linger-chat", true);
+        body["stream_options"] = json!({"include_usage": true});
+        let drops = m.chat.dropped_count();
+        let (remaining, _, r) = tokens_after(&m.base, "/v1/chat/completions", &body).await;
+        assert_eq!(remaining, 1000 - estimate, "the estimate is reserved");
+        let mut sse = String::new();
+        let mut chunks = r.bytes_stream();
+        while !sse.contains("data: [DONE]") {
+            let chunk = futures_util::StreamExt::next(&mut chunks)
+                .await
+                .expect("the stream reaches [DONE]")
+                .unwrap();
+            sse.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        drop(chunks);
+        let used = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find_map(|v| v["usage"]["total_tokens"].as_u64())
+            .expect("usage chunk");
+        assert_ne!(used, estimate);
+        // The Edge let go of the stream (its Node then closed the provider's connection).
+        while m.chat.dropped_count() == drops {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (remaining, _, _) =
+            tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", false)).await;
+        assert_eq!(
+            remaining,
+            1000 - used - estimate,
+            "the reported usage is charged, not the whole reservation"
+        );
     })
     .await
     .expect("within the limit");
