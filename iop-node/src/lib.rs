@@ -37,11 +37,12 @@
 //!   headers): status, headers and body bytes (SSE byte for byte) as numbered
 //!   `ProviderTunnelFrame`s, usage as a separate observation; the driver sends the single
 //!   END/ERROR terminal. Which dialect to speak is the Edge's decision, not the Node's. On a
-//!   stream, usage is sent as soon as an event changes it, ahead of that event's bytes (a
-//!   client may hang up at `data: [DONE]`, before the provider ends its response); a JSON
-//!   body's usage follows the body. Usage may therefore come more than once on a tunnel
-//!   (seed 000 allows it anywhere before the terminal): each carries the figures so far, and
-//!   the last one received stands.
+//!   stream, the usage goes as soon as the stream's own end has arrived (`data: [DONE]`,
+//!   `message_stop`, `response.completed`), ahead of the bytes that carry that end: a client
+//!   may hang up there, before the provider ends its response. Figures seen earlier wait (they
+//!   can be partial: Anthropic's `message_start`), so a client that leaves mid-stream keeps its
+//!   whole token reservation. A JSON body's usage, or a stream's without such an end, follows
+//!   the body. Seed 000 allows USAGE anywhere before the terminal.
 //!
 //! - Tracing ([`NodeOptions::telemetry`], off by default): each run or tunnel is an `execute`
 //!   span, a child of the Edge's dispatch attempt (its context comes on the request), and the

@@ -270,7 +270,7 @@ impl Adapter for OpenAiCompatAdapter {
 /// cached part `cache_read_input_tokens`.
 ///
 /// A later report of a count replaces an earlier one, so a stream's last figures win. A stream's
-/// figures are handed out as soon as a line changes them ([`UsageScanner::update`]), a JSON
+/// figures are handed out once its own end has been fed ([`UsageScanner::update`]), a JSON
 /// body's at the end ([`UsageScanner::finish`]), which gives only what was not handed out yet.
 #[derive(Debug)]
 pub(crate) struct UsageScanner {
@@ -282,6 +282,9 @@ pub(crate) struct UsageScanner {
     cached: Option<u64>,
     /// The counts last handed out by [`UsageScanner::update`] (or `finish`).
     reported: Option<Usage>,
+    /// The stream's own end was seen (`data: [DONE]`, Anthropic's `message_stop`, the
+    /// Responses API's `response.completed` / `.incomplete` / `.failed`): its figures are final.
+    ended: bool,
 }
 
 impl UsageScanner {
@@ -294,14 +297,21 @@ impl UsageScanner {
             output: None,
             cached: None,
             reported: None,
+            ended: false,
         }
     }
 
-    /// The usage, when a line fed since the last call changed it. A stream reports it as soon
-    /// as it is seen, ahead of the bytes that carried it: a client may go away as soon as it
-    /// has read `data: [DONE]`, before the provider ends its response and [`Self::finish`]
-    /// would run, and the Edge charges, meters and records what it was told by then.
+    /// A stream's final usage, once the stream's own end has been fed (and not yet handed
+    /// out): it goes ahead of the bytes that carry that end. A client may go away as soon as it
+    /// has read `data: [DONE]` (or `message_stop`), before the provider ends its response and
+    /// [`Self::finish`] would run, and the Edge charges, meters and records what it was told
+    /// by then. Figures seen before the end are not handed out early: they can be partial
+    /// (Anthropic's `message_start` counts one output token), and a client that leaves
+    /// mid-stream keeps its whole token reservation, as the provider bills what it generated.
     pub(crate) fn update(&mut self) -> Option<Usage> {
+        if !self.ended {
+            return None;
+        }
         let now = self.current()?;
         if self.reported == Some(now) {
             return None;
@@ -364,12 +374,24 @@ impl UsageScanner {
     fn line(&mut self, line: &[u8]) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         if let Some(data) = line.strip_prefix(b"data:") {
-            self.json(data.trim_ascii_start());
+            let data = data.trim_ascii();
+            if data == b"[DONE]" {
+                self.ended = true;
+            } else {
+                self.json(data);
+                if !self.ended && memchr::memmem::find(data, b"message_stop").is_some() {
+                    self.ended = serde_json::from_slice::<Typed<'_>>(data)
+                        .is_ok_and(|t| t.kind.as_deref() == Some("message_stop"));
+                }
+            }
+        } else if let Some(name) = line.strip_prefix(b"event:") {
+            self.ended |= is_final_event(name.trim_ascii());
         }
     }
 
     fn json(&mut self, json: &[u8]) {
         if let Some(u) = usage_of(json) {
+            self.ended |= u.ends;
             self.input = u.input.or(self.input);
             self.output = u.output.or(self.output);
             self.cached = u.cached.or(self.cached);
@@ -412,7 +434,10 @@ impl UsageScanner {
 /// building the rest of the document (every other member is skipped, not materialised: on a
 /// 1 KiB completion this was most of the Node's JSON cost).
 #[derive(serde::Deserialize)]
-struct WithUsage {
+struct WithUsage<'a> {
+    /// The event's `type` (the Responses API's `response.completed` carries the usage).
+    #[serde(default, rename = "type", borrow)]
+    kind: Option<std::borrow::Cow<'a, str>>,
     #[serde(default)]
     usage: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default)]
@@ -427,8 +452,25 @@ struct Nested {
     usage: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// An event's `type`, borrowed where the JSON allows it.
+#[derive(serde::Deserialize)]
+struct Typed<'a> {
+    #[serde(default, rename = "type", borrow)]
+    kind: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Whether an SSE event name (or an event's `type`) ends its stream.
+fn is_final_event(name: &[u8]) -> bool {
+    matches!(
+        name,
+        b"message_stop" | b"response.completed" | b"response.incomplete" | b"response.failed"
+    )
+}
+
 /// What one JSON document reports, each count if present.
 struct Counts {
+    /// The document is an event that ends its stream (its `type`).
+    ends: bool,
     input: Option<u64>,
     output: Option<u64>,
     cached: Option<u64>,
@@ -438,7 +480,11 @@ struct Counts {
 fn usage_of(json: &[u8]) -> Option<Counts> {
     // Most stream chunks carry no usage at all: no parse for them.
     memchr::memmem::find(json, b"\"usage\"")?;
-    let doc = serde_json::from_slice::<WithUsage>(json).ok()?;
+    let doc = serde_json::from_slice::<WithUsage<'_>>(json).ok()?;
+    let ends = doc
+        .kind
+        .as_deref()
+        .is_some_and(|k| is_final_event(k.as_bytes()));
     let u = doc
         .usage
         .or_else(|| doc.response.and_then(|r| r.usage))
@@ -468,6 +514,7 @@ fn usage_of(json: &[u8]) -> Option<Counts> {
         cached = read.or(cached);
     }
     (input.is_some() || output.is_some()).then_some(Counts {
+        ends,
         input,
         output,
         cached,
@@ -596,7 +643,7 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_reports_usage_when_it_changes_and_finish_only_what_is_new() {
+    fn a_stream_hands_out_its_usage_at_its_own_end_and_finish_only_what_is_new() {
         let usage = |input, output| Usage {
             prompt_tokens: input,
             completion_tokens: output,
@@ -606,18 +653,43 @@ mod tests {
         // Anthropic: message_start, then cumulative output in each message_delta.
         let mut s = UsageScanner::new(true);
         s.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\n");
-        assert_eq!(s.update(), Some(usage(12, 1)));
-        assert_eq!(s.update(), None, "nothing new");
+        assert_eq!(
+            s.update(),
+            None,
+            "partial figures wait for the stream's end"
+        );
         s.feed(b"data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\n\n");
-        assert_eq!(s.update(), None, "a line without usage");
-        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}");
-        assert_eq!(s.update(), None, "the line is not whole yet");
-        s.feed(b"\n\n");
-        assert_eq!(s.update(), Some(usage(12, 9)));
-        // The same figures again are not news.
-        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n");
+        s.feed(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n");
+        assert_eq!(s.update(), None, "message_delta is not the end");
+        s.feed(b"event: message_stop\ndata: {\"type\":\"message_");
+        assert_eq!(s.update(), Some(usage(12, 9)), "the event line ends it");
+        assert_eq!(s.update(), None, "nothing new");
+        s.feed(b"stop\"}\n\n");
         assert_eq!(s.update(), None);
         assert_eq!(s.finish(), None, "already reported");
+        // Without event lines, the data's `type` ends it.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":2,\"output_tokens\":4}}\n\n");
+        assert_eq!(s.update(), None);
+        s.feed(b"data: {\"type\": \"message_stop\"}\n");
+        assert_eq!(s.update(), Some(usage(2, 4)));
+        // A text that mentions message_stop does not end a stream.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"message_stop\"}}]}\n\n");
+        assert_eq!(s.update(), None);
+        // Chat: the usage chunk, then [DONE] in a later piece.
+        let mut s = UsageScanner::new(true);
+        s.feed(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}\n\n",
+        );
+        assert_eq!(s.update(), None, "the usage chunk alone");
+        s.feed(b"data: [DONE]\n\n");
+        assert_eq!(s.update(), Some(usage(3, 5)));
+        assert_eq!(s.finish(), None);
+        // Responses: the usage comes in the event that ends the stream.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":3}}}\n\n");
+        assert_eq!(s.update(), Some(usage(5, 3)));
         // A last line without its newline is read at the end, and reported then.
         let mut s = UsageScanner::new(true);
         s.feed(b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}");

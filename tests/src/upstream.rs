@@ -328,18 +328,26 @@ fn prompt_tokens(body: &Value) -> u64 {
     (body["messages"].to_string().len() as u64).div_ceil(4)
 }
 
-fn sse(chunks: Vec<String>) -> Response {
-    let stream = futures_util::stream::iter(
-        chunks
-            .into_iter()
-            .map(|c| Ok::<_, Infallible>(Bytes::from(c))),
-    );
+/// A `text/event-stream` response whose body is `stream`.
+fn event_stream<S>(stream: S) -> Response
+where
+    S: futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
     let mut r = Response::new(Body::from_stream(stream));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         "text/event-stream".parse().expect("valid"),
     );
     r
+}
+
+fn sse(chunks: Vec<String>) -> Response {
+    let stream = futures_util::stream::iter(
+        chunks
+            .into_iter()
+            .map(|c| Ok::<_, Infallible>(Bytes::from(c))),
+    );
+    event_stream(stream)
 }
 
 struct OnDrop(Arc<Shared>);
@@ -359,12 +367,7 @@ fn slow(s: Arc<Shared>, frame: fn(&str) -> String) -> Response {
         tokio::time::sleep(Duration::from_millis(50)).await;
         Some((Ok::<_, Infallible>(Bytes::from(frame(" w"))), g))
     });
-    let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        "text/event-stream".parse().expect("valid"),
-    );
-    r
+    event_stream(stream)
 }
 
 /// The whole stream, `[DONE]` included, and then the response held open until the client goes
@@ -378,12 +381,7 @@ fn linger(s: Arc<Shared>, chunks: Vec<String>) -> Response {
                 None => std::future::pending().await,
             }
         });
-    let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        "text/event-stream".parse().expect("valid"),
-    );
-    r
+    event_stream(stream)
 }
 
 /// One event, then nothing, the connection held open until the client goes away (a provider
@@ -396,12 +394,7 @@ fn hang(s: Arc<Shared>, first: String) -> Response {
             None => std::future::pending().await,
         }
     });
-    let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        "text/event-stream".parse().expect("valid"),
-    );
-    r
+    event_stream(stream)
 }
 
 /// Chat chunks of `size` bytes of text every `every` (or as fast as the reader takes them),
@@ -422,12 +415,7 @@ fn firehose(s: Arc<Shared>, size: usize, every: Option<Duration>) -> Response {
             Some((Ok::<_, Infallible>(chunk), g))
         }
     });
-    let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        "text/event-stream".parse().expect("valid"),
-    );
-    r
+    event_stream(stream)
 }
 
 /// `mib` MiB of 16 KiB chat chunks as fast as the reader takes them, then `[DONE]`; counted
@@ -478,12 +466,7 @@ fn bulk(s: Arc<Shared>, model: String, mib: u64) -> Response {
             Some((Ok::<_, Infallible>(out), st))
         }
     });
-    let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        "text/event-stream".parse().expect("valid"),
-    );
-    r
+    event_stream(stream)
 }
 
 async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {

@@ -59,7 +59,7 @@ struct Mesh {
     base: String,
     usage: Option<Arc<dyn iop_edge::usage::UsageSink>>,
     chat: Upstream,
-    _anthropic: Upstream,
+    anthropic: Upstream,
     dir: std::path::PathBuf,
 }
 
@@ -104,7 +104,7 @@ base_url = "{chat}"
 capacity = 16
 stream_usage = false
 trace_propagation = false
-{p1}{p2}{p3}{p4}{p5}{p6}"#,
+{p1}{p2}{p3}{p4}{p5}{p6}{p7}"#,
         td = pki::TRUST_DOMAIN,
         d = dir.display(),
         p1 = provider("via-chat", "chat", "fake-model"),
@@ -113,6 +113,7 @@ trace_propagation = false
         p4 = provider("chat-missing", "chat", "missing-model"),
         p5 = provider("plain-chat", "plain", "fake-model"),
         p6 = provider("linger-chat", "chat", "linger"),
+        p7 = provider("hang-anth", "anth", "hang"),
     )
 }
 
@@ -256,7 +257,7 @@ concurrent = 1
         base,
         usage,
         chat,
-        _anthropic: anthropic,
+        anthropic,
         dir,
     }
 }
@@ -1229,7 +1230,7 @@ async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_
         let _ = std::fs::remove_file(&db);
         let usage = format!("[usage]\nsqlite = \"{}\"\n", db.display());
         let m = mesh_with(&usage, None).await;
-        let (chat_before, anth_before) = (m.chat.seen().len(), m._anthropic.seen().len());
+        let (chat_before, anth_before) = (m.chat.seen().len(), m.anthropic.seen().len());
         let out = tokio::process::Command::new("python3")
             .args(["-c", SDK_BUDGET])
             .env("BASE", &m.base)
@@ -1246,7 +1247,7 @@ async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_
         // Not retried: one upstream call in all (the first), and one request each reached
         // the Edge for the two refusals (the records say so; a retry would add one each).
         assert_eq!(m.chat.seen().len() - chat_before, 1);
-        assert_eq!(m._anthropic.seen().len() - anth_before, 0);
+        assert_eq!(m.anthropic.seen().len() - anth_before, 0);
         let sink = m.usage.clone().unwrap();
         sink.flush();
         let conn = rusqlite_open(&db);
@@ -1313,6 +1314,42 @@ async fn a_client_gone_at_done_is_charged_the_usage_its_stream_reported() {
             remaining,
             1000 - used - estimate,
             "the reported usage is charged, not the whole reservation"
+        );
+    })
+    .await
+    .expect("within the limit");
+}
+
+#[tokio::test]
+async fn a_client_gone_mid_stream_keeps_its_whole_reservation() {
+    tokio::time::timeout(LIMIT, async {
+        let m = mesh().await;
+        let estimate = 40 + input_estimate("count my tokens please");
+        // `hang` sends Anthropic's message_start (3 input tokens, 1 output token so far) and
+        // then nothing: partial figures, which must not stand in for the answer's usage.
+        let drops = m.anthropic.dropped_count();
+        let (remaining, _, r) =
+            tokens_after(&m.base, "/v1/messages", &chat("hang-anth", true)).await;
+        assert_eq!(remaining, 1000 - estimate, "the estimate is reserved");
+        let mut sse = String::new();
+        let mut chunks = r.bytes_stream();
+        while !sse.contains("message_start") {
+            let chunk = futures_util::StreamExt::next(&mut chunks)
+                .await
+                .expect("the stream starts")
+                .unwrap();
+            sse.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        drop(chunks);
+        while m.anthropic.dropped_count() == drops {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (remaining, _, _) =
+            tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", false)).await;
+        assert_eq!(
+            remaining,
+            1000 - 2 * estimate,
+            "the reservation is kept whole, not reconciled to message_start's figures"
         );
     })
     .await
