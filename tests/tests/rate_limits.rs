@@ -1275,6 +1275,28 @@ async fn an_exhausted_budget_is_not_retried_by_either_official_sdk_and_survives_
     .expect("within the limit");
 }
 
+/// Reads `r`'s body until it holds `marker`, then goes away (as SDKs do at `[DONE]`); the text
+/// read.
+async fn read_until_then_leave(r: reqwest::Response, marker: &str) -> String {
+    let mut text = String::new();
+    let mut chunks = r.bytes_stream();
+    while !text.contains(marker) {
+        let chunk = futures_util::StreamExt::next(&mut chunks)
+            .await
+            .unwrap_or_else(|| panic!("the body ended before {marker}: {text}"))
+            .unwrap();
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    text
+}
+
+/// Until `upstream` has seen more than `before` of its streams' readers go away.
+async fn until_dropped(upstream: &Upstream, before: usize) {
+    while upstream.dropped_count() == before {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_client_gone_at_done_is_charged_the_usage_its_stream_reported() {
     tokio::time::timeout(LIMIT, async {
@@ -1287,16 +1309,7 @@ async fn a_client_gone_at_done_is_charged_the_usage_its_stream_reported() {
         let drops = m.chat.dropped_count();
         let (remaining, _, r) = tokens_after(&m.base, "/v1/chat/completions", &body).await;
         assert_eq!(remaining, 1000 - estimate, "the estimate is reserved");
-        let mut sse = String::new();
-        let mut chunks = r.bytes_stream();
-        while !sse.contains("data: [DONE]") {
-            let chunk = futures_util::StreamExt::next(&mut chunks)
-                .await
-                .expect("the stream reaches [DONE]")
-                .unwrap();
-            sse.push_str(std::str::from_utf8(&chunk).unwrap());
-        }
-        drop(chunks);
+        let sse = read_until_then_leave(r, "data: [DONE]").await;
         let used = sse
             .lines()
             .filter_map(|l| l.strip_prefix("data: "))
@@ -1305,9 +1318,7 @@ async fn a_client_gone_at_done_is_charged_the_usage_its_stream_reported() {
             .expect("usage chunk");
         assert_ne!(used, estimate);
         // The Edge let go of the stream (its Node then closed the provider's connection).
-        while m.chat.dropped_count() == drops {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_dropped(&m.chat, drops).await;
         let (remaining, _, _) =
             tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", false)).await;
         assert_eq!(
@@ -1331,19 +1342,8 @@ async fn a_client_gone_mid_stream_keeps_its_whole_reservation() {
         let (remaining, _, r) =
             tokens_after(&m.base, "/v1/messages", &chat("hang-anth", true)).await;
         assert_eq!(remaining, 1000 - estimate, "the estimate is reserved");
-        let mut sse = String::new();
-        let mut chunks = r.bytes_stream();
-        while !sse.contains("message_start") {
-            let chunk = futures_util::StreamExt::next(&mut chunks)
-                .await
-                .expect("the stream starts")
-                .unwrap();
-            sse.push_str(std::str::from_utf8(&chunk).unwrap());
-        }
-        drop(chunks);
-        while m.anthropic.dropped_count() == drops {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        read_until_then_leave(r, "message_start").await;
+        until_dropped(&m.anthropic, drops).await;
         let (remaining, _, _) =
             tokens_after(&m.base, "/v1/chat/completions", &chat("via-chat", false)).await;
         assert_eq!(
