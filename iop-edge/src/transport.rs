@@ -297,7 +297,9 @@ impl DropNotice {
 /// Something that rides on one response stream ([`RunStream::watch`],
 /// [`TunnelStream::watch`]) and sees the provider's usage as the caller reads it; it is dropped
 /// with the stream, so its `Drop` marks the end of the request (the rate limiter's
-/// `crate::limits::Hold` is one).
+/// `crate::limits::Hold` is one). A stream dropped before its terminal drops its watch first
+/// and only then tells the Node to cancel: the request is accounted for before the provider's
+/// connection closes.
 pub trait StreamWatch: Send + Sync + 'static {
     /// The provider reported its usage (a run's terminal, a tunnel's usage frame).
     fn usage(&mut self, usage: &iop_wire::runtime::Usage);
@@ -395,13 +397,21 @@ pub struct RunStream {
     watch: Watch,
 }
 
+/// A stream dropped before its terminal: the watch hears of it and is dropped (the rate
+/// limiter's hold settles, the usage record is written) **before** the Node is told to cancel,
+/// so by the time the provider's connection closes the request is accounted for.
+fn cancel_after_watch(watch: &mut Watch, on_drop: &DropNotice) {
+    if let Some(mut w) = watch.0.take() {
+        w.event("client_cancelled");
+        drop(w);
+    }
+    on_drop.notify();
+}
+
 impl Drop for RunStream {
     fn drop(&mut self) {
         if !self.done {
-            if let Some(w) = self.watch.0.as_mut() {
-                w.event("client_cancelled");
-            }
-            self.on_drop.notify();
+            cancel_after_watch(&mut self.watch, &self.on_drop);
         }
     }
 }
@@ -500,10 +510,7 @@ pub struct TunnelStream {
 impl Drop for TunnelStream {
     fn drop(&mut self) {
         if !self.done {
-            if let Some(w) = self.watch.0.as_mut() {
-                w.event("client_cancelled");
-            }
-            self.on_drop.notify();
+            cancel_after_watch(&mut self.watch, &self.on_drop);
         }
     }
 }
