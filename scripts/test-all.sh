@@ -14,7 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n=== %s ===\n' "$*"; }
+# Each step says when it began (bash's SECONDS since this script started), so a slow CI run
+# shows where its time went.
+step() { printf '\n=== %s (at %dm%02ds) ===\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
 
 need() {
     if ! command -v "$1" >/dev/null 2>&1; then
@@ -104,6 +106,11 @@ if cargo tree --locked -p iop-wire -e normal --prefix none | grep -q '^rustls'; 
 fi
 echo "iop-wire: no rustls"
 
+step "build the tests"
+# Built apart from the run (the same build the run would do) so the step times tell building
+# from running; the services start after it.
+cargo test --workspace --locked --no-run
+
 step "services"
 # shellcheck source=scripts/postgres.sh
 . scripts/postgres.sh
@@ -149,4 +156,4 @@ fi
 
 step "all checks passed"
 # One closing line for the whole suite (cargo prints one per test binary).
-echo "tests: ${passed} passed, ${failed} failed"
+echo "tests: ${passed} passed, ${failed} failed; $((SECONDS / 60))m$((SECONDS % 60))s in all"

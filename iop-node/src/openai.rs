@@ -379,10 +379,6 @@ impl UsageScanner {
                 self.ended = true;
             } else {
                 self.json(data);
-                if !self.ended && memchr::memmem::find(data, b"message_stop").is_some() {
-                    self.ended = serde_json::from_slice::<Typed<'_>>(data)
-                        .is_ok_and(|t| t.kind.as_deref() == Some("message_stop"));
-                }
             }
         } else if let Some(name) = line.strip_prefix(b"event:") {
             self.ended |= is_final_event(name.trim_ascii());
@@ -430,16 +426,19 @@ impl UsageScanner {
     }
 }
 
-/// The `usage` of a JSON object (top-level, or under `message` or `response`), read without
-/// building the rest of the document (every other member is skipped, not materialised: on a
-/// 1 KiB completion this was most of the Node's JSON cost).
+/// The `type` and `usage` of a JSON object (the usage top-level, or under `message` or
+/// `response`), read in one pass without building the rest of the document (every other member
+/// is skipped, not materialised: on a 1 KiB completion this was most of the Node's JSON cost).
 #[derive(serde::Deserialize)]
 struct WithUsage<'a> {
-    /// The event's `type` (the Responses API's `response.completed` carries the usage).
+    /// The event's `type`: Anthropic's `message_stop` (no usage) and the Responses API's
+    /// `response.completed` (with it) end their streams.
     #[serde(default, rename = "type", borrow)]
     kind: Option<std::borrow::Cow<'a, str>>,
+    /// Any JSON value, so that an odd `usage` (not an object) loses only itself, not the
+    /// event's `type`.
     #[serde(default)]
-    usage: Option<serde_json::Map<String, serde_json::Value>>,
+    usage: Option<serde_json::Value>,
     #[serde(default)]
     message: Option<Nested>,
     #[serde(default)]
@@ -452,13 +451,6 @@ struct Nested {
     usage: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// An event's `type`, borrowed where the JSON allows it.
-#[derive(serde::Deserialize)]
-struct Typed<'a> {
-    #[serde(default, rename = "type", borrow)]
-    kind: Option<std::borrow::Cow<'a, str>>,
-}
-
 /// Whether an SSE event name (or an event's `type`) ends its stream.
 fn is_final_event(name: &[u8]) -> bool {
     matches!(
@@ -467,7 +459,7 @@ fn is_final_event(name: &[u8]) -> bool {
     )
 }
 
-/// What one JSON document reports, each count if present.
+/// What one JSON document reports: whether it ends its stream, and each count if present.
 struct Counts {
     /// The document is an event that ends its stream (its `type`).
     ends: bool,
@@ -476,19 +468,36 @@ struct Counts {
     cached: Option<u64>,
 }
 
-/// The counts one JSON document reports (see [`UsageScanner`] for the dialects).
+/// What one JSON document reports (see [`UsageScanner`] for the dialects): `None` when it
+/// neither carries counts nor ends its stream.
 fn usage_of(json: &[u8]) -> Option<Counts> {
-    // Most stream chunks carry no usage at all: no parse for them.
-    memchr::memmem::find(json, b"\"usage\"")?;
+    // Most stream chunks carry no usage and are no stream's end: no parse for them. (An end
+    // without usage is Anthropic's `message_stop`; the Responses API's ends carry usage.)
+    if memchr::memmem::find(json, b"\"usage\"").is_none()
+        && memchr::memmem::find(json, b"message_stop").is_none()
+    {
+        return None;
+    }
     let doc = serde_json::from_slice::<WithUsage<'_>>(json).ok()?;
     let ends = doc
         .kind
         .as_deref()
         .is_some_and(|k| is_final_event(k.as_bytes()));
-    let u = doc
-        .usage
+    let usage = match doc.usage {
+        Some(serde_json::Value::Object(u)) => Some(u),
+        _ => None,
+    };
+    let Some(u) = usage
         .or_else(|| doc.response.and_then(|r| r.usage))
-        .or_else(|| doc.message.and_then(|m| m.usage))?;
+        .or_else(|| doc.message.and_then(|m| m.usage))
+    else {
+        return ends.then_some(Counts {
+            ends,
+            input: None,
+            output: None,
+            cached: None,
+        });
+    };
     let n = |k: &str| u.get(k).and_then(serde_json::Value::as_u64);
     let detail = |k: &str| {
         u.get(k)
@@ -513,7 +522,7 @@ fn usage_of(json: &[u8]) -> Option<Counts> {
         );
         cached = read.or(cached);
     }
-    (input.is_some() || output.is_some()).then_some(Counts {
+    (ends || input.is_some() || output.is_some()).then_some(Counts {
         ends,
         input,
         output,
@@ -672,6 +681,11 @@ mod tests {
         s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":2,\"output_tokens\":4}}\n\n");
         assert_eq!(s.update(), None);
         s.feed(b"data: {\"type\": \"message_stop\"}\n");
+        assert_eq!(s.update(), Some(usage(2, 4)));
+        // An odd `usage` (not an object) beside the end's `type` loses only itself.
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":2,\"output_tokens\":4}}\n\n");
+        s.feed(b"data: {\"type\":\"message_stop\",\"usage\":7}\n\n");
         assert_eq!(s.update(), Some(usage(2, 4)));
         // A text that mentions message_stop does not end a stream.
         let mut s = UsageScanner::new(true);
