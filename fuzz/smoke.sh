@@ -10,7 +10,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
 seconds="${FUZZ_SECONDS:-15}"
-targets=(frame_decoder tunnel_sequencer registry_ops lease_open signed_request stream_translate report_decode ping_scanner usage_filter trace_context passthrough_splice)
+targets=(frame_decoder tunnel_sequencer registry_ops lease_open signed_request stream_translate report_decode ping_scanner usage_filter trace_context passthrough_splice usage_scan)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "smoke: cargo-fuzz missing, installing (cargo install cargo-fuzz --locked)" >&2

@@ -50,6 +50,98 @@ fn main() {
     usage_filter_seeds(&root.join("usage_filter"));
     trace_context_seeds(&root.join("trace_context"));
     passthrough_splice_seeds(&root.join("passthrough_splice"));
+    usage_scan_seeds(&root.join("usage_scan"));
+}
+
+// === usage_scan ===
+
+/// Provider responses as the Node's usage scanner reads them: each dialect's stream (chat with
+/// `include_usage`, LF and CRLF; Anthropic with and without event lines, cache counts; the
+/// Responses API), each dialect's JSON body, counts past `u64`, a text that mentions
+/// `message_stop`, usage after `[DONE]`, an unterminated last line, and lines that are not JSON.
+/// Byte 0 is the read size, byte 1's low bit says SSE.
+fn usage_scan_seeds(dir: &Path) {
+    let dir = fresh_dir(dir);
+    let cases: [(&str, u8, u8, &[u8]); 12] = [
+        (
+            "after_done",
+            6,
+            1,
+            b"data: [DONE]\n\ndata: {\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\n\n",
+        ),
+        (
+            "anthropic_no_event_lines",
+            3,
+            1,
+            b"data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":2,\"output_tokens\":4}}\n\ndata: {\"type\":\"message_stop\",\"usage\":7}\n\n",
+        ),
+        (
+            "anthropic_stream",
+            11,
+            1,
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":12,\"output_tokens\":1,\"cache_read_input_tokens\":70,\"cache_creation_input_tokens\":20}}}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        ),
+        (
+            "chat_stream",
+            7,
+            1,
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5,\"total_tokens\":8,\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n\ndata: [DONE]\n\n",
+        ),
+        (
+            "chat_stream_crlf",
+            5,
+            1,
+            b"data: {\"choices\":[]}\r\n\r\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}\r\n\r\ndata: [DONE]\r\n\r\n",
+        ),
+        (
+            "json_chat",
+            16,
+            0,
+            b"{\"id\":\"x\",\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"completion_tokens\":5,\"total_tokens\":105,\"prompt_tokens_details\":{\"cached_tokens\":80}}}",
+        ),
+        (
+            "json_huge_numbers",
+            2,
+            0,
+            b"{\"usage\":{\"prompt_tokens\":18446744073709551615,\"completion_tokens\":18446744073709551615,\"prompt_tokens_details\":{\"cached_tokens\":99999999999999999999}}}",
+        ),
+        (
+            "json_messages",
+            16,
+            0,
+            b"{\"id\":\"m\",\"type\":\"message\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":70,\"cache_creation_input_tokens\":20,\"output_tokens\":5}}",
+        ),
+        (
+            "mentions_message_stop",
+            9,
+            1,
+            b"data: {\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"message_stop\"}}]}\n\n",
+        ),
+        (
+            "not_json",
+            1,
+            1,
+            b"data: not json\n\n: comment\n\nevent: message_stop\n\n",
+        ),
+        (
+            "responses_stream",
+            13,
+            1,
+            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":5,\"output_tokens\":3,\"input_tokens_details\":{\"cached_tokens\":4}}}}\n\n",
+        ),
+        (
+            "unterminated_last_line",
+            4,
+            1,
+            b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}",
+        ),
+    ];
+    for (name, read, mode, body) in cases {
+        let mut s = vec![read, mode];
+        s.extend_from_slice(body);
+        iop_fuzz::usage_scan::run(&s);
+        write(&dir, name, &s);
+    }
 }
 
 // === passthrough_splice ===

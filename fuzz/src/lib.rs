@@ -15,3 +15,4 @@ pub mod stream_translate;
 pub mod trace_context;
 pub mod tunnel_sequencer;
 pub mod usage_filter;
+pub mod usage_scan;

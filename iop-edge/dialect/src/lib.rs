@@ -40,6 +40,9 @@
 //! - [`splice::passthrough`] is the request side of a passthrough (same dialect both ends): the
 //!   client's own bytes with only `model` replaced (and the usage chunk asked for), declined
 //!   when a name appears twice or escaped, so the upstream reads what the Edge admitted.
+//! - [`usage::UsageScanner`] reads the token usage a provider reports in any of the three
+//!   dialects (a JSON body's `usage`, or a stream's usage events and its own end) on the side
+//!   of bytes passed through untouched: the Node runs it on every provider raw tunnel.
 //! - [`error`] renders an error in a dialect's shape with the original API's status codes and
 //!   types, and reads the message out of an upstream error body of either shape.
 //!
@@ -72,6 +75,7 @@ mod event;
 pub mod request;
 pub mod splice;
 pub mod sse;
+pub mod usage;
 
 pub use event::{Event, FinishReason, Message, Meta, ToolCall, Usage};
 
