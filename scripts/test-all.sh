@@ -108,7 +108,7 @@ echo "iop-wire: no rustls"
 
 step "build the tests"
 # Built apart from the run (the same build the run would do) so the step times tell building
-# from running; the services start after it.
+# from running (doc tests still compile while they run); the services start after it.
 cargo test --workspace --locked --no-run
 
 step "services"
@@ -156,4 +156,4 @@ fi
 
 step "all checks passed"
 # One closing line for the whole suite (cargo prints one per test binary).
-echo "tests: ${passed} passed, ${failed} failed; $((SECONDS / 60))m$((SECONDS % 60))s in all"
+printf 'tests: %s passed, %s failed; %dm%02ds in all\n' "$passed" "$failed" $((SECONDS / 60)) $((SECONDS % 60))

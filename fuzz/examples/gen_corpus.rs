@@ -58,11 +58,12 @@ fn main() {
 /// Provider responses as the Node's usage scanner reads them: each dialect's stream (chat with
 /// `include_usage`, LF and CRLF; Anthropic with and without event lines, cache counts; the
 /// Responses API), each dialect's JSON body, counts past `u64`, a text that mentions
-/// `message_stop`, usage after `[DONE]`, an unterminated last line, and lines that are not JSON.
-/// Byte 0 is the read size, byte 1's low bit says SSE.
+/// `message_stop`, usage after `[DONE]`, an unterminated last line, lines that are not JSON, a
+/// line at the small line bound, and a line and a body past the small bounds. Byte 0 is the read
+/// size, byte 1's low bit says SSE and its next bit small bounds.
 fn usage_scan_seeds(dir: &Path) {
     let dir = fresh_dir(dir);
-    let cases: [(&str, u8, u8, &[u8]); 12] = [
+    let cases: [(&str, u8, u8, &[u8]); 15] = [
         (
             "after_done",
             6,
@@ -134,6 +135,24 @@ fn usage_scan_seeds(dir: &Path) {
             4,
             1,
             b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}",
+        ),
+        (
+            "small_bounds_long_line",
+            5,
+            3,
+            b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}\n\ndata: {\"pad\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\",\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n",
+        ),
+        (
+            "small_bounds_json",
+            16,
+            2,
+            b"{\"id\":\"chatcmpl-1\",\"choices\":[{\"message\":{\"content\":\"a reply long enough to pass the small body bound of the fuzz target, which is two hundred and fifty-six bytes, so that the usage after it is not read\"}}],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}",
+        ),
+        (
+            "small_bounds_line_at_bound",
+            9,
+            3,
+            b"data:                              {\"usage\":{\"prompt_tokens\":7}}\ndata: [DONE]\n",
         ),
     ];
     for (name, read, mode, body) in cases {

@@ -12,8 +12,8 @@
 //! provider's status and headers as RESPONSE_START and its body, byte for byte, as BODY frames
 //! (SSE included: nothing is parsed out of or merged into the body). Usage is observed on the
 //! side by `iop_dialect::usage::UsageScanner` (pure, fuzzed): `usage` objects in SSE `data:`
-//! lines, or in a JSON body of at most 1 MiB, become USAGE frames; a stream's go ahead of the
-//! bytes that carry the stream's own end. Dropping the adapter's future (caller cancel,
+//! lines, or in a JSON body of at most 1 MiB, become USAGE frames; a stream's USAGE goes ahead of
+//! the bytes that carry the stream's own end. Dropping the adapter's future (caller cancel,
 //! deadline, session end) drops the HTTP response, which closes the upstream connection.
 //!
 //! HTTPS upstreams are verified against the platform's roots with rustls and the ring provider

@@ -4,7 +4,8 @@
 //! Pure: JSON values and bytes in, JSON values and bytes out. No tokio, no I/O, no clock (the
 //! caller passes `created` times and ids in), so every function here can be fuzzed and tested
 //! byte by byte. The Edge calls it where it already renders a response, so a translated request
-//! costs no extra hop.
+//! costs no extra hop; the Node uses one part of it, [`usage`], to read the token usage out of
+//! the provider responses it relays.
 //!
 //! # Design
 //!

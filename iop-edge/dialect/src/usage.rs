@@ -3,8 +3,11 @@
 //! body to a [`UsageScanner`] and sends what it finds to the Edge as USAGE frames.
 //!
 //! Pure and bounded: a JSON body is read only up to [`MAX_BODY_SCAN`], an SSE line only up to
-//! [`MAX_SSE_LINE`] (a longer one is dropped whole, and the next one is read); the answer does
-//! not depend on how the body was cut into chunks. Fuzzed (`fuzz/fuzz_targets/usage_scan.rs`).
+//! [`MAX_SSE_LINE`] (a longer one is dropped whole, and the next one is read). How the body is
+//! cut into chunks does not change the figures handed out last, nor whether they were handed
+//! out at a stream's own end or only when the body ended; it can change how many times figures
+//! are handed out on the way (a stream that reports usage again after its end). Fuzzed
+//! (`fuzz/fuzz_targets/usage_scan.rs`).
 
 /// Largest non-streamed (JSON) body buffered, besides being passed through, to read its usage;
 /// a longer body's usage is not read.
@@ -52,6 +55,10 @@ pub struct TokenUsage {
 #[derive(Debug)]
 pub struct UsageScanner {
     sse: bool,
+    /// Longest SSE line read ([`MAX_SSE_LINE`] unless set).
+    max_line: usize,
+    /// Largest JSON body read ([`MAX_BODY_SCAN`] unless set).
+    max_body: usize,
     buf: Vec<u8>,
     overflow: bool,
     input: Option<u64>,
@@ -68,8 +75,16 @@ impl UsageScanner {
     /// A scanner for one response body: `sse` when its content type is `text/event-stream`
     /// (read line by line as it comes), otherwise a JSON body (read whole at the end).
     pub fn new(sse: bool) -> Self {
+        Self::with_bounds(sse, MAX_SSE_LINE, MAX_BODY_SCAN)
+    }
+
+    /// [`Self::new`] with other bounds: the longest SSE line and the largest JSON body read
+    /// (the fuzz target uses small ones, so that its short inputs reach them).
+    pub fn with_bounds(sse: bool, max_line: usize, max_body: usize) -> Self {
         Self {
             sse,
+            max_line,
+            max_body,
             buf: Vec::new(),
             overflow: false,
             input: None,
@@ -102,7 +117,7 @@ impl UsageScanner {
     /// The body's next chunk, cut anywhere.
     pub fn feed(&mut self, chunk: &[u8]) {
         if !self.sse {
-            if self.buf.len() + chunk.len() > MAX_BODY_SCAN {
+            if self.buf.len() + chunk.len() > self.max_body {
                 self.overflow = true;
                 self.buf = Vec::new();
             } else if !self.overflow {
@@ -118,7 +133,7 @@ impl UsageScanner {
         while let Some(i) = memchr::memchr(b'\n', rest) {
             let piece = &rest[..i];
             if self.buf.is_empty() && !self.overflow {
-                if piece.len() <= MAX_SSE_LINE {
+                if piece.len() <= self.max_line {
                     self.line(piece);
                 }
             } else {
@@ -138,12 +153,12 @@ impl UsageScanner {
         self.append(rest);
     }
 
-    /// Adds a piece of the current line; a line longer than `MAX_SSE_LINE` is dropped whole.
+    /// Adds a piece of the current line; a line longer than the bound is dropped whole.
     fn append(&mut self, piece: &[u8]) {
         if self.overflow {
             return;
         }
-        if self.buf.len() + piece.len() > MAX_SSE_LINE {
+        if self.buf.len() + piece.len() > self.max_line {
             self.overflow = true;
             self.buf = Vec::new();
         } else {
@@ -191,8 +206,9 @@ impl UsageScanner {
         (self.reported != Some(now)).then_some(now)
     }
 
-    /// The bytes this scanner holds for the body: at most twice [`MAX_BODY_SCAN`] (a JSON
-    /// body) or [`MAX_SSE_LINE`] (a stream's split line), whatever the provider sends.
+    /// The bytes this scanner holds for the body: at most twice its bound on a JSON body
+    /// ([`MAX_BODY_SCAN`]) or on an SSE line ([`MAX_SSE_LINE`], for a line split across
+    /// chunks), whatever the provider sends.
     pub fn held(&self) -> usize {
         self.buf.capacity()
     }
@@ -236,7 +252,28 @@ struct WithUsage<'a> {
 #[derive(serde::Deserialize)]
 struct Nested {
     #[serde(default)]
-    usage: Option<serde_json::Map<String, serde_json::Value>>,
+    usage: Option<serde_json::Value>,
+}
+
+/// An event's `type` alone, for a document [`WithUsage`] cannot read (a member of another
+/// shape, a name twice): it still says whether the event ends its stream.
+#[derive(serde::Deserialize)]
+struct Typed<'a> {
+    #[serde(default, rename = "type", borrow)]
+    kind: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// `value` if it is a JSON object.
+fn object(value: Option<serde_json::Value>) -> Option<serde_json::Map<String, serde_json::Value>> {
+    match value {
+        Some(serde_json::Value::Object(map)) => Some(map),
+        _ => None,
+    }
+}
+
+/// Whether an event's `type` ends its stream.
+fn ends_stream(kind: Option<&str>) -> bool {
+    kind.is_some_and(|k| is_final_event(k.as_bytes()))
 }
 
 /// Whether an SSE event name (or an event's `type`) ends its stream.
@@ -266,18 +303,25 @@ fn usage_of(json: &[u8]) -> Option<Counts> {
     {
         return None;
     }
-    let doc = serde_json::from_slice::<WithUsage<'_>>(json).ok()?;
-    let ends = doc
-        .kind
-        .as_deref()
-        .is_some_and(|k| is_final_event(k.as_bytes()));
-    let usage = match doc.usage {
-        Some(serde_json::Value::Object(u)) => Some(u),
-        _ => None,
+    let doc = match serde_json::from_slice::<WithUsage<'_>>(json) {
+        Ok(doc) => doc,
+        // Odd elsewhere: its counts are not read, but it may still end its stream (one more
+        // parse, only for such documents).
+        Err(_) => {
+            let ends = serde_json::from_slice::<Typed<'_>>(json)
+                .is_ok_and(|t| ends_stream(t.kind.as_deref()));
+            return ends.then_some(Counts {
+                ends,
+                input: None,
+                output: None,
+                cached: None,
+            });
+        }
     };
-    let Some(u) = usage
-        .or_else(|| doc.response.and_then(|r| r.usage))
-        .or_else(|| doc.message.and_then(|m| m.usage))
+    let ends = ends_stream(doc.kind.as_deref());
+    let Some(u) = object(doc.usage)
+        .or_else(|| doc.response.and_then(|r| object(r.usage)))
+        .or_else(|| doc.message.and_then(|m| object(m.usage)))
     else {
         return ends.then_some(Counts {
             ends,
@@ -383,6 +427,33 @@ mod tests {
     }
 
     #[test]
+    fn a_line_of_exactly_the_bound_is_read_and_one_byte_more_is_not_wherever_it_is_cut() {
+        // `data: {"usage":{"prompt_tokens":7}}` padded with spaces to `len` bytes (the newline
+        // not counted), then a plain end.
+        let stream = |len: usize| {
+            let line = b"data: {\"usage\":{\"prompt_tokens\":7}}";
+            let mut s = line.to_vec();
+            s.splice(6..6, std::iter::repeat_n(b' ', len - line.len()));
+            s.extend_from_slice(b"\ndata: [DONE]\n");
+            s
+        };
+        let bound = 64;
+        for (len, expected) in [(bound, Some(7)), (bound + 1, None)] {
+            let body = stream(len);
+            for cut in 0..=body.len() {
+                let mut s = UsageScanner::with_bounds(true, bound, MAX_BODY_SCAN);
+                s.feed(&body[..cut]);
+                s.feed(&body[cut..]);
+                assert_eq!(
+                    s.finish().map(|u| u.prompt_tokens),
+                    expected,
+                    "a line of {len} bytes cut at {cut}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn an_overlong_sse_line_is_dropped_whole_and_the_next_one_is_read() {
         let usage = |n: u64| {
             format!(
@@ -470,11 +541,29 @@ mod tests {
         assert_eq!(s.update(), None);
         s.feed(b"data: {\"type\": \"message_stop\"}\n");
         assert_eq!(s.update(), Some(usage(2, 4)));
-        // An odd `usage` (not an object) beside the end's `type` loses only itself.
+        // An end whose other members are odd (of another shape, or named twice) still ends
+        // the stream.
+        for end in [
+            &b"data: {\"type\":\"message_stop\",\"usage\":7}\n\n"[..],
+            b"data: {\"type\":\"message_stop\",\"message\":\"x\"}\n\n",
+            b"data: {\"type\":\"message_stop\",\"message\":{\"usage\":[]}}\n\n",
+            b"data: {\"type\":\"message_stop\",\"response\":1,\"response\":2}\n\n",
+        ] {
+            let mut s = UsageScanner::new(true);
+            s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":2,\"output_tokens\":4}}\n\n");
+            s.feed(end);
+            assert_eq!(
+                s.update(),
+                Some(usage(2, 4)),
+                "{}",
+                String::from_utf8_lossy(end)
+            );
+        }
+        // An odd top-level `usage` loses only itself: the end's own usage under `response`
+        // is read.
         let mut s = UsageScanner::new(true);
-        s.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":2,\"output_tokens\":4}}\n\n");
-        s.feed(b"data: {\"type\":\"message_stop\",\"usage\":7}\n\n");
-        assert_eq!(s.update(), Some(usage(2, 4)));
+        s.feed(b"data: {\"type\":\"response.completed\",\"usage\":7,\"response\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":3}}}\n\n");
+        assert_eq!(s.update(), Some(usage(5, 3)));
         // A text that mentions message_stop does not end a stream.
         let mut s = UsageScanner::new(true);
         s.feed(b"data: {\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"message_stop\"}}]}\n\n");
