@@ -303,20 +303,17 @@ fn usage_of(json: &[u8]) -> Option<Counts> {
     {
         return None;
     }
-    let doc = match serde_json::from_slice::<WithUsage<'_>>(json) {
-        Ok(doc) => doc,
+    let Ok(doc) = serde_json::from_slice::<WithUsage<'_>>(json) else {
         // Odd elsewhere: its counts are not read, but it may still end its stream (one more
         // parse, only for such documents).
-        Err(_) => {
-            let ends = serde_json::from_slice::<Typed<'_>>(json)
-                .is_ok_and(|t| ends_stream(t.kind.as_deref()));
-            return ends.then_some(Counts {
-                ends,
-                input: None,
-                output: None,
-                cached: None,
-            });
-        }
+        let ends =
+            serde_json::from_slice::<Typed<'_>>(json).is_ok_and(|t| ends_stream(t.kind.as_deref()));
+        return ends.then_some(Counts {
+            ends,
+            input: None,
+            output: None,
+            cached: None,
+        });
     };
     let ends = ends_stream(doc.kind.as_deref());
     let Some(u) = object(doc.usage)
