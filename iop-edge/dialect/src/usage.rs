@@ -405,25 +405,6 @@ mod tests {
     }
 
     #[test]
-    fn usage_from_sse_split_anywhere() {
-        let stream = b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
-        for cut in 0..stream.len() {
-            let mut s = UsageScanner::new(true);
-            s.feed(&stream[..cut]);
-            s.feed(&stream[cut..]);
-            assert_eq!(
-                s.finish(),
-                Some(TokenUsage {
-                    prompt_tokens: 3,
-                    completion_tokens: 5,
-                    total_tokens: 8,
-                    cached_prompt_tokens: 0
-                })
-            );
-        }
-    }
-
-    #[test]
     fn a_line_of_exactly_the_bound_is_read_and_one_byte_more_is_not_wherever_it_is_cut() {
         // `data: {"usage":{"prompt_tokens":7}}` padded with spaces to `len` bytes (the newline
         // not counted), then a plain end.
@@ -483,13 +464,19 @@ mod tests {
     }
 
     #[test]
-    fn usage_from_anthropic_and_responses_streams() {
+    fn usage_from_every_dialects_stream_split_anywhere() {
+        // Chat: the usage chunk asked for with `include_usage`.
+        let chat = b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
         // Anthropic: input under `message` in message_start, cumulative output in each
         // message_delta.
         let anthropic = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":7}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n";
         // Responses: under `response` in response.completed.
         let responses = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":5,\"output_tokens\":3,\"total_tokens\":8}}}\n\n";
-        for (stream, (input, output)) in [(&anthropic[..], (12, 9)), (&responses[..], (5, 3))] {
+        for (stream, (input, output)) in [
+            (&chat[..], (3, 5)),
+            (&anthropic[..], (12, 9)),
+            (&responses[..], (5, 3)),
+        ] {
             for cut in 0..stream.len() {
                 let mut s = UsageScanner::new(true);
                 s.feed(&stream[..cut]);
