@@ -42,7 +42,8 @@
 //!   may hang up there, before the provider ends its response. Figures seen earlier wait (they
 //!   can be partial: Anthropic's `message_start`), so a client that leaves mid-stream keeps its
 //!   whole token reservation. A JSON body's usage, or a stream's without such an end, follows
-//!   the body. Seed 000 allows USAGE anywhere before the terminal.
+//!   the body. Seed 000 allows USAGE anywhere before the terminal. The reading is
+//!   `iop_dialect::usage::UsageScanner` (pure, bounded, fuzzed by `fuzz/` `usage_scan`).
 //!
 //! - Tracing ([`NodeOptions::telemetry`], off by default): each run or tunnel is an `execute`
 //!   span, a child of the Edge's dispatch attempt (its context comes on the request), and the
