@@ -39,8 +39,10 @@
 //!
 //! Every multi-key check-and-write (register, publish, ACK, report) is one Lua script, so a
 //! failed step writes nothing. Numbers are compared as decimal strings (exact for all of
-//! `u64`). Scripts run with EVALSHA and fall back to loading on `NOSCRIPT` (after a restart or
-//! failover), which redis-rs's `Script::invoke_async` does. Nothing scans: every key is named.
+//! `u64`). Scripts run with EVALSHA and fall back to `SCRIPT LOAD` on `NOSCRIPT` (after a
+//! restart or failover). Each call's command is built once, its arguments written straight into
+//! it (a `ScriptCall`, not redis-rs's `ScriptInvocation`, which copies them on every attempt).
+//! Nothing scans: every key is named.
 //! Backend errors are logged at `debug` and surface as [`StoreError::Unavailable`] only.
 
 use std::sync::Arc;
@@ -243,6 +245,39 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// One script call, written straight into the `EVALSHA` command that goes to Redis.
+///
+/// redis-rs's `ScriptInvocation` gathers keys and arguments in vectors of their own and copies
+/// them into a fresh command on every attempt; a report's ≈ 16 KB of counters were written
+/// into a growing vector, then copied into the command. Here each argument is written once,
+/// into a command sized for it, and the same command is sent again after a `NOSCRIPT`. (redis-rs
+/// still copies the command twice on its way to the socket: packed, then into its codec's
+/// buffer.) Keys go first, as `EVALSHA` wants them: every key is given to [`ScriptCall::new`].
+struct ScriptCall<'a> {
+    script: &'a Script,
+    cmd: redis::Cmd,
+}
+
+impl<'a> ScriptCall<'a> {
+    /// `EVALSHA <script's SHA-1> <keys.len()> <keys…>`, with room for `args` more arguments
+    /// of about `arg_bytes` in all.
+    fn new(script: &'a Script, keys: &[&str], args: usize, arg_bytes: usize) -> Self {
+        let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+        let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args, 64 + key_bytes + arg_bytes);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        for key in keys {
+            cmd.arg(*key);
+        }
+        Self { script, cmd }
+    }
+
+    /// Adds an argument (`ARGV[n]`, in order).
+    fn arg(&mut self, arg: impl redis::ToRedisArgs) -> &mut Self {
+        self.cmd.arg(arg);
+        self
+    }
+}
+
 fn status(s: &str) -> Result<(), StoreError> {
     match s {
         "OK" => Ok(()),
@@ -320,12 +355,8 @@ impl RedisStore {
 
     /// Runs a write script, then, with a durability setting, `WAIT`s on the master that ran
     /// it (the one holding `key`) until enough replicas have it.
-    async fn run_write(
-        &self,
-        inv: &redis::ScriptInvocation<'_>,
-        key: &str,
-    ) -> Result<String, StoreError> {
-        let answer = self.run(inv).await?;
+    async fn run_write(&self, call: &ScriptCall<'_>, key: &str) -> Result<String, StoreError> {
+        let answer = self.run(call).await?;
         let Some(d) = self.durability else {
             return Ok(answer);
         };
@@ -360,27 +391,30 @@ impl RedisStore {
         Ok(answer)
     }
 
-    /// Runs a script: EVALSHA, loading it on `NOSCRIPT` (redis-rs does one reload); a second
-    /// `NOSCRIPT` in a row (the cache flushed again in between, e.g. during a failover) is
-    /// retried, at most twice more.
-    async fn run(&self, inv: &redis::ScriptInvocation<'_>) -> Result<String, StoreError> {
+    /// Runs a script: EVALSHA, and on `NOSCRIPT` (the script cache is empty after a restart or
+    /// a failover) `SCRIPT LOAD` and the same EVALSHA again; at most three loads in a row (the
+    /// cache can be flushed again in between, e.g. during a failover).
+    async fn run(&self, call: &ScriptCall<'_>) -> Result<String, StoreError> {
         let mut conn = self.conn();
-        let mut attempts = 0;
+        let mut loads = 0;
         loop {
-            match inv.invoke_async::<String>(&mut conn).await {
+            let e = match call.cmd.query_async::<String>(&mut conn).await {
                 Ok(v) => return Ok(v),
                 Err(e)
-                    if attempts < 2
+                    if loads < 3
                         && e.kind()
                             == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                 {
-                    attempts += 1;
+                    loads += 1;
+                    match call.script.load_async(&mut conn).await {
+                        Ok(_) => continue,
+                        Err(e) => e,
+                    }
                 }
-                Err(e) => {
-                    self.recover().await;
-                    return Err(backend(&e));
-                }
-            }
+                Err(e) => e,
+            };
+            self.recover().await;
+            return Err(backend(&e));
         }
     }
 
@@ -473,51 +507,53 @@ impl RedisStore {
         (self.report_epoch.get_hash(), self.ack_epoch.get_hash())
     }
 
-    /// The report script and its keys/args for `report` (the load tool's raw EVALSHA baseline).
-    pub fn report_invocation(
-        &self,
-        report: &Report,
-        session_ttl: Duration,
-        report_ttl: Duration,
-    ) -> redis::ScriptInvocation<'_> {
-        self.report_invocation_of(&self.report, report, session_ttl, report_ttl)
-    }
-
-    /// The ACK `script` ([`ACK`], or it returning the epoch too) with `ack`'s keys and args.
-    fn ack_invocation<'a>(
+    /// The ACK `script` ([`ACK`], or it returning the epoch too, then with `epoch_key` as its
+    /// last key) with `ack`'s keys and args.
+    fn ack_call<'a>(
         &self,
         script: &'a Script,
         ack: &SnapshotAcknowledgement,
         ttl: Duration,
-    ) -> redis::ScriptInvocation<'a> {
-        let mut inv = script.prepare_invoke();
-        inv.key(self.key("session", &ack.worker_id))
-            .key(self.key("snapshot", &ack.worker_id))
-            .key(self.key("runtime", &ack.worker_id))
-            .arg(hex(&ack.session_id))
+        epoch_key: Option<&str>,
+    ) -> ScriptCall<'a> {
+        let (session, snapshot, runtime) = (
+            self.key("session", &ack.worker_id),
+            self.key("snapshot", &ack.worker_id),
+            self.key("runtime", &ack.worker_id),
+        );
+        let mut keys = vec![session.as_str(), snapshot.as_str(), runtime.as_str()];
+        keys.extend(epoch_key);
+        let mut call = ScriptCall::new(script, &keys, 6, 160);
+        call.arg(hex(&ack.session_id))
             .arg(ack.tuple.version)
             .arg(ack.tuple.ownership_epoch)
             .arg(hex(&ack.checksum))
             .arg(if ack.applied { "1" } else { "0" })
             .arg(millis(ttl));
-        inv
+        call
     }
 
-    /// The report `script` ([`REPORT`], or it returning the epoch too) with `report`'s keys and
-    /// args.
-    fn report_invocation_of<'a>(
+    /// The report `script` ([`REPORT`], or it returning the epoch too, then with `epoch_key`
+    /// as its last key) with `report`'s keys and args.
+    fn report_call<'a>(
         &self,
         script: &'a Script,
         report: &Report,
         session_ttl: Duration,
         report_ttl: Duration,
-    ) -> redis::ScriptInvocation<'a> {
+        epoch_key: Option<&str>,
+    ) -> ScriptCall<'a> {
         let digest = report.digest();
+        let (session, runtime) = (
+            self.key("session", &report.worker_id),
+            self.key("runtime", &report.worker_id),
+        );
+        let mut keys = vec![session.as_str(), runtime.as_str()];
+        keys.extend(epoch_key);
+        // The blob's two decimal lines are at most 41 bytes; the other arguments at most 200.
         let blob = StoredReport(report);
-        let mut inv = script.prepare_invoke();
-        inv.key(self.key("session", &report.worker_id))
-            .key(self.key("runtime", &report.worker_id))
-            .arg(hex(&report.session_id))
+        let mut call = ScriptCall::new(script, &keys, 8, 256 + report.canonical_counters().len());
+        call.arg(hex(&report.session_id))
             .arg(report.sequence)
             .arg(report.tuple.version)
             .arg(report.tuple.ownership_epoch)
@@ -525,7 +561,7 @@ impl RedisStore {
             .arg(blob)
             .arg(millis(session_ttl))
             .arg(millis(report_ttl));
-        inv
+        call
     }
 
     /// Reads a worker's session and its report sequence fence (tests and the crash-test model
@@ -632,25 +668,23 @@ fn decode_runtime(blob: &[u8]) -> Option<(u64, i64, Vec<Counter>)> {
 #[async_trait]
 impl ControlStore for RedisStore {
     async fn current_ownership_epoch(&self) -> Result<u64, StoreError> {
-        let mut inv = self.epoch.prepare_invoke();
-        inv.key(self.epoch_key());
-        let v = self.run(&inv).await?;
+        let v = self
+            .run(&ScriptCall::new(&self.epoch, &[&self.epoch_key()], 0, 0))
+            .await?;
         let epoch = v.parse::<u64>().map_err(|_| StoreError::Unavailable)?;
         Ok(epoch.max(1))
     }
 
     async fn open_session(&self, session: &Session, ttl: Duration) -> Result<(), StoreError> {
-        let mut inv = self.open.prepare_invoke();
-        inv.key(self.key("session", &session.worker_id))
-            .key(self.key("runtime", &session.worker_id))
-            .arg(hex(&session.session_id))
+        let (key, runtime) = (
+            self.key("session", &session.worker_id),
+            self.key("runtime", &session.worker_id),
+        );
+        let mut call = ScriptCall::new(&self.open, &[&key, &runtime], 3, 256);
+        call.arg(hex(&session.session_id))
             .arg(&session.instance_id)
             .arg(millis(ttl));
-        status(
-            &self
-                .run_write(&inv, &self.key("session", &session.worker_id))
-                .await?,
-        )
+        status(&self.run_write(&call, &key).await?)
     }
 
     async fn record_issued_snapshot(
@@ -659,17 +693,13 @@ impl ControlStore for RedisStore {
         reference: SnapshotReference,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let mut inv = self.record.prepare_invoke();
-        inv.key(self.key("snapshot", worker_id))
-            .arg(reference.tuple.version)
+        let key = self.key("snapshot", worker_id);
+        let mut call = ScriptCall::new(&self.record, &[&key], 4, 128);
+        call.arg(reference.tuple.version)
             .arg(reference.tuple.ownership_epoch)
             .arg(hex(&reference.checksum))
             .arg(millis(ttl));
-        status(
-            &self
-                .run_write(&inv, &self.key("snapshot", worker_id))
-                .await?,
-        )
+        status(&self.run_write(&call, &key).await?)
     }
 
     async fn acknowledge_snapshot(
@@ -677,10 +707,10 @@ impl ControlStore for RedisStore {
         ack: &SnapshotAcknowledgement,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let inv = self.ack_invocation(&self.ack, ack, ttl);
+        let call = self.ack_call(&self.ack, ack, ttl, None);
         status(
             &self
-                .run_write(&inv, &self.key("session", &ack.worker_id))
+                .run_write(&call, &self.key("session", &ack.worker_id))
                 .await?,
         )
     }
@@ -691,10 +721,10 @@ impl ControlStore for RedisStore {
         session_ttl: Duration,
         report_ttl: Duration,
     ) -> Result<(), StoreError> {
-        let inv = self.report_invocation(report, session_ttl, report_ttl);
+        let call = self.report_call(&self.report, report, session_ttl, report_ttl, None);
         status(
             &self
-                .run_write(&inv, &self.key("session", &report.worker_id))
+                .run_write(&call, &self.key("session", &report.worker_id))
                 .await?,
         )
     }
@@ -712,11 +742,10 @@ impl ControlStore for RedisStore {
             }
             return Ok((outcome, self.current_ownership_epoch().await?));
         }
-        let mut inv = self.ack_invocation(&self.ack_epoch, ack, ttl);
-        inv.key(self.epoch_key());
+        let call = self.ack_call(&self.ack_epoch, ack, ttl, Some(&self.epoch_key()));
         status_and_epoch(
             &self
-                .run_write(&inv, &self.key("session", &ack.worker_id))
+                .run_write(&call, &self.key("session", &ack.worker_id))
                 .await?,
         )
     }
@@ -734,20 +763,25 @@ impl ControlStore for RedisStore {
             }
             return Ok((outcome, self.current_ownership_epoch().await?));
         }
-        let mut inv =
-            self.report_invocation_of(&self.report_epoch, report, session_ttl, report_ttl);
-        inv.key(self.epoch_key());
+        let epoch_key = self.epoch_key();
+        let call = self.report_call(
+            &self.report_epoch,
+            report,
+            session_ttl,
+            report_ttl,
+            Some(&epoch_key),
+        );
         status_and_epoch(
             &self
-                .run_write(&inv, &self.key("session", &report.worker_id))
+                .run_write(&call, &self.key("session", &report.worker_id))
                 .await?,
         )
     }
 }
 
 /// The stored runtime blob of a report, `sequence '\n' observed_at '\n'` and the canonical
-/// counters, written straight into the script's argument: the counters (about 16 KB for 1000)
-/// are copied once on their way to Redis's command buffer, not first into a blob of their own.
+/// counters, written straight into the script's argument in the [`ScriptCall`]'s command: the
+/// counters (about 16 KB for 1000) are not first copied into a blob of their own.
 struct StoredReport<'a>(&'a Report);
 
 impl redis::ToRedisArgs for StoredReport<'_> {

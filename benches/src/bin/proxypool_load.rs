@@ -704,12 +704,7 @@ async fn main() {
         observed_at_unix_ms: 1_700_000_000_000,
         counters: Default::default(),
     };
-    let s: String = store
-        .report_invocation(&heartbeat, TTL, TTL)
-        .invoke_async(&mut store.connection())
-        .await
-        .unwrap();
-    assert_eq!(s, "OK");
+    store.replace_runtime(&heartbeat, TTL, TTL).await.unwrap();
     let report_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(report_workers));
     let mix_workers: Shared<Worker> = Arc::new(tokio::sync::Mutex::new(mix_workers));
     let raw1k: Shared<RawArgs> = Arc::new(tokio::sync::Mutex::new(raw1k));

@@ -293,6 +293,19 @@ struct Counts {
     cached: Option<u64>,
 }
 
+impl Counts {
+    /// A document whose counts are absent or unread: worth reporting only if it ends its
+    /// stream.
+    fn end_only(ends: bool) -> Option<Self> {
+        ends.then_some(Self {
+            ends,
+            input: None,
+            output: None,
+            cached: None,
+        })
+    }
+}
+
 /// What one JSON document reports (see [`UsageScanner`] for the dialects): `None` when it
 /// neither carries counts nor ends its stream.
 fn usage_of(json: &[u8]) -> Option<Counts> {
@@ -308,24 +321,14 @@ fn usage_of(json: &[u8]) -> Option<Counts> {
         // parse, only for such documents).
         let ends =
             serde_json::from_slice::<Typed<'_>>(json).is_ok_and(|t| ends_stream(t.kind.as_deref()));
-        return ends.then_some(Counts {
-            ends,
-            input: None,
-            output: None,
-            cached: None,
-        });
+        return Counts::end_only(ends);
     };
     let ends = ends_stream(doc.kind.as_deref());
     let Some(u) = object(doc.usage)
         .or_else(|| doc.response.and_then(|r| object(r.usage)))
         .or_else(|| doc.message.and_then(|m| object(m.usage)))
     else {
-        return ends.then_some(Counts {
-            ends,
-            input: None,
-            output: None,
-            cached: None,
-        });
+        return Counts::end_only(ends);
     };
     let n = |k: &str| u.get(k).and_then(serde_json::Value::as_u64);
     let detail = |k: &str| {
