@@ -13,7 +13,8 @@
 //! - **throughput**: one bulk SSE stream through the tunnel, against the same provider called
 //!   directly, against raw TLS 1.3 on loopback, and against the relay floor (the provider's
 //!   response copied by a bare relay into one TLS connection: the mesh's hops without its
-//!   code); rates and this process's CPU per MiB. `MESH_LOAD_PROFILE_MESH=N` runs only the
+//!   code; once by one task that reads then writes, once by a reader task and a writer task
+//!   that run at the same time); rates and this process's CPU per MiB. `MESH_LOAD_PROFILE_MESH=N` runs only the
 //!   mesh path, N times (for `perf record`).
 //! - **idle**: memory per idle connected Node at the Edge: the Edge runs in a child process
 //!   (this binary with `--edge-child`) and its RSS is read from `/proc` before and after N Nodes
@@ -291,7 +292,12 @@ async fn raw_tls_throughput(ca: &Ca) -> f64 {
 /// come into one TLS 1.3 connection, whose reader counts them: a provider hop and a TLS hop,
 /// as Edge → Node → provider has, with nothing parsed, framed or credited. Returns the body's
 /// bytes per second (the count includes the response's head and chunk sizes).
-async fn relay_floor_throughput(ca: &Ca, provider: SocketAddr) -> f64 {
+///
+/// With `pipelined`, the relay reads the provider in one task and writes TLS in another (a
+/// channel of eight 64 KiB chunks between them), so that the read and the encryption run on
+/// both cores at once, as the mesh's Node and Edge do; without it, one task reads and then
+/// writes, as `tokio::io::copy` does.
+async fn relay_floor_throughput(ca: &Ca, provider: SocketAddr, pipelined: bool) -> f64 {
     let (acceptor, connector) = tls_pair(ca);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -312,11 +318,32 @@ async fn relay_floor_throughput(ca: &Ca, provider: SocketAddr) -> f64 {
         )
         .await
         .unwrap();
-        let mut buf = vec![0u8; BULK_CHUNK];
-        loop {
-            match up.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(k) => tls.write_all(&buf[..k]).await.unwrap(),
+        if pipelined {
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(8);
+            tokio::spawn(async move {
+                loop {
+                    let mut buf = vec![0u8; BULK_CHUNK];
+                    match up.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            buf.truncate(k);
+                            if tx.send(buf).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+            while let Some(chunk) = rx.recv().await {
+                tls.write_all(&chunk).await.unwrap();
+            }
+        } else {
+            let mut buf = vec![0u8; BULK_CHUNK];
+            loop {
+                match up.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => tls.write_all(&buf[..k]).await.unwrap(),
+                }
             }
         }
         tls.shutdown().await.ok();
@@ -410,7 +437,8 @@ async fn throughput(ca: &Ca) {
     }
     let client = reqwest::Client::new();
     let raw = rate_and_cpu(raw_tls_throughput(ca)).await;
-    let floor = rate_and_cpu(relay_floor_throughput(ca, p)).await;
+    let floor = rate_and_cpu(relay_floor_throughput(ca, p, false)).await;
+    let floor2 = rate_and_cpu(relay_floor_throughput(ca, p, true)).await;
     let direct = rate_and_cpu(async {
         let t = Instant::now();
         let n = direct_once(&client, &format!("http://{p}/v1/bulk")).await;
@@ -426,19 +454,23 @@ async fn throughput(ca: &Ca) {
     .await;
     let mib = |b: f64| b / (1024.0 * 1024.0);
     println!("\n## throughput: one {} MiB SSE stream\n", BULK_BYTES >> 20);
-    println!("| path | MiB/s | vs raw TLS | vs relay floor | CPU ms per MiB (both cores) |");
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| path | MiB/s | vs raw TLS | vs relay floor | vs two-task relay | CPU ms per MiB (both cores) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
     for (name, (rate, cpu)) in [
         ("raw TLS 1.3 loopback (baseline)", raw),
         ("relay floor: provider → bare relay → TLS", floor),
+        ("relay floor, two tasks (read ∥ encrypt)", floor2),
         ("direct to provider (HTTP/1.1)", direct),
         ("edge → node → provider", mesh),
     ] {
         println!(
-            "| {name} | {:.0} | {:.2}× | {:.2}× | {:.3} |",
+            "| {name} | {:.0} | {:.2}× | {:.2}× | {:.2}× | {:.3} |",
             mib(rate),
             rate / raw.0,
             rate / floor.0,
+            rate / floor2.0,
             cpu.as_secs_f64() * 1e3
         );
     }
