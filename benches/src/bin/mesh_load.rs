@@ -14,8 +14,8 @@
 //!   directly, against raw TLS 1.3 on loopback, and against the relay floor (the provider's
 //!   response copied by a bare relay into one TLS connection: the mesh's hops without its
 //!   code; once by one task that reads then writes, once by a reader task and a writer task
-//!   that run at the same time); rates and this process's CPU per MiB. `MESH_LOAD_PROFILE_MESH=N` runs only the
-//!   mesh path, N times (for `perf record`).
+//!   that run at the same time); rates and this process's CPU per MiB.
+//!   `MESH_LOAD_PROFILE_MESH=N` runs only the mesh path, N times (for `perf record`).
 //! - **idle**: memory per idle connected Node at the Edge: the Edge runs in a child process
 //!   (this binary with `--edge-child`) and its RSS is read from `/proc` before and after N Nodes
 //!   (default 1000) connect and become ready.
@@ -455,12 +455,12 @@ async fn throughput(ca: &Ca) {
     let mib = |b: f64| b / (1024.0 * 1024.0);
     println!("\n## throughput: one {} MiB SSE stream\n", BULK_BYTES >> 20);
     println!(
-        "| path | MiB/s | vs raw TLS | vs relay floor | vs two-task relay | CPU ms per MiB (both cores) |"
+        "| path | MiB/s | vs raw TLS | vs one-task relay | vs two-task relay | CPU ms per MiB (both cores) |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
     for (name, (rate, cpu)) in [
         ("raw TLS 1.3 loopback (baseline)", raw),
-        ("relay floor: provider → bare relay → TLS", floor),
+        ("relay floor, one task: provider → bare relay → TLS", floor),
         ("relay floor, two tasks (read ∥ encrypt)", floor2),
         ("direct to provider (HTTP/1.1)", direct),
         ("edge → node → provider", mesh),
