@@ -32,7 +32,14 @@ use proxypool_controller::server::{self, StartError};
     about = "proxy-pool WorkerControlPlane controller (RegisterWorker, AcknowledgeSnapshot, ReportRuntime; WatchSnapshots and ReportOutcomes answer UNIMPLEMENTED)"
 )]
 struct Cli {
-    /// Configuration file (TOML).
+    /// Configuration file (TOML, the seed's key names; durations written 10s, 500ms, 2m). Keys:
+    /// [controlPlane] enabled (false: no gRPC listener), listen, protocolVersion,
+    /// heartbeatInterval, sessionTTL, maxStaleAge, maxMessageBytes, maxRuntimeCounters,
+    /// maxConcurrentStreams, shutdownTimeout, minPingInterval; [controlPlane.tls] mode
+    /// (disabled, on loopback only | mtls), serverCert, serverKey, clientCA, trustDomain,
+    /// environment, reloadInterval; [redis] (required when enabled) url, namespace, cluster,
+    /// waitReplicas, waitTimeout; [admin] listen (/healthz, /readyz, /metrics). An annotated
+    /// example with every default: the proxypool_controller::config crate docs.
     #[arg(long)]
     config: PathBuf,
     /// Validate the configuration and exit.
