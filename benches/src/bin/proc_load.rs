@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! cargo build --release -p iop-bins && cargo run --release -p iop-benches --bin proc_load
+//! cargo run --release -p iop-benches --bin proc_load -- instructions
 //! PROC_LOAD_RATES=100,500,1000 PROC_LOAD_SECONDS=5 cargo run --release -p iop-benches --bin proc_load -- latency
 //! IOP_EDGE_BIN=/old/iop-edge IOP_NODE_BIN=/old/iop-node cargo run --release -p iop-benches --bin proc_load
 //! ```
@@ -36,6 +37,13 @@
 //!   the Node's resident memory and open descriptors are read from `/proc`, against their
 //!   values before. The same through the two mTLS relays (the floor) in the same run. Then the
 //!   clients go away and the figures are read again.
+//! - **instructions** (`proc_load instructions`, not in the default run; needs `valgrind`):
+//!   the Edge, the Node and the two mTLS relays each run under callgrind, and the user-space
+//!   instructions each spends per request (non-streaming and streaming, `PROC_LOAD_REQUESTS`
+//!   of each, default 1000, on one keep-alive connection after 300 to warm up) are printed
+//!   beside each other. A count, repeatable to a fraction of a percent on a noisy machine
+//!   where the timings above swing by more than most changes move them; it leaves out the
+//!   kernel and cold caches, which the timings include.
 //! - **tracing** (`proc_load tracing`, not in the default run): three meshes at once, tracing
 //!   off, on at 1 % sampling and on at 100 %, all exporting over OTLP/HTTP to a minimal
 //!   collector process (this binary as `proc_load collector`, which reads and discards the
@@ -170,12 +178,13 @@ struct Mesh {
 }
 
 fn start(dir: &Path) -> Mesh {
-    start_with(dir, "")
+    start_with(dir, "", None)
 }
 
 /// The mesh, with `telemetry` (a `[telemetry]` table, or nothing) in the Edge's and the
-/// Node's configuration.
-fn start_with(dir: &Path, telemetry: &str) -> Mesh {
+/// Node's configuration; with `callgrind`, the Edge and the Node run under it and write their
+/// profiles there (`iop-edge.out`, `iop-node.out`).
+fn start_with(dir: &Path, telemetry: &str, callgrind: Option<&Path>) -> Mesh {
     let ca = Ca::new("proc_load CA");
     let edge_leaf = ca.workload(role::EDGE, "edge-1", true);
     let node_leaf = ca.workload(role::NODE, "node-1", false);
@@ -209,8 +218,9 @@ fn start_with(dir: &Path, telemetry: &str) -> Mesh {
     std::fs::write(dir.join("edge.toml"), edge + telemetry).unwrap();
     std::fs::write(dir.join("node.toml"), node + telemetry).unwrap();
     let spawn = |var: &str, name: &str, config: &str| {
+        let mut command = under_callgrind(callgrind, name, bin(var, name));
         Killed(
-            Command::new(bin(var, name))
+            command
                 .arg("--config")
                 .arg(dir.join(config))
                 .env("RUST_LOG", "warn")
@@ -314,6 +324,16 @@ fn relay(listen: u16, target: u16, mode: RelayMode, dir: &Path) {
 
 /// Two relays in a row in front of the upstream; the port clients use.
 fn relays(dir: &Path, upstream: u16, tls: bool) -> (Killed, Killed, u16) {
+    relays_with(dir, upstream, tls, None)
+}
+
+/// [`relays`], under callgrind when asked (`relay-out.out`, `relay-in.out`).
+fn relays_with(
+    dir: &Path,
+    upstream: u16,
+    tls: bool,
+    callgrind: Option<&Path>,
+) -> (Killed, Killed, u16) {
     let (first, second) = (free_port(), free_port());
     let (m1, m2) = if tls {
         ("tls-out", "tls-in")
@@ -321,8 +341,14 @@ fn relays(dir: &Path, upstream: u16, tls: bool) -> (Killed, Killed, u16) {
         ("plain", "plain")
     };
     let spawn = |listen: u16, target: u16, mode: &str| {
+        let name = if mode == "tls-in" {
+            "relay-in"
+        } else {
+            "relay-out"
+        };
+        let mut command = under_callgrind(callgrind, name, std::env::current_exe().unwrap());
         Killed(
-            Command::new(std::env::current_exe().unwrap())
+            command
                 .args(["relay", &listen.to_string(), &target.to_string(), mode])
                 .arg(dir)
                 .stdout(Stdio::null())
@@ -335,6 +361,141 @@ fn relays(dir: &Path, upstream: u16, tls: bool) -> (Killed, Killed, u16) {
     let a = spawn(first, second, m1);
     wait_port(first);
     (a, b, first)
+}
+
+// === Instructions per request (callgrind) ===
+
+/// `program`, or `valgrind --tool=callgrind … program` writing its profiles to
+/// `DIR/NAME.out` when `callgrind` is `Some(DIR)`.
+fn under_callgrind(callgrind: Option<&Path>, name: &str, program: std::path::PathBuf) -> Command {
+    let Some(dir) = callgrind else {
+        return Command::new(program);
+    };
+    let mut command = Command::new("valgrind");
+    command
+        .arg("--tool=callgrind")
+        .arg(format!(
+            "--callgrind-out-file={}",
+            dir.join(format!("{name}.out")).display()
+        ))
+        .args(["--dump-instr=no", "--quiet"])
+        .arg(program);
+    command
+}
+
+/// `callgrind_control ACTION PID`, which waits until the process has acted.
+fn callgrind_control(action: &str, pid: u32) {
+    let status = Command::new("callgrind_control")
+        .args([action, &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("callgrind_control (Debian package valgrind)");
+    assert!(status.success(), "callgrind_control {action} {pid}");
+}
+
+/// The instructions of the newest dump of `DIR/NAME.out` (`NAME.out.1`, `.2`, …).
+fn last_dump(dir: &Path, name: &str) -> u64 {
+    let prefix = format!("{name}.out.");
+    let newest = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let file = e.unwrap().file_name().into_string().ok()?;
+            let n: u32 = file.strip_prefix(&prefix)?.parse().ok()?;
+            Some((n, file))
+        })
+        .max()
+        .expect("a callgrind dump");
+    let text = std::fs::read_to_string(dir.join(newest.1)).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("summary: "))
+        .expect("a summary line")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// `proc_load instructions`: user-space instructions per request in each process of the
+/// path, counted by callgrind, the mesh (Edge, Node) beside the two mTLS relays (the floor)
+/// in the same run. A count, not a time: the same binaries and requests give the same figure
+/// within a fraction of a percent whatever else the machine does, so a change's effect on
+/// the work per request can be read off one run on a noisy machine. It leaves out the kernel
+/// (about 40 % of the Edge's time at saturation: sockets, wake-ups) and the cost of cold caches.
+/// `PROC_LOAD_REQUESTS` (default 1000) requests of each kind on one keep-alive connection,
+/// after 300 to warm up.
+async fn instructions(dir: &Path, mesh: &Mesh, relays: &[&Killed; 2], relay_port: u16) {
+    let n: u32 = std::env::var("PROC_LOAD_REQUESTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    let paths = [
+        (
+            "mesh",
+            mesh.http,
+            [
+                ("Edge", "iop-edge", &mesh.edge),
+                ("Node", "iop-node", &mesh.node),
+            ],
+        ),
+        (
+            "TLS relays",
+            relay_port,
+            [
+                ("relay (Edge's place)", "relay-out", relays[0]),
+                ("relay (Node's place)", "relay-in", relays[1]),
+            ],
+        ),
+    ];
+    let mut rows = Vec::new();
+    for stream in [false, true] {
+        for (path, port, processes) in &paths {
+            let request = post_json(*port, "/v1/chat/completions", &body(stream));
+            let mut client = RawHttp::connect(*port).await.unwrap();
+            for _ in 0..300 {
+                assert_eq!(client.exchange(&request).await.unwrap().status, 200);
+            }
+            for (_, _, p) in processes {
+                callgrind_control("-z", p.0.id());
+            }
+            for _ in 0..n {
+                assert_eq!(client.exchange(&request).await.unwrap().status, 200);
+            }
+            let mut counts = Vec::new();
+            for (label, name, p) in processes {
+                callgrind_control("-d", p.0.id());
+                counts.push((*label, last_dump(dir, name) / u64::from(n)));
+            }
+            rows.push((stream, *path, counts));
+        }
+    }
+    println!(
+        "\n**User-space instructions per request (callgrind)**, {n} requests of each kind on one keep-alive connection:\n"
+    );
+    println!("| request | path | per process | both |");
+    println!("|---|---|---|---:|");
+    for (stream, path, counts) in &rows {
+        let kind = if *stream {
+            "streaming"
+        } else {
+            "non-streaming"
+        };
+        let each: Vec<String> = counts.iter().map(|(l, c)| format!("{l} {c}")).collect();
+        let total: u64 = counts.iter().map(|(_, c)| c).sum();
+        println!("| {kind} | {path} | {} | {total} |", each.join(", "));
+    }
+    for stream in [false, true] {
+        let total = |path: &str| -> u64 {
+            rows.iter()
+                .filter(|(s, p, _)| *s == stream && *p == path)
+                .flat_map(|(_, _, c)| c.iter().map(|(_, c)| c))
+                .sum()
+        };
+        println!(
+            "\n{}: mesh ÷ relays {:.2}×",
+            if stream { "streaming" } else { "non-streaming" },
+            total("mesh") as f64 / total("TLS relays") as f64
+        );
+    }
 }
 
 // === What an open stream holds ===
@@ -745,7 +906,7 @@ fn tracing_cost(dir: &Path) {
             let t = ratio.map_or(String::new(), |r| {
                 format!("[telemetry]\notlp_endpoint = \"http://127.0.0.1:{cport}\"\nsample_ratio = {r}\n")
             });
-            start_with(&sub, &t)
+            start_with(&sub, &t, None)
         })
         .collect();
     let rate: u32 = std::env::var("PROC_LOAD_TRACE_RATE")
@@ -936,7 +1097,7 @@ fn main() {
                 "[telemetry]\notlp_endpoint = \"http://127.0.0.1:{cport}\"\nsample_ratio = {ratio}\n"
             )
         };
-        let m = start_with(&dir, &t);
+        let m = start_with(&dir, &t, None);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -1000,6 +1161,36 @@ fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = std::env::temp_dir().join(format!("proc_load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    if part == "instructions" {
+        let profiles = dir.join("callgrind");
+        std::fs::create_dir_all(&profiles).unwrap();
+        assert!(
+            Command::new("valgrind").arg("--version").output().is_ok(),
+            "proc_load instructions needs valgrind (Debian: apt-get install valgrind)"
+        );
+        let mesh = start_with(&dir, "", Some(&profiles));
+        let (out, inward, relay_port) = relays_with(&dir, mesh.upstream, true, Some(&profiles));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // Under callgrind a process starts many times slower.
+            let pool = Pool::new(mesh.http, false);
+            let start = Instant::now();
+            while !pool.once_ok().await {
+                assert!(
+                    start.elapsed() < Duration::from_secs(120),
+                    "mesh did not start"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            instructions(&profiles, &mesh, &[&out, &inward], relay_port).await;
+        });
+        drop((mesh, out, inward));
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     let mesh = start(&dir);
     println!(
         "proc_load: edge {} (pid {}), node {} (pid {}); {} cores",

@@ -203,14 +203,17 @@ fn skip_ws(b: &[u8], mut i: usize) -> usize {
 }
 
 /// The index just past the string that opens at `i` (a `"`).
+///
+/// Jumps from one quote or backslash to the next with `memchr` (a prompt is mostly one long
+/// string: byte by byte, this scan was 6 % of the Edge's instructions per request).
 fn string_end(b: &[u8], i: usize) -> Option<usize> {
     let mut j = i + 1;
     loop {
-        match *b.get(j)? {
-            b'"' => return Some(j + 1),
-            b'\\' => j += 2,
-            _ => j += 1,
+        j += memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
+        if b[j] == b'"' {
+            return Some(j + 1);
         }
+        j += 2;
     }
 }
 
