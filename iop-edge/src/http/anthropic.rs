@@ -67,9 +67,11 @@ pub(super) async fn messages(
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    measured(&state, Endpoint::Messages, || {
-        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body)
-    })
+    measured(
+        &state,
+        Endpoint::Messages,
+        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
+    )
     .await
 }
 
@@ -79,7 +81,7 @@ pub(super) async fn count_tokens(
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    measured(&state, Endpoint::CountTokens, || async {
+    measured(&state, Endpoint::CountTokens, async {
         let dialect = Dialect::Messages;
         let parsed = match parse(dialect, body) {
             Ok(p) => p,

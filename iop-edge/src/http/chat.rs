@@ -62,8 +62,10 @@ pub(super) async fn chat_completions(
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    measured(&state, Endpoint::ChatCompletions, || {
-        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body)
-    })
+    measured(
+        &state,
+        Endpoint::ChatCompletions,
+        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
+    )
     .await
 }

@@ -1611,35 +1611,31 @@ async fn serve_admitted(
     render::translated(upstream, dispatched, client).await
 }
 
-/// Records the outcome and duration of a handler in the Edge's metrics, and builds the
-/// handler's work on the heap. Takes the work as a closure and returns a small future of its
-/// own: a future passed by value, or wrapped in a combinator, is moved again each time.
+/// Records the outcome and duration of a handler in the Edge's metrics. A combinator, not an
+/// `async fn`: an `async fn` would hold the handler's future twice (as its argument and as the
+/// future it awaits), and the handler futures are kilobytes that axum moves into a box per
+/// request.
 ///
-/// Why: a chat-like request's future is about 9.4 KB (every step of `serve_route`, down to the
-/// Node dispatch, laid out in one state machine), and axum moves the handler's future by value
-/// (into its own async block, then into a box) before it first polls it. Left in the handler,
-/// that was three copies of about 10 KB per request, 30 KB of the Edge's 43 KB of `memcpy` per
-/// request under callgrind, through a cache a request at 100/s finds cold. The box is
-/// allocated before the work is built (`Box::new_uninit`), so the work is written into it and
-/// not copied there; the future axum moves holds only the handler's arguments and a pointer.
-fn measured<'a, F>(
+/// Tried and not kept (issue #33, `benches/README.md`): building the work here in a box
+/// allocated first (`Box::write(Box::new_uninit(), work())`, the work passed as a closure),
+/// so that axum moves 464 bytes instead of 9,880 three times. It took a quarter of the Edge's
+/// instructions per request (callgrind, 143.6k to 106.7k), but the Edge's CPU per request in
+/// the closed loop at 16 clients came out higher than without it in nine interleaved pairs of
+/// nine, and no timing improved.
+fn measured<'a>(
     state: &'a AppState,
     endpoint: Endpoint,
-    work: impl FnOnce() -> F,
-) -> impl Future<Output = Response> + 'a
-where
-    F: Future<Output = Response> + 'a,
-{
+    response: impl Future<Output = Response> + 'a,
+) -> impl Future<Output = Response> + 'a {
+    use futures_util::FutureExt as _;
     let started = std::time::Instant::now();
-    let work = Box::into_pin(Box::write(Box::new_uninit(), work()));
-    async move {
-        let response = work.await;
+    response.map(move |response| {
         state
             .edge
             .metrics()
             .answered(endpoint, response.status().as_u16(), started.elapsed());
         response
-    }
+    })
 }
 
 // === Models, health, metrics ===
@@ -1655,7 +1651,7 @@ async fn models(
     } else {
         Dialect::Chat
     };
-    measured(&state, Endpoint::Models, || async {
+    measured(&state, Endpoint::Models, async {
         let names: Vec<String> = match authenticate(&state, dialect, &headers, app_key.as_deref()) {
             Err(r) => return r,
             // Managed: the models the caller's principal has routes for.
@@ -1733,28 +1729,6 @@ async fn readyz(State(state): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// axum moves a handler's future by value, twice, before it first polls it. The chat-like
-    /// handlers build their work in a box (`measured`), so what it moves is their arguments
-    /// and a pointer: about 460 bytes in a release build, against 9,880 before (19,272 in a
-    /// debug build).
-    #[test]
-    fn the_handlers_futures_stay_small() {
-        fn future_size<A, B, C, D, F: Future>(_: fn(A, B, C, D) -> F) -> usize {
-            size_of::<F>()
-        }
-        for (handler, size) in [
-            ("chat", future_size(chat::chat_completions)),
-            ("responses", future_size(responses::responses)),
-            ("messages", future_size(anthropic::messages)),
-            ("count_tokens", future_size(anthropic::count_tokens)),
-        ] {
-            assert!(
-                size <= 1024,
-                "the {handler} handler's future is {size} bytes"
-            );
-        }
-    }
 
     fn profile(ops: &[Operation]) -> ConcreteProtocolProfile {
         ConcreteProtocolProfile {

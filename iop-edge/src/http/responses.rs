@@ -69,8 +69,10 @@ pub(super) async fn responses(
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    measured(&state, Endpoint::Responses, || {
-        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body)
-    })
+    measured(
+        &state,
+        Endpoint::Responses,
+        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
+    )
     .await
 }
