@@ -363,6 +363,17 @@ fn relays_with(
     (a, b, first)
 }
 
+/// Waits until a request through `port` is answered 200 (a mesh has started), for at most
+/// `limit`.
+async fn until_up(port: u16, limit: Duration) {
+    let pool = Pool::new(port, false);
+    let start = Instant::now();
+    while !pool.once_ok().await {
+        assert!(start.elapsed() < limit, "mesh did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 // === Instructions per request (callgrind) ===
 
 /// `program`, or `valgrind --tool=callgrind … program` writing its profiles to
@@ -925,14 +936,7 @@ fn tracing_cost(dir: &Path) {
         .unwrap();
     rt.block_on(async {
         for m in &meshes {
-            let pool = Pool::new(m.http, false);
-            let start = Instant::now();
-            while RawHttp::connect(m.http).await.is_err()
-                || !pool.once_ok().await
-            {
-                assert!(start.elapsed() < Duration::from_secs(30), "mesh did not start");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            until_up(m.http, Duration::from_secs(30)).await;
         }
         let path = |m: &Mesh| {
             (
@@ -1103,10 +1107,7 @@ fn main() {
             .build()
             .unwrap();
         rt.block_on(async {
-            let pool = Pool::new(m.http, false);
-            while !pool.once_ok().await {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            until_up(m.http, Duration::from_secs(30)).await;
             let _ = closed_loop(m.http, 64, Duration::from_secs(2)).await;
             let pids = format!("{},{}", m.edge.0.id(), m.node.0.id());
             let mut perf = Command::new("perf")
@@ -1176,15 +1177,7 @@ fn main() {
             .unwrap();
         rt.block_on(async {
             // Under callgrind a process starts many times slower.
-            let pool = Pool::new(mesh.http, false);
-            let start = Instant::now();
-            while !pool.once_ok().await {
-                assert!(
-                    start.elapsed() < Duration::from_secs(120),
-                    "mesh did not start"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            until_up(mesh.http, Duration::from_secs(120)).await;
             instructions(&profiles, &mesh, &[&out, &inward], relay_port).await;
         });
         drop((mesh, out, inward));
@@ -1218,25 +1211,7 @@ fn main() {
     ];
     rt.block_on(async {
         // The mesh is up when a request passes.
-        let pool = Pool::new(mesh.http, false);
-        let start = Instant::now();
-        loop {
-            let ok = match RawHttp::connect(mesh.http).await {
-                Ok(mut c) => c
-                    .exchange(&pool.request)
-                    .await
-                    .is_ok_and(|e| e.status == 200),
-                Err(_) => false,
-            };
-            if ok {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "mesh did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        until_up(mesh.http, Duration::from_secs(30)).await;
         if serve {
             println!(
                 "proc_load: serving: mesh http://127.0.0.1:{}/v1/chat/completions, upstream http://127.0.0.1:{}/v1/chat/completions, TCP relays :{tcp_port}, TLS relays :{tls_port}",
