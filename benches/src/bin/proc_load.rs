@@ -43,7 +43,8 @@
 //!   of each, default 1000, on one keep-alive connection after 300 to warm up) are printed
 //!   beside each other. A count, repeatable to a fraction of a percent on a noisy machine
 //!   where the timings above swing by more than most changes move them; it leaves out the
-//!   kernel and cold caches, which the timings include.
+//!   kernel and cold caches, which the timings include. `PROC_LOAD_PROFILES=DIR` keeps the
+//!   profiles in `DIR` (one file per process and dump) for `callgrind_annotate`.
 //! - **tracing** (`proc_load tracing`, not in the default run): three meshes at once, tracing
 //!   off, on at 1 % sampling and on at 100 %, all exporting over OTLP/HTTP to a minimal
 //!   collector process (this binary as `proc_load collector`, which reads and discards the
@@ -1163,7 +1164,9 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("proc_load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     if part == "instructions" {
-        let profiles = dir.join("callgrind");
+        // `PROC_LOAD_PROFILES=DIR` keeps the profiles there (for `callgrind_annotate`).
+        let profiles = std::env::var_os("PROC_LOAD_PROFILES")
+            .map_or_else(|| dir.join("callgrind"), std::path::PathBuf::from);
         std::fs::create_dir_all(&profiles).unwrap();
         assert!(
             Command::new("valgrind").arg("--version").output().is_ok(),
