@@ -28,12 +28,14 @@
 //! TCP_NODELAY, TLS with the platform's verifier (ring provider), the `Host` header and the
 //! origin-form request line as hyper-util wrote them, and a deadline over the whole exchange
 //! (connecting, headers and body), as reqwest's `timeout` was. A base URL is parsed once; a
-//! request only parses its path. An idle connection the provider closed is noticed when the
-//! next exchange looks at it, or when a connection is released after it has idled past
-//! [`POOL_IDLE`]: until then its socket stays open on the Node's side.
+//! request only parses its path. An idle connection the provider closed is closed on the
+//! Node's side when the next exchange looks at it or at the pool's next sweep (every
+//! [`SWEEP_EVERY`], by a task the first released connection starts), so its socket waits in
+//! `CLOSE_WAIT` for seconds, not until traffic resumes.
 
 use std::future::Future as _;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -159,7 +161,14 @@ type H2Send = http2::SendRequest<Full<Bytes>>;
 #[derive(Debug, Default)]
 struct Pool {
     origins: Mutex<Vec<Origin>>,
+    /// Whether the sweeping task runs (the first connection released starts it).
+    sweeping: AtomicBool,
 }
+
+/// How often idle connections are looked at while no exchange does: those the provider
+/// closed (their sockets would wait in `CLOSE_WAIT`) and those idle past [`POOL_IDLE`] are
+/// closed.
+const SWEEP_EVERY: Duration = Duration::from_secs(15);
 
 #[derive(Debug)]
 struct Origin {
@@ -205,6 +214,7 @@ impl Driven {
         if self.finished {
             return;
         }
+        self.pool.sweep_from_now_on();
         let now = Instant::now();
         let mut origins = self.pool.lock();
         if let Some(o) = origins
@@ -235,6 +245,40 @@ impl Driven {
 const MAX_IDLE: usize = 256;
 
 impl Pool {
+    /// Starts the task that sweeps this pool every [`SWEEP_EVERY`] (once; it ends when the
+    /// pool is dropped).
+    fn sweep_from_now_on(self: &Arc<Self>) {
+        if self.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let pool = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval_at(Instant::now() + SWEEP_EVERY, SWEEP_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(pool) = pool.upgrade() else { return };
+                pool.sweep();
+            }
+        });
+    }
+
+    /// Closes the idle connections the provider closed or that idled past [`POOL_IDLE`]:
+    /// one poll each with a waker that does nothing reads a close that arrived.
+    fn sweep(&self) {
+        let now = Instant::now();
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        for o in self.lock().iter_mut() {
+            o.idle.retain_mut(|i| {
+                now.saturating_duration_since(i.since) < POOL_IDLE
+                    && Pin::new(&mut *i.conn).poll(&mut cx).is_pending()
+            });
+            if o.h2.as_ref().is_some_and(H2Send::is_closed) {
+                o.h2 = None;
+            }
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Origin>> {
         self.origins
             .lock()
@@ -601,7 +645,7 @@ pub(crate) fn request(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpListener;
 
@@ -799,6 +843,35 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
             assert_eq!(p.accepted.load(Ordering::SeqCst), round);
         }
+    }
+
+    fn idle(client: &ProviderHttp) -> usize {
+        client.pool.lock().iter().map(|o| o.idle.len()).sum()
+    }
+
+    /// With no traffic, the sweep closes an idle connection the provider closed (it would
+    /// wait in `CLOSE_WAIT`) and one idle past [`POOL_IDLE`]. Virtual time: the sweeps run as
+    /// the clock jumps; the sockets are real.
+    #[tokio::test(start_paused = true)]
+    async fn the_sweep_closes_connections_the_provider_closed_or_idle_too_long() {
+        let mut p = raw(Answer::Length, 1).await;
+        let client = ProviderHttp::new(None).unwrap();
+        assert_eq!(body(&client, p.addr).await, "ok");
+        assert_eq!(idle(&client), 1);
+        p.close.notify_one();
+        assert_eq!(p.ended.recv().await, Some(1));
+        tokio::time::sleep(SWEEP_EVERY * 2).await;
+        assert_eq!(idle(&client), 0, "closed by the provider");
+
+        let mut p = raw(Answer::Length, usize::MAX).await;
+        assert_eq!(body(&client, p.addr).await, "ok");
+        assert_eq!(idle(&client), 1);
+        tokio::time::sleep(SWEEP_EVERY * 2).await;
+        assert_eq!(idle(&client), 1, "open and young: kept");
+        tokio::time::sleep(POOL_IDLE).await;
+        assert_eq!(idle(&client), 0, "idle too long");
+        // Closed on the Node's side: the provider reads the end of the connection.
+        assert_eq!(p.ended.recv().await, Some(1));
     }
 
     #[tokio::test]
