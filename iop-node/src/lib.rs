@@ -59,13 +59,14 @@
 //!   `ExecutionFailure` follows; an unconfirmed fence keeps the admission permit until the
 //!   provider call returns.
 //! - One task per execution: the session loop spawns it, and it polls the adapter's future
-//!   itself (no second task) beside the watchdog. A streamed piece of a provider's body makes
-//!   one hop inside the Node: the execution's task reads it (it polls its HTTP/1.1
-//!   connection to the provider itself; an HTTP/2 connection has a task of its own), then
-//!   hands it to the session loop (a bounded queue; the loop is the one writer of the TLS
-//!   stream, and the execution must not block on the socket). Providers are called through
-//!   the Node's own connection pool over hyper (`provider_http`): a provider's redirect is
-//!   relayed to the caller, never followed.
+//!   itself (no second task) beside the watchdog. The execution's task polls its HTTP/1.1
+//!   connection to the provider itself until the response's head, and for a short answer
+//!   (at most 64 KiB by `content-length`) until its end; a streamed piece of a provider's
+//!   body makes two hops inside the Node: the connection's task (hyper's body channel) → the
+//!   execution's task → the session loop (a bounded queue; the loop is the one writer of the
+//!   TLS stream, and the execution must not block on the socket). Providers are called
+//!   through the Node's own connection pool over hyper (`provider_http`): a provider's
+//!   redirect is relayed to the caller, never followed.
 //! - A tunnel's body is paced by the reader at the Edge when the Edge gives credit: the Node
 //!   registers with `stream_credit`, and a tunnel opened with a `credit_window` sends at most
 //!   that window ahead of what the Edge's reader consumed (`StreamWindowUpdate` gives it back).

@@ -12,16 +12,23 @@
 //! HTTP/1.1 connection in a task of its own, so each exchange crossed between tasks twice (the
 //! request to the connection's task, the response head and each body piece back), and a
 //! wake-up on this kind of machine costs more than the work it carries. Here an HTTP/1.1
-//! connection is polled by the task of the exchange that uses it: the provider's bytes wake
-//! that task directly, and the connection goes back to the pool when its response was read to
-//! the end (a response dropped before its end closes it, as does `connection: close`). Before
-//! an idle connection is reused it is polled once with a waker that does nothing, which reads
-//! a close the provider sent while it sat idle; a request the connection gives back unsent is
-//! sent again on a new one, as hyper-util retried it. HTTP/2 (an `https` origin that chose it
-//! by ALPN) keeps one shared connection per origin, driven by its own task as before: its
-//! streams belong to many exchanges at once. The Node's CPU per request fell by about a tenth
-//! in interleaved open-loop runs, while it executes a few per cent more instructions
-//! (`benches/README.md`, fifteenth stop).
+//! connection is polled by the task of the exchange that uses it until the response's head
+//! arrived, and for a body of at most [`INLINE_BODY`] bytes (by `content-length`: an ordinary
+//! JSON answer) until its end: the provider's bytes wake that task directly, and the
+//! connection goes back to the pool when the response was read to the end. A streamed or
+//! longer body is handed to a task of the connection's, as hyper-util did, which puts the
+//! connection back once hyper wants the next request: reading the socket then overlaps with
+//! framing on the other core, and reads stay as small as what arrived (read in the exchange's
+//! task, a bulk body ran 15 % slower, and a stalled tunnel's reads grew to hyper's 400 KB
+//! buffer and pinned it: a memory test's peak rose from 2.3–2.6 to 2.6–3.3 MiB). A response
+//! dropped before its end, `connection: close`, or a connection that ended is not reused.
+//! Before an idle connection is reused it is polled once with a waker that does nothing,
+//! which reads a close the provider sent while it sat idle; a request the connection gives
+//! back unsent is sent again on a new one, as hyper-util retried it. HTTP/2 (an `https`
+//! origin that chose it by ALPN) keeps one shared connection per origin, driven by its own
+//! task as before: its streams belong to many exchanges at once. The Node's CPU per request
+//! fell by a tenth to a quarter in interleaved open-loop runs, and its instructions per
+//! request by 11 % (`benches/README.md`, fifteenth stop).
 //!
 //! What is kept: connection pooling and keep-alive (idle connections closed after
 //! [`POOL_IDLE`], at most [`MAX_IDLE`] per origin), HTTP/2 by ALPN on `https` upstreams,
@@ -209,6 +216,24 @@ impl Driven {
         }
     }
 
+    /// The rest of the exchange to a task of the connection's: it polls the connection while
+    /// the body is read elsewhere, and puts it back in the pool once hyper wants the next
+    /// request (the body was read to its end); a body dropped before its end closes it.
+    fn hand_off(mut self) {
+        tokio::spawn(async move {
+            let idle = std::future::poll_fn(|cx| {
+                if Pin::new(&mut *self.conn).poll(cx).is_ready() {
+                    return Poll::Ready(false);
+                }
+                self.send.poll_ready(cx).map(|r| r.is_ok())
+            })
+            .await;
+            if idle {
+                self.release();
+            }
+        });
+    }
+
     /// Back to the pool, after a response read to its end.
     fn release(self) {
         if self.finished {
@@ -243,6 +268,10 @@ impl Driven {
 
 /// Idle HTTP/1.1 connections kept per origin; more are closed when released.
 const MAX_IDLE: usize = 256;
+
+/// A response body of at most this many bytes (by `content-length`) is read by the exchange's
+/// own task; a longer or streamed one by a task of the connection's.
+const INLINE_BODY: u64 = 64 << 10;
 
 impl Pool {
     /// Starts the task that sweeps this pool every [`SWEEP_EVERY`] (once; it ends when the
@@ -479,10 +508,26 @@ impl ProviderHttp {
             .await;
             match outcome {
                 Some(Ok(response)) => {
+                    // A body that may be long (a stream, or more than [`INLINE_BODY`]) is
+                    // read by a task of its own, as hyper-util did: reading the socket then
+                    // overlaps with framing and sending on the other core (bulk bodies ran
+                    // 15 % slower read here), and reads stay as small as what arrived.
+                    let inline = response
+                        .headers()
+                        .get(http::header::CONTENT_LENGTH)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .is_some_and(|n| n <= INLINE_BODY);
+                    let driven = if inline {
+                        Some(driven)
+                    } else {
+                        driven.hand_off();
+                        None
+                    };
                     return Ok(Exchange {
                         response,
                         deadline,
-                        driven: Some(driven),
+                        driven,
                     });
                 }
                 Some(Err(mut e)) => match e.take_message() {
@@ -779,6 +824,9 @@ mod tests {
             let client = ProviderHttp::new(Some(Duration::from_secs(30))).unwrap();
             for _ in 0..3 {
                 assert_eq!(body(&client, p.addr).await, "ok");
+                // A chunked body is read beside a task of the connection's, which puts it
+                // back once hyper is done with the response.
+                back_in_the_pool(&client).await;
             }
             assert_eq!(p.accepted.load(Ordering::SeqCst), 1);
             let heads = p.heads.lock().unwrap().clone();
@@ -849,6 +897,17 @@ mod tests {
         client.pool.lock().iter().map(|o| o.idle.len()).sum()
     }
 
+    /// Waits until the pool holds an idle connection.
+    async fn back_in_the_pool(client: &ProviderHttp) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while idle(client) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the connection went back to the pool");
+    }
+
     /// With no traffic, the sweep closes an idle connection the provider closed (it would
     /// wait in `CLOSE_WAIT`) and one idle past [`POOL_IDLE`]. Virtual time: the sweeps run as
     /// the clock jumps; the sockets are real.
@@ -891,6 +950,7 @@ mod tests {
         drop(ex);
         assert_eq!(p.ended.recv().await, Some(1));
         assert_eq!(body(&client, p.addr).await.len(), 1 << 20);
+        back_in_the_pool(&client).await;
         assert_eq!(body(&client, p.addr).await.len(), 1 << 20);
         assert_eq!(p.accepted.load(Ordering::SeqCst), 2);
     }
