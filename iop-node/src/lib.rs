@@ -60,10 +60,10 @@
 //!   provider call returns.
 //! - One task per execution: the session loop spawns it, and it polls the adapter's future
 //!   itself (no second task) beside the watchdog. The execution's task polls its HTTP/1.1
-//!   connection to the provider itself until the response's head, and for a short answer
-//!   (at most 64 KiB by `content-length`) until its end; a streamed piece of a provider's
-//!   body makes two hops inside the Node: the connection's task (hyper's body channel) → the
-//!   execution's task → the session loop (a bounded queue; the loop is the one writer of the
+//!   connection to the provider itself for the response's head and the first 64 KiB of its
+//!   body (a JSON answer, or a chat stream of a few KiB, whole); past that, a piece of a
+//!   provider's body makes two hops inside the Node: the connection's task (hyper's body
+//!   channel) → the execution's task → the session loop (a bounded queue; the loop is the one writer of the
 //!   TLS stream, and the execution must not block on the socket). Providers are called
 //!   through the Node's own connection pool over hyper (`provider_http`): a provider's
 //!   redirect is relayed to the caller, never followed.
