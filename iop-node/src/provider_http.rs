@@ -240,30 +240,32 @@ impl Driven {
         if self.finished {
             return;
         }
+        // Connections idle too long or closed by the provider go at the pool's sweep.
         self.pool.sweep_from_now_on();
-        let now = Instant::now();
         let mut origins = self.pool.lock();
         if let Some(o) = origins
             .iter_mut()
             .find(|o| o.scheme == self.origin.0 && o.authority == self.origin.1)
+            && o.idle.len() < MAX_IDLE
         {
-            // The oldest first: those idle past [`POOL_IDLE`] are closed here, so an origin
-            // that sees traffic holds no stale connection for long.
-            let stale = o
-                .idle
-                .iter()
-                .take_while(|i| now.saturating_duration_since(i.since) >= POOL_IDLE)
-                .count();
-            o.idle.drain(..stale);
-            if o.idle.len() >= MAX_IDLE {
-                return;
-            }
             o.idle.push(Idle {
                 conn: self.conn,
                 send: self.send,
-                since: now,
+                since: Instant::now(),
             });
         }
+    }
+}
+
+impl Idle {
+    /// Not idle past [`POOL_IDLE`] and not closed by the provider: one poll with a waker that
+    /// does nothing reads a close that arrived (and moves the connection to idle if it was not
+    /// yet).
+    fn usable(&mut self, now: Instant) -> bool {
+        now.saturating_duration_since(self.since) < POOL_IDLE
+            && Pin::new(&mut *self.conn)
+                .poll(&mut Context::from_waker(std::task::Waker::noop()))
+                .is_pending()
     }
 }
 
@@ -297,12 +299,8 @@ impl Pool {
     /// one poll each with a waker that does nothing reads a close that arrived.
     fn sweep(&self) {
         let now = Instant::now();
-        let mut cx = Context::from_waker(std::task::Waker::noop());
         for o in self.lock().iter_mut() {
-            o.idle.retain_mut(|i| {
-                now.saturating_duration_since(i.since) < POOL_IDLE
-                    && Pin::new(&mut *i.conn).poll(&mut cx).is_pending()
-            });
+            o.idle.retain_mut(|i| i.usable(now));
             if o.h2.as_ref().is_some_and(H2Send::is_closed) {
                 o.h2 = None;
             }
@@ -333,22 +331,11 @@ impl Pool {
                 }
                 o.idle.pop()?
             };
-            // Closed while idle? One poll with a waker that does nothing reads a peer's close
-            // (and moves the connection to idle if it was not yet); this exchange's task polls
-            // it from here on.
-            let Idle {
-                mut conn,
-                send,
-                since,
-            } = idle;
-            if now.saturating_duration_since(since) >= POOL_IDLE {
-                continue;
+            let mut idle = idle;
+            if idle.usable(now) && idle.send.is_ready() {
+                // This exchange's task polls it from here on.
+                return Some(Checkout::H1(idle.conn, idle.send));
             }
-            let mut cx = Context::from_waker(std::task::Waker::noop());
-            if Pin::new(&mut conn).poll(&mut cx).is_ready() || !send.is_ready() {
-                continue;
-            }
-            return Some(Checkout::H1(conn, send));
         }
     }
 
