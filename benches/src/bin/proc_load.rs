@@ -36,7 +36,9 @@
 //!   its first event and then nothing for 120 s, opened at once and held while the Edge's and
 //!   the Node's resident memory and open descriptors are read from `/proc`, against their
 //!   values before. The same through the two mTLS relays (the floor) in the same run. Then the
-//!   clients go away and the figures are read again.
+//!   clients go away and the figures are read again. **waiting** (`proc_load waiting`): the
+//!   same with requests whose upstream sends nothing at all for 120 s (a provider slow to
+//!   start its answer): what a request waiting for its response's head holds.
 //! - **instructions** (`proc_load instructions`, not in the default run; needs `valgrind`):
 //!   the Edge, the Node and the two mTLS relays each run under callgrind, and the user-space
 //!   instructions each spends per request (non-streaming and streaming, `PROC_LOAD_REQUESTS`
@@ -108,6 +110,9 @@ fn sse() -> Bytes {
 /// [`HOLD_FOR`] (an open stream that costs only what it holds).
 const HOLD_MARK: &[u8] = b"HOLD-THIS-STREAM";
 const HOLD_FOR: Duration = Duration::from_secs(120);
+/// A request whose body holds this is answered after [`HOLD_FOR`] (a request waiting for its
+/// response's head).
+const WAIT_MARK: &[u8] = b"WAIT-FOR-THE-HEAD";
 
 fn held_response(events: Bytes) -> Response {
     let first = events.slice(..events.iter().position(|&b| b == b'\n').unwrap() + 2);
@@ -146,6 +151,9 @@ fn upstream(port: u16) {
                     let stream = body.windows(13).any(|w| w == b"\"stream\":true");
                     if body.windows(HOLD_MARK.len()).any(|w| w == HOLD_MARK) {
                         return held_response(events);
+                    }
+                    if body.windows(WAIT_MARK.len()).any(|w| w == WAIT_MARK) {
+                        tokio::time::sleep(HOLD_FOR).await;
                     }
                     let (ty, b) = if stream {
                         ("text/event-stream", events)
@@ -513,10 +521,11 @@ async fn instructions(dir: &Path, mesh: &Mesh, relays: &[&Killed; 2], relay_port
 // === What an open stream holds ===
 
 /// `n` streaming requests to `port` whose upstream holds them open, each read to its first
-/// event.
-async fn open_held(port: u16, n: usize) -> Vec<tokio::net::TcpStream> {
+/// event; with `waiting`, requests whose upstream does not answer, given a second to reach it.
+async fn open_held(port: u16, n: usize, waiting: bool) -> Vec<tokio::net::TcpStream> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let prompt = format!("{} {}", String::from_utf8_lossy(HOLD_MARK), "y".repeat(880));
+    let mark = if waiting { WAIT_MARK } else { HOLD_MARK };
+    let prompt = format!("{} {}", String::from_utf8_lossy(mark), "y".repeat(880));
     let body = format!(
         r#"{{"model":"{MODEL}","stream":true,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
     );
@@ -528,6 +537,10 @@ async fn open_held(port: u16, n: usize) -> Vec<tokio::net::TcpStream> {
             .unwrap();
         s.write_all(&request).await.unwrap();
         open.push(s);
+    }
+    if waiting {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        return open;
     }
     for s in &mut open {
         let mut seen = Vec::new();
@@ -541,12 +554,16 @@ async fn open_held(port: u16, n: usize) -> Vec<tokio::net::TcpStream> {
     open
 }
 
-async fn held(m: &Mesh, relays: u16, relay_pids: [u32; 2]) {
+async fn held(m: &Mesh, relays: u16, relay_pids: [u32; 2], waiting: bool) {
     let n: usize = std::env::var("PROC_LOAD_HELD")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(400);
-    println!("\n## held: {n} open streams (first event sent, then the upstream is silent)\n");
+    if waiting {
+        println!("\n## held: {n} requests waiting for their head (the upstream sends nothing)\n");
+    } else {
+        println!("\n## held: {n} open streams (first event sent, then the upstream is silent)\n");
+    }
     println!(
         "| process | RSS before | RSS with {n} open | per open stream | fds per open stream | RSS after the clients left |"
     );
@@ -568,7 +585,7 @@ async fn held(m: &Mesh, relays: u16, relay_pids: [u32; 2]) {
     ] {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let before: Vec<(u64, usize)> = pids.iter().map(|(_, p)| (rss_kib(*p), fds(*p))).collect();
-        let open = open_held(port, n).await;
+        let open = open_held(port, n, waiting).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         let during: Vec<(u64, usize)> = pids.iter().map(|(_, p)| (rss_kib(*p), fds(*p))).collect();
         drop(open);
@@ -823,7 +840,7 @@ async fn max(m: &Mesh, floors: &[Path2]) {
         let (e1, n1) = (cpu(m.edge.0.id()), cpu(m.node.0.id()));
         let reqs = mesh_rps * secs as f64;
         let per =
-            |a: Duration, b: Duration| format!("{:.3} ms", (b - a).as_secs_f64() * 1e3 / reqs);
+            |a: Duration, b: Duration| format!("{:.4} ms", (b - a).as_secs_f64() * 1e3 / reqs);
         print!("| {c} | {d:.0} |");
         for f in floor {
             print!(" {f:.0} |");
@@ -1236,8 +1253,9 @@ fn main() {
         if part.is_empty() || part == "max" {
             max(&mesh, &floors).await;
         }
-        if part == "held" {
-            held(&mesh, tls_port, [_tls1.0.id(), _tls2.0.id()]).await;
+        if part == "held" || part == "waiting" {
+            let waiting = part == "waiting";
+            held(&mesh, tls_port, [_tls1.0.id(), _tls2.0.id()], waiting).await;
         }
     });
     drop(mesh);

@@ -24,10 +24,7 @@ use iop_wire::runtime::Operation;
 use serde_json::{Value, json};
 
 use super::render::{self, ClientSide};
-use super::{
-    AppState, Plan, Route, authenticate, bad_request, measured, model_group, parse, plan,
-    serve_route,
-};
+use super::{AppState, Plan, Route, authenticate, bad_request, measured, model_group, parse, plan};
 use crate::metrics::Endpoint;
 use crate::transport::Dispatched;
 
@@ -61,18 +58,13 @@ fn client(_request: &Value, meta: Meta, stream: bool) -> ClientSide {
     }
 }
 
-pub(super) async fn messages(
+pub(super) fn messages(
     State(state): State<AppState>,
     headers: HeaderMap,
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    measured(
-        &state,
-        Endpoint::Messages,
-        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
-    )
-    .await
+) -> impl Future<Output = Response> {
+    super::handle(state, Endpoint::Messages, &ROUTE, headers, app_key, body)
 }
 
 pub(super) async fn count_tokens(

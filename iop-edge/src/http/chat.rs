@@ -17,7 +17,7 @@ use iop_wire::runtime::Operation;
 use serde_json::{Value, json};
 
 use super::render::ClientSide;
-use super::{AppState, Route, measured, serve_route};
+use super::{AppState, Route};
 use crate::metrics::Endpoint;
 
 const ROUTE: Route = Route {
@@ -56,16 +56,18 @@ fn client(request: &Value, meta: Meta, stream: bool) -> ClientSide {
     }
 }
 
-pub(super) async fn chat_completions(
+pub(super) fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    measured(
-        &state,
+) -> impl Future<Output = Response> {
+    super::handle(
+        state,
         Endpoint::ChatCompletions,
-        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
+        &ROUTE,
+        headers,
+        app_key,
+        body,
     )
-    .await
 }

@@ -865,7 +865,56 @@ async fn admit(
 /// Node is no longer a candidate); the new provider must take the request as built (same kind,
 /// target and protocol profile), or the answer is 503 + `Retry-After`.
 #[allow(clippy::too_many_arguments, reason = "one request's whole context")]
-async fn send(
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` keeps its arguments twice"
+)]
+fn send<'a>(
+    state: &'a AppState,
+    dialect: Dialect,
+    caller: &'a Caller,
+    group: &'a str,
+    model: &'a str,
+    mut admission: Admission,
+    mut request: PoolRequest,
+    attempt: &'a mut iop_telemetry::Span,
+) -> impl Future<Output = Result<Dispatched, Response>> + 'a {
+    // An `async` block, not an `async fn`: an `async fn` keeps its arguments' room after it
+    // moved them into its body (rust-lang/rust#62958), and this future is part of every
+    // request's handler future, which axum and hyper move by value (see `measured`).
+    async move {
+        // Assigned back, not bound anew: a new binding would take room of its own in this
+        // future.
+        if let Caller::Managed { .. } = caller {
+            // Boxed: the binding loop's state is large and only managed requests need it.
+            (admission, request) = Box::pin(bind(
+                state, dialect, caller, group, model, admission, request, attempt,
+            ))
+            .await?;
+        }
+        let lease = admission.lease();
+        let mut trace = attempt.context().map(Box::new);
+        if let Some(t) = trace.as_mut() {
+            t.to_provider = !instance_in(&state.config.no_trace_propagation, lease);
+        }
+        match &mut request {
+            PoolRequest::Run(r) => r.trace = trace,
+            PoolRequest::Tunnel(t) => t.trace = trace,
+        }
+        state
+            .edge
+            .send_admitted(admission, request)
+            .await
+            .map_err(|e| {
+                attempt.fail("dispatch_failed");
+                render::dispatch_error(dialect, e, model)
+            })
+    }
+}
+
+/// Binds a managed request to the admitted Node ([`send`]'s managed half).
+#[allow(clippy::too_many_arguments, reason = "one request's whole context")]
+async fn bind(
     state: &AppState,
     dialect: Dialect,
     caller: &Caller,
@@ -874,81 +923,61 @@ async fn send(
     admission: Admission,
     request: PoolRequest,
     attempt: &mut iop_telemetry::Span,
-) -> Result<Dispatched, Response> {
-    let (admission, mut request) = match caller {
-        Caller::Open(_) => (admission, request),
-        Caller::Managed {
-            control,
-            index,
-            principal,
-            token,
-        } => {
-            let shape = |a: &Admission| {
-                let l = a.lease();
-                (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
-            };
-            let mut binder = crate::managed::Binder::new(
-                control,
-                &state.edge,
-                index.clone(),
-                principal,
-                token,
-                model,
-                admission,
-            )
-            .traced(&state.config.telemetry, attempt);
-            loop {
-                // Boxed: the lease round trip's state is large and only managed requests need
-                // it.
-                match Box::pin(binder.run()).await {
-                    Run::Bound(bound) => {
-                        for _ in 0..binder.rebinds {
-                            attempt.event("rebind", Vec::new());
-                        }
-                        let (admission, binding, lease) = *bound;
-                        let request = match request {
-                            PoolRequest::Tunnel(mut req) => {
-                                req.credential =
-                                    Some(Box::new(iop_wire::runtime::ManagedCredential {
-                                        lease,
-                                        binding,
-                                    }));
-                                PoolRequest::Tunnel(req)
-                            }
-                            other => other,
-                        };
-                        break (admission, request);
-                    }
-                    Run::Readmit(old) => {
-                        let before = shape(&old);
-                        drop(old);
-                        attempt.event("readmit", Vec::new());
-                        let new = admit(state, dialect, group, model).await?;
-                        let same = shape(&new) == before;
-                        binder.readmitted(new, same);
-                    }
-                    Run::Refused(refusal) => return Err(refused(dialect, model, &refusal)),
-                }
-            }
-        }
+) -> Result<(Admission, PoolRequest), Response> {
+    let Caller::Managed {
+        control,
+        index,
+        principal,
+        token,
+    } = caller
+    else {
+        return Ok((admission, request));
     };
-    let lease = admission.lease();
-    let mut trace = attempt.context().map(Box::new);
-    if let Some(t) = trace.as_mut() {
-        t.to_provider = !instance_in(&state.config.no_trace_propagation, lease);
+    let shape = |a: &Admission| {
+        let l = a.lease();
+        (l.kind, l.target.clone(), state.catalog.profile(a).cloned())
+    };
+    let mut binder = crate::managed::Binder::new(
+        control,
+        &state.edge,
+        index.clone(),
+        principal,
+        token,
+        model,
+        admission,
+    )
+    .traced(&state.config.telemetry, attempt);
+    loop {
+        // Boxed: the lease round trip's state is large.
+        match Box::pin(binder.run()).await {
+            Run::Bound(bound) => {
+                for _ in 0..binder.rebinds {
+                    attempt.event("rebind", Vec::new());
+                }
+                let (admission, binding, lease) = *bound;
+                let request = match request {
+                    PoolRequest::Tunnel(mut req) => {
+                        req.credential = Some(Box::new(iop_wire::runtime::ManagedCredential {
+                            lease,
+                            binding,
+                        }));
+                        PoolRequest::Tunnel(req)
+                    }
+                    other => other,
+                };
+                return Ok((admission, request));
+            }
+            Run::Readmit(old) => {
+                let before = shape(&old);
+                drop(old);
+                attempt.event("readmit", Vec::new());
+                let new = admit(state, dialect, group, model).await?;
+                let same = shape(&new) == before;
+                binder.readmitted(new, same);
+            }
+            Run::Refused(refusal) => return Err(refused(dialect, model, &refusal)),
+        }
     }
-    match &mut request {
-        PoolRequest::Run(r) => r.trace = trace,
-        PoolRequest::Tunnel(t) => t.trace = trace,
-    }
-    state
-        .edge
-        .send_admitted(admission, request)
-        .await
-        .map_err(|e| {
-            attempt.fail("dispatch_failed");
-            render::dispatch_error(dialect, e, model)
-        })
 }
 
 /// Most dispatch attempts of one request: the first, and one fallback to another candidate
@@ -1012,112 +1041,116 @@ const CAPACITY_PAUSE_MAX: Duration = Duration::from_millis(400);
 ///
 /// Each attempt is its own span.
 #[allow(clippy::too_many_arguments, reason = "one request's whole context")]
-async fn dispatch_tunnel(
-    state: &AppState,
+fn dispatch_tunnel<'a>(
+    state: &'a AppState,
     dialect: Dialect,
-    caller: &Caller,
-    group: &str,
-    model: &str,
+    caller: &'a Caller,
+    group: &'a str,
+    model: &'a str,
     mut admission: Admission,
     request: PoolRequest,
-    server: Option<&iop_telemetry::Span>,
-) -> Result<(crate::transport::TunnelStream, iop_telemetry::Span), Response> {
+    server: Option<&'a iop_telemetry::Span>,
+) -> impl Future<Output = Result<(crate::transport::TunnelStream, iop_telemetry::Span), Response>> + 'a
+{
     use crate::transport::Unanswered;
-    let shape = |a: &Admission| {
-        let l = a.lease();
-        (l.kind, l.target.clone(), state.catalog.profile_arc(a))
-    };
-    let mut number = 1;
-    let mut reason = "first";
-    // A fallback after a lost connection needs another Node serving the group.
-    let fallbacks = if state.catalog.models.get(group).is_some_and(|c| c.nodes > 1) {
-        MAX_ATTEMPTS - 1
-    } else {
-        0
-    };
-    let mut lost = 0;
-    let deadline = tokio::time::Instant::now() + state.config.queue_wait;
-    let mut pauses = capacity_pauses();
-    loop {
-        let mut attempt = attempt_span(state, server, number, reason, admission.lease());
-        // Kept for a second attempt: a refusal for capacity can come whatever the group.
-        let this = request.clone();
-        let before = (shape(&admission), admission.lease().key.node_id.clone());
-        let mut s = match send(
-            state,
-            dialect,
-            caller,
-            group,
-            model,
-            admission,
-            this,
-            &mut attempt,
-        )
-        .await?
-        {
-            Dispatched::Tunnel(s) => s,
-            Dispatched::Run(_) => {
-                return Err(render::error(
-                    dialect,
-                    StatusCode::BAD_GATEWAY,
-                    render::PROVIDER_FAILED,
-                ));
-            }
+    // An `async` block for the reason given at `send`.
+    async move {
+        let shape = |a: &Admission| {
+            let l = a.lease();
+            (l.kind, l.target.clone(), state.catalog.profile_arc(a))
         };
-        let Some(why) = s.unanswered().await else {
-            return Ok((s, attempt));
+        let mut number = 1;
+        let mut reason = "first";
+        // A fallback after a lost connection needs another Node serving the group.
+        let fallbacks = if state.catalog.models.get(group).is_some_and(|c| c.nodes > 1) {
+            MAX_ATTEMPTS - 1
+        } else {
+            0
         };
-        let (before, before_node) = before;
-        let trace_id = server
-            .and_then(iop_telemetry::Span::trace_id)
-            .unwrap_or_default();
-        match why {
-            Unanswered::NodeDisconnected => {
-                attempt.event("node_disconnected", Vec::new());
-                attempt.fail("node_disconnected");
-                if lost >= fallbacks {
+        let mut lost = 0;
+        let deadline = tokio::time::Instant::now() + state.config.queue_wait;
+        let mut pauses = capacity_pauses();
+        loop {
+            let mut attempt = attempt_span(state, server, number, reason, admission.lease());
+            // Kept for a second attempt: a refusal for capacity can come whatever the group.
+            let this = request.clone();
+            let before = (shape(&admission), admission.lease().key.node_id.clone());
+            let mut s = match send(
+                state,
+                dialect,
+                caller,
+                group,
+                model,
+                admission,
+                this,
+                &mut attempt,
+            )
+            .await?
+            {
+                Dispatched::Tunnel(s) => s,
+                Dispatched::Run(_) => {
                     return Err(render::error(
                         dialect,
                         StatusCode::BAD_GATEWAY,
                         render::PROVIDER_FAILED,
                     ));
                 }
-                lost += 1;
-                tracing::warn!(
-                    node_id = %before_node,
-                    %trace_id,
-                    "the Node's connection ended before it answered; sending the request to another candidate"
-                );
-                reason = "fallback";
+            };
+            let Some(why) = s.unanswered().await else {
+                return Ok((s, attempt));
+            };
+            let (before, before_node) = before;
+            let trace_id = server
+                .and_then(iop_telemetry::Span::trace_id)
+                .unwrap_or_default();
+            match why {
+                Unanswered::NodeDisconnected => {
+                    attempt.event("node_disconnected", Vec::new());
+                    attempt.fail("node_disconnected");
+                    if lost >= fallbacks {
+                        return Err(render::error(
+                            dialect,
+                            StatusCode::BAD_GATEWAY,
+                            render::PROVIDER_FAILED,
+                        ));
+                    }
+                    lost += 1;
+                    tracing::warn!(
+                        node_id = %before_node,
+                        %trace_id,
+                        "the Node's connection ended before it answered; sending the request to another candidate"
+                    );
+                    reason = "fallback";
+                }
+                _ => {
+                    attempt.event("capacity_refused", Vec::new());
+                    attempt.fail("capacity_refused");
+                    capacity_pause(&mut pauses, deadline, &before_node, dialect, model).await?;
+                    reason = "capacity";
+                }
             }
-            _ => {
-                attempt.event("capacity_refused", Vec::new());
-                attempt.fail("capacity_refused");
-                capacity_pause(&mut pauses, deadline, &before_node, dialect, model).await?;
-                reason = "capacity";
+            drop(attempt);
+            drop(s);
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let next = state
+                .edge
+                .admit(
+                    group,
+                    ContextSize::Standard,
+                    left.max(Duration::from_millis(1)),
+                )
+                .await
+                .map_err(|e| render::dispatch_error(dialect, e, model))?;
+            if shape(&next) != before {
+                return Err(render::error(
+                    dialect,
+                    StatusCode::BAD_GATEWAY,
+                    render::PROVIDER_FAILED,
+                ));
             }
+            admission = next;
+            number += 1;
         }
-        drop(attempt);
-        drop(s);
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let next = state
-            .edge
-            .admit(
-                group,
-                ContextSize::Standard,
-                left.max(Duration::from_millis(1)),
-            )
-            .await
-            .map_err(|e| render::dispatch_error(dialect, e, model))?;
-        if shape(&next) != before {
-            return Err(render::error(
-                dialect,
-                StatusCode::BAD_GATEWAY,
-                render::PROVIDER_FAILED,
-            ));
-        }
-        admission = next;
-        number += 1;
     }
 }
 
@@ -1380,204 +1413,269 @@ async fn serve_traced(
     server: &mut Option<iop_telemetry::Span>,
 ) -> Response {
     let dialect = route.dialect;
-    let parsed = match parse(dialect, body) {
-        Ok(p) => p,
-        Err(r) => return r,
+    // The request's parts are moved into `serve_admitted`'s future, built in this block: a
+    // local that lived on to the `.await` would keep its room in this future after the move.
+    let (admitted, quota) = {
+        let parsed = match parse(dialect, body) {
+            Ok(p) => p,
+            Err(r) => return r,
+        };
+        if let Some(s) = server.as_mut()
+            && s.is_recording()
+        {
+            s.set(iop_telemetry::attr::request_model(observe::model_attr(
+                &parsed.model,
+            )));
+        }
+        let caller = match authenticate(state, dialect, headers, app_key) {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        if let Err(e) = (route.check)(&parsed.json) {
+            return bad_request(dialect, &e);
+        }
+        let group = match model_group(state, dialect, &caller, &parsed.model) {
+            Ok(g) => g,
+            Err(r) => return r,
+        };
+        if !state
+            .catalog
+            .models
+            .get(&group)
+            .is_some_and(|caps| caps.can_serve(route.operation))
+        {
+            return unservable(dialect, &parsed.model, route.operation);
+        }
+        let hold = match limit(state, dialect, &caller, &group, &parsed.json, || {
+            (route.to_chat)(&parsed.json)
+        })
+        .await
+        {
+            // Boxed before it is held across the dispatch (744 bytes of every handler's future
+            // otherwise); a hold with something in it rides on the stream in this box.
+            Ok(h) => Box::new(h),
+            Err(r) => return r,
+        };
+        let quota = *hold.quota();
+        (
+            serve_admitted(
+                state, route, headers, parsed, caller, group, hold, started, server,
+            ),
+            quota,
+        )
     };
-    if let Some(s) = server.as_mut()
-        && s.is_recording()
-    {
-        s.set(iop_telemetry::attr::request_model(observe::model_attr(
-            &parsed.model,
-        )));
-    }
-    let caller = match authenticate(state, dialect, headers, app_key) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    if let Err(e) = (route.check)(&parsed.json) {
-        return bad_request(dialect, &e);
-    }
-    let group = match model_group(state, dialect, &caller, &parsed.model) {
-        Ok(g) => g,
-        Err(r) => return r,
-    };
-    if !state
-        .catalog
-        .models
-        .get(&group)
-        .is_some_and(|caps| caps.can_serve(route.operation))
-    {
-        return unservable(dialect, &parsed.model, route.operation);
-    }
-    let hold = match limit(state, dialect, &caller, &group, &parsed.json, || {
-        (route.to_chat)(&parsed.json)
-    })
-    .await
-    {
-        Ok(h) => h,
-        Err(r) => return r,
-    };
-    let quota = *hold.quota();
-    let response = serve_admitted(
-        state, route, headers, parsed, caller, group, hold, started, server,
-    )
-    .await;
-    with_quota(response, dialect, &quota)
+    with_quota(admitted.await, dialect, &quota)
 }
 
 /// The rest of [`serve_route`], once the key's limits admitted the request: the hold rides
 /// on the response stream (or is given back when nothing was sent), inside the
 /// [`observe::Observed`] watch that finishes the spans and the metrics.
 #[allow(clippy::too_many_arguments, reason = "one request's whole context")]
-async fn serve_admitted(
-    state: &AppState,
-    route: &Route,
-    headers: &HeaderMap,
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` keeps its arguments twice"
+)]
+fn serve_admitted<'a>(
+    state: &'a AppState,
+    route: &'a Route,
+    headers: &'a HeaderMap,
     mut parsed: Parsed,
     caller: Caller,
     group: String,
-    mut hold: crate::limits::Hold,
+    mut hold: Box<crate::limits::Hold>,
     started: std::time::Instant,
+    server: &'a mut Option<iop_telemetry::Span>,
+) -> impl Future<Output = Response> + 'a {
+    // An `async` block for the reason given at `send`.
+    async move {
+        let dialect = route.dialect;
+        let waiting = server
+            .as_ref()
+            .is_some_and(iop_telemetry::Span::is_recording)
+            .then(SystemTime::now);
+        let admission = match admit(state, dialect, &group, &parsed.model).await {
+            Ok(a) => a,
+            Err(r) => return r,
+        };
+        // The wait for a provider, as a span of its own only when there was one.
+        if admission.queued()
+            && let (Some(s), Some(waiting)) = (server.as_ref(), waiting)
+        {
+            drop(state.config.telemetry.span_at(
+                "queue",
+                iop_telemetry::SpanKind::Internal,
+                s.context().as_ref(),
+                Vec::new(),
+                Some(waiting),
+            ));
+        }
+        let lease = admission.lease();
+        hold.provider(&lease.key);
+        let plan = plan(
+            route.operation,
+            lease.kind,
+            state.catalog.profile(&admission),
+        );
+        let target = lease.target.clone();
+        let n = next_request();
+        let run_id = format!("{}-{n}", route.run_prefix);
+        let mut strip_usage = false;
+        let asks_usage = !instance_in(&state.config.no_stream_usage, lease);
+        let request = match plan {
+            Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
+            Plan::Passthrough(op) => {
+                let ask = op == Operation::ChatCompletions && parsed.stream && asks_usage;
+                // The client's own bytes with `model` spliced in; re-serialised only where the
+                // splice declines (a name twice or escaped, a `stream_options` to merge into).
+                let raw = std::mem::take(&mut parsed.raw);
+                let spliced = iop_dialect::splice::passthrough(&raw, &parsed.json, &target, ask)
+                    .unwrap_or_else(|| {
+                        // The body is not needed again on a passthrough: move it, not copy it.
+                        let json = std::mem::take(&mut parsed.json);
+                        iop_dialect::splice::reserialised(json, &target, ask)
+                    });
+                strip_usage = spliced.asked_usage;
+                let mut request = tunnel_bytes(run_id, op, spliced.body, parsed.stream);
+                if dialect == Dialect::Messages {
+                    forward_anthropic_beta(headers, &mut request);
+                }
+                request
+            }
+            Plan::ViaChat | Plan::ViaMessages | Plan::Native => {
+                let chat = match (route.to_chat)(&parsed.json) {
+                    Ok(c) => c,
+                    Err(e) => return bad_request(dialect, &e),
+                };
+                match plan {
+                    Plan::ViaChat => {
+                        let mut body = with_model(chat, &target);
+                        if parsed.stream && asks_usage {
+                            // The translator reads the usage chunk; the client never sees it.
+                            iop_dialect::splice::ask_for_usage(&mut body);
+                        }
+                        tunnel(run_id, Operation::ChatCompletions, &body, parsed.stream)
+                    }
+                    Plan::ViaMessages => match iop_dialect::request::chat_to_messages(&chat) {
+                        Ok(m) => tunnel(
+                            run_id,
+                            Operation::Messages,
+                            &with_model(m, &target),
+                            parsed.stream,
+                        ),
+                        Err(e) => return bad_request(dialect, &e),
+                    },
+                    _ => {
+                        // Boxed: a normalized run's state is large and only the native
+                        // providers need it.
+                        let native = Native {
+                            caller: &caller,
+                            group: &group,
+                            parsed: &parsed,
+                            chat,
+                            run_id,
+                            n,
+                            started,
+                        };
+                        return Box::pin(serve_native(
+                            state, route, native, admission, hold, server,
+                        ))
+                        .await;
+                    }
+                }
+            }
+        };
+        let dispatched = match dispatch_tunnel(
+            state,
+            dialect,
+            &caller,
+            &group,
+            &parsed.model,
+            admission,
+            request,
+            server.as_ref(),
+        )
+        .await
+        {
+            Ok((mut s, attempt)) => {
+                let inner: Option<Box<dyn crate::transport::StreamWatch>> = if hold.is_empty() {
+                    None
+                } else {
+                    hold.sent();
+                    Some(hold)
+                };
+                s.watch(observed(
+                    state, route, &group, started, inner, server, attempt,
+                ));
+                s
+            }
+            Err(r) => return r,
+        };
+        let upstream = match plan {
+            Plan::ViaChat => Upstream::Chat,
+            Plan::ViaMessages => Upstream::Messages,
+            _ => {
+                let strip = strip_usage.then(iop_dialect::sse::UsageChunkFilter::default);
+                return render::passthrough_with(dialect, dispatched, strip).await;
+            }
+        };
+        let meta = Meta {
+            id: (route.id)(n),
+            model: parsed.model.clone(),
+            created: unix_now(),
+        };
+        let client = (route.client)(&parsed.json, meta, parsed.stream);
+        render::translated(upstream, dispatched, client).await
+    }
+}
+
+/// What [`serve_native`] takes of [`serve_admitted`]'s request.
+struct Native<'a> {
+    caller: &'a Caller,
+    group: &'a str,
+    parsed: &'a Parsed,
+    chat: Value,
+    run_id: String,
+    n: u64,
+    started: std::time::Instant,
+}
+
+/// [`serve_admitted`] for a provider without the client's protocol: the request as a
+/// normalized run, its events rendered in the client's dialect.
+async fn serve_native(
+    state: &AppState,
+    route: &Route,
+    native: Native<'_>,
+    admission: Admission,
+    mut hold: Box<crate::limits::Hold>,
     server: &mut Option<iop_telemetry::Span>,
 ) -> Response {
+    let Native {
+        caller,
+        group,
+        parsed,
+        chat,
+        run_id,
+        n,
+        started,
+    } = native;
     let dialect = route.dialect;
-    let waiting = server
-        .as_ref()
-        .is_some_and(iop_telemetry::Span::is_recording)
-        .then(SystemTime::now);
-    let admission = match admit(state, dialect, &group, &parsed.model).await {
-        Ok(a) => a,
-        Err(r) => return r,
+    let tools = crate::tools::declared(&chat);
+    let input = (route.native_input)(&parsed.json, &chat);
+    let run = native_run(run_id, &input);
+    let meta = Meta {
+        id: (route.id)(n),
+        model: parsed.model.clone(),
+        created: unix_now(),
     };
-    // The wait for a provider, as a span of its own only when there was one.
-    if admission.queued()
-        && let (Some(s), Some(waiting)) = (server.as_ref(), waiting)
-    {
-        drop(state.config.telemetry.span_at(
-            "queue",
-            iop_telemetry::SpanKind::Internal,
-            s.context().as_ref(),
-            Vec::new(),
-            Some(waiting),
-        ));
-    }
-    let observed = |inner: Option<Box<dyn crate::transport::StreamWatch>>,
-                    server: &mut Option<iop_telemetry::Span>,
-                    attempt: iop_telemetry::Span| {
-        Box::new(observe::Observed::new(
-            inner,
-            state.edge.metrics().clone(),
-            route_names(route.operation).0,
-            group.clone(),
-            started,
-            server.take().unwrap_or_else(iop_telemetry::Span::none),
-            attempt,
-        ))
-    };
-    let lease = admission.lease();
-    hold.provider(&lease.key);
-    let plan = plan(
-        route.operation,
-        lease.kind,
-        state.catalog.profile(&admission),
-    );
-    let target = lease.target.clone();
-    let n = next_request();
-    let run_id = format!("{}-{n}", route.run_prefix);
-    let mut strip_usage = false;
-    let asks_usage = !instance_in(&state.config.no_stream_usage, lease);
-    let request = match plan {
-        Plan::Unservable => return unservable(dialect, &parsed.model, route.operation),
-        Plan::Passthrough(op) => {
-            let ask = op == Operation::ChatCompletions && parsed.stream && asks_usage;
-            // The client's own bytes with `model` spliced in; re-serialised only where the
-            // splice declines (a name twice or escaped, a `stream_options` to merge into).
-            let raw = std::mem::take(&mut parsed.raw);
-            let spliced = iop_dialect::splice::passthrough(&raw, &parsed.json, &target, ask)
-                .unwrap_or_else(|| {
-                    // The body is not needed again on a passthrough: move it, not copy it.
-                    let json = std::mem::take(&mut parsed.json);
-                    iop_dialect::splice::reserialised(json, &target, ask)
-                });
-            strip_usage = spliced.asked_usage;
-            let mut request = tunnel_bytes(run_id, op, spliced.body, parsed.stream);
-            if dialect == Dialect::Messages {
-                forward_anthropic_beta(headers, &mut request);
-            }
-            request
-        }
-        Plan::ViaChat | Plan::ViaMessages | Plan::Native => {
-            let chat = match (route.to_chat)(&parsed.json) {
-                Ok(c) => c,
-                Err(e) => return bad_request(dialect, &e),
-            };
-            match plan {
-                Plan::ViaChat => {
-                    let mut body = with_model(chat, &target);
-                    if parsed.stream && asks_usage {
-                        // The translator reads the usage chunk; the client never sees it.
-                        iop_dialect::splice::ask_for_usage(&mut body);
-                    }
-                    tunnel(run_id, Operation::ChatCompletions, &body, parsed.stream)
-                }
-                Plan::ViaMessages => match iop_dialect::request::chat_to_messages(&chat) {
-                    Ok(m) => tunnel(
-                        run_id,
-                        Operation::Messages,
-                        &with_model(m, &target),
-                        parsed.stream,
-                    ),
-                    Err(e) => return bad_request(dialect, &e),
-                },
-                _ => {
-                    let tools = crate::tools::declared(&chat);
-                    let input = (route.native_input)(&parsed.json, &chat);
-                    let run = native_run(run_id, &input);
-                    let meta = Meta {
-                        id: (route.id)(n),
-                        model: parsed.model.clone(),
-                        created: unix_now(),
-                    };
-                    let client = (route.client)(&parsed.json, meta, parsed.stream);
-                    return match dispatch_run(
-                        state,
-                        dialect,
-                        &caller,
-                        &group,
-                        &parsed.model,
-                        admission,
-                        run,
-                        server.as_ref(),
-                    )
-                    .await
-                    {
-                        Ok((mut s, attempt)) => {
-                            let inner: Option<Box<dyn crate::transport::StreamWatch>> =
-                                if hold.is_empty() {
-                                    None
-                                } else {
-                                    hold.sent();
-                                    Some(Box::new(hold))
-                                };
-                            s.watch(observed(inner, server, attempt));
-                            let events = render::NativeEvents::new(tools, parsed.stream);
-                            render::native(s, events, client).await
-                        }
-                        Err(r) => r,
-                    };
-                }
-            }
-        }
-    };
-    let dispatched = match dispatch_tunnel(
+    let client = (route.client)(&parsed.json, meta, parsed.stream);
+    match dispatch_run(
         state,
         dialect,
-        &caller,
-        &group,
+        caller,
+        group,
         &parsed.model,
         admission,
-        request,
+        run,
         server.as_ref(),
     )
     .await
@@ -1587,34 +1685,73 @@ async fn serve_admitted(
                 None
             } else {
                 hold.sent();
-                Some(Box::new(hold))
+                Some(hold)
             };
-            s.watch(observed(inner, server, attempt));
-            s
+            s.watch(observed(
+                state, route, group, started, inner, server, attempt,
+            ));
+            let events = render::NativeEvents::new(tools, parsed.stream);
+            render::native(s, events, client).await
         }
-        Err(r) => return r,
-    };
-    let upstream = match plan {
-        Plan::ViaChat => Upstream::Chat,
-        Plan::ViaMessages => Upstream::Messages,
-        _ => {
-            let strip = strip_usage.then(iop_dialect::sse::UsageChunkFilter::default);
-            return render::passthrough_with(dialect, dispatched, strip).await;
-        }
-    };
-    let meta = Meta {
-        id: (route.id)(n),
-        model: parsed.model.clone(),
-        created: unix_now(),
-    };
-    let client = (route.client)(&parsed.json, meta, parsed.stream);
-    render::translated(upstream, dispatched, client).await
+        Err(r) => r,
+    }
+}
+
+/// The watch on a dispatched stream that finishes the request's spans and metrics (around
+/// `inner`, the limits' hold when there is one).
+fn observed(
+    state: &AppState,
+    route: &Route,
+    group: &str,
+    started: std::time::Instant,
+    inner: Option<Box<dyn crate::transport::StreamWatch>>,
+    server: &mut Option<iop_telemetry::Span>,
+    attempt: iop_telemetry::Span,
+) -> Box<observe::Observed> {
+    Box::new(observe::Observed::new(
+        inner,
+        state.edge.metrics().clone(),
+        route_names(route.operation).0,
+        group.to_owned(),
+        started,
+        server.take().unwrap_or_else(iop_telemetry::Span::none),
+        attempt,
+    ))
+}
+
+/// A chat-like route's handler: [`serve_route`] under [`measured`]. An `async` block, not an
+/// `async fn` handler, for the reason given at [`send`].
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` keeps its arguments twice"
+)]
+fn handle(
+    state: AppState,
+    endpoint: Endpoint,
+    route: &'static Route,
+    headers: HeaderMap,
+    app_key: Option<axum::Extension<crate::limits::KeyId>>,
+    body: Result<Bytes, BytesRejection>,
+) -> impl Future<Output = Response> {
+    async move {
+        measured(
+            &state,
+            endpoint,
+            serve_route(&state, route, &headers, app_key.as_deref(), body),
+        )
+        .await
+    }
 }
 
 /// Records the outcome and duration of a handler in the Edge's metrics. A combinator, not an
 /// `async fn`: an `async fn` would hold the handler's future twice (as its argument and as the
 /// future it awaits), and the handler futures are kilobytes that axum moves into a box per
 /// request.
+///
+/// The chat-like handlers' futures are 3,472 bytes (9,880 before issue #33's sixteenth stop;
+/// test `a_chat_requests_future_stays_small`): each is held in a box for as long as its
+/// request waits for the provider's answer (`proc_load waiting`: 26.7 KiB of Edge memory per
+/// waiting request, against 34.0), and moved about a dozen times on its way there.
 ///
 /// Tried and not kept (issue #33, `benches/README.md`): building the work here in a box
 /// allocated first (`Box::write(Box::new_uninit(), work())`, the work passed as a closure),
@@ -1729,6 +1866,28 @@ async fn readyz(State(state): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// axum and hyper move a handler's future by value about a dozen times per request
+    /// before and while it runs (`memcpy` was a third of the Edge's instructions per request
+    /// with the 9,880-byte futures of issue #33's fourteenth stop). The rare paths (a managed
+    /// binding, a normalized run) are boxed, the hold is boxed, and the hot path's functions are
+    /// `async` blocks, not `async fn`s, so their arguments are not kept twice.
+    #[test]
+    fn a_chat_requests_future_stays_small() {
+        type Key = Option<axum::Extension<crate::limits::KeyId>>;
+        type Body = Result<Bytes, BytesRejection>;
+        fn future_size<F: Future>(_: fn(State<AppState>, HeaderMap, Key, Body) -> F) -> usize {
+            size_of::<F>()
+        }
+        for (route, size) in [
+            ("chat", future_size(chat::chat_completions)),
+            ("messages", future_size(anthropic::messages)),
+            ("responses", future_size(responses::responses)),
+        ] {
+            eprintln!("{route}: {size} bytes");
+            assert!(size <= 4096, "the {route} handler's future is {size} bytes");
+        }
+    }
 
     fn profile(ops: &[Operation]) -> ConcreteProtocolProfile {
         ConcreteProtocolProfile {

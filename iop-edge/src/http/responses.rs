@@ -22,7 +22,7 @@ use iop_wire::runtime::Operation;
 use serde_json::{Value, json};
 
 use super::render::ClientSide;
-use super::{AppState, Route, measured, serve_route};
+use super::{AppState, Route};
 use crate::metrics::Endpoint;
 
 const ROUTE: Route = Route {
@@ -63,16 +63,11 @@ fn client(request: &Value, meta: Meta, stream: bool) -> ClientSide {
     }
 }
 
-pub(super) async fn responses(
+pub(super) fn responses(
     State(state): State<AppState>,
     headers: HeaderMap,
     app_key: Option<axum::Extension<crate::limits::KeyId>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    measured(
-        &state,
-        Endpoint::Responses,
-        serve_route(&state, &ROUTE, &headers, app_key.as_deref(), body),
-    )
-    .await
+) -> impl Future<Output = Response> {
+    super::handle(state, Endpoint::Responses, &ROUTE, headers, app_key, body)
 }
