@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::NodeOptions;
 use crate::adapter::{
-    Budgeted, Gates, Injection, Instance, Instances, RunEvents, TunnelSink, stream_budget,
+    Budgeted, Gates, Injection, Instance, Instances, Piece, RunEvents, TunnelSink, stream_budget,
 };
 use crate::credit::Credit;
 use crate::exec::{self, Ended, StallIdentity, Watch};
@@ -875,7 +875,7 @@ async fn tunnel_task(
         req.operation.map_or("http", genai_operation),
     );
     req.trace = provider_trace(&provider_span, req.trace.as_deref());
-    let (ftx, frx) = mpsc::channel::<Budgeted<TunnelPayload>>(64);
+    let (ftx, frx) = mpsc::channel::<Budgeted<Piece>>(64);
     let budget = stream_budget();
     let provider_started = Instant::now();
     let work = {
@@ -898,18 +898,18 @@ async fn tunnel_task(
     // The byte budget is given back as the payload moves on to the connection writer.
     // The status and usage the spans show; like `writer`, never contended.
     let seen: std::sync::Mutex<Seen> = std::sync::Mutex::default();
-    let forward = |(payload, _budget): Budgeted<TunnelPayload>| {
+    let forward = |(piece, _budget): Budgeted<Piece>| {
         if settings.telemetry.is_on() {
             let mut seen = seen
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            match &payload {
-                TunnelPayload::ResponseStart { status, .. } => seen.0 = Some(*status),
-                TunnelPayload::Usage(u) => seen.1 = Some((u.prompt_tokens, u.completion_tokens)),
-                _ => {}
+            match &piece {
+                Piece::Start { status, .. } => seen.0 = Some(*status),
+                Piece::Usage(u) => seen.1 = Some((u.prompt_tokens, u.completion_tokens)),
+                Piece::Body(_) => {}
             }
         }
-        numbered(payload).map(|f| Outbound::frame(frame(f)))
+        numbered(piece.into()).map(|f| Outbound::frame(frame(f)))
     };
     let ended = exec::supervise(work, frx, forward, &out, watch, permit, probe, ident).await;
     end_spans(&mut exec_span, &mut provider_span, &ended);
