@@ -1600,14 +1600,8 @@ fn serve_admitted<'a>(
         .await
         {
             Ok((mut s, attempt)) => {
-                let inner: Option<Box<dyn crate::transport::StreamWatch>> = if hold.is_empty() {
-                    None
-                } else {
-                    hold.sent();
-                    Some(hold)
-                };
                 s.watch(observed(
-                    state, route, &group, started, inner, server, attempt,
+                    state, route, &group, started, hold, server, attempt,
                 ));
                 s
             }
@@ -1649,7 +1643,7 @@ async fn serve_native(
     route: &Route,
     native: Native<'_>,
     admission: Admission,
-    mut hold: Box<crate::limits::Hold>,
+    hold: Box<crate::limits::Hold>,
     server: &mut Option<iop_telemetry::Span>,
 ) -> Response {
     let Native {
@@ -1684,14 +1678,8 @@ async fn serve_native(
     .await
     {
         Ok((mut s, attempt)) => {
-            let inner: Option<Box<dyn crate::transport::StreamWatch>> = if hold.is_empty() {
-                None
-            } else {
-                hold.sent();
-                Some(hold)
-            };
             s.watch(observed(
-                state, route, group, started, inner, server, attempt,
+                state, route, group, started, hold, server, attempt,
             ));
             let events = render::NativeEvents::new(tools, parsed.stream);
             render::native(s, events, client).await
@@ -1700,17 +1688,23 @@ async fn serve_native(
     }
 }
 
-/// The watch on a dispatched stream that finishes the request's spans and metrics (around
-/// `inner`, the limits' hold when there is one).
+/// The watch on a dispatched stream that finishes the request's spans and metrics, around the
+/// limits' `hold` when it holds anything (it rides on the stream, marked sent).
 fn observed(
     state: &AppState,
     route: &Route,
     group: &str,
     started: std::time::Instant,
-    inner: Option<Box<dyn crate::transport::StreamWatch>>,
+    mut hold: Box<crate::limits::Hold>,
     server: &mut Option<iop_telemetry::Span>,
     attempt: iop_telemetry::Span,
 ) -> Box<observe::Observed> {
+    let inner: Option<Box<dyn crate::transport::StreamWatch>> = if hold.is_empty() {
+        None
+    } else {
+        hold.sent();
+        Some(hold)
+    };
     Box::new(observe::Observed::new(
         inner,
         state.edge.metrics().clone(),
