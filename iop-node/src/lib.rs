@@ -63,9 +63,9 @@
 //!   connection to the provider itself for the response's head and the first 64 KiB of its
 //!   body (a JSON answer, or a chat stream of a few KiB, whole); past that, a piece of a
 //!   provider's body makes two hops inside the Node: the connection's task (hyper's body
-//!   channel) → the execution's task → the session loop (a bounded queue; the loop is the one writer of the
-//!   TLS stream, and the execution must not block on the socket). Providers are called
-//!   through the Node's own connection pool over hyper (`provider_http`): a provider's
+//!   channel) → the execution's task → the session loop (a bounded queue; the loop is the one
+//!   writer of the TLS stream, and the execution must not block on the socket). Providers are
+//!   called through the Node's own connection pool over hyper (`provider_http`): a provider's
 //!   redirect is relayed to the caller, never followed.
 //! - A tunnel's body is paced by the reader at the Edge when the Edge gives credit: the Node
 //!   registers with `stream_credit`, and a tunnel opened with a `credit_window` sends at most

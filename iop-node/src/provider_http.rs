@@ -318,7 +318,7 @@ impl Pool {
     fn checkout(&self, scheme: &Scheme, authority: &Authority) -> Option<Checkout> {
         let now = Instant::now();
         loop {
-            let idle = {
+            let mut idle = {
                 let mut origins = self.lock();
                 let o = origins
                     .iter_mut()
@@ -331,7 +331,6 @@ impl Pool {
                 }
                 o.idle.pop()?
             };
-            let mut idle = idle;
             if idle.usable(now) && idle.send.is_ready() {
                 // This exchange's task polls it from here on.
                 return Some(Checkout::H1(idle.conn, idle.send));
@@ -808,8 +807,8 @@ mod tests {
             let client = ProviderHttp::new(Some(Duration::from_secs(30))).unwrap();
             for _ in 0..3 {
                 assert_eq!(body(&client, p.addr).await, "ok");
-                // A chunked body is read beside a task of the connection's, which puts it
-                // back once hyper is done with the response.
+                // Back in the pool once the body was read to its end (a body longer than
+                // `INLINE_BODY` goes back from its hand-off task, a moment later).
                 back_in_the_pool(&client).await;
             }
             assert_eq!(p.accepted.load(Ordering::SeqCst), 1);
